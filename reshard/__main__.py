@@ -1,0 +1,3 @@
+from reshard.cli import run
+
+run()

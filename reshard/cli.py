@@ -1,0 +1,156 @@
+"""The `reshard` command: a thin layer over `reshard.convert`, `reshard.verify` and `reshard.inspect`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from reshard.errors import ReshardError
+
+FORMATS = ["torch_dist", "legacy", "zarr", "hf"]
+
+
+def _progress_bar(total: int, label: str, quiet: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=label, disable=quiet or not sys.stderr.isatty(), leave=False)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="reshard")
+def main() -> None:
+    """Reshape Megatron-Core checkpoints across TP/PP/EP and convert between formats."""
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def inspect(path: Path, as_json: bool) -> None:
+    """Show what a checkpoint is: format, architecture, layout, tensors and bytes."""
+    from reshard.inspect import inspect as do_inspect
+
+    info = do_inspect(path)
+    click.echo(json.dumps(info.to_json(), indent=1) if as_json else info.render())
+
+
+@main.command()
+@click.argument("source", type=click.Path(path_type=Path))
+@click.argument("destination", type=click.Path(path_type=Path))
+@click.option("--tp", type=int, help="Assert the source's tensor-parallel degree.")
+@click.option("--pp", type=int, help="Assert the source's pipeline-parallel degree.")
+@click.option("--ep", type=int, help="Assert the source's expert-parallel degree.")
+@click.option("--to-tp", type=int, help="Target tensor-parallel degree (default: the source's).")
+@click.option("--to-pp", type=int, help="Target pipeline-parallel degree.")
+@click.option("--to-ep", type=int, help="Target expert-parallel degree.")
+@click.option("--to-etp", type=int, help="Target expert tensor-parallel degree (default: the target TP).")
+@click.option("--to-vpp", type=int, help="Target virtual pipeline stages per pipeline rank.")
+@click.option("--first-stage-layers", type=int, help="Layers on the first pipeline stage (uneven pipelines).")
+@click.option("--last-stage-layers", type=int, help="Layers on the last pipeline stage (uneven pipelines).")
+@click.option("--to-format", type=click.Choice(FORMATS), help="Target format (default: the source's).")
+@click.option("--no-optimizer", is_flag=True, help="Drop optimizer state instead of resharding it.")
+@click.option("--vocab-size", type=int, help="The true vocabulary size, when the checkpoint does not record it.")
+@click.option("--legacy-naming", type=click.Choice(["te", "local"]), help="Norm naming in legacy output (default: from args).")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty destination (only after the new one verifies).")
+@click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes, peak memory) and write nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def convert(source: Path, destination: Path, **opts: Any) -> None:
+    """Convert SOURCE into DESTINATION at another layout and/or format.
+
+    Example: reshard convert ckpts/run1 ckpts/run1-tp8 --tp 4 --to-tp 8
+    """
+    from reshard.convert import convert as do_convert
+    from reshard.formats import open_checkpoint
+
+    with open_checkpoint(source) as reader:
+        base, total = reader.layout, sum(s.numel for s in reader.specs.values())
+    layout = base.retarget(
+        tp=opts["to_tp"],
+        pp=opts["to_pp"],
+        ep=opts["to_ep"],
+        etp=opts["to_etp"],
+        vpp=opts["to_vpp"],
+        first_stage_layers=opts["first_stage_layers"],
+        last_stage_layers=opts["last_stage_layers"],
+    )
+    writer_options = {}
+    if opts["legacy_naming"]:
+        writer_options["te_names"] = opts["legacy_naming"] == "te"
+    bar = _progress_bar(total, "converting", opts["quiet"] or opts["dry_run"])
+    with bar:
+        result = do_convert(
+            source,
+            destination,
+            to_format=opts["to_format"],
+            layout=layout,
+            expect_layout={"tp": opts["tp"], "pp": opts["pp"], "ep": opts["ep"]},
+            optimizer=not opts["no_optimizer"],
+            overwrite=opts["overwrite"],
+            dry_run=opts["dry_run"],
+            vocab_size=opts["vocab_size"],
+            writer_options=writer_options,
+            progress=lambda n: bar.update(n),
+        )
+    plan = result.plan
+    if opts["as_json"]:
+        out = plan.to_json() | {"seconds": round(result.seconds, 3), "dry_run": opts["dry_run"]}
+        click.echo(json.dumps(out, indent=1))
+    elif opts["dry_run"]:
+        click.echo(plan.render())
+    else:
+        rate = plan.bytes_moved / max(result.seconds, 1e-9) / 1e6
+        click.echo(
+            f"wrote {destination} ({plan.target_format}, {plan.target_layout}): {len(plan.moves)} tensors, "
+            f"checksums verified, {result.seconds:.1f} s ({rate:.0f} MB/s)"
+        )
+        if plan.dropped:
+            click.echo(f"not carried: {', '.join(plan.dropped[:6])}{' ...' if len(plan.dropped) > 6 else ''}")
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--against", type=click.Path(path_type=Path), help="Another checkpoint (any format or layout) to compare with.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def verify(path: Path, against: Path | None, as_json: bool) -> None:
+    """Recompute PATH's checksums and compare them with the recorded ones or with another checkpoint."""
+    from reshard.verify import verify as do_verify
+
+    report = do_verify(path, against)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=1))
+    else:
+        click.echo(f"{path}: {report.comparison.summary()} ({report.reference_label})")
+    if not report.comparison.ok:
+        sys.exit(1)
+
+
+def run() -> None:
+    """Entry point: one-line errors, never a traceback (RESHARD_DEBUG=1 shows it)."""
+    try:
+        main(standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("reshard: aborted", err=True)
+        sys.exit(130)
+    except ReshardError as exc:
+        if os.environ.get("RESHARD_DEBUG"):
+            raise
+        click.echo(f"reshard: error: {exc}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("reshard: interrupted; nothing was written at the destination", err=True)
+        sys.exit(130)
+    except Exception as exc:  # a bug: still one line, with the way to get details
+        if os.environ.get("RESHARD_DEBUG"):
+            raise
+        click.echo(f"reshard: internal error: {exc.__class__.__name__}: {exc} (rerun with RESHARD_DEBUG=1 for details)", err=True)
+        sys.exit(2)

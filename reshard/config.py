@@ -1,0 +1,121 @@
+"""The architecture of a model, independent of how its checkpoint is laid out.
+
+Field names follow Megatron-LM's argument names so that a checkpoint's `args` Namespace maps
+onto a `ModelConfig` one to one; HF configs are mapped by the converters in `converters/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from reshard.errors import ReshardError
+
+
+def pad_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron pads the vocabulary to a multiple of `make_vocab_size_divisible_by * tp`."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    padded_vocab_size: int
+    num_query_groups: int | None = None  # None: plain multi-head attention
+    kv_channels: int | None = None  # head dim; None: hidden_size // num_attention_heads
+    vocab_size: int | None = None  # true vocabulary; None when the checkpoint does not say
+    make_vocab_size_divisible_by: int = 128
+    max_position_embeddings: int = 4096
+    position_embedding_type: str = "rope"  # "rope" | "learned_absolute"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    normalization: str = "RMSNorm"  # "RMSNorm" | "LayerNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = True
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    untie_embeddings_and_output_weights: bool = True
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: int = 1
+    params_dtype: str = "float32"
+
+    @property
+    def groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding that carry information (the rest is padding)."""
+        return self.vocab_size or self.padded_vocab_size
+
+    def padded_vocab_for(self, tp: int) -> int:
+        """The padded vocabulary a model at tensor-parallel degree `tp` would have."""
+        if self.vocab_size is None:
+            return self.padded_vocab_size
+        return pad_vocab(self.vocab_size, self.make_vocab_size_divisible_by, tp)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @classmethod
+    def from_megatron_args(cls, args: argparse.Namespace | dict[str, Any]) -> ModelConfig:
+        """Read the architecture out of the `args` a Megatron checkpoint was saved with."""
+        a = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+        missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if a.get(k) is None]
+        if missing:
+            raise ReshardError(f"checkpoint args lack {', '.join(missing)}: not a Megatron GPT checkpoint?")
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if a.get(f.name) is not None:
+                values[f.name] = a[f.name]
+        # Megatron keeps grouped-query attention behind a flag.
+        if not a.get("group_query_attention", values.get("num_query_groups") is not None):
+            values.pop("num_query_groups", None)
+        values.setdefault("ffn_hidden_size", 4 * a["hidden_size"])
+        if "padded_vocab_size" not in values:
+            if a.get("vocab_size") is None:
+                raise ReshardError("checkpoint args have neither padded_vocab_size nor vocab_size")
+            values["padded_vocab_size"] = a["vocab_size"]
+        if "params_dtype" in values:  # a torch.dtype in real args
+            values["params_dtype"] = str(values["params_dtype"]).removeprefix("torch.")
+        return cls(**values)
+
+    def megatron_args(self) -> dict[str, Any]:
+        """The Megatron-LM arguments that rebuild this architecture."""
+        out = self.to_dict()
+        out["group_query_attention"] = self.num_query_groups is not None
+        out["num_query_groups"] = self.groups
+        out["kv_channels"] = self.head_dim
+        return out

@@ -1,0 +1,154 @@
+"""`convert`: stream a checkpoint into another format and/or layout, verify it, then move it into place."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from reshard import __version__
+from reshard.checksum import TensorChecksum
+from reshard.errors import ReshardError
+from reshard.formats import WRITERS, open_checkpoint
+from reshard.formats.base import CheckpointReader, Manifest
+from reshard.layout import Layout
+from reshard.plan import ConversionPlan, TensorMove, make_plan
+from reshard.sharding import Region, pieces, pieces_by_slab, slab_of, slabs
+from reshard.verify import compare, compute_checksums
+
+Progress = Callable[[int], None]  # called with the bytes just processed
+
+
+@dataclass
+class ConversionResult:
+    plan: ConversionPlan
+    manifest: Manifest | None  # None for a dry run
+    seconds: float
+
+
+def read_slab(reader: CheckpointReader, move: TensorMove, slab: Region) -> torch.Tensor:
+    """The target slab's values: the source region, zero-padded where the target vocabulary is larger."""
+    source_rows = move.source.shape[0] if move.source.shape else 1
+    if not move.target.vocab or slab[0][1] <= source_rows:
+        return reader.read(move.source.name, slab)
+    inside = ((slab[0][0], min(slab[0][1], source_rows)), *slab[1:])
+    out = torch.zeros([b - a for a, b in slab], dtype=getattr(torch, move.target.dtype))
+    if inside[0][0] < inside[0][1]:
+        out[: inside[0][1] - inside[0][0]] = reader.read(move.source.name, inside)
+    return out
+
+
+def stream(reader: CheckpointReader, plan: ConversionPlan, writer_options: dict[str, Any], progress: Progress | None) -> Manifest:
+    """Copy every tensor slab by slab into a writer at `plan.target`; the manifest holds the source checksums."""
+    writer = WRITERS[plan.target_format](
+        plan.target, plan.config, plan.target_layout, {m.target.name: m.target for m in plan.moves}, reader.common, **writer_options
+    )
+    checksums: dict[str, Checksum] = {}
+    for move in plan.moves:
+        by_slab = pieces_by_slab(pieces(move.target, plan.config, plan.target_layout), move.target)
+        acc = TensorChecksum(move.target.shape, move.target.dtype, reader.config.vocab_rows if move.target.vocab else None)
+        for slab in slabs(move.target):
+            data = read_slab(reader, move, slab)
+            acc.add(slab, data)
+            writer.write(move.target, slab, data, by_slab.get(slab_of(move.target, slab), []))
+            if progress:
+                progress(data.numel() * data.element_size())
+        checksums[move.target.name] = acc.result()
+    manifest = Manifest(
+        format=plan.target_format,
+        config=plan.config,
+        layout=plan.target_layout,
+        checksums=checksums,
+        provenance={
+            "tool": f"reshard {__version__}",
+            "source": str(plan.source),
+            "source_format": plan.source_format,
+            "source_layout": str(plan.source_layout),
+            "dropped": plan.dropped,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+    )
+    writer.finish(manifest)
+    return manifest
+
+
+def _check_destination(target: Path, overwrite: bool) -> None:
+    if target.exists() and not target.is_dir():
+        raise ReshardError(f"{target} exists and is a file; choose another destination")
+    if target.exists() and any(target.iterdir()) and not overwrite:
+        raise ReshardError(f"{target} exists and is not empty; pass --overwrite to replace it or choose another destination")
+
+
+def _replace(tmp: Path, target: Path) -> None:
+    """Move the verified output into place; an old destination is removed only after the rename."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.reshard-old-{os.getpid()}")
+        target.rename(old)
+    tmp.rename(target)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def convert(
+    source: Path | str,
+    target: Path | str,
+    *,
+    to_format: str | None = None,
+    layout: Layout | None = None,
+    expect_layout: dict[str, int] | None = None,
+    optimizer: bool = True,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    vocab_size: int | None = None,
+    writer_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> ConversionResult:
+    """Convert `source` to `target` at `layout` (default: the source's) in `to_format` (default: the source's).
+
+    `expect_layout` (e.g. {"tp": 4}) asserts the source's layout, as `--tp 4` does on the command line.
+    Nothing is written at `target` unless the whole output verifies against the source's checksums.
+    """
+    start = time.perf_counter()
+    source, target = Path(source), Path(target)
+    if source.resolve() == target.resolve():
+        raise ReshardError("source and destination are the same directory; choose another destination")
+    with open_checkpoint(source) as reader:
+        for key, value in (expect_layout or {}).items():
+            actual = getattr(reader.layout, key)
+            if value is not None and actual != value:
+                raise ReshardError(f"{source} is saved at {key.upper()}={actual}, not {value}; fix --{key} or drop it")
+        if vocab_size is not None:
+            if vocab_size > reader.config.padded_vocab_size:
+                raise ReshardError(f"--vocab-size {vocab_size} exceeds the checkpoint's {reader.config.padded_vocab_size} embedding rows")
+            reader.config = reader.config.replace(vocab_size=vocab_size)
+        plan = make_plan(reader, target, to_format or reader.format_name, layout or reader.layout, optimizer=optimizer)
+        if dry_run:
+            return ConversionResult(plan, None, time.perf_counter() - start)
+        _check_destination(target, overwrite)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.reshard-tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            plan.target = tmp
+            manifest = stream(reader, plan, writer_options or {}, progress)
+            checksums = manifest.checksums
+            if reader.manifest is not None:
+                compare(checksums, reader.manifest.checksums, "source as read", "source's recorded checksums", subset=True).raise_if_bad(
+                    f"{source} does not match the checksums recorded when it was written"
+                )
+            with open_checkpoint(tmp, plan.target_format) as written:
+                compare(compute_checksums(written), checksums, "written", "source").raise_if_bad(
+                    "the written checkpoint does not match the source"
+                )
+            plan.target = target
+            _replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return ConversionResult(plan, manifest, time.perf_counter() - start)

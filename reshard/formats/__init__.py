@@ -1,0 +1,44 @@
+"""Checkpoint formats. Each reads into and writes from the one logical view (`reshard.logical`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from reshard.errors import ReshardError
+from reshard.formats.base import CheckpointReader, CheckpointWriter
+from reshard.formats.megatron_dist import TorchDistReader, TorchDistWriter, is_torch_dist
+from reshard.formats.megatron_legacy import LegacyReader, LegacyWriter, is_legacy
+from reshard.formats.zarr_store import ZarrReader, ZarrWriter, is_zarr
+
+READERS: dict[str, type[CheckpointReader]] = {"torch_dist": TorchDistReader, "legacy": LegacyReader, "zarr": ZarrReader}
+WRITERS: dict[str, type[CheckpointWriter]] = {"torch_dist": TorchDistWriter, "legacy": LegacyWriter, "zarr": ZarrWriter}
+_DETECTORS = (("zarr", is_zarr), ("torch_dist", is_torch_dist), ("legacy", is_legacy))
+
+
+def register(name: str, reader: type[CheckpointReader], writer: type[CheckpointWriter], detector) -> None:
+    """Add a format (the HuggingFace format registers itself this way)."""
+    READERS[name], WRITERS[name] = reader, writer
+    global _DETECTORS
+    _DETECTORS = _DETECTORS + ((name, detector),)
+
+
+def detect(path: Path) -> str:
+    if not path.exists():
+        raise ReshardError(f"{path} does not exist")
+    if not path.is_dir():
+        raise ReshardError(f"{path} is a file; give the checkpoint directory")
+    for name, test in _DETECTORS:
+        if test(path):
+            return name
+    raise ReshardError(
+        f"{path} is not a checkpoint reshard knows (torch_dist, legacy mp_rank_*, zarr, HuggingFace); "
+        "point at the --save directory or an iter_NNNNNNN directory"
+    )
+
+
+def open_checkpoint(path: Path | str, format: str | None = None) -> CheckpointReader:
+    path = Path(path)
+    name = format or detect(path)
+    if name not in READERS:
+        raise ReshardError(f"unknown format {name!r}; choose one of {', '.join(sorted(READERS))}")
+    return READERS[name](path)

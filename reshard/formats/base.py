@@ -1,0 +1,149 @@
+"""What every checkpoint format provides: a reader of logical tensors and a writer of target pieces."""
+
+from __future__ import annotations
+
+import abc
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from reshard.checksum import Checksum
+from reshard.config import ModelConfig
+from reshard.layout import Layout
+from reshard.logical import TensorSpec
+from reshard.sharding import Piece, Region
+
+MANIFEST_NAME = "reshard_manifest.json"
+
+# Megatron-LM `args` fields that describe the parallel layout rather than the model.
+LAYOUT_ARGS = {
+    "tensor_model_parallel_size": "tp",
+    "pipeline_model_parallel_size": "pp",
+    "expert_model_parallel_size": "ep",
+    "expert_tensor_parallel_size": "etp",
+    "virtual_pipeline_model_parallel_size": "vpp",
+    "decoder_first_pipeline_num_layers": "first_stage_layers",
+    "decoder_last_pipeline_num_layers": "last_stage_layers",
+}
+
+
+def layout_from_args(args: dict[str, Any]) -> Layout:
+    values = {ours: args.get(theirs) for theirs, ours in LAYOUT_ARGS.items() if args.get(theirs) is not None}
+    return Layout(**values)
+
+
+def args_for_layout(args: dict[str, Any], layout: Layout, config: ModelConfig, ckpt_format: str) -> dict[str, Any]:
+    """A copy of Megatron args rewritten for the target layout (sizes, padded vocab, format)."""
+    out = dict(args)
+    out.update(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        decoder_first_pipeline_num_layers=layout.first_stage_layers,
+        decoder_last_pipeline_num_layers=layout.last_stage_layers,
+        padded_vocab_size=config.padded_vocab_size,
+        ckpt_format=ckpt_format,
+    )
+    for key, value in config.megatron_args().items():
+        out.setdefault(key, value)
+    return out
+
+
+@dataclass
+class CommonState:
+    """Everything in a checkpoint that is not a sharded tensor (Megatron's common.pt)."""
+
+    args: dict[str, Any] = field(default_factory=dict)
+    iteration: int | str = 0  # or "release"
+    extra: dict[str, Any] = field(default_factory=dict)  # checkpoint_version, opt_param_scheduler, ...
+    dropped: list[str] = field(default_factory=list)  # non-tensor state not carried, said out loud
+
+
+@dataclass
+class Manifest:
+    """What reshard records next to every checkpoint it writes."""
+
+    format: str
+    config: ModelConfig
+    layout: Layout
+    checksums: dict[str, Checksum]
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "config": self.config.to_dict(),
+            "layout": self.layout.__dict__,
+            "checksums": {k: v.to_json() for k, v in sorted(self.checksums.items())},
+            "provenance": self.provenance,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Manifest:
+        return cls(
+            format=data["format"],
+            config=ModelConfig.from_dict(data["config"]),
+            layout=Layout(**data["layout"]),
+            checksums={k: Checksum.from_json(v) for k, v in data["checksums"].items()},
+            provenance=data.get("provenance", {}),
+        )
+
+    def save(self, directory: Path) -> None:
+        (directory / MANIFEST_NAME).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, directory: Path) -> Manifest | None:
+        path = directory / MANIFEST_NAME
+        return cls.from_json(json.loads(path.read_text())) if path.exists() else None
+
+
+class CheckpointReader(abc.ABC):
+    """A checkpoint seen as logical tensors: `specs` says what exists, `read` returns any region."""
+
+    format_name: ClassVar[str]
+    path: Path
+    config: ModelConfig
+    layout: Layout  # the layout it was saved at (Layout() for layout-free formats)
+    specs: dict[str, TensorSpec]
+    common: CommonState
+    manifest: Manifest | None  # checksums recorded when it was written, if any
+    unsupported_optimizer: list[str] = []  # optimizer state in a form that cannot be resharded
+
+    @abc.abstractmethod
+    def read(self, name: str, region: Region) -> torch.Tensor:
+        """The values of `region` of logical tensor `name`, as a new CPU tensor."""
+
+    def close(self) -> None:
+        """Release file handles."""
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class CheckpointWriter(abc.ABC):
+    """Writes a checkpoint from slabs of logical tensors, cutting them into the target's pieces."""
+
+    format_name: ClassVar[str]
+
+    def __init__(self, path: Path, config: ModelConfig, layout: Layout, specs: dict[str, TensorSpec], common: CommonState):
+        self.path = path
+        self.config = config
+        self.layout = layout
+        self.specs = specs
+        self.common = common
+
+    @abc.abstractmethod
+    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece]) -> None:
+        """Store `data` (the values of `slab`); `pieces` are the target pieces that lie in that slab."""
+
+    @abc.abstractmethod
+    def finish(self, manifest: Manifest) -> None:
+        """Write metadata last, so a checkpoint without it is recognisably incomplete."""

@@ -1,0 +1,185 @@
+"""Megatron-Core's torch_dist format: PyTorch DCP files (`__R_K.distcp` + `.metadata`) plus `common.pt`.
+
+Read without a model or a process group: `.metadata` lists every tensor's global shape and the
+chunks it was saved in, and each chunk is a `torch.save` blob inside a `.distcp` file, which we
+memory-map (see `torch_blob`). Written the same way, one file per target rank holding that rank's
+primary pieces, so that `megatron.core.dist_checkpointing.load` reads it at any layout.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections import defaultdict
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from reshard.config import ModelConfig
+from reshard.errors import ReshardError
+from reshard.formats.base import (
+    CheckpointReader,
+    CheckpointWriter,
+    CommonState,
+    Manifest,
+    args_for_layout,
+    layout_from_args,
+)
+from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
+from reshard.formats.torch_blob import tensor_in_blob
+from reshard.layout import RankCoord, ranks
+from reshard.logical import TensorSpec, describe, is_extra_state
+from reshard.sharding import Piece, Region, intersect, region_size, shift, to_slices
+
+METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
+
+
+def is_torch_dist(path: Path) -> bool:
+    tree = locate(path) if path.is_dir() else None
+    return tree is not None and (tree.iteration_dir / ".metadata").is_file()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class TorchDistReader(CheckpointReader):
+    format_name = "torch_dist"
+
+    def __init__(self, path: Path):
+        tree = locate(path)
+        if tree is None or not (tree.iteration_dir / ".metadata").is_file():
+            raise ReshardError(f"{path} is not a torch_dist checkpoint (no .metadata found)")
+        self.path, self.tree = path, tree
+        directory = tree.iteration_dir
+        try:
+            with open(directory / ".metadata", "rb") as f:
+                self.metadata: Metadata = pickle.load(f)
+        except Exception as exc:  # a truncated or foreign file
+            raise ReshardError(f"{directory / '.metadata'} cannot be read ({exc.__class__.__name__}): the checkpoint is damaged") from None
+        common_path = directory / "common.pt"
+        if not common_path.is_file():
+            raise ReshardError(f"{common_path} is missing: not a complete Megatron torch_dist checkpoint")
+        try:
+            common = torch.load(common_path, map_location="cpu", weights_only=False)
+        except Exception as exc:
+            raise ReshardError(f"{common_path} cannot be loaded ({exc.__class__.__name__}): the checkpoint is damaged") from None
+        args = args_dict(common.pop("args", None))
+        iteration = common.pop("iteration", tree.iteration)
+        self.config = ModelConfig.from_megatron_args(args)
+        self.layout = layout_from_args(args)
+        self.common = CommonState(args=args, iteration=iteration, extra=common)
+        self.manifest = Manifest.load(directory)
+        self._chunks: dict[str, list[tuple[Region, _StorageInfo]]] = defaultdict(list)
+        for index, info in self.metadata.storage_data.items():
+            if index.offset is not None:
+                self._chunks[index.fqn].append((tuple(index.offset), info))
+        self.specs: dict[str, TensorSpec] = {}
+        for key, md in self.metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata) or is_extra_state(key):
+                self.common.dropped.append(key)
+                continue
+            assert isinstance(md, TensorStorageMetadata)
+            self.specs[key] = describe(key, tuple(md.size), dtype_name(md.properties.dtype), self.config)
+            sizes = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
+            self._chunks[key] = [
+                (tuple((o, o + s) for o, s in zip(offsets, sizes[offsets])), info) for offsets, info in self._chunks[key]
+            ]
+
+    def read(self, name: str, region: Region) -> torch.Tensor:
+        spec = self.specs[name]
+        out = torch.empty([b - a for a, b in region], dtype=getattr(torch, spec.dtype))
+        filled = 0
+        for chunk_region, info in self._chunks[name]:
+            inside = intersect(chunk_region, region)
+            if inside is None:
+                continue
+            chunk = self._chunk(info)
+            if tuple(chunk.shape) != tuple(b - a for a, b in chunk_region):
+                raise ReshardError(f"{self.tree.iteration_dir / info.relative_path}: chunk of {name} has the wrong shape; the file is damaged")
+            out[to_slices(shift(inside, region))] = chunk[to_slices(shift(inside, chunk_region))]
+            filled += region_size(inside)
+        if filled != region_size(region):
+            raise ReshardError(f"{name}: the checkpoint's chunks do not cover the tensor; a .distcp file is missing or truncated")
+        return out
+
+    def _chunk(self, info: _StorageInfo) -> torch.Tensor:
+        if getattr(info, "transform_descriptors", None):
+            raise ReshardError(f"{info.relative_path}: DCP stream transforms (compression) are not supported")
+        path = self.tree.iteration_dir / info.relative_path
+        if not path.is_file():
+            raise ReshardError(f"{path} is missing: the checkpoint is incomplete")
+        if path.stat().st_size < info.offset + info.length:
+            raise ReshardError(f"{path} is truncated: the checkpoint is damaged")
+        try:
+            return tensor_in_blob(path, info.offset, info.length)
+        except ReshardError:
+            raise
+        except Exception as exc:
+            raise ReshardError(f"{path}: a chunk cannot be decoded ({exc.__class__.__name__}); the file is damaged") from None
+
+
+class TorchDistWriter(CheckpointWriter):
+    format_name = "torch_dist"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.directory = self.path / iteration_dirname(self.common.iteration)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._file_index = {rank: i for i, rank in enumerate(ranks(self.layout))}
+        self._files: dict[int, BinaryIO] = {}
+        self._chunks: dict[str, list[ChunkStorageMetadata]] = defaultdict(list)
+        self._storage: dict[MetadataIndex, _StorageInfo] = {}
+
+    def _file(self, piece: Piece) -> tuple[str, BinaryIO]:
+        index = self._file_index[RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)]
+        if index not in self._files:
+            self._files[index] = open(self.directory / f"__{index}_0.distcp", "wb")
+        return f"__{index}_0.distcp", self._files[index]
+
+    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece]) -> None:
+        for piece in pieces:
+            if not piece.primary:
+                continue
+            name, f = self._file(piece)
+            chunk = data[to_slices(shift(piece.region, slab))].contiguous()
+            offset = f.tell()
+            torch.save(chunk, f)
+            offsets = torch.Size(a for a, _ in piece.region)
+            self._chunks[spec.name].append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(chunk.shape)))
+            self._storage[MetadataIndex(spec.name, offsets)] = _StorageInfo(name, offset, f.tell() - offset)
+
+    def finish(self, manifest: Manifest) -> None:
+        for f in self._files.values():
+            f.flush()
+            f.close()
+        state = {
+            name: TensorStorageMetadata(
+                properties=TensorProperties(dtype=getattr(torch, spec.dtype)),
+                size=torch.Size(spec.shape),
+                chunks=self._chunks[name],
+            )
+            for name, spec in self.specs.items()
+        }
+        metadata = Metadata(state_dict_metadata=state, planner_data={}, storage_data=self._storage)
+        # Megatron-Core's load planner looks for this (it describes flattened optimizer tensors; we write none).
+        metadata.mcore_data = {}
+        with open(self.directory / ".metadata", "wb") as f:
+            pickle.dump(metadata, f)
+        common = dict(self.common.extra)
+        common["args"] = args_namespace(args_for_layout(self.common.args, self.layout, self.config, "torch_dist"))
+        common["iteration"] = self.common.iteration
+        torch.save(common, self.directory / "common.pt")
+        (self.directory / "metadata.json").write_text(json.dumps(METADATA_JSON))
+        manifest.save(self.directory)
+        write_tracker(self.path, self.common.iteration)

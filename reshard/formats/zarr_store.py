@@ -1,0 +1,175 @@
+"""The intermediate form: a zarr v3 store, one array per logical tensor at its global shape.
+
+Written and read through tensorstore. Chunks are one layer (and one expert) deep and cut along the
+tensor-parallel axis at the finest split we expect (`TP_CHUNKS`), so a TP/PP/EP target reads only
+the chunks it needs. bfloat16 has no zarr v3 core data type that zarr-python reads, so bf16 arrays
+are stored as their uint16 bit patterns with `reshard_dtype: "bfloat16"` in the array's attributes:
+plain `zarr` and `tensorstore` open every array, and the bits are exact.
+
+The root group's attributes hold the model config, the source layout and the per-tensor checksums;
+Megatron's non-tensor state (args, scheduler) is kept as `common.pt` beside the arrays.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+import torch
+
+from reshard.config import ModelConfig
+from reshard.errors import ReshardError
+from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest
+from reshard.layout import Layout
+from reshard.logical import TensorSpec, describe
+from reshard.sharding import Piece, Region, to_slices
+
+TP_CHUNKS = 8  # chunk the TP axis so that TP = 1, 2, 4, 8 read whole chunks
+MAX_CHUNK_BYTES = 64 << 20
+COMMON_FILE = "common.pt"
+_BITS = {"bfloat16": ("uint16", torch.int16)}  # dtypes zarr-python cannot name, stored as raw bits
+_ZARR_DTYPES = {
+    "float32": "float32",
+    "float16": "float16",
+    "float64": "float64",
+    "int64": "int64",
+    "int32": "int32",
+    "uint8": "uint8",
+    "bool": "bool",
+}
+
+
+def is_zarr(path: Path) -> bool:
+    meta = path / "zarr.json"
+    if not meta.is_file():
+        return False
+    try:
+        return "reshard" in json.loads(meta.read_text()).get("attributes", {})
+    except ValueError:
+        return False
+
+
+def chunk_shape(spec: TensorSpec) -> list[int]:
+    shape = list(spec.shape) or [1]
+    chunks = list(shape)
+    for axis in range(spec.prefix_axes):
+        chunks[axis] = 1
+    axis = spec.tp_axis
+    if axis is not None:
+        parts = TP_CHUNKS * (2 if spec.gated else 1)
+        while parts > 1 and shape[axis] % parts:
+            parts //= 2
+        chunks[axis] = shape[axis] // parts
+    itemsize = torch.empty(0, dtype=getattr(torch, spec.dtype)).element_size()
+    # Keep chunks bounded for huge embeddings: halve the first splittable axis.
+    first = spec.prefix_axes
+    while first < len(chunks) and np.prod(chunks) * itemsize > MAX_CHUNK_BYTES and chunks[first] % 2 == 0:
+        chunks[first] //= 2
+    return chunks
+
+
+def _stored_dtype(dtype: str) -> str:
+    if dtype in _BITS:
+        return _BITS[dtype][0]
+    if dtype not in _ZARR_DTYPES:
+        raise ReshardError(f"dtype {dtype} cannot be stored in zarr by reshard")
+    return _ZARR_DTYPES[dtype]
+
+
+def _open(path: Path, **spec: Any) -> ts.TensorStore:
+    return ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}, **spec}).result()
+
+
+def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
+    if dtype in _BITS:
+        return t.contiguous().view(_BITS[dtype][1]).numpy().view(np.uint16)
+    return t.contiguous().numpy()
+
+
+def _to_torch(a: np.ndarray, dtype: str) -> torch.Tensor:
+    if dtype in _BITS:
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(getattr(torch, dtype))
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+class ZarrReader(CheckpointReader):
+    format_name = "zarr"
+
+    def __init__(self, path: Path):
+        if not is_zarr(path):
+            raise ReshardError(f"{path} is not a reshard zarr store (no zarr.json with reshard attributes)")
+        self.path = path
+        attrs = json.loads((path / "zarr.json").read_text())["attributes"]["reshard"]
+        self.config = ModelConfig.from_dict(attrs["config"])
+        self.layout = Layout(**attrs["layout"])
+        self.manifest = Manifest.from_json(attrs["manifest"]) if "manifest" in attrs else None
+        common = torch.load(path / COMMON_FILE, weights_only=False) if (path / COMMON_FILE).is_file() else {}
+        self.common = CommonState(args=common.get("args", {}), iteration=common.get("iteration", 0), extra=common.get("extra", {}))
+        self.specs = {}
+        self._dtypes: dict[str, str] = {}
+        self._arrays: dict[str, ts.TensorStore] = {}
+        for name, entry in attrs["tensors"].items():
+            self.specs[name] = describe(name, tuple(entry["shape"]), entry["dtype"], self.config)
+
+    def _array(self, name: str) -> ts.TensorStore:
+        if name not in self._arrays:
+            try:
+                self._arrays[name] = _open(self.path / name, open=True)
+            except ValueError as exc:
+                raise ReshardError(f"{self.path / name}: array cannot be opened ({exc}); the store is damaged") from None
+        return self._arrays[name]
+
+    def read(self, name: str, region: Region) -> torch.Tensor:
+        spec = self.specs[name]
+        array = self._array(name)
+        index = to_slices(region) if spec.shape else ()
+        try:
+            values = array[index].read().result()
+        except ValueError as exc:
+            raise ReshardError(f"{self.path / name}: {exc}") from None
+        return _to_torch(np.asarray(values), spec.dtype).reshape([b - a for a, b in region])
+
+
+class ZarrWriter(CheckpointWriter):
+    format_name = "zarr"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._arrays: dict[str, ts.TensorStore] = {}
+        for name, spec in self.specs.items():
+            self._arrays[name] = _open(
+                self.path / name,
+                create=True,
+                metadata={
+                    "shape": list(spec.shape) or [1],
+                    "data_type": _stored_dtype(spec.dtype),
+                    "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk_shape(spec)}},
+                    "attributes": {"reshard_dtype": spec.dtype, "reshard_shape": list(spec.shape)},
+                },
+            )
+
+    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece]) -> None:
+        region = slab if spec.shape else ((0, 1),)
+        self._arrays[spec.name][to_slices(region)].write(_to_numpy(data.reshape([b - a for a, b in region]), spec.dtype)).result()
+
+    def finish(self, manifest: Manifest) -> None:
+        torch.save(
+            {"args": self.common.args, "iteration": self.common.iteration, "extra": self.common.extra},
+            self.path / COMMON_FILE,
+        )
+        attrs = {
+            "reshard": {
+                "version": 1,
+                "config": self.config.to_dict(),
+                "layout": self.layout.__dict__,
+                "tensors": {n: {"shape": list(s.shape), "dtype": s.dtype} for n, s in sorted(self.specs.items())},
+                "manifest": manifest.to_json(),
+            }
+        }
+        (self.path / "zarr.json").write_text(
+            json.dumps({"zarr_format": 3, "node_type": "group", "attributes": attrs}, indent=1) + "\n"
+        )

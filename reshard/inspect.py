@@ -1,0 +1,87 @@
+"""`inspect`: what a checkpoint is — format, architecture, layout, tensors, bytes."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from reshard.formats import open_checkpoint
+from reshard.plan import human_bytes, itemsize
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    split: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    format: str
+    iteration: int | str
+    config: dict[str, Any]
+    layout: str
+    tensors: list[TensorRow]
+    dropped: list[str]
+    has_manifest: bool
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.bytes for t in self.tensors)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "format": self.format,
+            "iteration": self.iteration,
+            "layout": self.layout,
+            "config": self.config,
+            "total_bytes": self.total_bytes,
+            "dtypes": dict(Counter(t.dtype for t in self.tensors)),
+            "has_checksums": self.has_manifest,
+            "not_tensors": self.dropped,
+            "tensors": [t.__dict__ | {"shape": list(t.shape)} for t in self.tensors],
+        }
+
+    def render(self) -> str:
+        c = self.config
+        lines = [
+            f"{self.path}: {self.format} checkpoint, iteration {self.iteration}, layout {self.layout}",
+            f"model: {c['num_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads "
+            f"({c['num_query_groups'] or c['num_attention_heads']} query groups), ffn {c['ffn_hidden_size']}, "
+            f"vocab {c['vocab_size'] or '?'} (padded {c['padded_vocab_size']})"
+            + (f", {c['num_experts']} experts top-{c['moe_router_topk']}" if c.get("num_experts") else ""),
+            f"{len(self.tensors)} tensors, {human_bytes(self.total_bytes)}, dtypes "
+            + ", ".join(f"{k}: {v}" for k, v in Counter(t.dtype for t in self.tensors).items())
+            + ("; checksums recorded" if self.has_manifest else "; no checksums recorded"),
+        ]
+        width = max((len(t.name) for t in self.tensors), default=0)
+        for t in self.tensors:
+            lines.append(f"  {t.name:<{width}}  {str(list(t.shape)):<22} {t.dtype:<9} {t.split:<10} {human_bytes(t.bytes)}")
+        if self.dropped:
+            lines.append(f"not tensors (not converted): {', '.join(self.dropped[:8])}{' ...' if len(self.dropped) > 8 else ''}")
+        return "\n".join(lines)
+
+
+def inspect(path: Path | str) -> CheckpointInfo:
+    with open_checkpoint(path) as reader:
+        rows = [
+            TensorRow(name, spec.shape, spec.dtype, spec.split.value, spec.numel * itemsize(spec.dtype))
+            for name, spec in sorted(reader.specs.items())
+        ]
+        return CheckpointInfo(
+            path=Path(path),
+            format=reader.format_name,
+            iteration=reader.common.iteration,
+            config=reader.config.to_dict(),
+            layout=str(reader.layout),
+            tensors=rows,
+            dropped=list(reader.common.dropped) + list(reader.unsupported_optimizer),
+            has_manifest=reader.manifest is not None,
+        )

@@ -1,0 +1,142 @@
+"""Parallel layouts: how a model's tensors are spread over tensor, pipeline and expert ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from reshard.config import ModelConfig
+from reshard.errors import ReshardError
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None  # expert tensor parallel; None means "same as tp" (Megatron's default)
+    vpp: int = 1  # virtual pipeline stages per pipeline rank
+    first_stage_layers: int | None = None  # uneven pipelines (Megatron's decoder_first_pipeline_num_layers)
+    last_stage_layers: int | None = None
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    def __str__(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}", f"EP{self.ep}"]
+        if self.etp is not None and self.etp != self.tp:
+            parts.append(f"ETP{self.etp}")
+        if self.vpp > 1:
+            parts.append(f"VPP{self.vpp}")
+        if self.first_stage_layers is not None or self.last_stage_layers is not None:
+            parts.append(f"uneven({self.first_stage_layers},{self.last_stage_layers})")
+        return "".join(parts)
+
+    def retarget(self, **changes: int | None) -> Layout:
+        """This layout with the given degrees changed (None: keep). Derived settings follow:
+        ETP keeps tracking TP unless set or set apart at the source, and a new PP degree drops
+        the source's uneven stage sizes unless new ones are given."""
+        given = {k: v for k, v in changes.items() if v is not None}
+        values = dict(self.__dict__, **given)
+        if "etp" not in given and (self.etp is None or self.etp == self.tp):
+            values["etp"] = None
+        if "pp" in given and not {"first_stage_layers", "last_stage_layers"} & given.keys():
+            values["first_stage_layers"] = values["last_stage_layers"] = None
+        return Layout(**values)
+
+    def stage_layers(self, num_layers: int) -> list[range]:
+        """Global layer ranges of the pipeline chunks, indexed by `vstage * pp + pp_rank`."""
+        chunks = self.pp * self.vpp
+        first, last = self.first_stage_layers, self.last_stage_layers
+        if first is None and last is None:
+            if num_layers % chunks:
+                raise ReshardError(
+                    f"{num_layers} layers do not split evenly over PP={self.pp} x VPP={self.vpp}; "
+                    "choose a degree that divides the layer count or give --first-stage-layers/--last-stage-layers"
+                )
+            size = num_layers // chunks
+            return [range(i * size, (i + 1) * size) for i in range(chunks)]
+        if self.vpp > 1:
+            raise ReshardError("uneven first/last pipeline stages with virtual stages are not supported; drop --vpp")
+        if self.pp == 1:
+            raise ReshardError("--first-stage-layers/--last-stage-layers need PP > 1")
+        middle_stages = self.pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        if rest < 0 or (middle_stages == 0 and rest) or (middle_stages and rest % middle_stages):
+            raise ReshardError(
+                f"{num_layers} layers cannot be split as first={first}, last={last} over PP={self.pp}"
+            )
+        sizes = [rest // middle_stages if middle_stages else 0] * self.pp
+        if first is not None:
+            sizes[0] = first
+        if last is not None:
+            sizes[-1] = last
+        ranges, start = [], 0
+        for size in sizes:
+            ranges.append(range(start, start + size))
+            start += size
+        return ranges
+
+    def chunk_of_layer(self, num_layers: int, layer: int) -> tuple[int, int, int]:
+        """(pp_rank, vstage, local index) of a global layer."""
+        for index, layers in enumerate(self.stage_layers(num_layers)):
+            if layer in layers:
+                return index % self.pp, index // self.pp, layer - layers.start
+        raise ReshardError(f"layer {layer} is outside the model's {num_layers} layers")
+
+    def validate(self, config: ModelConfig) -> None:
+        """Refuse a layout the model cannot be split into, naming the constraint that fails."""
+        for name, value in (("TP", self.tp), ("PP", self.pp), ("EP", self.ep), ("ETP", self.expert_tp), ("VPP", self.vpp)):
+            if value < 1:
+                raise ReshardError(f"{name}={value}: parallel degrees must be positive integers")
+        checks = [
+            (config.num_attention_heads, self.tp, "attention heads"),
+            (config.groups, self.tp, "query groups (GQA)"),
+            (config.ffn_hidden_size, self.tp, "FFN hidden size"),
+        ]
+        if config.is_moe:
+            checks.append((config.num_experts, self.ep, "experts"))
+            checks.append((config.moe_ffn_hidden_size or config.ffn_hidden_size, self.expert_tp, "expert FFN hidden size"))
+            if config.moe_shared_expert_intermediate_size:
+                checks.append((config.moe_shared_expert_intermediate_size, self.tp, "shared-expert FFN size"))
+        elif self.ep > 1:
+            raise ReshardError(f"EP={self.ep} needs a mixture-of-experts model; this one is dense: use --to-ep 1")
+        for total, degree, what in checks:
+            if total % degree:
+                raise ReshardError(
+                    f"TP/EP degree {degree} does not divide the model's {total} {what}; choose a divisor of {total}"
+                )
+        self.stage_layers(config.num_layers)
+        if config.vocab_size is None and config.padded_vocab_size % (config.make_vocab_size_divisible_by * self.tp):
+            if config.padded_vocab_size % self.tp:
+                raise ReshardError(
+                    f"TP={self.tp} does not divide the padded vocabulary {config.padded_vocab_size} and the true "
+                    "vocabulary size is unknown: pass --vocab-size"
+                )
+
+
+@dataclass(frozen=True, order=True)
+class RankCoord:
+    """One model-parallel rank of a layout (data-parallel replicas hold the same files)."""
+
+    pp: int = 0
+    tp: int = 0
+    ep: int = 0
+    vstage: int = 0  # only used to select a model chunk inside a rank; not a separate file
+
+    def legacy_dirname(self, layout: Layout) -> str:
+        name = f"mp_rank_{self.tp:02d}"
+        if layout.pp > 1:
+            name += f"_{self.pp:03d}"
+        if layout.ep > 1:
+            name += f"_{self.ep:03d}"
+        return name
+
+
+def ranks(layout: Layout) -> Iterator[RankCoord]:
+    """Every (pp, tp, ep) rank of a layout, in Megatron's file order."""
+    for pp in range(layout.pp):
+        for tp in range(layout.tp):
+            for ep in range(layout.ep):
+                yield RankCoord(pp=pp, tp=tp, ep=ep)

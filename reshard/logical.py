@@ -1,0 +1,141 @@
+"""Logical tensors: every tensor of a model known by its canonical Megatron-Core name and global shape.
+
+The canonical name is the key Megatron-Core's torch_dist format uses (Transformer-Engine style norm
+names, homogeneous layers stacked on a leading layer axis, experts on a global-expert axis), so a
+torch_dist checkpoint *is* the logical view and every other format maps onto it.
+
+How a tensor is split across ranks is a property of its name, given by the table `PARTITION_RULES`.
+A name no rule knows is refused: guessing "replicated" is how converters silently corrupt weights.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from reshard.config import ModelConfig
+from reshard.errors import ReshardError
+
+
+class Split(Enum):
+    NONE = "replicated"
+    COLUMN = "column"  # split on the parameter's first dimension (output features)
+    ROW = "row"  # split on the parameter's second dimension (input features)
+
+
+@dataclass(frozen=True)
+class Rule:
+    split: Split
+    gated: bool = False  # SwiGLU fc1: [gate; up] halves are split separately when the model is gated
+    vocab: bool = False  # rows are the (padded) vocabulary
+
+
+# Suffix of the parameter name (after any layer/expert prefix) -> how it is partitioned.
+# Checked in order; the first match wins.
+PARTITION_RULES: tuple[tuple[str, Rule], ...] = (
+    (r"embedding\.word_embeddings\.weight$", Rule(Split.COLUMN, vocab=True)),
+    (r"^output_layer\.weight$", Rule(Split.COLUMN, vocab=True)),
+    (r"embedding\.position_embeddings\.weight$", Rule(Split.NONE)),
+    (r"linear_qkv\.(weight|bias)$", Rule(Split.COLUMN)),
+    (r"linear_fc1\.(weight|bias)$", Rule(Split.COLUMN, gated=True)),
+    (r"(linear_proj|linear_fc2)\.weight$", Rule(Split.ROW)),
+    (r"(linear_proj|linear_fc2)\.bias$", Rule(Split.NONE)),  # row-parallel biases are added after the reduce
+    (r"layer_norm_(weight|bias)$", Rule(Split.NONE)),
+    (r"(layernorm|norm)\.(weight|bias)$", Rule(Split.NONE)),
+    (r"router\.(weight|expert_bias)$", Rule(Split.NONE)),
+    (r"shared_experts\.gate_weight$", Rule(Split.NONE)),
+)
+
+OPTIMIZER_PREFIX = re.compile(r"^optimizer\.state\.(?P<state>[A-Za-z0-9_]+)\.(?P<param>.+)$")
+_LAYER = re.compile(r"^(?P<head>(?:.*\.)?decoder\.layers\.)(?P<index>\d+\.)?(?P<tail>.+)$")
+_EXPERT = re.compile(r"(?<!shared_)experts\.")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One logical tensor: where it lives in the model and how any layout cuts it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix
+    split: Split
+    gated: bool = False
+    vocab: bool = False
+    stacked: bool = False  # leading axis is the global layer index
+    layer: int | None = None  # fixed global layer for `decoder.layers.{i}.` names
+    experts: bool = False  # the axis after the layer axis is the global expert index
+    param: str = ""  # the model parameter this tensor belongs to (differs for optimizer state)
+
+    @property
+    def prefix_axes(self) -> int:
+        """Axes before the parameter's own dimensions (layer, expert)."""
+        return int(self.stacked) + int(self.experts)
+
+    @property
+    def tp_axis(self) -> int | None:
+        if self.split is Split.NONE:
+            return None
+        axis = self.prefix_axes + (0 if self.split is Split.COLUMN else 1)
+        return axis if axis < len(self.shape) else None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def is_optimizer(self) -> bool:
+        return self.name != self.param
+
+    def with_shape(self, shape: tuple[int, ...]) -> TensorSpec:
+        return replace(self, shape=tuple(shape))
+
+
+def param_name(name: str) -> str:
+    """The model parameter behind a logical name (strips `optimizer.state.<kind>.`)."""
+    match = OPTIMIZER_PREFIX.match(name)
+    return match.group("param") if match else name
+
+
+def describe(name: str, shape: tuple[int, ...], dtype: str, config: ModelConfig) -> TensorSpec:
+    """Build the spec of a logical tensor from its name, refusing names the partition table lacks."""
+    param = param_name(name)
+    stacked, layer = False, None
+    layer_match = _LAYER.match(param)
+    if layer_match:
+        if layer_match.group("index"):
+            layer = int(layer_match.group("index")[:-1])
+        else:
+            stacked = True
+    experts = bool(_EXPERT.search(param)) and ".router." not in param
+    for pattern, rule in PARTITION_RULES:
+        if re.search(pattern, param):
+            break
+    else:
+        raise ReshardError(
+            f"tensor {name!r} is not in reshard's partition table, so it cannot be resharded safely; "
+            "please report it (or convert with --no-optimizer if it is optimizer state)"
+        )
+    gated = rule.gated and (config.swiglu)
+    if rule.split is Split.COLUMN and len(shape) - int(stacked) - int(experts) < 1:
+        raise ReshardError(f"tensor {name!r} has shape {tuple(shape)}, too few dimensions for its partition")
+    return TensorSpec(
+        name=name,
+        shape=tuple(int(d) for d in shape),
+        dtype=dtype,
+        split=rule.split,
+        gated=gated,
+        vocab=rule.vocab,
+        stacked=stacked,
+        layer=layer,
+        experts=experts,
+        param=param,
+    )
+
+
+def is_extra_state(name: str) -> bool:
+    """Transformer-Engine FP8 metadata and similar opaque per-module state."""
+    return name.endswith("_extra_state") or "._extra_state/" in name

@@ -1,0 +1,167 @@
+"""What a conversion will do, computed before any byte moves (`reshard convert --dry-run` prints it)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard.config import ModelConfig
+from reshard.errors import ReshardError
+from reshard.formats.base import CheckpointReader
+from reshard.layout import Layout
+from reshard.logical import TensorSpec
+from reshard.sharding import pieces, region_size, slabs
+
+
+def itemsize(dtype: str) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+@dataclass(frozen=True)
+class TensorMove:
+    """One logical tensor: read from `source` (its spec in the source), written as `target`."""
+
+    source: TensorSpec
+    target: TensorSpec
+
+    @property
+    def bytes(self) -> int:
+        return self.target.numel * itemsize(self.target.dtype)
+
+    @property
+    def largest_slab_bytes(self) -> int:
+        return max(region_size(s) for s in slabs(self.target)) * itemsize(self.target.dtype)
+
+
+@dataclass
+class ConversionPlan:
+    source: Path
+    source_format: str
+    source_layout: Layout
+    target: Path
+    target_format: str
+    target_layout: Layout
+    config: ModelConfig  # the target's (padded vocabulary follows the target TP)
+    moves: list[TensorMove]
+    dropped: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(m.bytes for m in self.moves)
+
+    @property
+    def peak_memory(self) -> int:
+        """Estimated working memory: a slab read, a slab of target pieces, the checksum temporaries."""
+        largest = max((m.largest_slab_bytes for m in self.moves), default=0)
+        return 2 * largest + (32 << 20)
+
+    def target_files(self) -> dict[str, int]:
+        """Bytes each target rank file receives (for Megatron formats; zarr has one file per chunk)."""
+        per_rank: Counter[str] = Counter()
+        if self.target_format == "zarr":
+            return {"(zarr arrays)": self.bytes_moved}
+        for move in self.moves:
+            size = itemsize(move.target.dtype)
+            for piece in pieces(move.target, self.config, self.target_layout):
+                if self.target_format == "legacy" or piece.primary:
+                    per_rank[piece.rank.legacy_dirname(self.target_layout)] += region_size(piece.region) * size
+        return dict(sorted(per_rank.items()))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": str(self.source),
+            "source_format": self.source_format,
+            "source_layout": str(self.source_layout),
+            "target": str(self.target),
+            "target_format": self.target_format,
+            "target_layout": str(self.target_layout),
+            "tensors": len(self.moves),
+            "bytes_moved": self.bytes_moved,
+            "peak_memory_estimate": self.peak_memory,
+            "target_files": self.target_files(),
+            "dropped": self.dropped,
+            "moves": [
+                {"name": m.target.name, "source_shape": list(m.source.shape), "target_shape": list(m.target.shape), "dtype": m.target.dtype}
+                for m in self.moves
+            ],
+        }
+
+    def render(self) -> str:
+        lines = [
+            f"{self.source} ({self.source_format}, {self.source_layout}) -> {self.target} ({self.target_format}, {self.target_layout})",
+            f"{len(self.moves)} tensors, {human_bytes(self.bytes_moved)} to move, estimated peak memory {human_bytes(self.peak_memory)}",
+        ]
+        for name, size in self.target_files().items():
+            lines.append(f"  {name}: {human_bytes(size)}")
+        for move in self.moves:
+            if move.source.shape != move.target.shape:
+                lines.append(f"  resize {move.target.name}: {list(move.source.shape)} -> {list(move.target.shape)} (vocabulary padding)")
+        for name in self.dropped:
+            lines.append(f"  drop {name}")
+        return "\n".join(lines)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+def target_config(config: ModelConfig, layout: Layout) -> ModelConfig:
+    """The model config at the target layout: only the vocabulary padding depends on it."""
+    padded = config.padded_vocab_for(layout.tp)
+    if config.vocab_size is None and padded % layout.tp:
+        raise ReshardError(
+            f"TP={layout.tp} does not divide the padded vocabulary {padded} and the true vocabulary size is "
+            "unknown: pass --vocab-size"
+        )
+    return config.replace(padded_vocab_size=padded)
+
+
+def make_plan(
+    reader: CheckpointReader,
+    target: Path,
+    target_format: str,
+    layout: Layout,
+    *,
+    optimizer: bool = True,
+) -> ConversionPlan:
+    layout.validate(reader.config)
+    config = target_config(reader.config, layout)
+    moves, dropped = [], list(reader.common.dropped)
+    unsupported = getattr(reader, "unsupported_optimizer", [])
+    if optimizer and unsupported:
+        raise ReshardError(
+            f"the optimizer state ({unsupported[0]}, ...) is stored in a layout-bound form reshard cannot reshard; "
+            "pass --no-optimizer to convert the model without it"
+        )
+    dropped.extend(unsupported)
+    for name, spec in sorted(reader.specs.items()):
+        if spec.is_optimizer and not optimizer:
+            dropped.append(name)
+            continue
+        shape = spec.shape
+        if spec.vocab:
+            if config.padded_vocab_size < reader.config.vocab_rows:
+                raise ReshardError(f"{name}: the target vocabulary padding would cut real vocabulary rows")
+            shape = (config.padded_vocab_size, *shape[1:])
+        moves.append(TensorMove(spec, spec.with_shape(shape)))
+    if not moves:
+        raise ReshardError(f"{reader.path} holds no model tensors")
+    return ConversionPlan(
+        source=reader.path,
+        source_format=reader.format_name,
+        source_layout=reader.layout,
+        target=target,
+        target_format=target_format,
+        target_layout=layout,
+        config=config,
+        moves=moves,
+        dropped=dropped,
+    )

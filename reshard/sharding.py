@@ -1,0 +1,204 @@
+"""Where each part of a logical tensor lives under a layout.
+
+`pieces()` is the single source of truth for sharding: readers use it to reassemble logical tensors
+from rank files, writers to cut them. A piece maps a region of the global tensor onto a region of
+one rank's local tensor; the `primary` pieces partition the logical tensor exactly (replicas are
+not primary), which is what torch_dist stores and what checksums count.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterator
+
+from reshard.config import ModelConfig
+from reshard.layout import Layout, RankCoord
+from reshard.logical import Split, TensorSpec
+
+Region = tuple[tuple[int, int], ...]  # (start, stop) per axis of the global tensor
+
+
+@dataclass(frozen=True)
+class Piece:
+    rank: RankCoord  # includes the virtual stage holding the piece
+    region: Region  # in the global tensor
+    local_layer: int | None  # stage-local layer index, for per-rank (legacy) names
+    local_expert: int | None  # rank-local expert index
+    local_shape: tuple[int, ...]  # the rank's tensor (layer/expert axes removed)
+    local_region: Region  # where the piece sits in the rank's tensor
+    primary: bool
+    alias: str | None = None  # a different local name (tied output layer on the last stage)
+
+
+def region_size(region: Region) -> int:
+    n = 1
+    for start, stop in region:
+        n *= stop - start
+    return n
+
+
+def to_slices(region: Region) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in region)
+
+
+def full_region(shape: tuple[int, ...]) -> Region:
+    return tuple((0, d) for d in shape)
+
+
+def _owning_chunks(spec: TensorSpec, config: ModelConfig, layout: Layout) -> list[tuple[int, int, int | None, int | None]]:
+    """(pp, vstage, global layer or None, local layer or None) for every copy of the tensor."""
+    stages = layout.stage_layers(config.num_layers)
+    last = len(stages) - 1
+    if spec.stacked:
+        return [
+            (c % layout.pp, c // layout.pp, layer, layer - layers.start)
+            for c, layers in enumerate(stages)
+            for layer in layers
+        ]
+    if spec.layer is not None:
+        pp, vstage, local = layout.chunk_of_layer(config.num_layers, spec.layer)
+        return [(pp, vstage, spec.layer, local)]
+    if spec.param.startswith("embedding."):
+        return [(0, 0, None, None)]
+    if spec.param.startswith(("output_layer.", "decoder.final_layernorm.", "decoder.final_norm.")):
+        return [(last % layout.pp, last // layout.pp, None, None)]
+    return [(0, 0, None, None)]
+
+
+def _tp_parts(spec: TensorSpec, dims: tuple[int, ...], degree: int, rank: int) -> list[tuple[int, int, int, int]]:
+    """For the TP-split axis: (global start, global stop, local start, local stop) of a rank's share."""
+    axis = spec.tp_axis
+    assert axis is not None
+    size = dims[axis - spec.prefix_axes]
+    if spec.gated:
+        half = size // 2
+        share = half // degree
+        return [
+            (rank * share, (rank + 1) * share, 0, share),
+            (half + rank * share, half + (rank + 1) * share, share, 2 * share),
+        ]
+    share = size // degree
+    return [(rank * share, (rank + 1) * share, 0, share)]
+
+
+def pieces(spec: TensorSpec, config: ModelConfig, layout: Layout) -> list[Piece]:
+    """Every piece of `spec` under `layout`, replicas included."""
+    dims = spec.shape[spec.prefix_axes :]
+    n_experts = spec.shape[int(spec.stacked)] if spec.experts else 1
+    ep = layout.ep if spec.experts else 1
+    tp_degree = layout.expert_tp if spec.experts else layout.tp
+    local_experts = n_experts // ep
+    out: list[Piece] = []
+    for pp, vstage, layer, local_layer in _owning_chunks(spec, config, layout):
+        for tp in range(layout.tp):
+            tp_part_rank, tp_replica = tp % tp_degree, tp // tp_degree
+            for ep_rank in range(layout.ep):
+                rank = RankCoord(pp=pp, tp=tp, ep=ep_rank, vstage=vstage)
+                if spec.experts:
+                    expert_range = range(ep_rank * local_experts, (ep_rank + 1) * local_experts)
+                    ep_primary = True
+                else:
+                    expert_range = range(1)
+                    ep_primary = ep_rank == 0
+                for local_expert, expert in enumerate(expert_range):
+                    prefix: list[tuple[int, int]] = []
+                    if spec.stacked:
+                        prefix.append((layer, layer + 1))
+                    if spec.experts:
+                        prefix.append((expert, expert + 1))
+                    if spec.split is Split.NONE or spec.tp_axis is None:
+                        parts = None
+                        tp_primary = tp == 0
+                    else:
+                        parts = _tp_parts(spec, dims, tp_degree, tp_part_rank)
+                        tp_primary = tp_replica == 0
+                    local_shape = list(dims)
+                    if parts is not None:
+                        local_shape[spec.tp_axis - spec.prefix_axes] = sum(p[1] - p[0] for p in parts)
+                    for g0, g1, l0, l1 in parts or [(None, None, None, None)]:
+                        region = prefix + [(0, d) for d in dims]
+                        local_region = [(0, d) for d in local_shape]
+                        if g0 is not None:
+                            axis = spec.tp_axis
+                            region[axis] = (g0, g1)
+                            local_region[axis - spec.prefix_axes] = (l0, l1)
+                        out.append(
+                            Piece(
+                                rank=rank,
+                                region=tuple(region),
+                                local_layer=local_layer,
+                                local_expert=local_expert if spec.experts else None,
+                                local_shape=tuple(local_shape),
+                                local_region=tuple(local_region),
+                                primary=tp_primary and ep_primary,
+                            )
+                        )
+    out.extend(_tied_output_copies(spec, config, layout, out))
+    return out
+
+
+def _tied_output_copies(spec: TensorSpec, config: ModelConfig, layout: Layout, embedding: list[Piece]) -> list[Piece]:
+    """With tied embeddings and several pipeline stages, the last stage keeps its own copy as output_layer."""
+    chunks = layout.pp * layout.vpp
+    if not (config.tied_embeddings and chunks > 1 and spec.param == "embedding.word_embeddings.weight"):
+        return []
+    last = chunks - 1
+    last_rank = dict(pp=last % layout.pp, vstage=last // layout.pp)
+    return [
+        Piece(
+            rank=RankCoord(pp=last_rank["pp"], tp=p.rank.tp, ep=p.rank.ep, vstage=last_rank["vstage"]),
+            region=p.region,
+            local_layer=None,
+            local_expert=None,
+            local_shape=p.local_shape,
+            local_region=p.local_region,
+            primary=False,
+            alias="output_layer.weight" if not spec.is_optimizer else spec.name.replace(spec.param, "output_layer.weight"),
+        )
+        for p in embedding
+    ]
+
+
+def slab_of(spec: TensorSpec, region: Region) -> tuple[int | None, int | None]:
+    """The (layer, expert) slab a region lies in: the unit of streaming work."""
+    layer = region[0][0] if spec.stacked else None
+    expert = region[int(spec.stacked)][0] if spec.experts else None
+    return layer, expert
+
+
+def slabs(spec: TensorSpec) -> Iterator[Region]:
+    """Regions that stream a tensor one layer (and one expert) at a time."""
+    layers = range(spec.shape[0]) if spec.stacked else [None]
+    n_experts = spec.shape[int(spec.stacked)] if spec.experts else None
+    for layer in layers:
+        for expert in range(n_experts) if n_experts is not None else [None]:
+            region: list[tuple[int, int]] = []
+            if layer is not None:
+                region.append((layer, layer + 1))
+            if expert is not None:
+                region.append((expert, expert + 1))
+            region.extend((0, d) for d in spec.shape[len(region) :])
+            yield tuple(region)
+
+
+def pieces_by_slab(all_pieces: list[Piece], spec: TensorSpec) -> dict[tuple[int | None, int | None], list[Piece]]:
+    grouped: dict[tuple[int | None, int | None], list[Piece]] = defaultdict(list)
+    for piece in all_pieces:
+        grouped[slab_of(spec, piece.region)].append(piece)
+    return grouped
+
+
+def intersect(a: Region, b: Region) -> Region | None:
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def shift(region: Region, origin: Region) -> Region:
+    """Express `region` relative to the start of `origin`."""
+    return tuple((a - o, b - o) for (a, b), (o, _) in zip(region, origin))

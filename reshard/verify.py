@@ -1,0 +1,118 @@
+"""Checksums of a whole checkpoint, recomputed slab by slab, and their comparison."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from reshard.checksum import Checksum, TensorChecksum
+from reshard.errors import ReshardError
+from reshard.formats.base import CheckpointReader
+from reshard.sharding import slabs
+
+
+def compute_checksums(reader: CheckpointReader, progress: Callable[[int], None] | None = None) -> dict[str, Checksum]:
+    """Layout-invariant checksums of every logical tensor, reading one slab at a time."""
+    out = {}
+    for name, spec in sorted(reader.specs.items()):
+        acc = TensorChecksum(spec.shape, spec.dtype, reader.config.vocab_rows if spec.vocab else None)
+        for slab in slabs(spec):
+            data = reader.read(name, slab)
+            acc.add(slab, data)
+            if progress:
+                progress(data.numel() * data.element_size())
+        out[name] = acc.result()
+    return out
+
+
+@dataclass
+class Comparison:
+    mismatched: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # in the reference, not in the checkpoint
+    unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the reference
+    dtype_differs: list[str] = field(default_factory=list)
+    matched: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not (self.mismatched or self.missing or self.unexpected or self.dtype_differs)
+
+    def summary(self) -> str:
+        parts = []
+        for label, names in (
+            ("differ", self.mismatched),
+            ("missing", self.missing),
+            ("unexpected", self.unexpected),
+            ("have another dtype", self.dtype_differs),
+        ):
+            if names:
+                parts.append(f"{len(names)} tensor(s) {label} (first: {names[0]})")
+        return "; ".join(parts) if parts else f"all {self.matched} tensors match"
+
+    def raise_if_bad(self, message: str) -> None:
+        if not self.ok:
+            raise ReshardError(f"{message}: {self.summary()}")
+
+
+def compare(
+    actual: dict[str, Checksum],
+    reference: dict[str, Checksum],
+    actual_label: str = "checkpoint",
+    reference_label: str = "reference",
+    *,
+    subset: bool = False,
+) -> Comparison:
+    """Compare digests and dtypes (shapes may differ only by vocabulary padding, which digests ignore).
+
+    With `subset`, names the reference lacks are not reported (e.g. when optimizer state was dropped).
+    """
+    result = Comparison()
+    for name in sorted(set(actual) | set(reference)):
+        if name not in reference:
+            if not subset:
+                result.unexpected.append(name)
+        elif name not in actual:
+            if not subset:
+                result.missing.append(name)
+        elif actual[name].dtype != reference[name].dtype:
+            result.dtype_differs.append(name)
+        elif actual[name].digest != reference[name].digest:
+            result.mismatched.append(name)
+        else:
+            result.matched += 1
+    return result
+
+
+@dataclass
+class VerifyReport:
+    comparison: Comparison
+    reference_label: str
+
+    def to_json(self) -> dict:
+        c = self.comparison
+        return {
+            "ok": c.ok,
+            "reference": self.reference_label,
+            "matched": c.matched,
+            "mismatched": c.mismatched,
+            "missing": c.missing,
+            "unexpected": c.unexpected,
+            "dtype_differs": c.dtype_differs,
+        }
+
+
+def verify(path, against=None) -> VerifyReport:
+    """Recompute `path`'s checksums; compare with its recorded ones, or with checkpoint `against`."""
+    from reshard.formats import open_checkpoint
+
+    with open_checkpoint(path) as reader:
+        if against is None and reader.manifest is None:
+            raise ReshardError(f"{path} has no recorded checksums; compare it with another checkpoint using --against")
+        actual = compute_checksums(reader)
+        recorded = reader.manifest.checksums if reader.manifest else None
+    if against is None:
+        assert recorded is not None
+        return VerifyReport(compare(actual, recorded, str(path), "recorded"), "against the checksums recorded at save")
+    with open_checkpoint(against) as other:
+        reference = compute_checksums(other)
+    return VerifyReport(compare(actual, reference, str(path), str(against)), f"against {against}")
