@@ -54,7 +54,16 @@ def inspect(path: Path, as_json: bool) -> None:
 @click.option("--to-format", type=click.Choice(FORMATS), help="Target format (default: the source's).")
 @click.option("--no-optimizer", is_flag=True, help="Drop optimizer state instead of resharding it.")
 @click.option("--vocab-size", type=int, help="The true vocabulary size, when the checkpoint does not record it.")
-@click.option("--legacy-naming", type=click.Choice(["te", "local"]), help="Norm naming in legacy output (default: from args).")
+@click.option(
+    "--naming",
+    type=click.Choice(["te", "local"]),
+    help="Megatron output: Transformer-Engine or local-spec parameter names (default: the source's transformer_impl).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]),
+    help="HF output only: store the weights in this dtype (default: the source's).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty destination (only after the new one verifies).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes, peak memory) and write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -79,8 +88,14 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
         last_stage_layers=opts["last_stage_layers"],
     )
     writer_options = {}
-    if opts["legacy_naming"]:
-        writer_options["te_names"] = opts["legacy_naming"] == "te"
+    if opts["naming"]:
+        writer_options["te_names"] = opts["naming"] == "te"
+    if opts["dtype"]:
+        from reshard.formats.hf import normalize_dtype
+
+        if opts["to_format"] != "hf":
+            raise ReshardError("--dtype applies to HF output only; add --to-format hf")
+        writer_options["dtype"] = normalize_dtype(opts["dtype"])
     bar = _progress_bar(total, "converting", opts["quiet"] or opts["dry_run"])
     with bar:
         result = do_convert(
@@ -127,6 +142,22 @@ def verify(path: Path, against: Path | None, as_json: bool) -> None:
         click.echo(f"{path}: {report.comparison.summary()} ({report.reference_label})")
     if not report.comparison.ok:
         sys.exit(1)
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("repo_id")
+@click.option("--private", is_flag=True, help="Create the repository as private (when it does not exist yet).")
+@click.option("--revision", help="Branch to upload to (created from the default branch if missing).")
+@click.option("--token", help="Hub token (default: HF_TOKEN or the token saved by `hf auth login`).")
+@click.option("--endpoint", help="Hub URL (default: HF_ENDPOINT or https://huggingface.co).")
+@click.option("--message", help="Commit message.")
+def upload(path: Path, repo_id: str, private: bool, revision: str | None, token: str | None, endpoint: str | None, message: str | None) -> None:
+    """Verify the HF model at PATH against its checksums, write a model card, and upload it to REPO_ID."""
+    from reshard.upload import upload as do_upload
+
+    result = do_upload(path, repo_id, private=private, revision=revision, token=token, endpoint=endpoint, commit_message=message)
+    click.echo(f"uploaded {path} to {result.url} ({result.files} files, checksums verified before upload)")
 
 
 def run() -> None:

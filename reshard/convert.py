@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from reshard import __version__
-from reshard.checksum import TensorChecksum
+from reshard.checksum import Checksum, TensorChecksum
 from reshard.errors import ReshardError
 from reshard.formats import WRITERS, open_checkpoint
 from reshard.formats.base import CheckpointReader, Manifest
@@ -37,28 +37,43 @@ def read_slab(reader: CheckpointReader, move: TensorMove, slab: Region) -> torch
     if not move.target.vocab or slab[0][1] <= source_rows:
         return reader.read(move.source.name, slab)
     inside = ((slab[0][0], min(slab[0][1], source_rows)), *slab[1:])
-    out = torch.zeros([b - a for a, b in slab], dtype=getattr(torch, move.target.dtype))
+    out = torch.zeros([b - a for a, b in slab], dtype=getattr(torch, move.source.dtype))
     if inside[0][0] < inside[0][1]:
         out[: inside[0][1] - inside[0][0]] = reader.read(move.source.name, inside)
     return out
 
 
-def stream(reader: CheckpointReader, plan: ConversionPlan, writer_options: dict[str, Any], progress: Progress | None) -> Manifest:
-    """Copy every tensor slab by slab into a writer at `plan.target`; the manifest holds the source checksums."""
+def stream(
+    reader: CheckpointReader,
+    plan: ConversionPlan,
+    writer_options: dict[str, Any],
+    progress: Progress | None,
+    source_checksums: dict[str, Checksum] | None = None,
+) -> Manifest:
+    """Copy every tensor slab by slab into a writer at `plan.target`; the manifest holds the source checksums
+    (of the values as written: after a cast to the target dtype, when a move changes it). `source_checksums`,
+    if given, receives the checksums of the values as read, before any cast."""
     writer = WRITERS[plan.target_format](
-        plan.target, plan.config, plan.target_layout, {m.target.name: m.target for m in plan.moves}, reader.common, **writer_options
+        plan.target, plan.config, plan.target_layout, {m.target.name: m.target for m in plan.moves}, plan.common, **writer_options
     )
     checksums: dict[str, Checksum] = {}
     for move in plan.moves:
         by_slab = pieces_by_slab(pieces(move.target, plan.config, plan.target_layout), move.target)
         acc = TensorChecksum(move.target.shape, move.target.dtype, reader.config.vocab_rows if move.target.vocab else None)
+        cast = move.target.dtype != move.source.dtype
+        read_acc = TensorChecksum(move.target.shape, move.source.dtype, reader.config.vocab_rows if move.target.vocab else None) if cast else acc
         for slab in slabs(move.target):
             data = read_slab(reader, move, slab)
+            if cast:
+                read_acc.add(slab, data)
+                data = data.to(getattr(torch, move.target.dtype))
             acc.add(slab, data)
             writer.write(move.target, slab, data, by_slab.get(slab_of(move.target, slab), []))
             if progress:
                 progress(data.numel() * data.element_size())
         checksums[move.target.name] = acc.result()
+        if source_checksums is not None:
+            source_checksums[move.target.name] = read_acc.result()
     manifest = Manifest(
         format=plan.target_format,
         config=plan.config,
@@ -127,7 +142,15 @@ def convert(
             if vocab_size > reader.config.padded_vocab_size:
                 raise ReshardError(f"--vocab-size {vocab_size} exceeds the checkpoint's {reader.config.padded_vocab_size} embedding rows")
             reader.config = reader.config.replace(vocab_size=vocab_size)
-        plan = make_plan(reader, target, to_format or reader.format_name, layout or reader.layout, optimizer=optimizer)
+        options = dict(writer_options or {})
+        plan = make_plan(
+            reader, target, to_format or reader.format_name, layout or reader.layout, optimizer=optimizer, te_names=options.get("te_names")
+        )
+        if options.get("dtype"):  # a writer that casts (HF --dtype): the plan and checksums follow what it writes
+            dtype = str(options["dtype"])
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ReshardError(f"dtype {dtype!r} is not a torch dtype name (float32, bfloat16, float16)")
+            plan.moves = [TensorMove(m.source, replace(m.target, dtype=dtype)) for m in plan.moves]
         if dry_run:
             return ConversionResult(plan, None, time.perf_counter() - start)
         _check_destination(target, overwrite)
@@ -136,10 +159,11 @@ def convert(
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             plan.target = tmp
-            manifest = stream(reader, plan, writer_options or {}, progress)
+            as_read: dict[str, Checksum] = {}
+            manifest = stream(reader, plan, options, progress, as_read)
             checksums = manifest.checksums
             if reader.manifest is not None:
-                compare(checksums, reader.manifest.checksums, "source as read", "source's recorded checksums", subset=True).raise_if_bad(
+                compare(as_read, reader.manifest.checksums, "source as read", "source's recorded checksums", subset=True).raise_if_bad(
                     f"{source} does not match the checksums recorded when it was written"
                 )
             with open_checkpoint(tmp, plan.target_format) as written:

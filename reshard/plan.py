@@ -11,10 +11,14 @@ import torch
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
-from reshard.formats.base import CheckpointReader
+from reshard.formats.base import CheckpointReader, CommonState
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
+from reshard.naming import default_extra_state, is_layout_bound, uses_te_names
 from reshard.sharding import pieces, region_size, slabs
+
+
+MEGATRON_FORMATS = ("torch_dist", "legacy")
 
 
 def itemsize(dtype: str) -> int:
@@ -47,6 +51,7 @@ class ConversionPlan:
     target_layout: Layout
     config: ModelConfig  # the target's (padded vocabulary follows the target TP)
     moves: list[TensorMove]
+    common: CommonState  # what the target carries besides tensors
     dropped: list[str] = field(default_factory=list)
 
     @property
@@ -131,10 +136,12 @@ def make_plan(
     layout: Layout,
     *,
     optimizer: bool = True,
+    te_names: bool | None = None,
 ) -> ConversionPlan:
     layout.validate(reader.config)
     config = target_config(reader.config, layout)
-    moves, dropped = [], list(reader.common.dropped)
+    moves: list[TensorMove] = []
+    dropped = list(reader.common.dropped)
     unsupported = getattr(reader, "unsupported_optimizer", [])
     if optimizer and unsupported:
         raise ReshardError(
@@ -154,6 +161,12 @@ def make_plan(
         moves.append(TensorMove(spec, spec.with_shape(shape)))
     if not moves:
         raise ReshardError(f"{reader.path} holds no model tensors")
+    if target_format == "legacy" and any(m.target.is_optimizer for m in moves):
+        raise ReshardError(
+            "the legacy format keys optimizer state by per-rank parameter index, which reshard does not write; "
+            "pass --no-optimizer or convert to torch_dist"
+        )
+    common = _target_common(reader, layout, target_format, optimizer, te_names, dropped)
     return ConversionPlan(
         source=reader.path,
         source_format=reader.format_name,
@@ -163,5 +176,34 @@ def make_plan(
         target_layout=layout,
         config=config,
         moves=moves,
+        common=common,
         dropped=dropped,
     )
+
+
+def _same_ranks(a: Layout, b: Layout, config: ModelConfig) -> bool:
+    return (a.tp, a.pp, a.ep, a.expert_tp, a.vpp) == (b.tp, b.pp, b.ep, b.expert_tp, b.vpp) and a.stage_layers(
+        config.num_layers
+    ) == b.stage_layers(config.num_layers)
+
+
+def _target_common(
+    reader: CheckpointReader, layout: Layout, target_format: str, optimizer: bool, te_names: bool | None, dropped: list[str]
+) -> CommonState:
+    """Non-tensor state for the target: layout-bound objects only survive an unchanged layout;
+    Megatron targets get the empty `_extra_state` entries Megatron's loader insists on."""
+    source = reader.common
+    objects = {}
+    for key, value in source.objects.items():
+        if is_layout_bound(key) and not _same_ranks(reader.layout, layout, reader.config):
+            dropped.append(key)
+        else:
+            objects[key] = value
+    if target_format in MEGATRON_FORMATS and not any("_extra_state" in k for k in objects):
+        te = uses_te_names(source.args) if te_names is None else te_names
+        objects.update(default_extra_state(reader.config, te))
+    extra = dict(source.extra)
+    if not optimizer and "optimizer" in extra:
+        dropped.append("optimizer (common part)")
+        del extra["optimizer"]
+    return CommonState(args=dict(source.args), iteration=source.iteration, extra=extra, objects=objects, dropped=list(source.dropped))

@@ -22,6 +22,11 @@ def register(name: str, reader: type[CheckpointReader], writer: type[CheckpointW
     _DETECTORS = _DETECTORS + ((name, detector),)
 
 
+from reshard.formats.hf import HFReader, HFWriter, is_hf  # noqa: E402  (registers itself like any added format)
+
+register("hf", HFReader, HFWriter, is_hf)
+
+
 def detect(path: Path) -> str:
     if not path.exists():
         raise ReshardError(f"{path} does not exist")

@@ -61,6 +61,7 @@ class CommonState:
     args: dict[str, Any] = field(default_factory=dict)
     iteration: int | str = 0  # or "release"
     extra: dict[str, Any] = field(default_factory=dict)  # checkpoint_version, opt_param_scheduler, ...
+    objects: dict[str, Any] = field(default_factory=dict)  # per-module state by layout-free key (naming.ObjectKey)
     dropped: list[str] = field(default_factory=list)  # non-tensor state not carried, said out loud
 
 

@@ -8,11 +8,13 @@ primary pieces, so that `megatron.core.dist_checkpointing.load` reads it at any 
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import pickle
 from collections import defaultdict
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -38,7 +40,8 @@ from reshard.formats.base import (
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
 from reshard.formats.torch_blob import tensor_in_blob
 from reshard.layout import RankCoord, ranks
-from reshard.logical import TensorSpec, describe, is_extra_state
+from reshard.logical import TensorSpec, describe
+from reshard.naming import canonical, is_layout_bound, spell, uses_te_names
 from reshard.sharding import Piece, Region, intersect, region_size, shift, to_slices
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
@@ -80,21 +83,50 @@ class TorchDistReader(CheckpointReader):
         self.layout = layout_from_args(args)
         self.common = CommonState(args=args, iteration=iteration, extra=common)
         self.manifest = Manifest.load(directory)
-        self._chunks: dict[str, list[tuple[Region, _StorageInfo]]] = defaultdict(list)
+        by_offset: dict[str, list[tuple[tuple[int, ...], _StorageInfo]]] = defaultdict(list)
+        objects: dict[str, _StorageInfo] = {}
         for index, info in self.metadata.storage_data.items():
-            if index.offset is not None:
-                self._chunks[index.fqn].append((tuple(index.offset), info))
+            if index.offset is None:
+                objects[index.fqn] = info
+            else:
+                by_offset[index.fqn].append((tuple(index.offset), info))
         self.specs: dict[str, TensorSpec] = {}
+        self._chunks: dict[str, list[tuple[Region, _StorageInfo]]] = {}
+        self.unsupported_optimizer = []
+        moe = self.config.is_moe
         for key, md in self.metadata.state_dict_metadata.items():
-            if isinstance(md, BytesStorageMetadata) or is_extra_state(key):
-                self.common.dropped.append(key)
+            if isinstance(md, BytesStorageMetadata):
+                if key.startswith("optimizer"):
+                    self.unsupported_optimizer.append(key)
+                elif "_extra_state" in key or is_layout_bound(key):
+                    self.common.objects[key] = self._object(objects[key])
+                else:
+                    self.common.dropped.append(key)
                 continue
             assert isinstance(md, TensorStorageMetadata)
-            self.specs[key] = describe(key, tuple(md.size), dtype_name(md.properties.dtype), self.config)
+            name = canonical(key, "dist", moe)
+            if name != key:  # the MoE pre-MLP norm gives the spec away
+                self.common.args.setdefault("transformer_impl", "local")
+            try:
+                self.specs[name] = describe(name, tuple(md.size), dtype_name(md.properties.dtype), self.config)
+            except ReshardError:
+                if not key.startswith("optimizer."):
+                    raise
+                self.unsupported_optimizer.append(key)
+                continue
             sizes = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
-            self._chunks[key] = [
-                (tuple((o, o + s) for o, s in zip(offsets, sizes[offsets])), info) for offsets, info in self._chunks[key]
+            self._chunks[name] = [
+                (tuple((o, o + s) for o, s in zip(offsets, sizes[offsets])), info) for offsets, info in by_offset[key]
             ]
+
+    def _object(self, info: _StorageInfo) -> object:
+        path = self.tree.iteration_dir / info.relative_path
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        if len(data) != info.length:
+            raise ReshardError(f"{path} is truncated: the checkpoint is damaged")
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
     def read(self, name: str, region: Region) -> torch.Tensor:
         spec = self.specs[name]
@@ -132,8 +164,9 @@ class TorchDistReader(CheckpointReader):
 class TorchDistWriter(CheckpointWriter):
     format_name = "torch_dist"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, te_names: bool | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        self.te_names = uses_te_names(self.common.args) if te_names is None else te_names
         self.directory = self.path / iteration_dirname(self.common.iteration)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._file_index = {rank: i for i, rank in enumerate(ranks(self.layout))}
@@ -156,28 +189,49 @@ class TorchDistWriter(CheckpointWriter):
             offset = f.tell()
             torch.save(chunk, f)
             offsets = torch.Size(a for a, _ in piece.region)
-            self._chunks[spec.name].append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(chunk.shape)))
-            self._storage[MetadataIndex(spec.name, offsets)] = _StorageInfo(name, offset, f.tell() - offset)
+            key = self._key(spec.name)
+            self._chunks[key].append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(chunk.shape)))
+            self._storage[MetadataIndex(key, offsets)] = _StorageInfo(name, offset, f.tell() - offset)
+
+    def _key(self, name: str) -> str:
+        return spell(name, "dist", self.te_names, self.config.is_moe)
+
+    def _write_objects(self) -> dict[str, BytesStorageMetadata]:
+        """Per-module objects go into the first rank's file, as Megatron's replica 0 saves them."""
+        if not self.common.objects:
+            return {}
+        name = "__0_0.distcp"
+        f = self._files.get(0) or open(self.directory / name, "ab")
+        self._files[0] = f
+        for key, value in sorted(self.common.objects.items()):
+            buffer = io.BytesIO()
+            torch.save(value, buffer)
+            offset = f.tell()
+            f.write(buffer.getbuffer())
+            self._storage[MetadataIndex(key)] = _StorageInfo(name, offset, f.tell() - offset)
+        return {key: BytesStorageMetadata() for key in self.common.objects}
 
     def finish(self, manifest: Manifest) -> None:
-        for f in self._files.values():
-            f.flush()
-            f.close()
-        state = {
-            name: TensorStorageMetadata(
+        state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {
+            self._key(name): TensorStorageMetadata(
                 properties=TensorProperties(dtype=getattr(torch, spec.dtype)),
                 size=torch.Size(spec.shape),
-                chunks=self._chunks[name],
+                chunks=self._chunks[self._key(name)],
             )
             for name, spec in self.specs.items()
         }
-        metadata = Metadata(state_dict_metadata=state, planner_data={}, storage_data=self._storage)
-        # Megatron-Core's load planner looks for this (it describes flattened optimizer tensors; we write none).
-        metadata.mcore_data = {}
+        state.update(self._write_objects())
+        for f in self._files.values():
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        metadata = Metadata(state_dict_metadata=state, storage_data=self._storage)
         with open(self.directory / ".metadata", "wb") as f:
             pickle.dump(metadata, f)
         common = dict(self.common.extra)
-        common["args"] = args_namespace(args_for_layout(self.common.args, self.layout, self.config, "torch_dist"))
+        args = args_for_layout(self.common.args, self.layout, self.config, "torch_dist")
+        args["transformer_impl"] = "transformer_engine" if self.te_names else "local"
+        common["args"] = args_namespace(args)
         common["iteration"] = self.common.iteration
         torch.save(common, self.directory / "common.pt")
         (self.directory / "metadata.json").write_text(json.dumps(METADATA_JSON))

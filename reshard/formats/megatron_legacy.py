@@ -27,7 +27,8 @@ from reshard.formats.base import (
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
 from reshard.formats.torch_blob import StreamingTorchSave
 from reshard.layout import Layout, RankCoord, ranks
-from reshard.logical import TensorSpec, describe, is_extra_state
+from reshard.logical import TensorSpec, describe
+from reshard.naming import ObjectKey, canonical, spell, uses_te_names
 from reshard.sharding import Piece, Region, intersect, pieces, region_size, shift, to_slices
 
 RANK_FILE = "model_optim_rng.pt"
@@ -35,15 +36,6 @@ _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LOCAL_LAYER = re.compile(r"^(?P<head>(?:.*\.)?decoder\.layers\.)(?P<index>\d+)\.(?P<tail>.+)$")
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(?P<index>\d+)\.")
 
-# Transformer-Engine (canonical) parameter names -> Megatron-Core local-spec names. The local spec
-# keeps separate norm modules where Transformer Engine fuses them into the next linear layer.
-LOCAL_SPEC_NAMES = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-}
-TE_NAMES = {local: te for te, local in LOCAL_SPEC_NAMES.items()}
 # Keys of a rank file that are not model state and are carried as common state.
 _NOT_COMMON = ("args", "iteration", "rng_state", "optimizer", "model")
 
@@ -53,35 +45,35 @@ def is_legacy(path: Path) -> bool:
     return tree is not None and any(_RANK_DIR.match(p.name) for p in tree.iteration_dir.iterdir())
 
 
-def uses_te_names(args: dict[str, Any]) -> bool:
-    """Megatron-LM's default implementation is Transformer Engine; `local` keeps separate norms."""
-    return args.get("transformer_impl", "transformer_engine") != "local"
-
-
-def local_name(spec: TensorSpec, piece: Piece, te_names: bool) -> str:
-    """The name of a piece in its rank's `model` state dict."""
+def local_name(name: str, piece: Piece, te_names: bool, moe: bool) -> str:
+    """The name of a piece of logical tensor `name` in its rank's `model` state dict."""
     if piece.alias:
         return piece.alias
-    if not (spec.stacked or spec.layer is not None):
-        return spec.name
-    match = re.match(r"^(?P<head>(?:.*\.)?decoder\.layers\.)(?:\d+\.)?(?P<tail>.+)$", spec.name)
-    assert match is not None
-    tail = match.group("tail")
-    if not te_names:
-        tail = LOCAL_SPEC_NAMES.get(tail, tail)
-    if piece.local_expert is not None:
-        tail = tail.replace("mlp.experts.experts.", f"mlp.experts.local_experts.{piece.local_expert}.", 1)
-    return f"{match.group('head')}{piece.local_layer}.{tail}"
+    return _localize(spell(name, "legacy", te_names, moe), piece.local_layer, piece.local_expert)
 
 
-def _logical_name(name: str) -> tuple[str, int | None]:
-    """Local name -> (logical name without layer index, global-independent local layer index)."""
+def _localize(name: str, local_layer: int | None, local_expert: int | None) -> str:
+    """Stacked canonical name -> stage-local layer number and rank-local expert number."""
+    if local_layer is None:
+        return name
+    tail = name.split("decoder.layers.", 1)[1]
+    tail = re.sub(r"^\d+\.", "", tail)
+    if local_expert is not None:
+        tail = tail.replace("mlp.experts.experts.", f"mlp.experts.local_experts.{local_expert}.", 1)
+    return f"{name.split('decoder.layers.', 1)[0]}decoder.layers.{local_layer}.{tail}"
+
+
+def _globalize(name: str, moe: bool) -> tuple[str, int | None, int | None]:
+    """Local name -> (canonical stacked name, stage-local layer, rank-local expert)."""
     match = _LOCAL_LAYER.match(name)
     if not match:
-        return name, None
-    tail = TE_NAMES.get(match.group("tail"), match.group("tail"))
-    tail = _LOCAL_EXPERT.sub("mlp.experts.experts.", tail)
-    return f"{match.group('head')}{tail}", int(match.group("index"))
+        return name, None, None
+    tail, expert = match.group("tail"), None
+    expert_match = _LOCAL_EXPERT.search(tail)
+    if expert_match:
+        expert = int(expert_match.group("index"))
+        tail = _LOCAL_EXPERT.sub("mlp.experts.experts.", tail)
+    return canonical(f"{match.group('head')}{tail}", "legacy", moe), int(match.group("index")), expert
 
 
 def _model_keys(vpp: int) -> list[str]:
@@ -108,8 +100,9 @@ class LegacyReader(CheckpointReader):
                     f"{tree.iteration_dir / rank.legacy_dirname(self.layout) / RANK_FILE} is missing but args say {self.layout}: the checkpoint is incomplete"
                 )
         extra = {k: v for k, v in first.items() if k not in _NOT_COMMON and not k.startswith("model")}
-        dropped = [k for k in ("rng_state", "optimizer") if k in first]
-        self.common = CommonState(args=args, iteration=first.get("iteration", tree.iteration), extra=extra, dropped=dropped)
+        self.common = CommonState(args=args, iteration=first.get("iteration", tree.iteration), extra=extra)
+        # Legacy optimizer state is keyed by parameter index within each rank: tied to its layout.
+        self.unsupported_optimizer = ["optimizer (legacy per-rank state)"] if "optimizer" in first else []
         self.manifest = Manifest.load(tree.iteration_dir)
         self.specs = self._discover()
         self._pieces: dict[str, list[Piece]] = {}
@@ -138,23 +131,32 @@ class LegacyReader(CheckpointReader):
         return state[key]
 
     def _discover(self) -> dict[str, TensorSpec]:
-        """Logical tensors from the tp=0, ep=0 ranks of every stage (other ranks hold the same names)."""
-        config, layout = self.config, self.layout
-        stages = layout.stage_layers(config.num_layers)
+        """Logical tensors and per-module objects, from the tp=0 ranks of every stage."""
+        config, layout, moe = self.config, self.layout, self.config.is_moe
         per_layer: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
         singles: dict[str, torch.Tensor] = {}
-        for chunk, layers in enumerate(stages):
-            rank = RankCoord(pp=chunk % layout.pp, tp=0, ep=0, vstage=chunk // layout.pp)
-            for name, tensor in self._model(rank).items():
-                if not isinstance(tensor, torch.Tensor) or is_extra_state(name):
-                    continue
-                if name == "output_layer.weight" and config.tied_embeddings:
-                    continue  # the last stage's copy of the tied embedding
-                logical, local_layer = _logical_name(name)
-                if local_layer is None:
-                    singles[logical] = tensor
-                else:
-                    per_layer[logical][layers.start + local_layer] = tensor
+        for chunk, layers in enumerate(layout.stage_layers(config.num_layers)):
+            for ep in range(layout.ep):
+                rank = RankCoord(pp=chunk % layout.pp, tp=0, ep=ep, vstage=chunk // layout.pp)
+                for name, value in self._model(rank).items():
+                    logical, local_layer, local_expert = _globalize(name, moe)
+                    if name.endswith("_extra_state"):
+                        self._add_object(logical, layers.start, local_layer, local_expert, ep, value)
+                    elif ep > 0 or not isinstance(value, torch.Tensor):
+                        continue  # other EP ranks repeat the dense tensors
+                    elif name == "output_layer.weight" and config.tied_embeddings:
+                        continue  # the last stage's copy of the tied embedding
+                    elif local_layer is None:
+                        singles[logical] = value
+                    else:
+                        per_layer[logical][layers.start + local_layer] = value
+        for rank in ranks(layout):
+            state = self._state(rank)
+            if "rng_state" in state:
+                offsets, shape = (rank.pp, rank.tp), (layout.pp, layout.tp)
+                if layout.ep > 1:
+                    offsets, shape = offsets + (rank.ep,), shape + (layout.ep,)
+                self.common.objects[str(ObjectKey("rng_state", offsets, shape))] = state["rng_state"]
         specs: dict[str, TensorSpec] = {}
         for name, tensor in singles.items():
             specs[name] = self._global_spec(name, tensor, layer_axis=False)
@@ -166,6 +168,18 @@ class LegacyReader(CheckpointReader):
                     per_name = name.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
                     specs[per_name] = self._global_spec(per_name, tensor, layer_axis=False)
         return specs
+
+    def _add_object(self, module: str, first_layer: int, local_layer: int | None, local_expert: int | None, ep: int, value: Any) -> None:
+        if local_layer is None:
+            return  # output_layer's (always empty) extra state: the writer recreates it
+        if local_expert is None and ep > 0:
+            return
+        offsets, shape = (first_layer + local_layer,), (self.config.num_layers,)
+        if local_expert is not None:
+            assert self.config.num_experts is not None
+            offsets += (ep * (self.config.num_experts // self.layout.ep) + local_expert,)
+            shape += (self.config.num_experts,)
+        self.common.objects[str(ObjectKey(module, offsets, shape))] = value
 
     def _global_spec(self, name: str, local: torch.Tensor, layer_axis: bool) -> TensorSpec:
         """The logical spec of a per-rank tensor: undo the TP split and put back layer/expert axes."""
@@ -187,7 +201,7 @@ class LegacyReader(CheckpointReader):
             inside = intersect(piece.region, region)
             if inside is None:
                 continue
-            local_key = local_name(spec, piece, self.te_names)
+            local_key = local_name(name, piece, self.te_names, self.config.is_moe)
             model = self._model(piece.rank)
             if local_key not in model:
                 raise ReshardError(f"{self._rank_file(piece.rank.legacy_dirname(self.layout))} lacks {local_key}: the checkpoint is incomplete")
@@ -228,7 +242,7 @@ class LegacyWriter(CheckpointWriter):
         grouped: dict[tuple[RankCoord, int, str], list[Piece]] = defaultdict(list)
         for piece in pieces:
             file_rank = RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)
-            grouped[(file_rank, piece.rank.vstage, local_name(spec, piece, self.te_names))].append(piece)
+            grouped[(file_rank, piece.rank.vstage, local_name(spec.name, piece, self.te_names, self.config.is_moe))].append(piece)
         for (rank, vstage, key), group in grouped.items():
             local = torch.empty(group[0].local_shape, dtype=data.dtype)
             for piece in group:
@@ -236,7 +250,41 @@ class LegacyWriter(CheckpointWriter):
                 local[to_slices(piece.local_region)] = values.reshape([b - a for a, b in piece.local_region])
             self._models[rank][vstage][key] = self._streams[rank].add(local)
 
+    def _place_objects(self) -> dict[RankCoord, Any]:
+        """Put per-module objects into the model dicts of every rank holding the module; return RNG states."""
+        layout, config = self.layout, self.config
+        stages = layout.stage_layers(config.num_layers)
+        last = len(stages) - 1
+        rng: dict[RankCoord, Any] = {}
+        for tp in range(layout.tp):
+            for ep in range(layout.ep):
+                rank = RankCoord(pp=last % layout.pp, tp=tp, ep=ep)
+                # Megatron's output layer always has an (empty) extra state in module state dicts.
+                self._models[rank][last // layout.pp].setdefault("output_layer._extra_state", None)
+        for text, value in sorted(self.common.objects.items()):
+            key = ObjectKey.parse(text)
+            if key is None:
+                continue
+            if key.module == "rng_state":
+                for rank in ranks(layout):
+                    if (rank.pp, rank.tp, rank.ep)[: len(key.offsets)] == key.offsets and len(key.offsets) >= 2:
+                        rng[rank] = value
+                continue
+            if key.layer is None:
+                continue
+            pp, vstage, local_layer = layout.chunk_of_layer(config.num_layers, key.layer)
+            ep_ranks, local_expert = list(range(layout.ep)), None
+            if key.expert is not None:
+                per_rank = key.shape[1] // layout.ep
+                ep_ranks, local_expert = [key.expert // per_rank], key.expert % per_rank
+            name = _localize(key.module, local_layer, local_expert)
+            for tp in range(layout.tp):
+                for ep in ep_ranks:
+                    self._models[RankCoord(pp=pp, tp=tp, ep=ep)][vstage][name] = value
+        return rng
+
     def finish(self, manifest: Manifest) -> None:
+        rng = self._place_objects()
         args = args_namespace(
             args_for_layout(self.common.args, self.layout, self.config, "torch")
             | {"transformer_impl": "transformer_engine" if self.te_names else "local"}
@@ -245,12 +293,10 @@ class LegacyWriter(CheckpointWriter):
             state: dict[str, Any] = {"args": args, "iteration": self.common.iteration}
             state.update(self.common.extra)
             state.setdefault("checkpoint_version", 3.0)
-            models = [OrderedDict(sorted(m.items(), key=_module_order)) for m in self._models[rank]]
-            if self.layout.vpp == 1:
-                state["model"] = models[0]
-            else:
-                for i, model in enumerate(models):
-                    state[f"model{i}"] = model
+            if rank in rng:
+                state["rng_state"] = rng[rank]
+            for key, model in zip(_model_keys(self.layout.vpp), self._models[rank]):
+                state[key] = OrderedDict(sorted(model.items(), key=_module_order))
             stream.finish(state)
         manifest.save(self.directory)
         write_tracker(self.path, self.common.iteration)

@@ -107,7 +107,9 @@ class ZarrReader(CheckpointReader):
         self.layout = Layout(**attrs["layout"])
         self.manifest = Manifest.from_json(attrs["manifest"]) if "manifest" in attrs else None
         common = torch.load(path / COMMON_FILE, weights_only=False) if (path / COMMON_FILE).is_file() else {}
-        self.common = CommonState(args=common.get("args", {}), iteration=common.get("iteration", 0), extra=common.get("extra", {}))
+        self.common = CommonState(
+            args=common.get("args", {}), iteration=common.get("iteration", 0), extra=common.get("extra", {}), objects=common.get("objects", {})
+        )
         self.specs = {}
         self._dtypes: dict[str, str] = {}
         self._arrays: dict[str, ts.TensorStore] = {}
@@ -158,7 +160,7 @@ class ZarrWriter(CheckpointWriter):
 
     def finish(self, manifest: Manifest) -> None:
         torch.save(
-            {"args": self.common.args, "iteration": self.common.iteration, "extra": self.common.extra},
+            {"args": self.common.args, "iteration": self.common.iteration, "extra": self.common.extra, "objects": self.common.objects},
             self.path / COMMON_FILE,
         )
         attrs = {

@@ -1,0 +1,428 @@
+"""HuggingFace format: a directory with config.json and *.safetensors (one file, or shards + index).
+
+`HFReader` presents the canonical logical tensors of the model's family (`converters/`): a slab read
+opens only that layer's (and expert's) HF tensors, lazily through `safetensors.safe_open`.
+
+`HFWriter` streams: every output tensor's name, shape and dtype is known before the first slab
+arrives, so each shard's safetensors header is computed up front and slab data is written at its
+offset; memory is bounded by a slab. Vocabulary padding is cut back to the true vocabulary, the dtype
+is selectable (writer option `dtype`), tied models get no `lm_head`, and tokenizer files are copied
+from the HF directory the model came from when it can be found.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+from safetensors import safe_open
+
+from reshard.config import ModelConfig
+from reshard.errors import ReshardError
+from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, args_for_layout
+from reshard.layout import Layout
+from reshard.logical import TensorSpec, describe
+from reshard.sharding import Piece, Region, slab_of
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+GENERATION_CONFIG = "generation_config.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    GENERATION_CONFIG,
+)
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_DTYPE_OPTIONS = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+
+
+def is_hf(path: Path) -> bool:
+    return (path / CONFIG).is_file() and (any(path.glob("*.safetensors")) or (path / INDEX).is_file())
+
+
+def normalize_dtype(value: str) -> str:
+    key = str(value).lower().removeprefix("torch.")
+    if key not in _DTYPE_OPTIONS:
+        raise ReshardError(f"dtype {value!r} is not one of {', '.join(sorted(_DTYPE_OPTIONS))}")
+    return _DTYPE_OPTIONS[key]
+
+
+def _read_header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ReshardError(f"{path} is truncated (no safetensors header)")
+        (size,) = struct.unpack("<Q", raw)
+        if size > 100 * 1024**2:
+            raise ReshardError(f"{path} is not a safetensors file (header of {size} bytes)")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    if path.stat().st_size < 8 + size + end:
+        raise ReshardError(f"{path} is truncated: the model download is incomplete")
+    return header
+
+
+class HFReader(CheckpointReader):
+    format_name = "hf"
+
+    def __init__(self, path: Path):
+        from converters import family_for_hf
+
+        self.path = Path(path)
+        if not (self.path / CONFIG).is_file():
+            raise ReshardError(f"{self.path} has no config.json: not a HuggingFace model directory")
+        self.hf_config = json.loads((self.path / CONFIG).read_text())
+        self.family = family_for_hf(self.hf_config)
+        config, extras = self.family.config_from_hf(self.hf_config)
+        self.layout = Layout()
+        self.manifest = Manifest.load(self.path)
+        # Where each HF tensor lives, from the index or the file headers.
+        self._where: dict[str, Path] = {}
+        self._meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+        files = self._files()
+        for file in files:
+            for name, info in _read_header(file).items():
+                if name in self._where:
+                    raise ReshardError(f"tensor {name} is in both {self._where[name].name} and {file.name}")
+                self._where[name] = file
+                self._meta[name] = (info["dtype"], tuple(info["shape"]))
+        self._handles: dict[Path, Any] = {}
+
+        prefix = self.family.prefix
+        self._alias: dict[str, str] = {}  # canonical HF name -> name in the files (old GPT-2 keys lack "transformer.")
+        for name in list(self._where):
+            if not name.startswith(prefix) and name != "lm_head.weight" and prefix + name not in self._where:
+                self._alias[prefix + name] = name
+
+        # Embedding rows, in case config.json's vocab_size disagrees with the weights.
+        emb = {m.megatron: m for m in self.family.mappings(config)}["embedding.word_embeddings.weight"]
+        rows = self._shape(emb.hf_names()[0])[0]
+        if rows != config.vocab_size:
+            raise ReshardError(
+                f"config.json says vocab_size={config.vocab_size} but {emb.hf_names()[0]} has {rows} rows: fix config.json"
+            )
+        self._mappings = {m.megatron: m for m in self.family.mappings(config)}
+        used: set[str] = set()
+        dtypes: dict[str, str] = {}
+        from reshard.architecture import model_tensors
+
+        shapes = model_tensors(config)
+        if set(shapes) != set(self._mappings):
+            raise ReshardError(
+                f"internal: {self.family.model_type} mappings do not cover the model's tensors "
+                f"(missing {sorted(set(shapes) - set(self._mappings))[:3]}, extra {sorted(set(self._mappings) - set(shapes))[:3]})"
+            )
+        for name, mapping in self._mappings.items():
+            layers = range(config.num_layers) if name.startswith("decoder.layers.") else [None]
+            experts = range(config.num_experts or 0) if ".experts.experts." in name else [None]
+            kinds = set()
+            for layer in layers:
+                for expert in experts:
+                    for hf_name in mapping.hf_names(layer, expert):
+                        st_dtype, _ = self._meta_of(hf_name)
+                        kinds.add(st_dtype)
+                        used.add(self._alias.get(hf_name, hf_name))
+            if len(kinds) != 1 or next(iter(kinds)) not in ("F32", "BF16", "F16"):
+                raise ReshardError(f"{name}: HF tensors have dtypes {sorted(kinds)}; expected one floating-point dtype")
+            dtypes[name] = str(_ST_DTYPES[next(iter(kinds))]).removeprefix("torch.")
+        leftover = sorted(n for n in self._where if n not in used)
+        dropped = []
+        for name in leftover:
+            if self.family.is_ignored(name) or (name == "lm_head.weight" and config.tied_embeddings):
+                dropped.append(name)
+            else:
+                raise ReshardError(
+                    f"{self.path}: tensor {name} is not mapped by the {self.family.model_type} converter; "
+                    "refusing to drop weights silently (is config.json right for these weights?)"
+                )
+        if not self.hf_config.get("dtype") and not self.hf_config.get("torch_dtype"):
+            config = config.replace(params_dtype=dtypes["embedding.word_embeddings.weight"])
+        self.config = config
+        self.specs: dict[str, TensorSpec] = {name: describe(name, shape, dtypes[name], config) for name, shape in shapes.items()}
+        args = dict(config.megatron_args())
+        args.update(extras)
+        args.update(
+            vocab_size=config.vocab_size,
+            padded_vocab_size=config.padded_vocab_size,
+            make_vocab_size_divisible_by=128,
+            params_dtype=getattr(torch, config.params_dtype),
+            bf16=config.params_dtype == "bfloat16",
+            fp16=config.params_dtype == "float16",
+            use_rotary_position_embeddings=config.position_embedding_type == "rope",
+            tokenizer_type="HuggingFaceTokenizer",
+            tokenizer_model=str(self.path.resolve()),
+            hf_model_type=self.family.model_type,
+            hf_architecture=self.family.architectures[0],
+            hf_config=self.hf_config,
+            hf_source=str(self.path.resolve()),
+            model_type="GPT",
+        )
+        args = args_for_layout(args, self.layout, config, "hf")
+        self.common = CommonState(args=args, iteration="release", extra={"checkpoint_version": 3.0}, dropped=dropped)
+
+    # -- files ------------------------------------------------------------------------------------
+    def _files(self) -> list[Path]:
+        index = self.path / INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            names = sorted(set(weight_map.values()))
+            missing = [n for n in names if not (self.path / n).is_file()]
+            if missing:
+                raise ReshardError(f"{self.path / missing[0]} is missing: the model download is incomplete")
+            return [self.path / n for n in names]
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise ReshardError(f"{self.path} has no *.safetensors files (PyTorch .bin weights are not supported; re-save with safetensors)")
+        return files
+
+    def _meta_of(self, hf_name: str) -> tuple[str, tuple[int, ...]]:
+        name = self._alias.get(hf_name, hf_name)
+        if name not in self._meta:
+            raise ReshardError(f"{self.path}: tensor {hf_name} is missing; the checkpoint is incomplete or config.json does not match it")
+        return self._meta[name]
+
+    def _shape(self, hf_name: str) -> tuple[int, ...]:
+        return self._meta_of(hf_name)[1]
+
+    def _tensor(self, hf_name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        name = self._alias.get(hf_name, hf_name)
+        file = self._where[name]
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = safe_open(str(file), framework="pt")
+        if rows is None:
+            return handle.get_tensor(name)
+        return handle.get_slice(name)[rows[0] : rows[1]]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    # -- logical reads ----------------------------------------------------------------------------
+    def read(self, name: str, region: Region) -> torch.Tensor:
+        spec = self.specs[name]
+        mapping = self._mappings[name]
+        out = torch.empty([b - a for a, b in region], dtype=getattr(torch, spec.dtype))
+        prefix = spec.prefix_axes
+        inner = region[prefix:]
+        layers = range(*region[0]) if spec.stacked else [None]
+        experts = range(*region[int(spec.stacked)]) if spec.experts else [None]
+        for li, layer in enumerate(layers):
+            for ei, expert in enumerate(experts):
+                if spec.vocab:
+                    value = self._vocab_rows(mapping, inner, spec)
+                else:
+                    value = mapping.to_megatron([self._tensor(n) for n in mapping.hf_names(layer, expert)], self.config)
+                    if tuple(value.shape) != spec.shape[prefix:]:
+                        raise ReshardError(f"{name}: HF tensors give shape {tuple(value.shape)}, expected {spec.shape[prefix:]}")
+                    value = value[tuple(slice(a, b) for a, b in inner)]
+                index = tuple(i for i, present in ((li, spec.stacked), (ei, spec.experts)) if present)
+                out[index] = value
+        return out
+
+    def _vocab_rows(self, mapping, inner: Region, spec: TensorSpec) -> torch.Tensor:
+        """Rows of an embedding/output layer region; rows past the HF vocabulary are padding (zeros)."""
+        (r0, r1), cols = inner[0], inner[1:]
+        hf_name = mapping.hf_names()[0]
+        rows = self._shape(hf_name)[0]
+        out = torch.zeros([r1 - r0, *(b - a for a, b in cols)], dtype=getattr(torch, spec.dtype))
+        if r0 < rows:
+            data = self._tensor(hf_name, (r0, min(r1, rows)))
+            out[: data.shape[0]] = data[(slice(None), *(slice(a, b) for a, b in cols))]
+        return out
+
+
+@dataclass
+class _Entry:
+    """One HF tensor of the output: where its bytes go and whether they arrived."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    file: int
+    offset: int  # absolute, in the file
+    nbytes: int
+    written: bool = False
+
+
+class HFWriter(CheckpointWriter):
+    format_name = "hf"
+
+    def __init__(
+        self,
+        path: Path,
+        config: ModelConfig,
+        layout: Layout,
+        specs: dict[str, TensorSpec],
+        common: CommonState,
+        *,
+        dtype: str | None = None,
+        max_shard_size: int = DEFAULT_SHARD_BYTES,
+        architecture: str | None = None,
+        te_names: bool | None = None,  # Megatron naming option: meaningless for HF, accepted so --naming never breaks an export
+    ):
+        from converters import family_by_name, family_for_model
+
+        super().__init__(path, config, layout, specs, common)
+        optimizer = [n for n, s in specs.items() if s.is_optimizer]
+        if optimizer:
+            raise ReshardError(f"the HF format holds no optimizer state ({optimizer[0]}, ...); pass --no-optimizer")
+        self.family = family_by_name(architecture) if architecture else family_for_model(config, common.args)
+        self.dtype = normalize_dtype(dtype) if dtype else None
+        saved = common.args.get("hf_config") if isinstance(common.args.get("hf_config"), dict) else None
+        self.hf_config = self.family.config_to_hf(config, saved, common.args)
+        self._mappings = {m.megatron: m for m in self.family.mappings(config)}
+        if set(self._mappings) != set(specs):
+            missing = sorted(set(self._mappings) - set(specs))
+            extra = sorted(set(specs) - set(self._mappings))
+            raise ReshardError(
+                f"the checkpoint's tensors do not match an HF {self.family.model_type} model "
+                f"(missing {missing[:3]}, unmapped {extra[:3]}); it cannot be exported without losing weights"
+            )
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._entries: dict[str, _Entry] = {}
+        self._plan_files(max_shard_size)
+
+    # -- planning ---------------------------------------------------------------------------------
+    def _out_dtype(self, spec: TensorSpec) -> torch.dtype:
+        return getattr(torch, self.dtype or spec.dtype)
+
+    def _all_tensors(self) -> list[tuple[tuple, str, tuple[int, ...], torch.dtype]]:
+        """(sort key, HF name, shape, dtype) of every output tensor, in HF's usual order (by layer)."""
+        out = []
+        for name, spec in self.specs.items():
+            mapping = self._mappings[name]
+            slab_shape = list(spec.shape[spec.prefix_axes :])
+            if spec.vocab:
+                slab_shape[0] = self.config.vocab_rows
+            shapes = mapping.hf_shapes(slab_shape, self.config)
+            layers = range(spec.shape[0]) if spec.stacked else [None]
+            experts = range(spec.shape[int(spec.stacked)]) if spec.experts else [None]
+            group = 0 if name.startswith("embedding.") else (2 if not spec.stacked else 1)
+            for layer in layers:
+                for expert in experts:
+                    for hf_name, shape in zip(mapping.hf_names(layer, expert), shapes):
+                        key = (group, layer if layer is not None else -1, hf_name)
+                        out.append((key, hf_name, shape, self._out_dtype(spec)))
+        out.sort(key=lambda t: t[0])
+        return out
+
+    def _plan_files(self, max_shard_size: int) -> None:
+        shards: list[list[tuple[str, tuple[int, ...], torch.dtype, int]]] = [[]]
+        size = 0
+        for _, name, shape, dtype in self._all_tensors():
+            nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+            if shards[-1] and size + nbytes > max_shard_size:
+                shards.append([])
+                size = 0
+            shards[-1].append((name, shape, dtype, nbytes))
+            size += nbytes
+        n = len(shards)
+        self._file_names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self._files: list[BinaryIO] = []
+        for index, (file_name, tensors) in enumerate(zip(self._file_names, shards)):
+            header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+            offset = 0
+            for name, shape, dtype, nbytes in tensors:
+                header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+                offset += nbytes
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-(8 + len(raw)) % 8)  # data starts 8-byte aligned, as safetensors writes it
+            start = 8 + len(raw)
+            f = open(self.path / file_name, "wb+")
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            f.truncate(start + offset)
+            self._files.append(f)
+            for name, shape, dtype, nbytes in tensors:
+                begin = header[name]["data_offsets"][0]
+                self._entries[name] = _Entry(name, tuple(shape), dtype, index, start + begin, nbytes)
+
+    # -- streaming --------------------------------------------------------------------------------
+    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece]) -> None:
+        mapping = self._mappings[spec.name]
+        layer, expert = slab_of(spec, slab)
+        value = data.reshape(data.shape[spec.prefix_axes :]) if spec.prefix_axes else data
+        if spec.vocab:
+            value = value[: self.config.vocab_rows]  # the padding never reaches HF
+        for hf_name, tensor in zip(mapping.hf_names(layer, expert), mapping.to_hf(value, self.config)):
+            entry = self._entries[hf_name]
+            if tuple(tensor.shape) != entry.shape:
+                raise ReshardError(f"{hf_name}: got shape {tuple(tensor.shape)}, expected {entry.shape}")
+            raw = tensor.to(entry.dtype).contiguous().view(torch.uint8).numpy()
+            f = self._files[entry.file]
+            f.seek(entry.offset)
+            f.write(memoryview(raw))
+            entry.written = True
+
+    def finish(self, manifest: Manifest) -> None:
+        for f in self._files:
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        missing = [e.name for e in self._entries.values() if not e.written]
+        if missing:
+            raise ReshardError(f"internal: {len(missing)} HF tensors were never written (first: {missing[0]})")
+        if len(self._file_names) > 1:
+            index = {
+                "metadata": {"total_size": sum(e.nbytes for e in self._entries.values())},
+                "weight_map": {name: self._file_names[e.file] for name, e in sorted(self._entries.items())},
+            }
+            (self.path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        config = dict(self.hf_config)
+        out_dtype = self.dtype or self.specs["embedding.word_embeddings.weight"].dtype
+        config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = out_dtype
+        config.pop("_name_or_path", None)
+        (self.path / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        source = self._source_dir(manifest)
+        copied = []
+        if source is not None:
+            for name in TOKENIZER_FILES:
+                if (source / name).is_file():
+                    shutil.copyfile(source / name, self.path / name)
+                    copied.append(name)
+        if GENERATION_CONFIG not in copied:
+            generation = {"_from_model_config": True}
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                if config.get(key) is not None:
+                    generation[key] = config[key]
+            (self.path / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+        manifest.provenance = dict(manifest.provenance, hf_family=self.family.model_type, hf_files_copied=copied)
+        manifest.save(self.path)
+
+    def _source_dir(self, manifest: Manifest) -> Path | None:
+        """The HF directory this model came from (tokenizer files live there), if it still exists."""
+        candidates = [manifest.provenance.get("source"), self.common.args.get("hf_source"), self.common.args.get("tokenizer_model")]
+        for candidate in candidates:
+            if candidate and Path(candidate).is_dir() and (Path(candidate) / CONFIG).is_file():
+                return Path(candidate)
+        return None

@@ -1,0 +1,128 @@
+"""How Megatron spells names: canonical logical names vs. the local and Transformer-Engine specs.
+
+Canonical tensor names are Transformer-Engine torch_dist keys. Two spellings differ from them:
+- Megatron-Core's local spec keeps separate norm modules. In legacy files they appear as
+  `input_layernorm.*` / `pre_mlp_layernorm.*`; in torch_dist the local spec maps them to the TE
+  names, except that a MoE layer's pre-MLP norm becomes `mlp.linear_fc1.layer_norm_*` (local) where
+  Transformer Engine keeps `pre_mlp_layernorm.*` (our canonical name).
+- Legacy files number layers per pipeline stage and experts per rank (`local_experts.{j}`).
+
+Non-tensor module state (`_extra_state`, e.g. Transformer-Engine FP8 metadata) is keyed the way
+torch_dist keys its ShardedObjects: `<module>._extra_state/shard_<offsets>_<shape>`, with the
+global layer (and expert) index as offsets, so the key is layout-free.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from reshard.config import ModelConfig
+
+# Canonical layer-level name tail -> spelling, per (format family, implementation, MoE model).
+_SPELLINGS: dict[tuple[str, bool, bool], dict[str, str]] = {
+    ("dist", False, True): {
+        "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+        "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+    },
+    ("legacy", False, False): {
+        "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+        "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+        "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+    },
+    ("legacy", False, True): {
+        "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+        "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    },
+}
+_LAYER_NAME = re.compile(r"^(?P<head>(?:.*\.)?decoder\.layers\.)(?P<index>\d+\.)?(?P<tail>.+)$")
+
+
+def _spelling(family: str, te: bool, moe: bool) -> dict[str, str]:
+    return _SPELLINGS.get((family, te, moe), {})
+
+
+def spell(name: str, family: str, te: bool, moe: bool) -> str:
+    """Canonical name -> the name a `family` ("dist"/"legacy") checkpoint of that spec uses."""
+    match = _LAYER_NAME.match(name)
+    if not match:
+        return name
+    tail = match.group("tail")
+    tail = _spelling(family, te, moe).get(tail, tail)
+    return f"{match.group('head')}{match.group('index') or ''}{tail}"
+
+
+def canonical(name: str, family: str, moe: bool) -> str:
+    """A name as stored (either spec) -> canonical. The two specs never spell different things alike."""
+    match = _LAYER_NAME.match(name)
+    if not match:
+        return name
+    tail = match.group("tail")
+    for te in (False, True):
+        inverse = {spelled: canon for canon, spelled in _spelling(family, te, moe).items()}
+        if tail in inverse:
+            tail = inverse[tail]
+            break
+    return f"{match.group('head')}{match.group('index') or ''}{tail}"
+
+
+def uses_te_names(args: dict) -> bool:
+    """Megatron-LM's default implementation is Transformer Engine; `local` is the alternative."""
+    return args.get("transformer_impl", "transformer_engine") != "local"
+
+
+@dataclass(frozen=True)
+class ObjectKey:
+    """A layout-free key of per-module state: module path (stacked form) plus global offsets."""
+
+    module: str  # e.g. "decoder.layers.self_attention.linear_proj._extra_state"
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"{self.module}/shard_{'.'.join(map(str, self.offsets))}_{'.'.join(map(str, self.shape))}"
+
+    @classmethod
+    def parse(cls, key: str) -> ObjectKey | None:
+        match = re.match(r"^(?P<module>.+)/shard_(?P<offsets>[\d.]+)_(?P<shape>[\d.]+)$", key)
+        if not match:
+            return None
+        return cls(match["module"], tuple(map(int, match["offsets"].split("."))), tuple(map(int, match["shape"].split("."))))
+
+    @property
+    def layer(self) -> int | None:
+        return self.offsets[0] if self.module.startswith("decoder.layers.") else None
+
+    @property
+    def expert(self) -> int | None:
+        return self.offsets[1] if self.layer is not None and len(self.offsets) >= 2 else None
+
+
+def is_layout_bound(key: str) -> bool:
+    """Objects that belong to one rank of one layout (RNG states) cannot follow a reshard."""
+    return key.startswith("rng_state")
+
+
+def default_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
+    """The `_extra_state` entries Megatron-Core expects, for sources that have none (HF, synthetic).
+
+    Linear layers carry an (empty) extra state in both specs; Transformer Engine's attention too.
+    Megatron's loader refuses a checkpoint that lacks them, and `None` is what an unused one holds.
+    """
+    L = config.num_layers
+    modules = ["self_attention.linear_qkv", "self_attention.linear_proj"]
+    if te:
+        modules.append("self_attention.core_attention")
+    keys: list[ObjectKey] = []
+    if config.is_moe:
+        assert config.num_experts is not None
+        E = config.num_experts
+        for name in ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2"):
+            keys += [ObjectKey(f"decoder.layers.{name}._extra_state", (i, e), (L, E)) for i in range(L) for e in range(E)]
+        if config.moe_shared_expert_intermediate_size:
+            modules += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
+    else:
+        modules += ["mlp.linear_fc1", "mlp.linear_fc2"]
+    keys += [ObjectKey(f"decoder.layers.{m}._extra_state", (i,), (L,)) for m in modules for i in range(L)]
+    return {str(k): None for k in keys}
