@@ -1,0 +1,59 @@
+"""Tiny HF models of every supported family, built with transformers' own classes (shared by the tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 250  # not a multiple of 128 * tp: padding must be added on import and cut on export
+COMMON = dict(hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)
+
+
+def _configs():
+    import transformers as tf
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    return {
+        "llama": tf.LlamaConfig(**COMMON, intermediate_size=128, num_hidden_layers=4, num_key_value_heads=2,
+                                max_position_embeddings=16384, rope_theta=500000.0, rope_scaling=llama3),
+        "llama_tied": tf.LlamaConfig(**COMMON, intermediate_size=128, num_hidden_layers=2, num_key_value_heads=4,
+                                     max_position_embeddings=128, tie_word_embeddings=True),
+        "mistral": tf.MistralConfig(**COMMON, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2,
+                                    head_dim=32, sliding_window=None, max_position_embeddings=128),
+        "qwen2": tf.Qwen2Config(**COMMON, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2,
+                                max_position_embeddings=128, rope_theta=1e6, tie_word_embeddings=False),
+        "qwen3": tf.Qwen3Config(**COMMON, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2,
+                                head_dim=32, max_position_embeddings=128, tie_word_embeddings=False),
+        "mixtral": tf.MixtralConfig(**COMMON, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2,
+                                    num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128),
+        "qwen3_moe": tf.Qwen3MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                                       num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                       norm_topk_prob=True, max_position_embeddings=128, tie_word_embeddings=False),
+        "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
+                              activation_function="gelu", bos_token_id=0, eos_token_id=1),
+    }
+
+
+FAMILY_OF = {"llama_tied": "llama"}
+MOE = {"mixtral", "qwen3_moe"}
+NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gpt2"]
+
+
+def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
+    """Save a randomly initialised tiny `name` model (every parameter, norms included, randomised)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = _configs()[name]
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or "ln_" in pname:
+                p.copy_((1.0 if pname.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(directory, **save_kwargs)
+    (directory / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')  # stands in for tokenizer files
+    return directory

@@ -1,0 +1,162 @@
+"""HF -> torch_dist (several layouts) -> HF for every family: bit-identical tensors, a clean from_pretrained."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from hf_models import MOE, NAMES, VOCAB, build
+from reshard.cli import main
+from reshard.errors import ReshardError
+from reshard.formats import open_checkpoint
+from reshard.verify import verify
+
+LAYOUTS = {
+    "dense": [dict(tp=1, pp=1), dict(tp=2, pp=1), dict(tp=1, pp=2)],
+    "moe": [dict(tp=1, pp=1, ep=2), dict(tp=2, pp=2)],
+}
+
+
+def cli(*args) -> str:
+    result = CliRunner().invoke(main, [str(a) for a in args], standalone_mode=False, catch_exceptions=True)
+    if result.exception is not None:
+        raise result.exception
+    return result.output
+
+
+def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def assert_loads_cleanly(directory: Path):
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {name: build(name, root / name) for name in NAMES}
+
+
+CASES = [(name, layout) for name in NAMES for layout in LAYOUTS["moe" if name in MOE else "dense"]]
+
+
+@pytest.mark.parametrize("name,layout", CASES, ids=[f"{n}-" + "".join(f"{k}{v}" for k, v in l.items()) for n, l in CASES])
+def test_round_trip_is_bit_identical(models, tmp_path, name, layout):
+    source = models[name]
+    megatron = tmp_path / "megatron"
+    opts = [f"--to-{k}={v}" for k, v in layout.items()]
+    cli("convert", source, megatron, "--to-format", "torch_dist", *opts, "--naming", "local", "-q")
+    with open_checkpoint(megatron) as reader:
+        assert reader.layout.tp == layout["tp"] and reader.layout.pp == layout["pp"]
+        assert reader.config.vocab_size == VOCAB
+        assert reader.specs["embedding.word_embeddings.weight"].shape[0] == 128 * layout["tp"] * -(-VOCAB // (128 * layout["tp"]))
+        assert reader.common.args["make_vocab_size_divisible_by"] == 128
+    back = tmp_path / "back"
+    cli("convert", megatron, back, "--to-format", "hf", "-q")
+    original, exported = hf_tensors(source), hf_tensors(back)
+    assert exported.keys() == original.keys()
+    for key, value in original.items():
+        assert exported[key].dtype == value.dtype and torch.equal(exported[key], value), key
+    assert_loads_cleanly(back)
+    assert (back / "tokenizer_config.json").read_text() == (source / "tokenizer_config.json").read_text()
+    assert json.loads((back / "config.json").read_text())["vocab_size"] == VOCAB
+    assert verify(back).comparison.ok
+
+
+def test_tied_export_has_no_lm_head(models):
+    for name in ("llama_tied", "gpt2"):
+        assert "lm_head.weight" not in hf_tensors(models[name])
+        with open_checkpoint(models[name]) as reader:
+            assert "output_layer.weight" not in reader.specs and reader.config.tied_embeddings
+
+
+def test_llama3_rope_scaling_carried(models, tmp_path):
+    with open_checkpoint(models["llama"]) as reader:
+        assert reader.config.rope_scaling and reader.config.rope_scaling_factor == 8.0
+        assert reader.config.rotary_base == 500000.0
+        assert reader.common.args["hf_rope_scaling"]["rope_type"] == "llama3"
+    cli("convert", models["llama"], tmp_path / "m", "--to-format", "zarr", "-q")
+    cli("convert", tmp_path / "m", tmp_path / "back", "--to-format", "hf", "-q")
+    from transformers import AutoConfig
+
+    a, b = AutoConfig.from_pretrained(models["llama"]), AutoConfig.from_pretrained(tmp_path / "back")
+    assert a.rope_parameters == b.rope_parameters
+
+
+def test_sharded_input_and_output_bf16(tmp_path):
+    """A sharded HF source (with index) reads lazily; the export is sharded, bf16 and verifies."""
+    from reshard.convert import convert
+
+    source = build("mistral", tmp_path / "src", max_shard_size="40KB")
+    assert (source / "model.safetensors.index.json").is_file()
+    convert(source, tmp_path / "bf16", to_format="hf", writer_options={"dtype": "bfloat16", "max_shard_size": 60_000})
+    out = tmp_path / "bf16"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    original, exported = hf_tensors(source), hf_tensors(out)
+    assert exported.keys() == original.keys()
+    for key, value in original.items():
+        assert exported[key].dtype == torch.bfloat16 and torch.equal(exported[key], value.to(torch.bfloat16)), key
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert verify(out).comparison.ok
+    assert_loads_cleanly(out)
+
+
+def test_cli_dtype_needs_hf_output(models, tmp_path):
+    with pytest.raises(ReshardError, match="--dtype"):
+        cli("convert", models["qwen2"], tmp_path / "x", "--to-format", "torch_dist", "--dtype", "bf16")
+    cli("convert", models["qwen2"], tmp_path / "y", "--to-format", "hf", "--dtype", "bf16", "-q")
+    assert all(t.dtype == torch.bfloat16 for t in hf_tensors(tmp_path / "y").values())
+
+
+def test_megatron_model_without_hf_origin_exports_as_llama(tmp_path):
+    from fixtures.models import TINY_LLAMA
+    from fixtures.synthetic import write_synthetic
+    from reshard.layout import Layout
+
+    write_synthetic(tmp_path / "syn", TINY_LLAMA, Layout(tp=2), "torch_dist")
+    cli("convert", tmp_path / "syn", tmp_path / "hf", "--to-format", "hf", "-q")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 250
+    assert hf_tensors(tmp_path / "hf")["model.embed_tokens.weight"].shape == (250, 64)
+    assert_loads_cleanly(tmp_path / "hf")
+
+
+def test_unmapped_tensor_is_refused(models, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(models["qwen2"], bad)
+    tensors = hf_tensors(bad)
+    tensors["model.layers.0.self_attn.extra_gate.weight"] = torch.zeros(2, 2)
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ReshardError, match="extra_gate"):
+        open_checkpoint(bad)
+
+
+def test_config_feature_refused_at_open(models, tmp_path):
+    import shutil
+
+    bad = tmp_path / "sw"
+    shutil.copytree(models["mistral"], bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["sliding_window"] = 4096
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ReshardError, match="sliding_window"):
+        open_checkpoint(bad)

@@ -1,0 +1,165 @@
+"""Pure HF <-> Megatron transforms: round trips and the GQA grouping against a hand-written reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from converters import FAMILIES, family_for_hf
+from converters.base import (
+    QKV,
+    FusedQKV,
+    GatedMLP,
+    Transposed,
+    check_rope_scaling,
+    fuse_gated,
+    group_qkv,
+    rope_from_hf,
+    split_gated,
+    split_qkv,
+)
+from reshard.architecture import model_tensors
+from reshard.config import ModelConfig
+from reshard.errors import ReshardError
+
+
+def reference_qkv(q, k, v, heads, groups, head_dim):
+    """The doc's rule, with plain indexing: per KV group g, its heads/groups q heads, then k_g, then v_g."""
+    per = heads // groups
+    rows = []
+    for g in range(groups):
+        for h in range(g * per, (g + 1) * per):
+            rows.append(q[h * head_dim : (h + 1) * head_dim])
+        rows.append(k[g * head_dim : (g + 1) * head_dim])
+        rows.append(v[g * head_dim : (g + 1) * head_dim])
+    return torch.cat(rows, dim=0)
+
+
+@pytest.mark.parametrize("heads,groups,head_dim", [(4, 2, 16), (8, 1, 4), (6, 6, 8), (8, 4, 3)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_group_qkv_matches_reference_and_round_trips(heads, groups, head_dim, bias):
+    hidden = 10
+    shape = () if bias else (hidden,)
+    q = torch.randn(heads * head_dim, *shape)
+    k = torch.randn(groups * head_dim, *shape)
+    v = torch.randn(groups * head_dim, *shape)
+    fused = group_qkv(q, k, v, heads, groups, head_dim)
+    assert torch.equal(fused, reference_qkv(q, k, v, heads, groups, head_dim))
+    q2, k2, v2 = split_qkv(fused, heads, groups, head_dim)
+    assert torch.equal(q2, q) and torch.equal(k2, k) and torch.equal(v2, v)
+
+
+def test_group_qkv_is_not_plain_concatenation_for_gqa():
+    q, k, v = torch.randn(64, 8), torch.randn(32, 8), torch.randn(32, 8)
+    assert not torch.equal(group_qkv(q, k, v, 4, 2, 16), torch.cat([q, k, v]))
+
+
+def test_group_qkv_tp_split_takes_whole_groups():
+    """A TP rank's contiguous share of linear_qkv holds exactly its own KV groups' q, k, v."""
+    heads, groups, hd, tp = 8, 4, 2, 2
+    q = torch.arange(heads * hd).float().unsqueeze(1)
+    k = 100 + torch.arange(groups * hd).float().unsqueeze(1)
+    v = 200 + torch.arange(groups * hd).float().unsqueeze(1)
+    fused = group_qkv(q, k, v, heads, groups, hd)
+    share = fused.shape[0] // tp
+    rank1 = fused[share:]
+    q1, k1, v1 = split_qkv(rank1, heads // tp, groups // tp, hd)
+    assert torch.equal(q1, q[heads * hd // 2 :]) and torch.equal(k1, k[groups * hd // 2 :]) and torch.equal(v1, v[groups * hd // 2 :])
+
+
+def test_gated_round_trip_and_order():
+    gate, up = torch.randn(6, 4), torch.randn(6, 4)
+    fc1 = fuse_gated(gate, up)
+    assert torch.equal(fc1[:6], gate) and torch.equal(fc1[6:], up)
+    g2, u2 = split_gated(fc1)
+    assert torch.equal(g2, gate) and torch.equal(u2, up)
+    with pytest.raises(ReshardError):
+        fuse_gated(gate, torch.randn(5, 4))
+
+
+CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                  ffn_hidden_size=96, padded_vocab_size=256, vocab_size=250)
+
+
+def test_mapping_objects_round_trip():
+    q, k, v = torch.randn(64, 64), torch.randn(32, 64), torch.randn(32, 64)
+    m = QKV("x", "q{layer}", "k{layer}", "v{layer}")
+    assert m.hf_names(3) == ["q3", "k3", "v3"]
+    for a, b in zip(m.to_hf(m.to_megatron([q, k, v], CFG), CFG), (q, k, v)):
+        assert torch.equal(a, b)
+    assert m.hf_shapes((128, 64), CFG) == [(64, 64), (32, 64), (32, 64)]
+    g = GatedMLP("x", "g", "u")
+    w = torch.randn(192, 64)
+    assert torch.equal(g.to_megatron(g.to_hf(w, CFG), CFG), w)
+    t = Transposed("x", "c")
+    conv = torch.randn(64, 256)
+    assert torch.equal(t.to_megatron([conv], CFG), conv.t()) and torch.equal(t.to_hf(t.to_megatron([conv], CFG), CFG)[0], conv)
+
+
+def test_fused_conv1d_qkv_matches_separate_projections():
+    """GPT-2 c_attn ([in, 3*out] Conv1D) gives the same linear_qkv as separate q/k/v Linear weights."""
+    mha = CFG.replace(num_query_groups=None)
+    q, k, v = torch.randn(64, 64), torch.randn(64, 64), torch.randn(64, 64)
+    c_attn = torch.cat([q, k, v], dim=0).t().contiguous()
+    m = FusedQKV("x", "c", conv1d=True)
+    assert torch.equal(m.to_megatron([c_attn], mha), group_qkv(q, k, v, 4, 4, 16))
+    assert torch.equal(m.to_hf(m.to_megatron([c_attn], mha), mha)[0], c_attn)
+    bias = torch.randn(192)
+    assert torch.equal(m.to_hf(m.to_megatron([bias], mha), mha)[0], bias)
+
+
+def test_rope_settings_v4_and_v5():
+    llama3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    assert rope_from_hf({"rope_theta": 5e5, "rope_scaling": llama3}) == (5e5, llama3)
+    theta, scaling = rope_from_hf({"rope_parameters": {"rope_theta": 5e5, **llama3}})
+    assert theta == 5e5 and scaling == llama3
+    assert rope_from_hf({"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}) == (1e6, None)
+    assert check_rope_scaling(llama3) == (True, 32.0)
+    with pytest.raises(ReshardError, match="yarn"):
+        check_rope_scaling({"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ReshardError, match="high_freq_factor"):
+        check_rope_scaling(dict(llama3, high_freq_factor=2.0))
+
+
+BASE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 96, "vocab_size": 250, "max_position_embeddings": 128, "rms_norm_eps": 1e-6}
+
+
+@pytest.mark.parametrize("arch,extra,match", [
+    ("MistralForCausalLM", {"sliding_window": 4096}, "sliding_window"),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 64}, "sliding_window"),
+    ("LlamaForCausalLM", {"attention_bias": True}, "attention_bias"),
+    ("LlamaForCausalLM", {"mlp_bias": True}, "mlp_bias"),
+    ("LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
+    ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization"),
+    ("Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32, "norm_topk_prob": False}, "norm_topk_prob"),
+    ("GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "scale_attn_by_inverse_layer_idx": True}, "inverse_layer"),
+    ("FalconForCausalLM", {}, "not supported"),
+])
+def test_unmapped_hf_features_are_refused(arch, extra, match):
+    hf = dict(BASE, architectures=[arch], **extra)
+    with pytest.raises(ReshardError, match=match):
+        family_for_hf(hf).config_from_hf(hf)
+
+
+def test_every_family_maps_exactly_the_model_tensors():
+    configs = {
+        "llama": dict(BASE, architectures=["LlamaForCausalLM"], tie_word_embeddings=True),
+        "mistral": dict(BASE, architectures=["MistralForCausalLM"]),
+        "qwen2": dict(BASE, architectures=["Qwen2ForCausalLM"]),
+        "qwen3": dict(BASE, architectures=["Qwen3ForCausalLM"], head_dim=32),
+        "mixtral": dict(BASE, architectures=["MixtralForCausalLM"], num_local_experts=4, num_experts_per_tok=2),
+        "qwen3_moe": dict(BASE, architectures=["Qwen3MoeForCausalLM"], num_experts=4, moe_intermediate_size=32, norm_topk_prob=True),
+        "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 250},
+    }
+    assert set(configs) == set(FAMILIES)
+    for name, hf in configs.items():
+        family = family_for_hf(hf)
+        config, _ = family.config_from_hf(hf)
+        assert {m.megatron for m in family.mappings(config)} == set(model_tensors(config)), name
+        assert family.matches(config), name
+        back = family.config_to_hf(config, None, {})
+        again, _ = family.config_from_hf(back)
+        assert again == config, name

@@ -1,0 +1,62 @@
+"""`reshard upload` against a Hub-compatible server on 127.0.0.1, through huggingface_hub's real HfApi."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from hf_models import build
+from hub_server import Hub
+from reshard.cli import main
+from reshard.convert import convert
+from reshard.errors import ReshardError
+from reshard.upload import upload
+
+
+@pytest.fixture
+def export(tmp_path):
+    source = build("qwen2", tmp_path / "src")
+    convert(source, tmp_path / "export", to_format="hf")
+    return tmp_path / "export"
+
+
+def test_upload_verifies_writes_card_and_commits(export, monkeypatch):
+    with Hub() as hub:
+        monkeypatch.setenv("HF_TOKEN", hub.token)
+        result = CliRunner().invoke(main, ["upload", str(export), "user/tiny", "--private", "--revision", "v1", "--endpoint", hub.url],
+                                    standalone_mode=False)
+        assert result.exception is None, result.exception
+        repo = hub.repos["user/tiny"]
+        assert repo["private"]
+        files = repo["branches"]["v1"]
+        assert {"config.json", "model.safetensors", "reshard_manifest.json", "README.md", "tokenizer_config.json"} <= set(files)
+        assert files["model.safetensors"] == (export / "model.safetensors").read_bytes()
+        card = files["README.md"].decode()
+        assert "source layout" in card and "Qwen2ForCausalLM" in card and "checksums" in card.lower()
+        # exist_ok: a second upload to the same repo works
+        upload(export, "user/tiny", endpoint=hub.url, token=hub.token)
+        assert "model.safetensors" in hub.repos["user/tiny"]["branches"]["main"]
+
+
+def test_upload_refuses_a_corrupted_export(export):
+    data = bytearray((export / "model.safetensors").read_bytes())
+    data[-3] ^= 0x40  # one flipped bit in the last tensor
+    (export / "model.safetensors").write_bytes(bytes(data))
+    with Hub() as hub:
+        with pytest.raises(ReshardError, match="refusing to upload"):
+            upload(export, "user/bad", endpoint=hub.url, token=hub.token)
+        assert not hub.repos
+
+
+def test_upload_reports_bad_token(export):
+    with Hub() as hub:
+        with pytest.raises(ReshardError, match="token"):
+            upload(export, "user/x", endpoint=hub.url, token="wrong")
+
+
+def test_upload_needs_a_reshard_export(tmp_path):
+    source = build("gpt2", tmp_path / "src")
+    with pytest.raises(ReshardError, match="reshard_manifest"):
+        upload(source, "user/x", endpoint="http://127.0.0.1:9", token="t")

@@ -1,0 +1,67 @@
+"""Legacy rank files are checked with plain torch.load and slicing written here, independent of sharding.py."""
+
+import torch
+
+from fixtures.models import TINY_LLAMA, TINY_MOE, TINY_TIED
+from fixtures.synthetic import SyntheticReader, write_synthetic
+from reshard.layout import Layout
+from reshard.sharding import full_region
+
+
+def _global(source, name):
+    return source.read(name, full_region(source.specs[name].shape))
+
+
+def _rank(path, tp, pp=None, ep=None):
+    name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if pp is not None else "") + (f"_{ep:03d}" if ep is not None else "")
+    return torch.load(path / "iter_0000010" / name / "model_optim_rng.pt", weights_only=False)
+
+
+def test_dense_rank_files_hold_megatron_shards(tmp_path, dtype):
+    write_synthetic(tmp_path / "ckpt", TINY_LLAMA, Layout(tp=2, pp=2), "legacy", dtype=dtype)
+    src = SyntheticReader(TINY_LLAMA, Layout(tp=2, pp=2), dtype)
+    qkv = _global(src, "decoder.layers.self_attention.linear_qkv.weight")
+    fc1 = _global(src, "decoder.layers.mlp.linear_fc1.weight")
+    proj = _global(src, "decoder.layers.self_attention.linear_proj.weight")
+    emb = _global(src, "embedding.word_embeddings.weight")
+    norm = _global(src, "decoder.layers.self_attention.linear_qkv.layer_norm_weight")
+    for tp in range(2):
+        first, second = _rank(tmp_path / "ckpt", tp, 0), _rank(tmp_path / "ckpt", tp, 1)
+        assert first["args"].tensor_model_parallel_size == 2 and first["args"].pipeline_model_parallel_size == 2
+        assert torch.equal(first["model"]["embedding.word_embeddings.weight"], emb.chunk(2)[tp])
+        # stage 1 holds global layers 2 and 3 as local layers 0 and 1
+        m = second["model"]
+        assert torch.equal(m["decoder.layers.1.self_attention.linear_qkv.weight"], qkv[3].chunk(2)[tp])
+        assert torch.equal(m["decoder.layers.0.self_attention.linear_proj.weight"], proj[2].chunk(2, dim=1)[tp])
+        gate, up = fc1[2].chunk(2)
+        assert torch.equal(m["decoder.layers.0.mlp.linear_fc1.weight"], torch.cat([gate.chunk(2)[tp], up.chunk(2)[tp]]))
+        # Transformer Engine naming (Megatron-LM's default) fuses the norm into linear_qkv
+        assert torch.equal(m["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"], norm[2])
+        assert "output_layer.weight" in m and "output_layer.weight" not in first["model"]
+        assert m["decoder.layers.0.self_attention.linear_qkv._extra_state"] is None
+
+
+def test_local_spec_names_and_tied_embedding_copy(tmp_path):
+    from reshard.convert import convert
+
+    write_synthetic(tmp_path / "te", TINY_TIED, Layout(pp=2), "legacy")
+    convert(tmp_path / "te", tmp_path / "local", writer_options={"te_names": False})
+    src = SyntheticReader(TINY_TIED, Layout(pp=2))
+    emb = _global(src, "embedding.word_embeddings.weight")
+    first, last = _rank(tmp_path / "local", 0, 0)["model"], _rank(tmp_path / "local", 0, 1)["model"]
+    assert "decoder.layers.0.input_layernorm.weight" in first and "decoder.layers.0.pre_mlp_layernorm.weight" in first
+    # tied embeddings: the last stage keeps its own copy as output_layer.weight, as Megatron does
+    assert torch.equal(last["output_layer.weight"], emb)
+    assert _rank(tmp_path / "local", 0, 0)["args"].transformer_impl == "local"
+
+
+def test_experts_are_numbered_per_rank(tmp_path):
+    write_synthetic(tmp_path / "ckpt", TINY_MOE, Layout(ep=2), "legacy")
+    src = SyntheticReader(TINY_MOE, Layout(ep=2))
+    fc2 = _global(src, "decoder.layers.mlp.experts.experts.linear_fc2.weight")
+    router = _global(src, "decoder.layers.mlp.router.weight")
+    for ep in range(2):
+        m = _rank(tmp_path / "ckpt", 0, None, ep)["model"]
+        for j in range(2):
+            assert torch.equal(m[f"decoder.layers.1.mlp.experts.local_experts.{j}.linear_fc2.weight"], fc2[1, ep * 2 + j])
+        assert torch.equal(m["decoder.layers.1.mlp.router.weight"], router[1])

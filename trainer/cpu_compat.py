@@ -1,0 +1,223 @@
+"""Let megatron-core (0.16) run on a machine without CUDA.
+
+A handful of megatron-core modules call CUDA unconditionally (see
+/work/shared/docs/megatron-core-on-cpu.md). `apply()` redirects exactly those calls:
+
+* In the modules of `_CUDA_MODULES` the module-global name `torch` is replaced by a thin proxy
+  (`_CpuTorch`) that forwards everything to the real `torch` except that
+  - `torch.cuda.current_device()` answers `cpu`, `synchronize`/`empty_cache` do nothing,
+    `Stream`/`stream`/`current_stream`/`default_stream` give inert stand-ins;
+  - tensor factories (`zeros`, `ones`, `empty`, ...) asked for `device="cuda"` allocate on the CPU.
+  This covers GlobalMemoryBuffer (core/utils.py), TP gathers (tensor_parallel/mappings.py), the pipeline schedules and p2p communication,
+  filesystem_async's synchronize and the torch_dist saver's result all-reduce, RoPE's and the MoE
+  router's first-use move of CPU tensors to the GPU, MoE dispatcher/shared-expert streams, the
+  default causal mask, and the DDP grad buffers and non-distributed optimizer of an Adam step.
+* `tensor_parallel.random.CudaRNGStatesTracker` is replaced by a subclass that keeps CPU RNG
+  states, so `model_parallel_cuda_manual_seed()` and `get_cuda_rng_tracker().fork()` work.
+* `LanguageModule.setup_embeddings_and_output_layer` (tied embeddings with PP>1) calls
+  `weight.data.cuda()`; on the CPU it runs with `Tensor.cuda` answering the tensor itself.
+* `transformer.moe.moe_utils.te_general_gemm` is defined as None when Transformer Engine is absent.
+
+Nothing is done when `torch.cuda.is_available()`; calling `apply()` again is harmless. Call it before
+building models (before the first `get_cuda_rng_tracker()` / `model_parallel_cuda_manual_seed()`).
+Every patch is guarded: a module or attribute that a newer megatron-core lacks is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import types
+
+import torch
+
+_CUDA_MODULES = (
+    "megatron.core.utils",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.transformer.utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.shared_experts",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+)
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand", "zeros_like", "empty_like", "ones_like")
+
+_applied: list[str] = []  # what apply() patched, for inspection and tests
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return None
+
+    def synchronize(self):
+        pass
+
+
+def _is_cuda(device) -> bool:
+    return device is not None and str(device).startswith("cuda")
+
+
+class _CpuCuda(types.SimpleNamespace):
+    """`torch.cuda` as seen by a patched module; anything not overridden comes from torch.cuda."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device():
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(*args, **kwargs):
+        pass
+
+    @staticmethod
+    def empty_cache():
+        pass
+
+    Stream = _NullStream
+
+    @staticmethod
+    def stream(*args, **kwargs):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def current_stream(*args, **kwargs):
+        return _NullStream()
+
+    default_stream = current_stream
+
+
+class _CpuTorch(types.ModuleType):
+    """The `torch` module with CUDA devices mapped to the CPU (see the module docstring)."""
+
+    cuda = _CpuCuda()
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        if name in _FACTORIES:
+            def factory(*args, _f=value, **kwargs):
+                if _is_cuda(kwargs.get("device")):
+                    kwargs["device"] = "cpu"
+                return _f(*args, **kwargs)
+            return factory
+        return value
+
+
+_TORCH_PROXY = _CpuTorch()
+
+
+def _cpu_rng_tracker_class(base):
+    class CpuRNGStatesTracker(base):
+        """CudaRNGStatesTracker that keeps named CPU generator states instead of CUDA ones."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    CpuRNGStatesTracker.__qualname__ = CpuRNGStatesTracker.__name__
+    return CpuRNGStatesTracker
+
+
+def _with_tensor_cuda_as_identity(method):
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        original = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = original
+
+    wrapper._reshard_cpu = True
+    return wrapper
+
+
+def _import(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def apply() -> list[str]:
+    """Redirect megatron-core's CUDA-only calls to the CPU when CUDA is unavailable.
+
+    Returns the names of what is patched (empty on a CUDA machine). Idempotent.
+    """
+    if torch.cuda.is_available():
+        return []
+    for name in _CUDA_MODULES:
+        module = _import(name)
+        if module is not None and getattr(module, "torch", None) is torch:
+            module.torch = _TORCH_PROXY
+            _applied.append(name)
+
+    random = _import("megatron.core.tensor_parallel.random")
+    base = getattr(random, "CudaRNGStatesTracker", None)
+    if base is not None and not getattr(base, "_reshard_cpu", False):
+        tracker = _cpu_rng_tracker_class(base)
+        tracker._reshard_cpu = True
+        random.CudaRNGStatesTracker = tracker
+        # A tracker made before apply() holds CUDA states: have the next use rebuild it.
+        if getattr(random, "_CUDA_RNG_STATE_TRACKER", None) is not None:
+            random._CUDA_RNG_STATE_TRACKER = None
+            random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+        _applied.append("megatron.core.tensor_parallel.random.CudaRNGStatesTracker")
+
+    language_module = _import("megatron.core.models.common.language_module.language_module")
+    cls = getattr(language_module, "LanguageModule", None)
+    setup = getattr(cls, "setup_embeddings_and_output_layer", None)
+    if setup is not None and not getattr(setup, "_reshard_cpu", False):
+        cls.setup_embeddings_and_output_layer = _with_tensor_cuda_as_identity(setup)
+        _applied.append("megatron.core.models.common.language_module.LanguageModule.setup_embeddings_and_output_layer")
+
+    moe_utils = _import("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        _applied.append("megatron.core.transformer.moe.moe_utils.te_general_gemm")
+    return list(_applied)

@@ -1,0 +1,136 @@
+"""Build a real Megatron-Core GPTModel for a ModelConfig at a Layout (CPU or GPU)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.nn.functional as F
+
+from reshard.config import ModelConfig
+from reshard.layout import Layout
+from trainer import cpu_compat
+
+
+def init_parallel(layout: Layout, seed: int = 1234) -> None:
+    """Initialise torch.distributed from torchrun's env vars and Megatron's parallel groups."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    cpu_compat.apply()
+    on_gpu = torch.cuda.is_available()
+    if not torch.distributed.is_initialized():
+        if on_gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group(
+            backend="nccl" if on_gpu else "gloo", timeout=datetime.timedelta(minutes=5)
+        )
+    world = torch.distributed.get_world_size()
+    model_parallel = layout.tp * layout.pp
+    if world % model_parallel:
+        raise RuntimeError(f"world size {world} is not a multiple of TP*PP={model_parallel} for {layout}")
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype = torch.float32):
+    """Megatron's TransformerConfig for `config` at `layout` (no dropout, no fusions)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.groups,
+        kv_channels=config.head_dim,
+        ffn_hidden_size=config.ffn_hidden_size,
+        normalization=config.normalization,
+        layernorm_epsilon=config.norm_epsilon,
+        gated_linear_unit=config.swiglu,
+        activation_func=F.silu if config.swiglu else F.gelu,
+        add_bias_linear=config.add_bias_linear,
+        add_qkv_bias=config.add_qkv_bias,
+        qk_layernorm=config.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        sequence_parallel=False,
+        use_cpu_initialization=not on_gpu,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+    )
+    if layout.first_stage_layers is not None:
+        kwargs["num_layers_in_first_pipeline_stage"] = layout.first_stage_layers
+    if layout.last_stage_layers is not None:
+        kwargs["num_layers_in_last_pipeline_stage"] = layout.last_stage_layers
+    if config.is_moe:
+        kwargs.update(
+            num_moe_experts=config.num_experts,
+            moe_router_topk=config.moe_router_topk,
+            moe_ffn_hidden_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
+            moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+            moe_layer_freq=config.moe_layer_freq,
+            # gloo cannot run the all-to-all dispatcher (see the shared doc); GPUs use Megatron's default.
+            moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+            moe_grouped_gemm=False,
+            moe_aux_loss_coeff=0.0,
+            moe_router_load_balancing_type="none",
+        )
+    return TransformerConfig(**kwargs)
+
+
+def build_model(config: ModelConfig, layout: Layout, dtype: torch.dtype = torch.float32) -> list:
+    """One GPTModel per virtual pipeline stage of this rank (init_parallel must have run)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    tconfig = transformer_config(config, layout, dtype)
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_experts if config.is_moe else None,
+        moe_grouped_gemm=False,
+        qk_layernorm=config.qk_layernorm,
+        normalization=config.normalization,
+    )
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    models = []
+    for vstage in range(layout.vpp):
+        vp = vstage if layout.vpp > 1 else None
+        model = GPTModel(
+            config=tconfig,
+            transformer_layer_spec=spec,
+            vocab_size=config.padded_vocab_for(layout.tp),
+            max_sequence_length=config.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=config.tied_embeddings,
+            position_embedding_type=config.position_embedding_type,
+            rotary_percent=config.rotary_percent,
+            rotary_base=config.rotary_base,
+            rope_scaling=config.rope_scaling,
+            rope_scaling_factor=config.rope_scaling_factor,
+            vp_stage=vp,
+        )
+        models.append(model.to(device))
+    return models
