@@ -126,7 +126,11 @@ class TorchDistReader(CheckpointReader):
             data = f.read(info.length)
         if len(data) != info.length:
             raise ReshardError(f"{path} is truncated: the checkpoint is damaged")
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        # Megatron serializes a ShardedObject as the list of its data on the saving rank.
+        values = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        if not (isinstance(values, list) and len(values) == 1):
+            raise ReshardError(f"{path}: a ShardedObject is not encoded as Megatron encodes them; the file is foreign or damaged")
+        return values[0]
 
     def read(self, name: str, region: Region) -> torch.Tensor:
         spec = self.specs[name]
@@ -205,7 +209,7 @@ class TorchDistWriter(CheckpointWriter):
         self._files[0] = f
         for key, value in sorted(self.common.objects.items()):
             buffer = io.BytesIO()
-            torch.save(value, buffer)
+            torch.save([value], buffer)
             offset = f.tell()
             f.write(buffer.getbuffer())
             self._storage[MetadataIndex(key)] = _StorageInfo(name, offset, f.tell() - offset)

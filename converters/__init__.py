@@ -1,0 +1,72 @@
+"""HuggingFace model families: a registry keyed by HF `architectures` names and `model_type`.
+
+Adding a family: write `converters/<family>.py` with a `Family` subclass (names, mapping table,
+config translation) and add it to `_BUILTIN` below.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from converters.base import Family
+from converters.gpt2 import GPT2
+from converters.llama import Llama
+from converters.mistral import Mistral
+from converters.mixtral import Mixtral
+from converters.qwen2 import Qwen2
+from converters.qwen3 import Qwen3
+from converters.qwen3_moe import Qwen3Moe
+from reshard.config import ModelConfig
+from reshard.errors import ReshardError
+
+FAMILIES: dict[str, Family] = {}  # model_type -> family
+_BY_ARCHITECTURE: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    FAMILIES[family.model_type] = family
+    for name in family.architectures:
+        _BY_ARCHITECTURE[name] = family
+    return family
+
+
+# Order matters for `family_for_model`: the first family whose signature matches is the default export.
+_BUILTIN = (Llama(), Mistral(), Qwen2(), Qwen3(), Mixtral(), Qwen3Moe(), GPT2())
+for _family in _BUILTIN:
+    register(_family)
+
+
+def family_for_hf(hf_config: dict[str, Any]) -> Family:
+    """The family of an HF config.json, by its `architectures` and then its `model_type`."""
+    for name in hf_config.get("architectures") or []:
+        if name in _BY_ARCHITECTURE:
+            return _BY_ARCHITECTURE[name]
+    model_type = hf_config.get("model_type")
+    if model_type in FAMILIES and not hf_config.get("architectures"):
+        return FAMILIES[model_type]
+    names = ", ".join(hf_config.get("architectures") or [str(model_type)])
+    known = ", ".join(sorted(_BY_ARCHITECTURE))
+    raise ReshardError(f"HF architecture {names} is not supported; reshard converts {known}")
+
+
+def family_by_name(name: str) -> Family:
+    """A family by model_type or architecture name (the HF writer's `architecture` option)."""
+    if name in FAMILIES:
+        return FAMILIES[name]
+    if name in _BY_ARCHITECTURE:
+        return _BY_ARCHITECTURE[name]
+    raise ReshardError(f"unknown HF family {name!r}; choose one of {', '.join(sorted(FAMILIES))}")
+
+
+def family_for_model(config: ModelConfig, args: dict[str, Any]) -> Family:
+    """The family to export a Megatron model as: the one it was imported from, else the first that fits."""
+    saved = args.get("hf_model_type")
+    if saved in FAMILIES:
+        return FAMILIES[saved]
+    for family in FAMILIES.values():
+        if family.matches(config):
+            return family
+    raise ReshardError(
+        "no HF family matches this model (normalization, gating, biases, q/k norms, experts); "
+        f"supported: {', '.join(sorted(FAMILIES))}"
+    )

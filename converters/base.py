@@ -1,0 +1,471 @@
+"""Declarative HuggingFace <-> Megatron-Core mappings (in the spirit of Megatron-Bridge's param_mapping.py).
+
+A `Mapping` ties one canonical logical tensor (`reshard.logical`, decoder layers stacked) to the one
+or more HF tensors it is made of, for ONE slab: one layer (and one expert) at a time. HF names are
+templates with `{layer}` and `{expert}`. Its `to_megatron`/`to_hf` are pure functions on torch
+tensors (they also work on `meta` tensors, which is how the HF writer learns every output shape
+before any data arrives).
+
+A `Family` holds the HF architecture names, the mapping table for a config, and the HF config.json
+<-> `ModelConfig` functions. Anything in an HF config we do not map is refused with a one-line,
+actionable `ReshardError`: a conversion that silently drops a feature produces a model that loads
+and is wrong.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from reshard.config import ModelConfig, pad_vocab
+from reshard.errors import ReshardError
+
+Tensor = torch.Tensor
+
+# --------------------------------------------------------------------------------------------------
+# Pure transforms
+# --------------------------------------------------------------------------------------------------
+
+
+def group_qkv(q: Tensor, k: Tensor, v: Tensor, heads: int, groups: int, head_dim: int) -> Tensor:
+    """HF q/k/v (weights [out, in] or biases [out]) -> Megatron's linear_qkv rows, grouped per KV group:
+    [q heads of group 0, k_0, v_0, q heads of group 1, k_1, v_1, ...]."""
+    if heads % groups:
+        raise ReshardError(f"{heads} attention heads are not a multiple of {groups} KV groups")
+    rest = tuple(q.shape[1:])
+    per = heads // groups
+    _expect(q, heads * head_dim, "q")
+    _expect(k, groups * head_dim, "k")
+    _expect(v, groups * head_dim, "v")
+    qg = q.reshape(groups, per * head_dim, *rest)
+    kg = k.reshape(groups, head_dim, *rest)
+    vg = v.reshape(groups, head_dim, *rest)
+    return torch.cat([qg, kg, vg], dim=1).reshape((heads + 2 * groups) * head_dim, *rest)
+
+
+def split_qkv(qkv: Tensor, heads: int, groups: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of `group_qkv`."""
+    per = heads // groups
+    _expect(qkv, (heads + 2 * groups) * head_dim, "linear_qkv")
+    rest = tuple(qkv.shape[1:])
+    x = qkv.reshape(groups, (per + 2) * head_dim, *rest)
+    q = x[:, : per * head_dim].reshape(heads * head_dim, *rest)
+    k = x[:, per * head_dim : (per + 1) * head_dim].reshape(groups * head_dim, *rest)
+    v = x[:, (per + 1) * head_dim :].reshape(groups * head_dim, *rest)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def fuse_gated(gate: Tensor, up: Tensor) -> Tensor:
+    """HF gate_proj, up_proj -> Megatron linear_fc1 = [all gate rows; all up rows] (the global, layout-free form)."""
+    if gate.shape != up.shape:
+        raise ReshardError(f"gate and up projections differ in shape: {tuple(gate.shape)} vs {tuple(up.shape)}")
+    return torch.cat([gate, up], dim=0)
+
+
+def split_gated(fc1: Tensor) -> tuple[Tensor, Tensor]:
+    if fc1.shape[0] % 2:
+        raise ReshardError(f"gated linear_fc1 has an odd number of rows ({fc1.shape[0]})")
+    gate, up = fc1.chunk(2, dim=0)
+    return gate.contiguous(), up.contiguous()
+
+
+def conv1d_to_linear(t: Tensor) -> Tensor:
+    """GPT-2's Conv1D stores [in, out]; a Linear (and Megatron) stores [out, in]. Biases pass through."""
+    return t.t().contiguous() if t.dim() == 2 else t
+
+
+linear_to_conv1d = conv1d_to_linear  # a transpose is its own inverse
+
+
+def _expect(t: Tensor, rows: int, what: str) -> None:
+    if t.shape[0] != rows:
+        raise ReshardError(f"{what} has {t.shape[0]} rows, the config implies {rows}: config.json does not match the weights")
+
+
+# --------------------------------------------------------------------------------------------------
+# Mappings
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One canonical tensor <-> HF tensors, per slab. Subclasses define the two transforms."""
+
+    megatron: str
+    hf: tuple[str, ...]
+
+    def hf_names(self, layer: int | None = None, expert: int | None = None) -> list[str]:
+        return [t.format(layer=layer, expert=expert) for t in self.hf]
+
+    def to_megatron(self, tensors: Sequence[Tensor], config: ModelConfig) -> Tensor:
+        raise NotImplementedError
+
+    def to_hf(self, tensor: Tensor, config: ModelConfig) -> list[Tensor]:
+        raise NotImplementedError
+
+    def hf_shapes(self, slab_shape: Sequence[int], config: ModelConfig) -> list[tuple[int, ...]]:
+        """HF shapes for a canonical slab of `slab_shape`, computed on a meta tensor."""
+        return [tuple(t.shape) for t in self.to_hf(torch.empty(tuple(slab_shape), device="meta"), config)]
+
+
+@dataclass(frozen=True)
+class Rename(Mapping):
+    """Same values under another name."""
+
+    def __init__(self, megatron: str, hf: str):
+        object.__setattr__(self, "megatron", megatron)
+        object.__setattr__(self, "hf", (hf,))
+
+    def to_megatron(self, tensors, config):
+        return tensors[0]
+
+    def to_hf(self, tensor, config):
+        return [tensor]
+
+
+@dataclass(frozen=True)
+class Transposed(Mapping):
+    """GPT-2 Conv1D weight ([in, out]) <-> Megatron linear weight ([out, in])."""
+
+    def __init__(self, megatron: str, hf: str):
+        object.__setattr__(self, "megatron", megatron)
+        object.__setattr__(self, "hf", (hf,))
+
+    def to_megatron(self, tensors, config):
+        return conv1d_to_linear(tensors[0])
+
+    def to_hf(self, tensor, config):
+        return [linear_to_conv1d(tensor)]
+
+
+@dataclass(frozen=True)
+class QKV(Mapping):
+    """Separate q_proj, k_proj, v_proj (weights or biases) <-> grouped linear_qkv."""
+
+    def __init__(self, megatron: str, q: str, k: str, v: str):
+        object.__setattr__(self, "megatron", megatron)
+        object.__setattr__(self, "hf", (q, k, v))
+
+    def to_megatron(self, tensors, config):
+        q, k, v = tensors
+        return group_qkv(q, k, v, config.num_attention_heads, config.groups, config.head_dim)
+
+    def to_hf(self, tensor, config):
+        return list(split_qkv(tensor, config.num_attention_heads, config.groups, config.head_dim))
+
+
+@dataclass(frozen=True)
+class FusedQKV(Mapping):
+    """One HF tensor holding [all q; all k; all v] (GPT-2 c_attn, a Conv1D when `conv1d`) <-> grouped linear_qkv."""
+
+    conv1d: bool = True
+
+    def __init__(self, megatron: str, hf: str, conv1d: bool = True):
+        object.__setattr__(self, "megatron", megatron)
+        object.__setattr__(self, "hf", (hf,))
+        object.__setattr__(self, "conv1d", conv1d)
+
+    def to_megatron(self, tensors, config):
+        t = conv1d_to_linear(tensors[0]) if self.conv1d else tensors[0]
+        q_rows = config.num_attention_heads * config.head_dim
+        kv_rows = config.groups * config.head_dim
+        _expect(t, q_rows + 2 * kv_rows, "fused qkv")
+        q, k, v = t.split([q_rows, kv_rows, kv_rows], dim=0)
+        return group_qkv(q, k, v, config.num_attention_heads, config.groups, config.head_dim)
+
+    def to_hf(self, tensor, config):
+        fused = torch.cat(split_qkv(tensor, config.num_attention_heads, config.groups, config.head_dim), dim=0)
+        return [linear_to_conv1d(fused) if self.conv1d else fused]
+
+
+@dataclass(frozen=True)
+class GatedMLP(Mapping):
+    """HF gate_proj + up_proj (Mixtral: w1 + w3) <-> linear_fc1 [gate; up]."""
+
+    def __init__(self, megatron: str, gate: str, up: str):
+        object.__setattr__(self, "megatron", megatron)
+        object.__setattr__(self, "hf", (gate, up))
+
+    def to_megatron(self, tensors, config):
+        return fuse_gated(*tensors)
+
+    def to_hf(self, tensor, config):
+        return list(split_gated(tensor))
+
+
+# --------------------------------------------------------------------------------------------------
+# HF config helpers
+# --------------------------------------------------------------------------------------------------
+
+# Megatron-Core's llama3 RoPE scaling has these fixed (RotaryEmbedding._apply_scaling defaults).
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def refuse(what: str, hint: str) -> ReshardError:
+    return ReshardError(f"HF config: {what} is not supported by reshard's converter; {hint}")
+
+
+def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from a v4 (`rope_theta`, `rope_scaling`) or v5 (`rope_parameters`) config."""
+    params = hf.get("rope_parameters")
+    scaling = hf.get("rope_scaling")
+    theta = hf.get("rope_theta")
+    if isinstance(params, dict):
+        if "full_attention" in params and isinstance(params["full_attention"], dict):  # per-layer-type form
+            params = params["full_attention"]
+        theta = params.get("rope_theta", theta)
+        if params.get("rope_type", params.get("type", "default")) not in (None, "default"):
+            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if isinstance(scaling, dict):
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind in (None, "default"):
+            scaling = None
+    return float(theta if theta is not None else 10000.0), scaling
+
+
+def check_rope_scaling(scaling: dict[str, Any] | None) -> tuple[bool, float]:
+    """(Megatron rope_scaling, rope_scaling_factor) for an HF scaling dict, refusing what Megatron cannot express."""
+    if not scaling:
+        return False, 8.0
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        raise refuse(
+            f"rope_scaling type {kind!r}",
+            "Megatron-Core only implements llama3-style scaling (rope_scaling/rope_scaling_factor); convert a model without it",
+        )
+    for key, value in MEGATRON_LLAMA3_ROPE.items():
+        if key in scaling and float(scaling[key]) != value:
+            raise refuse(
+                f"llama3 rope_scaling {key}={scaling[key]}",
+                f"Megatron-Core fixes it at {value}; the converted model would compute different positions",
+            )
+    return True, float(scaling.get("factor", 8.0))
+
+
+def hf_dtype(hf: dict[str, Any]) -> str | None:
+    value = hf.get("dtype") or hf.get("torch_dtype")
+    if value is None:
+        return None
+    value = str(value).removeprefix("torch.")
+    if value not in HF_DTYPES:
+        raise refuse(f"dtype {value!r}", "only float32, bfloat16 and float16 checkpoints can be converted")
+    return HF_DTYPES[value]
+
+
+# --------------------------------------------------------------------------------------------------
+# Families
+# --------------------------------------------------------------------------------------------------
+
+L = "{layer}"
+E = "{expert}"
+
+
+class Family:
+    """One HF model family: names, mapping table, and config translation. Subclass per family."""
+
+    model_type: ClassVar[str]
+    architectures: ClassVar[tuple[str, ...]]
+    prefix: ClassVar[str] = "model."  # the base model's prefix inside the CausalLM's state dict
+    tie_default: ClassVar[bool] = False  # transformers' default for tie_word_embeddings
+    # HF keys that carry no weights we need (old non-persistent buffers saved by some versions).
+    ignored: ClassVar[tuple[str, ...]] = (r"\.rotary_emb\.inv_freq$",)
+    # ModelConfig fields this family's HF model fixes; a Megatron model that differs cannot be exported.
+    signature: ClassVar[dict[str, Any]] = {}
+
+    # ---- HF config -> ModelConfig ----------------------------------------------------------------
+    def check_hf(self, hf: dict[str, Any]) -> None:
+        """Refuse HF config features the mapping does not cover."""
+        if hf.get("quantization_config"):
+            raise refuse("quantization_config", "dequantize the model (save it unquantized) first")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise refuse(f"hidden_act={act!r}", "this family converts SwiGLU (silu) MLPs only")
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf.get(flag) and flag not in self.allowed_flags():
+                raise refuse(f"{flag}=true", f"{self.model_type} models with {flag} cannot be mapped; open an issue with the model name")
+        if hf.get("use_sliding_window") or ("use_sliding_window" not in hf and hf.get("sliding_window") is not None):
+            raise refuse(
+                f"sliding_window={hf.get('sliding_window')}",
+                "Megatron-Core here uses full causal attention; set sliding_window to null in config.json only if the model never relied on it",
+            )
+        kinds = set(hf.get("layer_types") or ["full_attention"])
+        if kinds != {"full_attention"}:
+            raise refuse(f"layer_types {sorted(kinds)}", "only full attention on every layer can be converted")
+        if float(hf.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+            raise refuse(f"partial_rotary_factor={hf['partial_rotary_factor']}", "only full-width rotary embeddings are mapped")
+
+    def allowed_flags(self) -> set[str]:
+        return set()
+
+    def config_from_hf(self, hf: dict[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:
+        """(ModelConfig, extra Megatron args) for an HF config.json dict."""
+        self.check_hf(hf)
+        heads = int(hf["num_attention_heads"])
+        kv = int(hf.get("num_key_value_heads") or heads)
+        hidden = int(hf["hidden_size"])
+        head_dim = int(hf.get("head_dim") or hidden // heads)
+        theta, scaling = rope_from_hf(hf)
+        rope_scaling, factor = check_rope_scaling(scaling)
+        vocab = int(hf["vocab_size"])
+        config = ModelConfig(
+            num_layers=int(hf["num_hidden_layers"]),
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_query_groups=kv if kv != heads else None,
+            kv_channels=head_dim,
+            ffn_hidden_size=int(hf["intermediate_size"]),
+            vocab_size=vocab,
+            padded_vocab_size=pad_vocab(vocab, 128, 1),
+            make_vocab_size_divisible_by=128,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            position_embedding_type="rope",
+            rotary_base=theta,
+            rope_scaling=rope_scaling,
+            rope_scaling_factor=factor,
+            normalization="RMSNorm",
+            norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+            swiglu=True,
+            untie_embeddings_and_output_weights=not bool(hf.get("tie_word_embeddings", self.tie_default)),
+            params_dtype=hf_dtype(hf) or "float32",
+        )
+        config = self.adjust_from_hf(config, hf)
+        extras = {"hf_rope_scaling": copy.deepcopy(scaling)} if scaling else {}
+        return config, extras
+
+    def adjust_from_hf(self, config: ModelConfig, hf: dict[str, Any]) -> ModelConfig:
+        """Family-specific fields (biases, q/k norms, experts)."""
+        return config
+
+    # ---- ModelConfig -> HF config ----------------------------------------------------------------
+    def check_megatron(self, config: ModelConfig) -> None:
+        """Refuse a Megatron model this family's HF classes cannot represent."""
+        values = self.megatron_features(config)
+        for field, want in self.signature.items():
+            if values[field] != want:
+                raise ReshardError(
+                    f"the model has {field}={values[field]!r} but HF {self.model_type} needs {want!r}: "
+                    f"it is not a {self.model_type} model; export it as another family (HF writer option `architecture`)"
+                )
+        if config.rotary_percent != 1.0:
+            raise ReshardError(f"rotary_percent={config.rotary_percent} has no HF {self.model_type} equivalent")
+        if config.vocab_size is None:
+            raise ReshardError("the checkpoint does not record its true vocabulary size; pass --vocab-size so padding is not exported")
+
+    @staticmethod
+    def megatron_features(config: ModelConfig) -> dict[str, Any]:
+        return {
+            "normalization": config.normalization,
+            "swiglu": config.swiglu,
+            "add_bias_linear": config.add_bias_linear,
+            "add_qkv_bias": config.add_qkv_bias or config.add_bias_linear,
+            "qk_layernorm": config.qk_layernorm,
+            "position_embedding_type": config.position_embedding_type,
+            "moe": config.is_moe,
+            "shared_experts": bool(config.moe_shared_expert_intermediate_size),
+        }
+
+    def matches(self, config: ModelConfig) -> bool:
+        features = self.megatron_features(config)
+        return all(features[k] == v for k, v in self.signature.items())
+
+    def config_to_hf(self, config: ModelConfig, saved: dict[str, Any] | None = None, extras: dict[str, Any] | None = None) -> dict[str, Any]:
+        """config.json for `config`; `saved` is the HF config the model was imported from (kept where it agrees)."""
+        self.check_megatron(config)
+        extras = extras or {}
+        out = copy.deepcopy(saved) if saved and saved.get("model_type") == self.model_type else {}
+        out.update(
+            architectures=[self.architectures[0]],
+            model_type=self.model_type,
+            hidden_size=config.hidden_size,
+            num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.groups,
+            head_dim=config.head_dim,
+            intermediate_size=config.ffn_hidden_size,
+            vocab_size=config.vocab_rows,
+            max_position_embeddings=config.max_position_embeddings,
+            rms_norm_eps=config.norm_epsilon,
+            hidden_act="silu",
+            tie_word_embeddings=config.tied_embeddings,
+        )
+        self._rope_to_hf(out, config, extras.get("hf_rope_scaling"))
+        self.adjust_to_hf(out, config)
+        return out
+
+    def adjust_to_hf(self, out: dict[str, Any], config: ModelConfig) -> None:
+        return None
+
+    @staticmethod
+    def _rope_to_hf(out: dict[str, Any], config: ModelConfig, saved_scaling: dict[str, Any] | None) -> None:
+        scaling = None
+        if config.rope_scaling:
+            if saved_scaling and float(saved_scaling.get("factor", 8.0)) == config.rope_scaling_factor:
+                scaling = copy.deepcopy(saved_scaling)
+            else:
+                scaling = {"rope_type": "llama3", "factor": config.rope_scaling_factor, **MEGATRON_LLAMA3_ROPE}
+        if isinstance(out.get("rope_parameters"), dict):  # transformers v5 style, kept as the source had it
+            out["rope_parameters"] = {"rope_theta": config.rotary_base, **(scaling or {"rope_type": "default"})}
+            out.pop("rope_scaling", None)
+            out.pop("rope_theta", None)
+        else:  # v4 style, read by every transformers version
+            out["rope_theta"] = config.rotary_base
+            out["rope_scaling"] = scaling
+
+    # ---- tensors ---------------------------------------------------------------------------------
+    def mappings(self, config: ModelConfig) -> list[Mapping]:
+        raise NotImplementedError
+
+    def is_ignored(self, hf_name: str) -> bool:
+        return any(re.search(p, hf_name) for p in self.ignored)
+
+
+def llama_attention(config: ModelConfig, prefix: str = "model.", qkv_bias: bool = False) -> list[Mapping]:
+    """Llama-style attention block of decoder layer {layer}."""
+    a, p = "decoder.layers.self_attention.", f"{prefix}layers.{L}."
+    out: list[Mapping] = [
+        Rename(f"{a}linear_qkv.layer_norm_weight", f"{p}input_layernorm.weight"),
+        QKV(f"{a}linear_qkv.weight", f"{p}self_attn.q_proj.weight", f"{p}self_attn.k_proj.weight", f"{p}self_attn.v_proj.weight"),
+        Rename(f"{a}linear_proj.weight", f"{p}self_attn.o_proj.weight"),
+    ]
+    if qkv_bias:
+        out.append(QKV(f"{a}linear_qkv.bias", f"{p}self_attn.q_proj.bias", f"{p}self_attn.k_proj.bias", f"{p}self_attn.v_proj.bias"))
+    if config.qk_layernorm:
+        out.append(Rename(f"{a}q_layernorm.weight", f"{p}self_attn.q_norm.weight"))
+        out.append(Rename(f"{a}k_layernorm.weight", f"{p}self_attn.k_norm.weight"))
+    return out
+
+
+def llama_dense_mlp(prefix: str = "model.") -> list[Mapping]:
+    m, p = "decoder.layers.mlp.", f"{prefix}layers.{L}."
+    return [
+        Rename(f"{m}linear_fc1.layer_norm_weight", f"{p}post_attention_layernorm.weight"),
+        GatedMLP(f"{m}linear_fc1.weight", f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"),
+        Rename(f"{m}linear_fc2.weight", f"{p}mlp.down_proj.weight"),
+    ]
+
+
+def embeddings_and_head(config: ModelConfig, prefix: str = "model.") -> list[Mapping]:
+    out: list[Mapping] = [
+        Rename("embedding.word_embeddings.weight", f"{prefix}embed_tokens.weight"),
+        Rename("decoder.final_layernorm.weight", f"{prefix}norm.weight"),
+    ]
+    if not config.tied_embeddings:
+        out.append(Rename("output_layer.weight", "lm_head.weight"))
+    return out
+
+
+def moe_mlp(config: ModelConfig, block: str, router: str, gate: str, up: str, down: str, prefix: str = "model.") -> list[Mapping]:
+    """Mixture-of-experts block: `block` is the HF module (`block_sparse_moe`, `mlp`); names are relative to it."""
+    m, p = "decoder.layers.mlp.", f"{prefix}layers.{L}."
+    ex = f"{p}{block}.experts.{E}."
+    return [
+        Rename("decoder.layers.pre_mlp_layernorm.weight", f"{p}post_attention_layernorm.weight"),
+        Rename(f"{m}router.weight", f"{p}{block}.{router}.weight"),
+        GatedMLP(f"{m}experts.experts.linear_fc1.weight", f"{ex}{gate}.weight", f"{ex}{up}.weight"),
+        Rename(f"{m}experts.experts.linear_fc2.weight", f"{ex}{down}.weight"),
+    ]

@@ -1,0 +1,43 @@
+"""Mixtral (MixtralForCausalLM): every layer a top-k MoE in `block_sparse_moe` (gate; experts.N.w1/w3/w2)."""
+
+from __future__ import annotations
+
+from converters.base import Family, embeddings_and_head, llama_attention, moe_mlp, refuse
+
+
+class Mixtral(Family):
+    model_type = "mixtral"
+    architectures = ("MixtralForCausalLM",)
+    signature = {
+        "normalization": "RMSNorm",
+        "swiglu": True,
+        "add_bias_linear": False,
+        "add_qkv_bias": False,
+        "qk_layernorm": False,
+        "position_embedding_type": "rope",
+        "moe": True,
+        "shared_experts": False,
+    }
+
+    def adjust_from_hf(self, config, hf):
+        experts = hf.get("num_local_experts") or hf.get("num_experts")
+        if not experts:
+            raise refuse("num_local_experts missing", "a Mixtral config.json names its expert count")
+        return config.replace(
+            num_experts=int(experts),
+            moe_router_topk=int(hf.get("num_experts_per_tok", 2)),
+            moe_ffn_hidden_size=int(hf["intermediate_size"]),
+        )
+
+    def mappings(self, config):
+        return [
+            *embeddings_and_head(config),
+            *llama_attention(config),
+            *moe_mlp(config, "block_sparse_moe", "gate", "w1", "w3", "w2"),
+        ]
+
+    def adjust_to_hf(self, out, config):
+        out["num_local_experts"] = config.num_experts
+        out["num_experts_per_tok"] = config.moe_router_topk
+        out["intermediate_size"] = config.moe_ffn_hidden_size or config.ffn_hidden_size
+        out["sliding_window"] = None

@@ -1,0 +1,58 @@
+"""Qwen3-MoE (Qwen3MoeForCausalLM): q/k norms and an MoE block `mlp` (gate; experts.N.gate/up/down_proj) on every layer.
+
+Qwen3-MoE has no shared experts. Routing must renormalise the top-k probabilities (`norm_topk_prob`),
+which is what Megatron's default router computes (top-k of the logits, softmax over those).
+"""
+
+from __future__ import annotations
+
+from converters.base import Family, embeddings_and_head, llama_attention, moe_mlp, refuse
+
+
+class Qwen3Moe(Family):
+    model_type = "qwen3_moe"
+    architectures = ("Qwen3MoeForCausalLM",)
+    signature = {
+        "normalization": "RMSNorm",
+        "swiglu": True,
+        "add_bias_linear": False,
+        "add_qkv_bias": False,
+        "qk_layernorm": True,
+        "position_embedding_type": "rope",
+        "moe": True,
+        "shared_experts": False,
+    }
+
+    def check_hf(self, hf):
+        super().check_hf(hf)
+        if not hf.get("norm_topk_prob", False):
+            raise refuse("norm_topk_prob=false", "Megatron-Core's default router renormalises the top-k weights; only norm_topk_prob=true models map exactly")
+        if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
+            raise refuse("dense layers between MoE layers (mlp_only_layers/decoder_sparse_step)", "only all-MoE Qwen3-MoE models are mapped")
+
+    def adjust_from_hf(self, config, hf):
+        experts = hf.get("num_experts") or hf.get("num_local_experts")
+        return config.replace(
+            qk_layernorm=True,
+            num_experts=int(experts),
+            moe_router_topk=int(hf.get("num_experts_per_tok", 8)),
+            moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
+        )
+
+    def mappings(self, config):
+        return [
+            *embeddings_and_head(config),
+            *llama_attention(config),
+            *moe_mlp(config, "mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+        ]
+
+    def adjust_to_hf(self, out, config):
+        key = "num_local_experts" if "num_local_experts" in out and "num_experts" not in out else "num_experts"
+        out[key] = config.num_experts
+        out["num_experts_per_tok"] = config.moe_router_topk
+        out["moe_intermediate_size"] = config.moe_ffn_hidden_size or config.ffn_hidden_size
+        out["norm_topk_prob"] = True
+        out["decoder_sparse_step"] = 1
+        out["mlp_only_layers"] = []
+        out["attention_bias"] = False
+        out["use_sliding_window"] = False
