@@ -124,7 +124,7 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
             f"checksums verified, {result.seconds:.1f} s ({rate:.0f} MB/s)"
         )
         if plan.dropped:
-            click.echo(f"not carried: {', '.join(plan.dropped[:6])}{' ...' if len(plan.dropped) > 6 else ''}")
+            click.echo(f"not carried: {summarize(plan.dropped)}")
 
 
 @main.command()
@@ -158,6 +158,15 @@ def upload(path: Path, repo_id: str, private: bool, revision: str | None, token:
 
     result = do_upload(path, repo_id, private=private, revision=revision, token=token, endpoint=endpoint, commit_message=message)
     click.echo(f"uploaded {path} to {result.url} ({result.files} files, checksums verified before upload)")
+
+
+def summarize(names: list[str]) -> str:
+    """'18 optimizer tensors, 2 rng_state objects' rather than a wall of names."""
+    groups: dict[str, int] = {}
+    for name in names:
+        kind = "optimizer state" if name.startswith("optimizer") else name.split("/", 1)[0].rsplit(".", 1)[-1]
+        groups[kind] = groups.get(kind, 0) + 1
+    return ", ".join(f"{count} x {kind}" for kind, count in groups.items())
 
 
 def run() -> None:

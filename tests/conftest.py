@@ -1,0 +1,47 @@
+"""Session fixtures shared by every test that needs Megatron-made checkpoints or the oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fixtures.torchrun import run
+from tests.megatron import ORACLE, layout_args, make_checkpoints
+
+
+@pytest.fixture(scope="session")
+def dense(tmp_path_factory):
+    """tiny-llama: base TP1PP1 (with one Adam step), TP2PP1 and TP1PP2 torch_dist, legacy TP2."""
+    return make_checkpoints(
+        tmp_path_factory.mktemp("dense"),
+        "tiny-llama",
+        [
+            ("tp2", dict(tp=2), ["--optimizer"]),
+            ("pp2", dict(pp=2), ["--optimizer"]),
+            ("legacy_tp2", dict(tp=2), ["--format", "legacy"]),
+        ],
+    )
+
+
+@pytest.fixture(scope="session")
+def moe(tmp_path_factory):
+    """tiny-moe: base and EP2 torch_dist (Megatron's own reshard), with Adam state."""
+    return make_checkpoints(tmp_path_factory.mktemp("moe"), "tiny-moe", [("ep2", dict(ep=2), ["--optimizer"])])
+
+
+@pytest.fixture(scope="session")
+def oracle(tmp_path_factory):
+    """oracle(ckpt, tp=.., pp=..) -> {'loss', 'logits'}: Megatron-Core loads `ckpt` strictly at that layout."""
+    root = tmp_path_factory.mktemp("oracle")
+    cache = {}
+
+    def result(ckpt, **layout):
+        key = (str(ckpt), tuple(sorted(layout.items())))
+        if key not in cache:
+            out = root / f"r{len(cache)}.pt"
+            nproc = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("ep", 1)
+            run(ORACLE, ["--load", ckpt, *layout_args(**layout), "--out", out], nproc=nproc)
+            cache[key] = torch.load(out, weights_only=False)
+        return cache[key]
+
+    return result

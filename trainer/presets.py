@@ -1,0 +1,42 @@
+"""Tiny model presets (plain ModelConfig constants) for the trainer, tests and fixture checkpoints."""
+
+from __future__ import annotations
+
+from reshard.config import ModelConfig
+
+# vocab 250 is deliberately not a multiple of 128*tp: padded to 256 at TP1, 256 at TP2, 512 at TP4.
+TINY_LLAMA = ModelConfig(
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=16,
+    ffn_hidden_size=128,
+    vocab_size=250,
+    padded_vocab_size=256,
+    make_vocab_size_divisible_by=128,
+    max_position_embeddings=128,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    untie_embeddings_and_output_weights=True,
+)
+
+TINY_TIED = TINY_LLAMA.replace(untie_embeddings_and_output_weights=False)
+
+TINY_MOE = TINY_LLAMA.replace(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64)
+
+# eight heads in four query groups: the smallest GQA model that splits over TP=4; padding to a
+# multiple of 64 * TP keeps 256 vocabulary rows at TP 1, 2 and 4
+TINY_GQA4 = TINY_LLAMA.replace(num_attention_heads=8, num_query_groups=4, kv_channels=8, make_vocab_size_divisible_by=64)
+
+# the same padded like tiny-llama: 256 rows at TP 1 and 2, 512 at TP 4
+TINY_GQA4_PAD128 = TINY_GQA4.replace(make_vocab_size_divisible_by=128)
+
+PRESETS = {
+    "tiny-llama": TINY_LLAMA,
+    "tiny-tied": TINY_TIED,
+    "tiny-moe": TINY_MOE,
+    "tiny-gqa4": TINY_GQA4,
+    "tiny-gqa4-pad128": TINY_GQA4_PAD128,
+}
