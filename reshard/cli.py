@@ -67,6 +67,10 @@ def inspect(path: Path, as_json: bool) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty destination (only after the new one verifies).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes, peak memory) and write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--workers", type=click.IntRange(1, 64), default=min(4, os.cpu_count() or 1), show_default=True,
+              help="Threads reading and hashing slabs ahead of the writer (the output does not depend on it).")
+@click.option("--max-memory", "max_memory", type=str, default=None,
+              help="Working-memory budget, e.g. 2GiB (default: an eighth of this machine's RAM).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def convert(source: Path, destination: Path, **opts: Any) -> None:
     """Convert SOURCE into DESTINATION at another layout and/or format.
@@ -110,6 +114,8 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
             vocab_size=opts["vocab_size"],
             writer_options=writer_options,
             progress=lambda n: bar.update(n),
+            workers=opts["workers"],
+            max_memory=parse_bytes(opts["max_memory"]) if opts["max_memory"] else default_memory_budget(),
         )
     plan = result.plan
     if opts["as_json"]:
@@ -158,6 +164,26 @@ def upload(path: Path, repo_id: str, private: bool, revision: str | None, token:
 
     result = do_upload(path, repo_id, private=private, revision=revision, token=token, endpoint=endpoint, commit_message=message)
     click.echo(f"uploaded {path} to {result.url} ({result.files} files, checksums verified before upload)")
+
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
+          "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30, "T": 1 << 40, "TB": 10**12, "TIB": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512M', '1e9' -> bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise ReshardError(f"--max-memory {text!r} is not a size; write e.g. 2GiB or 512MiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def default_memory_budget() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total // 8
 
 
 def summarize(names: list[str]) -> str:

@@ -17,6 +17,7 @@ from reshard.errors import ReshardError
 from reshard.formats import WRITERS, open_checkpoint
 from reshard.formats.base import CheckpointReader, Manifest
 from reshard.layout import Layout
+from reshard.pipeline import ordered_map
 from reshard.plan import ConversionPlan, TensorMove, make_plan
 from reshard.sharding import Region, pieces, pieces_by_slab, slab_of, slabs
 from reshard.verify import compare, compute_checksums
@@ -43,37 +44,64 @@ def read_slab(reader: CheckpointReader, move: TensorMove, slab: Region) -> torch
     return out
 
 
+@dataclass
+class _Prepared:
+    """One slab read (and hashed) by a worker, waiting to be written in order."""
+
+    move: TensorMove
+    slab: Region
+    data: torch.Tensor
+    as_read: TensorChecksum  # of the source values
+    as_written: TensorChecksum  # of the values after a dtype cast (the same object when there is none)
+
+
 def stream(
     reader: CheckpointReader,
     plan: ConversionPlan,
     writer_options: dict[str, Any],
     progress: Progress | None,
     source_checksums: dict[str, Checksum] | None = None,
+    workers: int = 1,
 ) -> Manifest:
     """Copy every tensor slab by slab into a writer at `plan.target`; the manifest holds the source checksums
     (of the values as written: after a cast to the target dtype, when a move changes it). `source_checksums`,
-    if given, receives the checksums of the values as read, before any cast."""
+    if given, receives the checksums of the values as read, before any cast. Workers read and hash slabs
+    ahead (at most `plan.depth` waiting); the writer takes them in plan order, so the output is the same
+    whatever the number of workers."""
     writer = WRITERS[plan.target_format](
         plan.target, plan.config, plan.target_layout, {m.target.name: m.target for m in plan.moves}, plan.common, **writer_options
     )
-    checksums: dict[str, Checksum] = {}
-    for move in plan.moves:
-        by_slab = pieces_by_slab(pieces(move.target, plan.config, plan.target_layout), move.target)
-        acc = TensorChecksum(move.target.shape, move.target.dtype, reader.config.vocab_rows if move.target.vocab else None)
-        cast = move.target.dtype != move.source.dtype
-        read_acc = TensorChecksum(move.target.shape, move.source.dtype, reader.config.vocab_rows if move.target.vocab else None) if cast else acc
-        for slab in slabs(move.target):
-            data = read_slab(reader, move, slab)
-            if cast:
-                read_acc.add(slab, data)
-                data = data.to(getattr(torch, move.target.dtype))
-            acc.add(slab, data)
-            writer.write(move.target, slab, data, by_slab.get(slab_of(move.target, slab), []))
-            if progress:
-                progress(data.numel() * data.element_size())
-        checksums[move.target.name] = acc.result()
-        if source_checksums is not None:
-            source_checksums[move.target.name] = read_acc.result()
+    content = {m.target.name: reader.config.vocab_rows if m.target.vocab else None for m in plan.moves}
+
+    def prepare(job: tuple[TensorMove, Region]) -> _Prepared:
+        move, slab = job
+        data = read_slab(reader, move, slab)
+        as_read = TensorChecksum(move.target.shape, move.source.dtype, content[move.target.name])
+        as_read.add(slab, data)
+        as_written = as_read
+        if move.target.dtype != move.source.dtype:
+            data = data.to(getattr(torch, move.target.dtype))
+            as_written = TensorChecksum(move.target.shape, move.target.dtype, content[move.target.name])
+            as_written.add(slab, data)
+        return _Prepared(move, slab, data, as_read, as_written)
+
+    jobs = ((move, slab) for move in plan.moves for slab in slabs(move.target))
+    read_sums = {m.target.name: TensorChecksum(m.target.shape, m.source.dtype, content[m.target.name]) for m in plan.moves}
+    written_sums = {m.target.name: TensorChecksum(m.target.shape, m.target.dtype, content[m.target.name]) for m in plan.moves}
+    by_slab: dict[str, dict] = {}
+    for item in ordered_map(prepare, jobs, workers, plan.depth(workers)):
+        name = item.move.target.name
+        if name not in by_slab:
+            by_slab.clear()  # moves arrive one after another: keep only the current one's pieces
+            by_slab[name] = pieces_by_slab(pieces(item.move.target, plan.config, plan.target_layout), item.move.target)
+        writer.write(item.move.target, item.slab, item.data, by_slab[name].get(slab_of(item.move.target, item.slab), []))
+        read_sums[name].merge(item.as_read)
+        written_sums[name].merge(item.as_written)
+        if progress:
+            progress(item.data.numel() * item.data.element_size())
+    checksums = {name: acc.result() for name, acc in written_sums.items()}
+    if source_checksums is not None:
+        source_checksums.update({name: acc.result() for name, acc in read_sums.items()})
     manifest = Manifest(
         format=plan.target_format,
         config=plan.config,
@@ -123,6 +151,8 @@ def convert(
     vocab_size: int | None = None,
     writer_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    workers: int = 1,
+    max_memory: int | None = None,
 ) -> ConversionResult:
     """Convert `source` to `target` at `layout` (default: the source's) in `to_format` (default: the source's).
 
@@ -144,7 +174,14 @@ def convert(
             reader.config = reader.config.replace(vocab_size=vocab_size)
         options = dict(writer_options or {})
         plan = make_plan(
-            reader, target, to_format or reader.format_name, layout or reader.layout, optimizer=optimizer, te_names=options.get("te_names")
+            reader,
+            target,
+            to_format or reader.format_name,
+            layout or reader.layout,
+            optimizer=optimizer,
+            te_names=options.get("te_names"),
+            workers=workers,
+            max_memory=max_memory,
         )
         if options.get("dtype"):  # a writer that casts (HF --dtype): the plan and checksums follow what it writes
             dtype = str(options["dtype"])
@@ -160,14 +197,14 @@ def convert(
         try:
             plan.target = tmp
             as_read: dict[str, Checksum] = {}
-            manifest = stream(reader, plan, options, progress, as_read)
+            manifest = stream(reader, plan, options, progress, as_read, workers)
             checksums = manifest.checksums
             if reader.manifest is not None:
                 compare(as_read, reader.manifest.checksums, "source as read", "source's recorded checksums", subset=True).raise_if_bad(
                     f"{source} does not match the checksums recorded when it was written"
                 )
             with open_checkpoint(tmp, plan.target_format) as written:
-                compare(compute_checksums(written), checksums, "written", "source").raise_if_bad(
+                compare(compute_checksums(written, workers=workers), checksums, "written", "source").raise_if_bad(
                     "the written checkpoint does not match the source"
                 )
             plan.target = target

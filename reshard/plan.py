@@ -21,6 +21,11 @@ from reshard.sharding import pieces, region_size, slabs
 MEGATRON_FORMATS = ("torch_dist", "legacy")
 
 
+def worker_overhead(slab_bytes: int) -> int:
+    """A worker's temporaries besides its slab: the checksum's float64 blocks (at most 32 MiB), buffers."""
+    return min(32 << 20, 4 * slab_bytes) + (1 << 20)
+
+
 def itemsize(dtype: str) -> int:
     return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
@@ -53,16 +58,34 @@ class ConversionPlan:
     moves: list[TensorMove]
     common: CommonState  # what the target carries besides tensors
     dropped: list[str] = field(default_factory=list)
+    workers: int = 1
+    max_memory: int | None = None  # bytes; bounds how many slabs are read ahead
 
     @property
     def bytes_moved(self) -> int:
         return sum(m.bytes for m in self.moves)
 
     @property
+    def largest_slab(self) -> TensorMove | None:
+        return max(self.moves, key=lambda m: m.largest_slab_bytes, default=None)
+
+    def depth(self, workers: int | None = None) -> int:
+        """Slabs read ahead of the writer: two per worker, fewer if the memory budget says so."""
+        workers = self.workers if workers is None else workers
+        if workers <= 1:
+            return 1
+        wanted = 2 * workers
+        if self.max_memory is None or self.largest_slab is None:
+            return wanted
+        per_slab = self.largest_slab.largest_slab_bytes
+        return max(1, min(wanted, (self.max_memory - worker_overhead(per_slab) * workers) // per_slab - 1))
+
+    @property
     def peak_memory(self) -> int:
-        """Estimated working memory: a slab read, a slab of target pieces, the checksum temporaries."""
-        largest = max((m.largest_slab_bytes for m in self.moves), default=0)
-        return 2 * largest + (32 << 20)
+        """Estimated working memory: slabs read ahead, the one being written with its target pieces,
+        and each worker's checksum temporaries."""
+        largest = self.largest_slab.largest_slab_bytes if self.largest_slab else 0
+        return (self.depth() + 1) * largest + largest + worker_overhead(largest) * max(1, self.workers)
 
     def target_files(self) -> dict[str, int]:
         """Bytes each target rank file receives (for Megatron formats; zarr has one file per chunk)."""
@@ -87,6 +110,7 @@ class ConversionPlan:
             "tensors": len(self.moves),
             "bytes_moved": self.bytes_moved,
             "peak_memory_estimate": self.peak_memory,
+            "workers": self.workers,
             "target_files": self.target_files(),
             "dropped": self.dropped,
             "moves": [
@@ -137,6 +161,8 @@ def make_plan(
     *,
     optimizer: bool = True,
     te_names: bool | None = None,
+    workers: int = 1,
+    max_memory: int | None = None,
 ) -> ConversionPlan:
     layout.validate(reader.config)
     config = target_config(reader.config, layout)
@@ -167,7 +193,7 @@ def make_plan(
             "pass --no-optimizer or convert to torch_dist"
         )
     common = _target_common(reader, layout, target_format, optimizer, te_names, dropped)
-    return ConversionPlan(
+    plan = ConversionPlan(
         source=reader.path,
         source_format=reader.format_name,
         source_layout=reader.layout,
@@ -178,7 +204,18 @@ def make_plan(
         moves=moves,
         common=common,
         dropped=dropped,
+        workers=workers,
+        max_memory=max_memory,
     )
+    if max_memory is not None and plan.largest_slab is not None:
+        biggest = plan.largest_slab
+        needed = 2 * biggest.largest_slab_bytes + worker_overhead(biggest.largest_slab_bytes) * max(1, workers)
+        if needed > max_memory:
+            raise ReshardError(
+                f"--max-memory {human_bytes(max_memory)} is too small: one slab of {biggest.target.name} alone takes "
+                f"{human_bytes(biggest.largest_slab_bytes)}; allow at least {human_bytes(needed)}"
+            )
+    return plan
 
 
 def _same_ranks(a: Layout, b: Layout, config: ModelConfig) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -17,6 +18,19 @@ from reshard.logical import TensorSpec
 from reshard.sharding import Piece, Region
 
 MANIFEST_NAME = "reshard_manifest.json"
+_CACHE_LOCK = threading.Lock()
+
+
+def cached(cache: dict, key: Any, make: Any) -> Any:
+    """Get or create an entry of a cache that reader threads share; `make()` runs once per key."""
+    try:
+        return cache[key]
+    except KeyError:
+        pass
+    with _CACHE_LOCK:
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
 
 # Megatron-LM `args` fields that describe the parallel layout rather than the model.
 LAYOUT_ARGS = {

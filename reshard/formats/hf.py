@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
-from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, args_for_layout
+from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, args_for_layout, cached
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe
 from reshard.sharding import Piece, Region, slab_of
@@ -217,9 +217,7 @@ class HFReader(CheckpointReader):
     def _tensor(self, hf_name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         name = self._alias.get(hf_name, hf_name)
         file = self._where[name]
-        handle = self._handles.get(file)
-        if handle is None:
-            handle = self._handles[file] = safe_open(str(file), framework="pt")
+        handle = cached(self._handles, file, lambda: safe_open(str(file), framework="pt"))
         if rows is None:
             return handle.get_tensor(name)
         return handle.get_slice(name)[rows[0] : rows[1]]

@@ -35,10 +35,11 @@ from reshard.formats.base import (
     CommonState,
     Manifest,
     args_for_layout,
+    cached,
     layout_from_args,
 )
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
-from reshard.formats.torch_blob import tensor_in_blob
+from reshard.formats.torch_blob import MappedFile
 from reshard.layout import RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, spell, uses_te_names
@@ -91,6 +92,7 @@ class TorchDistReader(CheckpointReader):
             else:
                 by_offset[index.fqn].append((tuple(index.offset), info))
         self.specs: dict[str, TensorSpec] = {}
+        self._files: dict[Path, MappedFile] = {}
         self._chunks: dict[str, list[tuple[Region, _StorageInfo]]] = {}
         self.unsupported_optimizer = []
         moe = self.config.is_moe
@@ -158,7 +160,7 @@ class TorchDistReader(CheckpointReader):
         if path.stat().st_size < info.offset + info.length:
             raise ReshardError(f"{path} is truncated: the checkpoint is damaged")
         try:
-            return tensor_in_blob(path, info.offset, info.length)
+            return cached(self._files, path, lambda: MappedFile(path)).tensor(info.offset, info.length)
         except ReshardError:
             raise
         except Exception as exc:

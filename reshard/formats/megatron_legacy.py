@@ -22,6 +22,7 @@ from reshard.formats.base import (
     CommonState,
     Manifest,
     args_for_layout,
+    cached,
     layout_from_args,
 )
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
@@ -119,9 +120,7 @@ class LegacyReader(CheckpointReader):
 
     def _state(self, rank: RankCoord) -> dict[str, Any]:
         key = RankCoord(pp=rank.pp, tp=rank.tp, ep=rank.ep)
-        if key not in self._states:
-            self._states[key] = self._load_path(self._rank_file(key.legacy_dirname(self.layout)))
-        return self._states[key]
+        return cached(self._states, key, lambda: self._load_path(self._rank_file(key.legacy_dirname(self.layout))))
 
     def _model(self, rank: RankCoord) -> dict[str, torch.Tensor]:
         state = self._state(rank)

@@ -17,7 +17,7 @@ import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import torch
@@ -76,27 +76,11 @@ class _HeaderUnpickler(pickle.Unpickler):
         return _StorageRef(dtype, str(key), int(numel))
 
 
-def _record_offsets(f: BinaryIO, start: int, length: int) -> dict[str, tuple[int, int]]:
-    """name -> (absolute data offset, size) of the records of the zip at [start, start+length)."""
-    f.seek(start)
-    blob_view = _Window(f, start, length)
-    with zipfile.ZipFile(blob_view) as zf:
-        out = {}
-        for info in zf.infolist():
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise ReshardError("compressed torch.save records are not supported")
-            f.seek(start + info.header_offset)
-            header = f.read(30)
-            name_len, extra_len = struct.unpack("<HH", header[26:30])
-            out[info.filename.split("/", 1)[1]] = (start + info.header_offset + 30 + name_len + extra_len, info.file_size)
-        return out
-
-
 class _Window(io.RawIOBase):
-    """A read-only view of a byte range of a file (zipfile needs a seekable file)."""
+    """A seekable read-only file over a byte range of a memory map (zipfile needs one); no copies."""
 
-    def __init__(self, f: BinaryIO, start: int, length: int):
-        self.f, self.start, self.length, self.pos = f, start, length, 0
+    def __init__(self, data: memoryview):
+        self.data, self.pos = data, 0
 
     def readable(self) -> bool:
         return True
@@ -105,42 +89,63 @@ class _Window(io.RawIOBase):
         return True
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.length}[whence]
-        self.pos = max(0, min(self.length, base + offset))
+        base = {0: 0, 1: self.pos, 2: len(self.data)}[whence]
+        self.pos = max(0, min(len(self.data), base + offset))
         return self.pos
 
     def tell(self) -> int:
         return self.pos
 
     def readinto(self, buffer: Any) -> int:
-        n = min(len(buffer), self.length - self.pos)
-        self.f.seek(self.start + self.pos)
-        data = self.f.read(n)
-        buffer[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
+        n = min(len(buffer), len(self.data) - self.pos)
+        buffer[:n] = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+class MappedFile:
+    """A file of `torch.save` records (a DCP `.distcp`), mapped once; tensors are views into the map."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        # copy-on-write: torch wants writable buffers, and nothing we do writes through to the file
+        self.map = np.memmap(path, dtype=np.uint8, mode="c") if path.stat().st_size else np.zeros(0, np.uint8)
+
+    def _records(self, start: int, length: int) -> dict[str, tuple[int, int]]:
+        """name -> (absolute data offset, size) of the zip records of the blob at [start, start+length)."""
+        view = memoryview(self.map)[start : start + length]
+        with zipfile.ZipFile(_Window(view)) as zf:
+            out = {}
+            for info in zf.infolist():
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise ReshardError("compressed torch.save records are not supported")
+                header = bytes(view[info.header_offset : info.header_offset + 30])
+                name_len, extra_len = struct.unpack("<HH", header[26:30])
+                out[info.filename.split("/", 1)[1]] = (start + info.header_offset + 30 + name_len + extra_len, info.file_size)
+            return out
+
+    def tensor(self, start: int, length: int) -> torch.Tensor:
+        """The tensor that `torch.save` wrote at [start, start+length), as a view into the map."""
+        records = self._records(start, length)
+        pkl_offset, pkl_size = records["data.pkl"]
+        header = _HeaderUnpickler(io.BytesIO(bytes(self.map[pkl_offset : pkl_offset + pkl_size]))).load()
+        if not isinstance(header, TensorHeader):
+            raise ReshardError(f"{self.path}: expected a tensor record at offset {start}")
+        data_offset, data_size = records[f"data/{header.key}"]
+        itemsize = torch.empty(0, dtype=header.dtype).element_size()
+        count = _numel(header.shape)
+        if not header.contiguous or data_size < (header.storage_offset + count) * itemsize:
+            blob = bytes(self.map[start : start + length])
+            return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        if count == 0:
+            return torch.empty(header.shape, dtype=header.dtype)
+        first = data_offset + header.storage_offset * itemsize
+        return torch.frombuffer(self.map, dtype=header.dtype, count=count, offset=first).reshape(header.shape)
 
 
 def tensor_in_blob(path: Path, start: int, length: int) -> torch.Tensor:
     """The tensor saved by `torch.save` at [start, start+length) of `path`, memory-mapped."""
-    with open(path, "rb") as f:
-        records = _record_offsets(f, start, length)
-        pkl_offset, pkl_size = records["data.pkl"]
-        f.seek(pkl_offset)
-        header = _HeaderUnpickler(io.BytesIO(f.read(pkl_size))).load()
-    if not isinstance(header, TensorHeader):
-        raise ReshardError(f"{path}: expected a tensor record at offset {start}")
-    data_offset, data_size = records[f"data/{header.key}"]
-    itemsize = torch.empty(0, dtype=header.dtype).element_size()
-    if not header.contiguous or data_size < (header.storage_offset + _numel(header.shape)) * itemsize:
-        with open(path, "rb") as f:
-            f.seek(start)
-            return torch.load(io.BytesIO(f.read(length)), map_location="cpu", weights_only=True)
-    count = _numel(header.shape)
-    if count == 0:
-        return torch.empty(header.shape, dtype=header.dtype)
-    raw = np.memmap(path, dtype=np.uint8, mode="c", offset=data_offset + header.storage_offset * itemsize, shape=(count * itemsize,))
-    return torch.frombuffer(raw, dtype=header.dtype).reshape(header.shape)
+    return MappedFile(path).tensor(start, length)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

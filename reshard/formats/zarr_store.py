@@ -22,7 +22,7 @@ import torch
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
-from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest
+from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, cached
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe
 from reshard.sharding import Piece, Region, to_slices
@@ -117,12 +117,13 @@ class ZarrReader(CheckpointReader):
             self.specs[name] = describe(name, tuple(entry["shape"]), entry["dtype"], self.config)
 
     def _array(self, name: str) -> ts.TensorStore:
-        if name not in self._arrays:
+        def open_array() -> ts.TensorStore:
             try:
-                self._arrays[name] = _open(self.path / name, open=True)
+                return _open(self.path / name, open=True)
             except ValueError as exc:
                 raise ReshardError(f"{self.path / name}: array cannot be opened ({exc}); the store is damaged") from None
-        return self._arrays[name]
+
+        return cached(self._arrays, name, open_array)
 
     def read(self, name: str, region: Region) -> torch.Tensor:
         spec = self.specs[name]

@@ -1,11 +1,13 @@
 """Conversions between formats and layouts: bit-identical tensors, atomic output, dry runs."""
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import SyntheticReader, write_synthetic
 from reshard.convert import convert
+from reshard.errors import ReshardError
 from reshard.formats import open_checkpoint
 from reshard.layout import Layout
 from reshard.sharding import full_region
@@ -61,3 +63,30 @@ def test_dry_run_writes_nothing_and_reports_the_plan(tmp_path):
     plan = result.plan.to_json()
     assert plan["bytes_moved"] > 0 and plan["peak_memory_estimate"] > 0
     assert len(plan["target_files"]) == 8  # TP4 x PP2 rank files
+
+
+def _file_bytes(root):
+    """Every file's bytes except the manifest (which records paths and times)."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != "reshard_manifest.json"}
+
+
+def test_output_does_not_depend_on_the_number_of_workers(tmp_path):
+    write_synthetic(tmp_path / "a", TINY_MOE, Layout(ep=2), "torch_dist", optimizer=True)
+    for fmt, layout in (("torch_dist", Layout(ep=4, pp=2)), ("legacy", Layout(ep=1, tp=2))):
+        outputs = []
+        for workers in (1, 3):
+            out = tmp_path / f"{fmt}-{workers}"
+            convert(tmp_path / "a", out, to_format=fmt, layout=layout, workers=workers, optimizer=fmt != "legacy")
+            outputs.append(_file_bytes(out))
+        assert outputs[0] == outputs[1], fmt
+
+
+def test_memory_budget(tmp_path):
+    write_synthetic(tmp_path / "a", MHA, Layout(tp=2), "torch_dist")
+    with pytest.raises(ReshardError, match="too small: one slab of .* alone takes 64.0 KiB"):
+        convert(tmp_path / "a", tmp_path / "b", max_memory=200 << 10, workers=1)
+    assert not (tmp_path / "b").exists()
+    # a budget for a few slabs and the working buffers still converts, reading fewer slabs ahead
+    budget = 10 << 20
+    result = convert(tmp_path / "a", tmp_path / "b", layout=Layout(tp=4), max_memory=budget, workers=4)
+    assert 1 <= result.plan.depth() < 8 and result.plan.peak_memory <= budget
