@@ -18,10 +18,9 @@ R = TypeVar("R")
 
 def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int, depth: int) -> Iterator[R]:
     """`map(fn, items)` computed by `workers` threads with at most `depth` results outstanding."""
-    if workers <= 1:
+    if workers <= 1 or depth <= 0:
         yield from map(fn, items)
         return
-    depth = max(1, depth)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard") as pool:
         pending: deque[Future[R]] = deque()
         try:

@@ -70,22 +70,25 @@ class ConversionPlan:
         return max(self.moves, key=lambda m: m.largest_slab_bytes, default=None)
 
     def depth(self, workers: int | None = None) -> int:
-        """Slabs read ahead of the writer: two per worker, fewer if the memory budget says so."""
+        """Slabs read ahead of the writer: two per worker, fewer if the memory budget says so, and none
+        (one slab at a time, in this thread) when it cannot hold one slab ahead."""
         workers = self.workers if workers is None else workers
         if workers <= 1:
-            return 1
-        wanted = 2 * workers
+            return 0
         if self.max_memory is None or self.largest_slab is None:
-            return wanted
+            return 2 * workers
         per_slab = self.largest_slab.largest_slab_bytes
-        return max(1, min(wanted, (self.max_memory - worker_overhead(per_slab) * workers) // per_slab - 1))
+        fits = (self.max_memory - worker_overhead(per_slab) * workers) // per_slab - 2
+        return max(0, min(2 * workers, fits))
 
     @property
     def peak_memory(self) -> int:
-        """Estimated working memory: slabs read ahead, the one being written with its target pieces,
+        """Estimated working memory: the slabs read ahead, the one being written and its target pieces,
         and each worker's checksum temporaries."""
         largest = self.largest_slab.largest_slab_bytes if self.largest_slab else 0
-        return (self.depth() + 1) * largest + largest + worker_overhead(largest) * max(1, self.workers)
+        depth = self.depth()
+        threads = self.workers if depth else 1
+        return (depth + 2) * largest + worker_overhead(largest) * threads
 
     def target_files(self) -> dict[str, int]:
         """Bytes each target rank file receives (for Megatron formats; zarr has one file per chunk)."""
@@ -209,7 +212,7 @@ def make_plan(
     )
     if max_memory is not None and plan.largest_slab is not None:
         biggest = plan.largest_slab
-        needed = 2 * biggest.largest_slab_bytes + worker_overhead(biggest.largest_slab_bytes) * max(1, workers)
+        needed = 2 * biggest.largest_slab_bytes + worker_overhead(biggest.largest_slab_bytes)
         if needed > max_memory:
             raise ReshardError(
                 f"--max-memory {human_bytes(max_memory)} is too small: one slab of {biggest.target.name} alone takes "

@@ -90,3 +90,5 @@ def test_memory_budget(tmp_path):
     budget = 7 << 20
     result = convert(tmp_path / "a", tmp_path / "b", layout=Layout(tp=4), max_memory=budget, workers=4)
     assert 1 <= result.plan.depth() < 8 and result.plan.peak_memory <= budget
+    sequential = convert(tmp_path / "a", tmp_path / "c", max_memory=1600 << 10, workers=4)  # no room to read ahead
+    assert sequential.plan.depth() == 0 and sequential.plan.peak_memory <= 1600 << 10
