@@ -1,8 +1,7 @@
 """GPT-2 (GPT2LMHeadModel): learned absolute positions, LayerNorm with biases, GELU MLP, biases everywhere,
 and Conv1D weights stored [in, out] (transposed), with q/k/v fused in `c_attn`.
 
-HF's default `gelu_new` (tanh approximation) is recorded as Megatron-LM's `openai_gelu` arg; reshard's
-ModelConfig has no activation field, so a model rebuilt from ModelConfig alone uses exact (erf) GELU.
+HF's default `gelu_new` (tanh approximation) is Megatron-LM's `openai_gelu`.
 """
 
 from __future__ import annotations
@@ -67,15 +66,15 @@ class GPT2(Family):
             add_qkv_bias=True,
             untie_embeddings_and_output_weights=not bool(hf.get("tie_word_embeddings", True)),
             params_dtype=hf_dtype(hf) or "float32",
+            openai_gelu=hf.get("activation_function", "gelu_new") in GELU_TANH,
         )
-        act = hf.get("activation_function", "gelu_new")
-        return config, {"openai_gelu": act in GELU_TANH, "hf_activation_function": act}
+        return config, {"hf_activation_function": hf.get("activation_function", "gelu_new")}
 
     def config_to_hf(self, config, saved=None, extras=None):
         self.check_megatron(config)
         extras = extras or {}
         out = copy.deepcopy(saved) if saved and saved.get("model_type") == self.model_type else {}
-        act = extras.get("hf_activation_function") or ("gelu_new" if extras.get("openai_gelu") else "gelu")
+        act = extras.get("hf_activation_function") or ("gelu_new" if config.openai_gelu else "gelu")
         out.update(
             architectures=[self.architectures[0]],
             model_type=self.model_type,

@@ -40,6 +40,7 @@ class ModelConfig:
     normalization: str = "RMSNorm"  # "RMSNorm" | "LayerNorm"
     norm_epsilon: float = 1e-5
     swiglu: bool = True
+    openai_gelu: bool = False  # non-gated MLPs: tanh-approximated GELU (HF gelu_new) instead of exact GELU
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False

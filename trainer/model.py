@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import datetime
 import os
 
@@ -41,6 +43,13 @@ def init_parallel(layout: Layout, seed: int = 1234) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def activation(config: ModelConfig):
+    """SiLU for gated MLPs; GELU otherwise, tanh-approximated when Megatron's `openai_gelu` is set."""
+    if config.swiglu:
+        return F.silu
+    return partial(F.gelu, approximate="tanh") if config.openai_gelu else F.gelu
+
+
 def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype = torch.float32):
     """Megatron's TransformerConfig for `config` at `layout` (no dropout, no fusions)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -56,7 +65,7 @@ def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype =
         normalization=config.normalization,
         layernorm_epsilon=config.norm_epsilon,
         gated_linear_unit=config.swiglu,
-        activation_func=F.silu if config.swiglu else F.gelu,
+        activation_func=activation(config),
         add_bias_linear=config.add_bias_linear,
         add_qkv_bias=config.add_qkv_bias,
         qk_layernorm=config.qk_layernorm,

@@ -32,7 +32,7 @@ def _configs():
                                        num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                        norm_topk_prob=True, max_position_embeddings=128, tie_word_embeddings=False),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
-                              activation_function="gelu", bos_token_id=0, eos_token_id=1),
+                              activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
 
 
