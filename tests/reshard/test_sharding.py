@@ -1,0 +1,51 @@
+"""pieces(): the primary pieces of every tensor partition it exactly, under any layout."""
+
+import pytest
+
+from fixtures.models import TINY_LLAMA, TINY_MOE
+from fixtures.synthetic import SyntheticReader
+from reshard.layout import Layout
+from reshard.sharding import pieces, region_size
+
+LAYOUTS = [Layout(), Layout(tp=2), Layout(pp=2, vpp=2), Layout(tp=2, pp=2), Layout(pp=2, first_stage_layers=1)]
+MOE_LAYOUTS = [Layout(ep=2), Layout(ep=4, tp=2, etp=1), Layout(ep=2, tp=2), Layout(ep=2, pp=2)]
+
+
+def _cells(region):
+    """Every index of a region (tiny tensors only)."""
+    out = [()]
+    for a, b in region:
+        out = [c + (i,) for c in out for i in range(a, b)]
+    return out
+
+
+@pytest.mark.parametrize("config, layout", [(TINY_LLAMA, l) for l in LAYOUTS] + [(TINY_MOE, l) for l in MOE_LAYOUTS])
+def test_primary_pieces_partition_every_tensor(config, layout):
+    for name, spec in SyntheticReader(config).specs.items():
+        seen = set()
+        for piece in pieces(spec, config, layout):
+            assert region_size(piece.region) == region_size(piece.local_region)
+            if piece.primary:
+                cells = _cells(piece.region)
+                assert seen.isdisjoint(cells), name
+                seen.update(cells)
+        assert len(seen) == spec.numel, name
+
+
+def test_expert_tensor_parallel_one_keeps_whole_experts_on_every_tp_rank():
+    spec = SyntheticReader(TINY_MOE).specs["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    layout = Layout(tp=2, ep=2, etp=1)
+    by_rank = {}
+    for piece in pieces(spec, TINY_MOE, layout):
+        if piece.local_layer == 0 and piece.local_expert == 0:
+            by_rank[(piece.rank.tp, piece.rank.ep)] = piece
+    # expert 0 of EP rank 0 and expert 2 of EP rank 1, unsplit (ETP=1), on both TP ranks; one copy primary
+    assert {k: p.region[1] for k, p in by_rank.items()} == {(0, 0): (0, 1), (1, 0): (0, 1), (0, 1): (2, 3), (1, 1): (2, 3)}
+    assert all(p.local_shape == (128, 64) for p in by_rank.values())
+    assert [k for k, p in by_rank.items() if p.primary] == [(0, 0), (0, 1)]
+
+
+def test_dense_tensors_replicate_over_expert_ranks_once_primary():
+    spec = SyntheticReader(TINY_MOE).specs["decoder.layers.self_attention.linear_qkv.weight"]
+    copies = [p for p in pieces(spec, TINY_MOE, Layout(ep=2)) if p.local_layer == 0]
+    assert len(copies) == 2 and [p.primary for p in copies] == [True, False]
