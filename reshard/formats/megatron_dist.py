@@ -39,7 +39,7 @@ from reshard.formats.base import (
     layout_from_args,
 )
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
-from reshard.formats.torch_blob import MappedFile
+from reshard.formats.torch_blob import MappedFile, compact
 from reshard.layout import RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, spell, uses_te_names
@@ -191,7 +191,7 @@ class TorchDistWriter(CheckpointWriter):
             if not piece.primary:
                 continue
             name, f = self._file(piece)
-            chunk = data[to_slices(shift(piece.region, slab))].contiguous()
+            chunk = compact(data[to_slices(shift(piece.region, slab))])
             offset = f.tell()
             torch.save(chunk, f)
             offsets = torch.Size(a for a, _ in piece.region)

@@ -155,6 +155,14 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def compact(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor that owns exactly its own bytes: `torch.save` writes a view's whole storage."""
+    tensor = tensor.detach().contiguous()
+    if tensor.storage_offset() or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
+
+
 class _TensorStub:
     """Stands in for a tensor already written to the archive, when the pickle is written last."""
 
@@ -190,13 +198,10 @@ class StreamingTorchSave:
         self._count = 0
 
     def add(self, tensor: torch.Tensor) -> _TensorStub:
-        tensor = tensor.detach().contiguous().clone() if tensor.storage_offset() else tensor.detach().contiguous()
+        tensor = compact(tensor)
         key = str(self._count)
         self._count += 1
         storage = tensor.untyped_storage()
-        if storage.nbytes() != tensor.numel() * tensor.element_size():
-            tensor = tensor.clone()
-            storage = tensor.untyped_storage()
         self._zip.write_record(f"data/{key}", storage, storage.nbytes())
         return _TensorStub(key, tensor.dtype, tuple(tensor.shape))
 
