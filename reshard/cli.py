@@ -100,7 +100,10 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
         if opts["to_format"] != "hf":
             raise ReshardError("--dtype applies to HF output only; add --to-format hf")
         writer_options["dtype"] = normalize_dtype(opts["dtype"])
-    bar = _progress_bar(total, "converting", opts["quiet"] or opts["dry_run"])
+    from reshard.distributed import world
+
+    rank = world()[0]
+    bar = _progress_bar(total, "converting", opts["quiet"] or opts["dry_run"] or rank != 0)
     with bar:
         result = do_convert(
             source,
@@ -118,6 +121,8 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
             max_memory=parse_bytes(opts["max_memory"]) if opts["max_memory"] else default_memory_budget(),
         )
     plan = result.plan
+    if rank != 0:
+        return  # rank 0 speaks for a multi-rank conversion
     if opts["as_json"]:
         out = plan.to_json() | {"seconds": round(result.seconds, 3), "dry_run": opts["dry_run"]}
         click.echo(json.dumps(out, indent=1))

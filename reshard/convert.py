@@ -13,9 +13,10 @@ import torch
 
 from reshard import __version__
 from reshard.checksum import Checksum, TensorChecksum
+from reshard.distributed import convert_distributed, world
 from reshard.errors import ReshardError
 from reshard.formats import WRITERS, open_checkpoint
-from reshard.formats.base import CheckpointReader, Manifest
+from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
 from reshard.layout import Layout
 from reshard.pipeline import ordered_map
 from reshard.plan import ConversionPlan, TensorMove, make_plan
@@ -55,22 +56,18 @@ class _Prepared:
     as_written: TensorChecksum  # of the values after a dtype cast (the same object when there is none)
 
 
-def stream(
-    reader: CheckpointReader,
-    plan: ConversionPlan,
-    writer_options: dict[str, Any],
-    progress: Progress | None,
-    source_checksums: dict[str, Checksum] | None = None,
-    workers: int = 1,
-) -> Manifest:
-    """Copy every tensor slab by slab into a writer at `plan.target`; the manifest holds the source checksums
-    (of the values as written: after a cast to the target dtype, when a move changes it). `source_checksums`,
-    if given, receives the checksums of the values as read, before any cast. Workers read and hash slabs
-    ahead (at most `plan.depth` waiting); the writer takes them in plan order, so the output is the same
-    whatever the number of workers."""
-    writer = WRITERS[plan.target_format](
-        plan.target, plan.config, plan.target_layout, {m.target.name: m.target for m in plan.moves}, plan.common, **writer_options
-    )
+def new_writer(plan: ConversionPlan, writer_options: dict[str, Any]) -> CheckpointWriter:
+    specs = {m.target.name: m.target for m in plan.moves}
+    return WRITERS[plan.target_format](plan.target, plan.config, plan.target_layout, specs, plan.common, **writer_options)
+
+
+def write_moves(
+    reader: CheckpointReader, plan: ConversionPlan, writer: CheckpointWriter, progress: Progress | None, workers: int = 1
+) -> tuple[dict[str, Checksum], dict[str, Checksum]]:
+    """Copy every tensor of the plan slab by slab into `writer`. Returns the checksums of the values as
+    written (after a cast to the target dtype, when a move changes it) and as read. Workers read and hash
+    slabs ahead (at most `plan.depth` waiting); the writer takes them in plan order, so the output is the
+    same whatever the number of workers."""
     content = {m.target.name: reader.config.vocab_rows if m.target.vocab else None for m in plan.moves}
 
     def prepare(job: tuple[TensorMove, Region]) -> _Prepared:
@@ -99,10 +96,12 @@ def stream(
         written_sums[name].merge(item.as_written)
         if progress:
             progress(item.data.numel() * item.data.element_size())
-    checksums = {name: acc.result() for name, acc in written_sums.items()}
-    if source_checksums is not None:
-        source_checksums.update({name: acc.result() for name, acc in read_sums.items()})
-    manifest = Manifest(
+    written = {name: acc.result() for name, acc in written_sums.items()}
+    return written, {name: acc.result() for name, acc in read_sums.items()}
+
+
+def manifest_for(plan: ConversionPlan, checksums: dict[str, Checksum]) -> Manifest:
+    return Manifest(
         format=plan.target_format,
         config=plan.config,
         layout=plan.target_layout,
@@ -116,6 +115,23 @@ def stream(
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },
     )
+
+
+def stream(
+    reader: CheckpointReader,
+    plan: ConversionPlan,
+    writer_options: dict[str, Any],
+    progress: Progress | None,
+    source_checksums: dict[str, Checksum] | None = None,
+    workers: int = 1,
+) -> Manifest:
+    """Write the whole plan at `plan.target` in one process; the manifest holds the checksums as written.
+    `source_checksums`, if given, receives the checksums of the values as read, before any cast."""
+    writer = new_writer(plan, writer_options)
+    written, as_read = write_moves(reader, plan, writer, progress, workers)
+    if source_checksums is not None:
+        source_checksums.update(as_read)
+    manifest = manifest_for(plan, written)
     writer.finish(manifest)
     return manifest
 
@@ -190,6 +206,11 @@ def convert(
             plan.moves = [TensorMove(m.source, replace(m.target, dtype=dtype)) for m in plan.moves]
         if dry_run:
             return ConversionResult(plan, None, time.perf_counter() - start)
+        if world()[1] > 1:
+            manifest = convert_distributed(
+                reader, plan, target, options, lambda: _check_destination(target, overwrite), _replace, progress, workers
+            )
+            return ConversionResult(plan, manifest, time.perf_counter() - start)
         _check_destination(target, overwrite)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.reshard-tmp-{os.getpid()}")

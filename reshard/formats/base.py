@@ -13,6 +13,7 @@ import torch
 
 from reshard.checksum import Checksum
 from reshard.config import ModelConfig
+from reshard.errors import ReshardError
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
 from reshard.sharding import Piece, Region
@@ -159,6 +160,13 @@ class CheckpointWriter(abc.ABC):
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece]) -> None:
         """Store `data` (the values of `slab`); `pieces` are the target pieces that lie in that slab."""
 
+    def part(self) -> Any:
+        """Close this process's files and return what rank 0's `finish` needs of them (multi-rank runs)."""
+        raise ReshardError(
+            f"{self.format_name} output cannot be written by several ranks; run one process or write torch_dist or zarr"
+        )
+
     @abc.abstractmethod
-    def finish(self, manifest: Manifest) -> None:
-        """Write metadata last, so a checkpoint without it is recognisably incomplete."""
+    def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
+        """Write metadata last, so a checkpoint without it is recognisably incomplete. In a multi-rank
+        run rank 0 calls it with every rank's `part()`, its own included."""

@@ -382,7 +382,7 @@ class HFWriter(CheckpointWriter):
             f.write(memoryview(raw))
             entry.written = True
 
-    def finish(self, manifest: Manifest) -> None:
+    def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
         for f in self._files:
             f.flush()
             os.fsync(f.fileno())

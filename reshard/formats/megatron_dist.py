@@ -170,9 +170,10 @@ class TorchDistReader(CheckpointReader):
 class TorchDistWriter(CheckpointWriter):
     format_name = "torch_dist"
 
-    def __init__(self, *args: Any, te_names: bool | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, te_names: bool | None = None, rank: int = 0, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.te_names = uses_te_names(self.common.args) if te_names is None else te_names
+        self.rank = rank  # of a multi-rank conversion: its files are __<target rank>_<rank>.distcp
         self.directory = self.path / iteration_dirname(self.common.iteration)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._file_index = {rank: i for i, rank in enumerate(ranks(self.layout))}
@@ -182,9 +183,10 @@ class TorchDistWriter(CheckpointWriter):
 
     def _file(self, piece: Piece) -> tuple[str, BinaryIO]:
         index = self._file_index[RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)]
+        name = f"__{index}_{self.rank}.distcp"
         if index not in self._files:
-            self._files[index] = open(self.directory / f"__{index}_0.distcp", "wb")
-        return f"__{index}_0.distcp", self._files[index]
+            self._files[index] = open(self.directory / name, "wb")
+        return name, self._files[index]
 
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece]) -> None:
         for piece in pieces:
@@ -206,7 +208,7 @@ class TorchDistWriter(CheckpointWriter):
         """Per-module objects go into the first rank's file, as Megatron's replica 0 saves them."""
         if not self.common.objects:
             return {}
-        name = "__0_0.distcp"
+        name = f"__0_{self.rank}.distcp"
         f = self._files.get(0) or open(self.directory / name, "ab")
         self._files[0] = f
         for key, value in sorted(self.common.objects.items()):
@@ -217,7 +219,24 @@ class TorchDistWriter(CheckpointWriter):
             self._storage[MetadataIndex(key)] = _StorageInfo(name, offset, f.tell() - offset)
         return {key: BytesStorageMetadata() for key in self.common.objects}
 
-    def finish(self, manifest: Manifest) -> None:
+    def part(self) -> tuple[dict[str, list[ChunkStorageMetadata]], dict[MetadataIndex, _StorageInfo]]:
+        self._close_files()
+        return dict(self._chunks), dict(self._storage)
+
+    def _close_files(self) -> None:
+        for f in self._files.values():
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        self._files.clear()
+
+    def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
+        if parts is not None:  # every rank's chunks, in rank order (rank 0's own part among them)
+            self._chunks, self._storage = defaultdict(list), {}
+            for chunks, storage in parts:
+                for key, found in chunks.items():
+                    self._chunks[key].extend(found)
+                self._storage.update(storage)
         state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {
             self._key(name): TensorStorageMetadata(
                 properties=TensorProperties(dtype=getattr(torch, spec.dtype)),
@@ -227,10 +246,7 @@ class TorchDistWriter(CheckpointWriter):
             for name, spec in self.specs.items()
         }
         state.update(self._write_objects())
-        for f in self._files.values():
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
+        self._close_files()
         metadata = Metadata(state_dict_metadata=state, storage_data=self._storage)
         with open(self.directory / ".metadata", "wb") as f:
             pickle.dump(metadata, f)

@@ -282,7 +282,7 @@ class LegacyWriter(CheckpointWriter):
                     self._models[RankCoord(pp=pp, tp=tp, ep=ep)][vstage][name] = value
         return rng
 
-    def finish(self, manifest: Manifest) -> None:
+    def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
         rng = self._place_objects()
         args = args_namespace(
             args_for_layout(self.common.args, self.layout, self.config, "torch")

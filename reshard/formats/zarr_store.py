@@ -139,13 +139,18 @@ class ZarrReader(CheckpointReader):
 class ZarrWriter(CheckpointWriter):
     format_name = "zarr"
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, rank: int = 0, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.path.mkdir(parents=True, exist_ok=True)
         self._arrays: dict[str, ts.TensorStore] = {}
-        for name, spec in self.specs.items():
-            self._arrays[name] = _open(
-                self.path / name,
+
+    def _array(self, spec: TensorSpec) -> ts.TensorStore:
+        """Created on first write, so that in a multi-rank run each array is created by its one writer."""
+        return cached(
+            self._arrays,
+            spec.name,
+            lambda: _open(
+                self.path / spec.name,
                 create=True,
                 metadata={
                     "shape": list(spec.shape) or [1],
@@ -153,13 +158,17 @@ class ZarrWriter(CheckpointWriter):
                     "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk_shape(spec)}},
                     "attributes": {"reshard_dtype": spec.dtype, "reshard_shape": list(spec.shape)},
                 },
-            )
+            ),
+        )
 
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece]) -> None:
         region = slab if spec.shape else ((0, 1),)
-        self._arrays[spec.name][to_slices(region)].write(_to_numpy(data.reshape([b - a for a, b in region]), spec.dtype)).result()
+        self._array(spec)[to_slices(region)].write(_to_numpy(data.reshape([b - a for a, b in region]), spec.dtype)).result()
 
-    def finish(self, manifest: Manifest) -> None:
+    def part(self) -> None:
+        return None  # arrays are complete once written; the root attributes list every spec
+
+    def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
         torch.save(
             {"args": self.common.args, "iteration": self.common.iteration, "extra": self.common.extra, "objects": self.common.objects},
             self.path / COMMON_FILE,

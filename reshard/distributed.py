@@ -1,0 +1,135 @@
+"""Multi-rank conversion: the same `reshard convert`, launched by torchrun (or anything that sets
+RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), over a filesystem every rank sees.
+
+Each rank converts a disjoint share of the tensors, balanced by bytes, into files of its own. Rank 0
+writes the metadata last, only after every rank has reported its pieces and checksums; then every
+rank re-reads its share of the output, and rank 0 moves the output into place only if every checksum
+agrees. A failure on any rank fails all of them with its message. torch.distributed (gloo) is the
+engine; there is no cluster manager of our own.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import torch.distributed as dist
+
+from reshard.checksum import Checksum
+from reshard.errors import ReshardError
+from reshard.formats import WRITERS, open_checkpoint
+from reshard.formats.base import CheckpointReader, Manifest
+from reshard.plan import ConversionPlan, TensorMove
+from reshard.verify import compare, compute_checksums
+
+T = TypeVar("T")
+MULTI_RANK_FORMATS = ("torch_dist", "zarr")
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) from the launcher's environment; (0, 1) when run alone."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def shares(moves: list[TensorMove], size: int) -> list[list[TensorMove]]:
+    """Split the moves over `size` ranks: largest first, each to the least-loaded rank (deterministic)."""
+    loads, out = [0] * size, [[] for _ in range(size)]
+    for move in sorted(moves, key=lambda m: (-m.bytes, m.target.name)):
+        rank = loads.index(min(loads))
+        out[rank].append(move)
+        loads[rank] += move.bytes
+    order = {m.target.name: i for i, m in enumerate(moves)}
+    return [sorted(share, key=lambda m: order[m.target.name]) for share in out]
+
+
+def _together(step: Callable[[], T]) -> list[T]:
+    """Run `step` on every rank and gather the results; if any rank failed, every rank raises its message."""
+    try:
+        outcome: tuple[bool, Any] = (True, step())
+    except ReshardError as exc:
+        outcome = (False, str(exc))
+    except Exception as exc:  # a bug on one rank must not leave the others waiting
+        outcome = (False, f"{exc.__class__.__name__}: {exc}")
+    gathered: list[tuple[bool, Any]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(gathered, outcome)
+    for rank, (ok, value) in enumerate(gathered):
+        if not ok:
+            raise ReshardError(f"rank {rank}: {value}")
+    return [value for _, value in gathered]
+
+
+def convert_distributed(
+    reader: CheckpointReader,
+    plan: ConversionPlan,
+    target: Path,
+    writer_options: dict[str, Any],
+    prepare_destination: Callable[[], None],
+    replace_destination: Callable[[Path, Path], None],
+    progress: Callable[[int], None] | None,
+    workers: int,
+) -> Manifest:
+    from reshard.convert import manifest_for, write_moves
+
+    if plan.target_format not in MULTI_RANK_FORMATS:
+        raise ReshardError(f"several ranks can write {' or '.join(MULTI_RANK_FORMATS)}, not {plan.target_format}; run one process")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(hours=4))
+    rank, size = dist.get_rank(), dist.get_world_size()
+    names: list[Any] = [f".{target.name}.reshard-tmp-{os.getpid()}"]
+    dist.broadcast_object_list(names, src=0)  # one temporary sibling, named by rank 0
+    tmp = target.with_name(names[0])
+
+    def prepare() -> None:
+        if rank == 0:
+            prepare_destination()
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+
+    try:
+        _together(prepare)
+        mine = replace(plan, target=tmp, moves=shares(plan.moves, size)[rank])
+        writer = WRITERS[plan.target_format](
+            tmp, plan.config, plan.target_layout, {m.target.name: m.target for m in plan.moves}, plan.common, rank=rank, **writer_options
+        )
+
+        def write() -> tuple[Any, dict[str, Checksum], dict[str, Checksum]]:
+            written, as_read = write_moves(reader, mine, writer, progress if rank == 0 else None, workers)
+            return writer.part(), written, as_read
+
+        results = _together(write)
+        written = {k: v for _, w, _ in results for k, v in w.items()}
+        manifest = manifest_for(replace(plan, target=tmp), written)
+
+        def finish() -> None:
+            if rank != 0:
+                return
+            if reader.manifest is not None:
+                as_read = {k: v for _, _, r in results for k, v in r.items()}
+                compare(as_read, reader.manifest.checksums, subset=True).raise_if_bad(
+                    f"{plan.source} does not match the checksums recorded when it was written"
+                )
+            writer.finish(manifest, [part for part, _, _ in results])
+
+        _together(finish)
+
+        def check() -> dict[str, Checksum]:
+            with open_checkpoint(tmp, plan.target_format) as written_back:
+                return compute_checksums(written_back, workers=workers, names=[m.target.name for m in mine.moves])
+
+        rechecked = {k: v for part in _together(check) for k, v in part.items()}
+
+        def move_into_place() -> None:
+            if rank == 0:
+                compare(rechecked, written).raise_if_bad("the written checkpoint does not match the source")
+                replace_destination(tmp, target)
+
+        _together(move_into_place)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest

@@ -1,0 +1,55 @@
+"""`reshard convert` under torchrun: ranks split the tensors, rank 0 writes the metadata last."""
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from fixtures.models import TINY_MOE
+from fixtures.synthetic import write_synthetic
+from fixtures.torchrun import run
+from reshard.convert import convert
+from reshard.distributed import shares
+from reshard.formats import open_checkpoint
+from reshard.layout import Layout
+from reshard.sharding import full_region
+
+
+def _tensors(path):
+    with open_checkpoint(path) as reader:
+        return {name: reader.read(name, full_region(spec.shape)) for name, spec in reader.specs.items()}
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "zarr"])
+def test_two_ranks_write_what_one_process_writes(tmp_path, fmt):
+    write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist", optimizer=True)
+    run("reshard", ["convert", tmp_path / "src", tmp_path / "multi", "--to-ep", 4, "--to-pp", 2, "--to-format", fmt], nproc=2)
+    convert(tmp_path / "src", tmp_path / "single", to_format=fmt, layout=Layout(ep=4, pp=2))
+    multi, single = _tensors(tmp_path / "multi"), _tensors(tmp_path / "single")
+    assert multi.keys() == single.keys() and all(torch.equal(multi[n], single[n]) for n in single)
+    if fmt == "torch_dist":
+        directory = tmp_path / "multi" / "iter_0000010"
+        assert list(directory.glob("__*_1.distcp")), "rank 1 wrote no files"
+        state = {n: torch.empty_like(t) for n, t in multi.items()}
+        dcp.load(state, checkpoint_id=str(directory), no_dist=True)  # PyTorch's own reader agrees
+        assert all(torch.equal(state[n], multi[n]) for n in multi)
+    assert not list(tmp_path.glob(".multi.reshard-tmp-*"))
+
+
+def test_multi_rank_refuses_formats_it_cannot_split(tmp_path):
+    write_synthetic(tmp_path / "src", TINY_MOE, Layout(), "torch_dist")
+    with pytest.raises(RuntimeError, match="several ranks can write torch_dist or zarr, not legacy"):
+        run("reshard", ["convert", tmp_path / "src", tmp_path / "out", "--to-format", "legacy"], nproc=2)
+    assert not (tmp_path / "out").exists()
+
+
+def test_shares_balance_bytes_deterministically():
+    from fixtures.synthetic import SyntheticReader
+    from reshard.plan import make_plan
+
+    reader = SyntheticReader(TINY_MOE, optimizer=True)
+    moves = make_plan(reader, reader.path, "torch_dist", Layout()).moves
+    split = shares(moves, 3)
+    assert sorted(m.target.name for part in split for m in part) == sorted(m.target.name for m in moves)
+    loads = [sum(m.bytes for m in part) for part in split]
+    assert max(loads) - min(loads) <= max(m.bytes for m in moves)
+    assert split == shares(moves, 3)
