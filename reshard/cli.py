@@ -218,7 +218,7 @@ def run() -> None:
         click.echo(f"reshard: error: {exc}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
-        click.echo("reshard: interrupted; nothing was written at the destination", err=True)
+        click.echo("reshard: interrupted; nothing was written at the destination (run the same command again to resume)", err=True)
         sys.exit(130)
     except Exception as exc:  # a bug: still one line, with the way to get details
         if os.environ.get("RESHARD_DEBUG"):

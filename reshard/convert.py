@@ -22,6 +22,7 @@ from reshard.pipeline import ordered_map
 from reshard.plan import ConversionPlan, TensorMove, make_plan
 from reshard.sharding import Region, pieces, pieces_by_slab, slab_of, slabs
 from reshard.verify import compare, compute_checksums
+from reshard.worklog import Done, WorkLog, fingerprint
 
 Progress = Callable[[int], None]  # called with the bytes just processed
 
@@ -62,12 +63,17 @@ def new_writer(plan: ConversionPlan, writer_options: dict[str, Any]) -> Checkpoi
 
 
 def write_moves(
-    reader: CheckpointReader, plan: ConversionPlan, writer: CheckpointWriter, progress: Progress | None, workers: int = 1
+    reader: CheckpointReader,
+    plan: ConversionPlan,
+    writer: CheckpointWriter,
+    progress: Progress | None,
+    workers: int = 1,
+    finished: Callable[[Done], None] | None = None,
 ) -> tuple[dict[str, Checksum], dict[str, Checksum]]:
     """Copy every tensor of the plan slab by slab into `writer`. Returns the checksums of the values as
     written (after a cast to the target dtype, when a move changes it) and as read. Workers read and hash
     slabs ahead (at most `plan.depth` waiting); the writer takes them in plan order, so the output is the
-    same whatever the number of workers."""
+    same whatever the number of workers. `finished` hears of each tensor once it is wholly written."""
     content = {m.target.name: reader.config.vocab_rows if m.target.vocab else None for m in plan.moves}
 
     def prepare(job: tuple[TensorMove, Region]) -> _Prepared:
@@ -86,9 +92,16 @@ def write_moves(
     read_sums = {m.target.name: TensorChecksum(m.target.shape, m.source.dtype, content[m.target.name]) for m in plan.moves}
     written_sums = {m.target.name: TensorChecksum(m.target.shape, m.target.dtype, content[m.target.name]) for m in plan.moves}
     by_slab: dict[str, dict] = {}
+
+    def close(name: str) -> None:
+        if finished:
+            finished(Done(name, written_sums[name].result(), read_sums[name].result()))
+
     for item in ordered_map(prepare, jobs, workers, plan.depth(workers)):
         name = item.move.target.name
         if name not in by_slab:
+            for previous in by_slab:
+                close(previous)
             by_slab.clear()  # moves arrive one after another: keep only the current one's pieces
             by_slab[name] = pieces_by_slab(pieces(item.move.target, plan.config, plan.target_layout), item.move.target)
         writer.write(item.move.target, item.slab, item.data, by_slab[name].get(slab_of(item.move.target, item.slab), []))
@@ -96,6 +109,8 @@ def write_moves(
         written_sums[name].merge(item.as_written)
         if progress:
             progress(item.data.numel() * item.data.element_size())
+    for previous in by_slab:
+        close(previous)
     written = {name: acc.result() for name, acc in written_sums.items()}
     return written, {name: acc.result() for name, acc in read_sums.items()}
 
@@ -152,6 +167,59 @@ def _replace(tmp: Path, target: Path) -> None:
     tmp.rename(target)
     if old is not None:
         shutil.rmtree(old)
+
+
+def _convert_here(
+    reader: CheckpointReader,
+    plan: ConversionPlan,
+    target: Path,
+    options: dict[str, Any],
+    progress: Progress | None,
+    workers: int,
+) -> Manifest:
+    """Write into a partial sibling directory, resuming a previous interrupted run of the same conversion,
+    verify everything written against the source, then move it into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.reshard-partial")
+    full = replace(plan, target=tmp)
+    log = WorkLog(tmp, fingerprint(plan, options))
+    resumable = WRITERS[plan.target_format].resumable
+    done, state = log.resume() if resumable and tmp.is_dir() else ([], None)
+    if not done:
+        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        writer = new_writer(full, options)
+        if done:
+            writer.restore(state)
+        else:
+            tmp.mkdir(parents=True, exist_ok=True)
+            log.start()
+        finished = {d.name for d in done}
+        remaining = replace(full, moves=[m for m in plan.moves if m.target.name not in finished])
+        record = (lambda d: log.record(d, writer.state())) if resumable else None
+        written, as_read = write_moves(reader, remaining, writer, progress, workers, finished=record)
+        written.update({d.name: d.written for d in done})
+        as_read.update({d.name: d.read for d in done})
+        if reader.manifest is not None:
+            compare(as_read, reader.manifest.checksums, "source as read", "source's recorded checksums", subset=True).raise_if_bad(
+                f"{plan.source} does not match the checksums recorded when it was written"
+            )
+        manifest = manifest_for(plan, written)
+        writer.finish(manifest)
+        log.remove()
+        with open_checkpoint(tmp, plan.target_format) as written_back:
+            compare(compute_checksums(written_back, workers=workers), written, "written", "source").raise_if_bad(
+                "the written checkpoint does not match the source"
+            )
+        _replace(tmp, target)
+    except ReshardError:
+        shutil.rmtree(tmp, ignore_errors=True)  # a refusal: nothing worth resuming
+        raise
+    except BaseException:
+        if not resumable:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise  # interrupted or crashed: the partial directory stays, and the same command resumes it
+    return manifest
 
 
 def convert(
@@ -212,25 +280,5 @@ def convert(
             )
             return ConversionResult(plan, manifest, time.perf_counter() - start)
         _check_destination(target, overwrite)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.reshard-tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            plan.target = tmp
-            as_read: dict[str, Checksum] = {}
-            manifest = stream(reader, plan, options, progress, as_read, workers)
-            checksums = manifest.checksums
-            if reader.manifest is not None:
-                compare(as_read, reader.manifest.checksums, "source as read", "source's recorded checksums", subset=True).raise_if_bad(
-                    f"{source} does not match the checksums recorded when it was written"
-                )
-            with open_checkpoint(tmp, plan.target_format) as written:
-                compare(compute_checksums(written, workers=workers), checksums, "written", "source").raise_if_bad(
-                    "the written checkpoint does not match the source"
-                )
-            plan.target = target
-            _replace(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        manifest = _convert_here(reader, plan, target, options, progress, workers)
     return ConversionResult(plan, manifest, time.perf_counter() - start)

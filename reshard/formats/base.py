@@ -160,6 +160,15 @@ class CheckpointWriter(abc.ABC):
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece]) -> None:
         """Store `data` (the values of `slab`); `pieces` are the target pieces that lie in that slab."""
 
+    resumable: ClassVar[bool] = False  # can continue a partial output (see reshard.worklog)
+
+    def state(self) -> Any:
+        """What `restore` needs to continue after the last finished tensor (resumable writers)."""
+        return None
+
+    def restore(self, state: Any) -> None:
+        raise ReshardError(f"{self.format_name} output cannot be resumed")
+
     def part(self) -> Any:
         """Close this process's files and return what rank 0's `finish` needs of them (multi-rank runs)."""
         raise ReshardError(

@@ -219,6 +219,34 @@ class TorchDistWriter(CheckpointWriter):
             self._storage[MetadataIndex(key)] = _StorageInfo(name, offset, f.tell() - offset)
         return {key: BytesStorageMetadata() for key in self.common.objects}
 
+    resumable = True
+
+    def state(self) -> dict[str, Any]:
+        for f in self._files.values():
+            f.flush()
+            os.fsync(f.fileno())
+        return {
+            "files": {str(i): f.tell() for i, f in self._files.items()},
+            "chunks": {k: [[list(c.offsets), list(c.sizes)] for c in v] for k, v in self._chunks.items()},
+            "storage": [[i.fqn, list(i.offset), s.relative_path, s.offset, s.length] for i, s in self._storage.items()],
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue after the logged state: files cut back to their logged length, later ones removed."""
+        kept = {f"__{i}_{self.rank}.distcp": (int(i), size) for i, size in state["files"].items()}
+        for path in self.directory.glob(f"__*_{self.rank}.distcp"):
+            if path.name not in kept:
+                path.unlink()
+        for name, (index, size) in kept.items():
+            f = open(self.directory / name, "r+b")
+            f.truncate(size)
+            f.seek(size)
+            self._files[index] = f
+        self._chunks = defaultdict(list)
+        for key, chunks in state["chunks"].items():
+            self._chunks[key] = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(z)) for o, z in chunks]
+        self._storage = {MetadataIndex(fqn, torch.Size(o)): _StorageInfo(path, at, n) for fqn, o, path, at, n in state["storage"]}
+
     def part(self) -> tuple[dict[str, list[ChunkStorageMetadata]], dict[MetadataIndex, _StorageInfo]]:
         self._close_files()
         return dict(self._chunks), dict(self._storage)

@@ -152,6 +152,7 @@ class ZarrWriter(CheckpointWriter):
             lambda: _open(
                 self.path / spec.name,
                 create=True,
+                delete_existing=True,  # an array left half-written by an interrupted run
                 metadata={
                     "shape": list(spec.shape) or [1],
                     "data_type": _stored_dtype(spec.dtype),
@@ -164,6 +165,14 @@ class ZarrWriter(CheckpointWriter):
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece]) -> None:
         region = slab if spec.shape else ((0, 1),)
         self._array(spec)[to_slices(region)].write(_to_numpy(data.reshape([b - a for a, b in region]), spec.dtype)).result()
+
+    resumable = True
+
+    def state(self) -> dict:
+        return {}  # a finished tensor's array is complete; an unfinished one is recreated
+
+    def restore(self, state: Any) -> None:
+        pass
 
     def part(self) -> None:
         return None  # arrays are complete once written; the root attributes list every spec

@@ -82,7 +82,7 @@ def test_bad_input_gets_one_line_and_nothing_written(ckpt, tmp_path, args, words
     result = reshard(*[a.format(**names) for a in args])
     _one_line_error(result, *words)
     assert not (tmp_path / "out").exists()
-    assert not list(tmp_path.glob(".out.reshard-tmp-*"))
+    assert not list(tmp_path.glob(".out.reshard-*"))
     assert _digest(ckpt) == before
 
 
