@@ -1,1 +1,2 @@
-"""Helpers that build and run real Megatron-Core models (used by the test fixtures)."""
+"""A minimal Megatron-Core training loop (`python -m trainer`) and the pieces it shares with the test
+fixtures: CPU compatibility, model building, optimizer, data pipeline and checkpointing."""

@@ -17,6 +17,11 @@ A handful of megatron-core modules call CUDA unconditionally (see
 * `LanguageModule.setup_embeddings_and_output_layer` (tied embeddings with PP>1) calls
   `weight.data.cuda()`; on the CPU it runs with `Tensor.cuda` answering the tensor itself.
 * `transformer.moe.moe_utils.te_general_gemm` is defined as None when Transformer Engine is absent.
+* `Float16OptimizerWithFloat16Params.__init__` (bf16/fp16 mixed precision) and the DistributedOptimizer's
+  param-group building accept only `param.type()` names `torch.cuda.*Tensor`; they run with
+  `Tensor.type()` answering the CUDA name for CPU tensors (only inside those calls).
+* `optimizer.clip_grads.clip_grad_by_total_norm_fp32` asserts `grad.type() == 'torch.cuda.FloatTensor'`;
+  on the CPU the same clipping runs with the assertion asking for float32 grads instead.
 
 Nothing is done when `torch.cuda.is_available()`; calling `apply()` again is harmless. Call it before
 building models (before the first `get_cuda_rng_tracker()` / `model_parallel_cuda_manual_seed()`).
@@ -177,11 +182,55 @@ def _with_tensor_cuda_as_identity(method):
     return wrapper
 
 
+def _with_cuda_type_names(method, is_classmethod: bool = False):
+    """Run `method` with `Tensor.type()` (no arguments) spelling CPU tensor types the CUDA way."""
+    func = method.__func__ if is_classmethod else method
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        original = torch.Tensor.type
+
+        def type_(self, *a, **k):
+            name = original(self, *a, **k)
+            if a or k or self.is_cuda or not isinstance(name, str):
+                return name
+            return name.replace("torch.", "torch.cuda.", 1)
+
+        torch.Tensor.type = type_
+        try:
+            return func(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original
+
+    wrapper._reshard_cpu = True
+    return classmethod(wrapper) if is_classmethod else wrapper
+
+
 def _import(name: str):
     try:
         return importlib.import_module(name)
     except ImportError:
         return None
+
+
+def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron's clip_grad_by_total_norm_fp32 without its CUDA-type assertion (grads scaled in place)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = []
+    for param in parameters:
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is not None:
+            if hasattr(grad, "to_local"):
+                grad = grad.to_local()
+            assert grad.dtype in ((torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,))
+            grads.append(grad.detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+_clip_grad_by_total_norm_fp32_cpu._reshard_cpu = True
 
 
 def apply() -> list[str]:
@@ -220,4 +269,22 @@ def apply() -> list[str]:
     if moe_utils is not None and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
         _applied.append("megatron.core.transformer.moe.moe_utils.te_general_gemm")
+    optimizer = _import("megatron.core.optimizer.optimizer")
+    cls = getattr(optimizer, "Float16OptimizerWithFloat16Params", None)
+    if cls is not None and not getattr(cls.__init__, "_reshard_cpu", False):
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
+        _applied.append("megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__")
+    distrib = _import("megatron.core.optimizer.distrib_optimizer")
+    cls = getattr(distrib, "DistributedOptimizer", None)
+    for attr in ("_build_model_and_main_param_groups", "__init__"):
+        method = cls.__dict__.get(attr) if cls is not None else None
+        if method is not None and not getattr(getattr(method, "__func__", method), "_reshard_cpu", False):
+            setattr(cls, attr, _with_cuda_type_names(method, isinstance(method, classmethod)))
+            _applied.append(f"megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.{attr}")
+    for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
+        module = _import(name)
+        clip = getattr(module, "clip_grad_by_total_norm_fp32", None)
+        if clip is not None and not getattr(clip, "_reshard_cpu", False):
+            module.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
+            _applied.append(f"{name}.clip_grad_by_total_norm_fp32")
     return list(_applied)

@@ -141,5 +141,7 @@ def build_model(config: ModelConfig, layout: Layout, dtype: torch.dtype = torch.
             rope_scaling_factor=config.rope_scaling_factor,
             vp_stage=vp,
         )
-        models.append(model.to(device))
+        # As Megatron-LM's Float16Module: every parameter in the training dtype (the local spec's torch
+        # norms are created in fp32, which Megatron's mixed-precision optimizer cannot checkpoint).
+        models.append(model.to(device=device, dtype=dtype) if dtype != torch.float32 else model.to(device))
     return models

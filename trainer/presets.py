@@ -33,10 +33,15 @@ TINY_GQA4 = TINY_LLAMA.replace(num_attention_heads=8, num_query_groups=4, kv_cha
 # the same padded like tiny-llama: 256 rows at TP 1 and 2, 512 at TP 4
 TINY_GQA4_PAD128 = TINY_GQA4.replace(make_vocab_size_divisible_by=128)
 
+# ~12M parameters (a ~150 MB checkpoint with Adam state): for trainer benchmarks on a CPU.
+SMALL_LLAMA = TINY_LLAMA.replace(hidden_size=512, num_attention_heads=8, num_query_groups=4, kv_channels=64,
+                                 ffn_hidden_size=1408, max_position_embeddings=512)
+
 PRESETS = {
     "tiny-llama": TINY_LLAMA,
     "tiny-tied": TINY_TIED,
     "tiny-moe": TINY_MOE,
     "tiny-gqa4": TINY_GQA4,
     "tiny-gqa4-pad128": TINY_GQA4_PAD128,
+    "small-llama": SMALL_LLAMA,
 }

@@ -1,0 +1,499 @@
+"""Megatron-LM style torch_dist checkpoints: atomic save with recorded checksums, validated load.
+
+Layout on disk (what Megatron-LM writes, so `reshard` and Megatron-LM read it):
+
+    <save>/latest_checkpointed_iteration.txt
+    <save>/iter_NNNNNNN/{__R_0.distcp, .metadata, common.pt, metadata.json, reshard_manifest.json}
+
+`common.pt` holds `args` (a Megatron-LM Namespace), `checkpoint_version`, `iteration`,
+`opt_param_scheduler`, `data_state` and the non-tensor part of the optimizer; model and optimizer tensors
+(`optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<param>`, "fully reshardable") are global ShardedTensors;
+`rng_state` is a per-rank ShardedObject (layout-bound: `reshard convert` drops it on a layout change).
+
+Atomicity: every rank writes into `<save>/iter_NNNNNNN.tmp`; once all shards are on disk (fsynced),
+rank 0 adds the manifest, renames the directory to `iter_NNNNNNN`, then replaces the tracker file via a
+temporary file and `os.replace`. A crash at any point leaves `latest` on the previous complete checkpoint.
+
+Checksums: every rank hashes its primary shards (replica_id 0) with `reshard.checksum.TensorChecksum`
+(layout-invariant partial sums), the partial sums are gathered and combined, and rank 0 records them in
+`reshard_manifest.json`. After a load the same is recomputed from the live model and optimizer and compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from reshard.checksum import PRIMES, TensorChecksum
+from reshard.config import ModelConfig
+from reshard.errors import ReshardError
+from reshard.formats.base import Manifest
+from reshard.layout import Layout
+from reshard.logical import describe
+from reshard.naming import canonical
+
+CHECKPOINT_VERSION = 3.0
+TRACKER = "latest_checkpointed_iteration.txt"
+# How megatron lays out the optimizer state: each tensor as a global ShardedTensor
+# `optimizer.state.<exp_avg|exp_avg_sq>.<param key>`, independent of TP/PP/EP.
+SHARDED_SD_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "chained_optim_avoid_prefix": True,
+    "singleton_local_shards": False,
+}
+# Test hook: "ITERATION:SECONDS" pauses the save of that iteration after the shards are written and
+# before the directory is renamed (a test SIGKILLs the run there).
+SAVE_PAUSE_ENV = "TRAINER_TEST_SAVE_PAUSE"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message says which tensor or file and why."""
+
+
+def iter_dirname(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+# ----------------------------------------------------------------------------------------- args
+
+def megatron_args(config: ModelConfig, layout: Layout, world: int, **extra) -> argparse.Namespace:
+    """The Megatron-LM `args` Namespace a training run at `layout` would have saved."""
+    a = config.megatron_args()
+    a.update(
+        padded_vocab_size=config.padded_vocab_for(layout.tp),
+        untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
+        params_dtype=getattr(torch, config.params_dtype),
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        num_layers_per_virtual_pipeline_stage=(config.num_layers // (layout.pp * layout.vpp)) if layout.vpp > 1 else None,
+        decoder_first_pipeline_num_layers=layout.first_stage_layers,
+        decoder_last_pipeline_num_layers=layout.last_stage_layers,
+        data_parallel_size=world // (layout.tp * layout.pp),
+        world_size=world,
+        ckpt_format="torch_dist",
+        fp16=False,
+        bf16=config.params_dtype == "bfloat16",
+        use_distributed_optimizer=False,
+        transformer_impl="local",
+        use_rotary_position_embeddings=config.position_embedding_type == "rope",
+        moe_token_dispatcher_type="allgather" if config.is_moe else None,
+        moe_grouped_gemm=False,
+        sequence_parallel=False,
+        tokenizer_type="NullTokenizer",
+        model_type="GPT",
+    )
+    a.update(extra)
+    return argparse.Namespace(**a)
+
+
+# ------------------------------------------------------------------------------------------ rng
+
+def rng_state() -> dict:
+    """Megatron-LM's per-rank RNG record (cuda_rng_state is None on a CPU machine)."""
+    from megatron.core import tensor_parallel
+
+    return {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available() and state.get("cuda_rng_state") is not None:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def reseed(seed: int, iteration: int) -> None:
+    """Deterministic RNG state for a resumed run whose checkpoint has none for this layout."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    s = seed + 100_003 * iteration + 7 * ps.get_pipeline_model_parallel_rank()
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)
+    tensor_parallel.model_parallel_cuda_manual_seed(s)
+
+
+def sharded_rng_state(layout: Layout):
+    """rng_state as the ShardedObject Megatron-LM's torch_dist save uses."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    pp, tp = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    if layout.ep > 1:
+        ep = ps.get_expert_model_parallel_rank()
+        return ShardedObject("rng_state", [rng_state()], (layout.pp, layout.tp, layout.ep), (pp, tp, ep),
+                             replica_id=ps.get_expert_data_parallel_rank())
+    return ShardedObject("rng_state", [rng_state()], (layout.pp, layout.tp), (pp, tp),
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+# -------------------------------------------------------------------------------- state dicts
+
+def unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def model_keys(n: int) -> list[str]:
+    return ["model"] if n == 1 else [f"model{i}" for i in range(n)]
+
+
+def model_sharded_state_dict(models: list) -> dict:
+    return {key: unwrap(m).sharded_state_dict() for key, m in zip(model_keys(len(models)), models)}
+
+
+def optimizer_sharded_state_dict(models: list, optimizer, is_loading: bool) -> dict:
+    return optimizer.sharded_state_dict(model_sharded_state_dict(models), is_loading=is_loading,
+                                        metadata=SHARDED_SD_METADATA)
+
+
+def _find_common_step(tree):
+    if isinstance(tree, dict):
+        if "common_step" in tree:
+            return tree["common_step"]
+        for value in tree.values():
+            found = _find_common_step(value)
+            if found is not None:
+                return found
+    return None
+
+
+def _unwrap_value(value):
+    """The plain value of a request entry (param_groups come as LocalNonpersistentObject)."""
+    if hasattr(value, "unwrap"):
+        return _unwrap_value(value.unwrap())
+    if isinstance(value, list):
+        return [_unwrap_value(v) for v in value]
+    return value
+
+
+def align_optimizer_state(loaded: dict, request: dict, optimizer) -> dict:
+    """Fit a loaded optimizer dict to the structure of the current optimizer's request.
+
+    Megatron chains one optimizer for dense and one for expert parameters only when EP > 1, so the
+    non-tensor part (param_groups, common_step, from common.pt) of a checkpoint saved at EP1 is one
+    optimizer's while EP2 expects two (and vice versa). The tensors (exp_avg...) are layout-free; the
+    non-tensor part is taken from the loaded dict where its structure matches, else from the request
+    (param ids) and the live optimizer (hyper-parameters such as lr, betas, wd_mult).
+    """
+    out = _align(loaded, request, _find_common_step(loaded))
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    parts = [out] if ("param_groups" in out or "optimizer" in out) else [out[k] for k in sorted(out)]
+    for sub, part in zip(subs, parts):
+        if "param_groups" not in part:  # mixed precision: {"optimizer": {...}, "fp32_from_fp16_params": ...}
+            part = part["optimizer"]
+        live = sub.optimizer.param_groups
+        part["param_groups"] = [
+            g if "wd_mult" in g else {**{k: v for k, v in lg.items() if k != "params"}, **g}
+            for lg, g in zip(live, part["param_groups"])
+        ]
+    return out
+
+
+def _align(loaded: dict, request: dict, step) -> dict:
+    out = {}
+    for key, want in request.items():
+        have = loaded.get(key)
+        if isinstance(want, dict):
+            out[key] = _align(have if isinstance(have, dict) else {}, want, step)
+        else:
+            out[key] = have if have is not None else _unwrap_value(want)
+    if "param_groups" in request and step is not None:
+        out.setdefault("state", {}).setdefault("common_step", step)
+    return out
+
+
+# --------------------------------------------------------------------------------- checksums
+
+def _is_vocab(name: str, shape, dtype: str, config: ModelConfig) -> bool:
+    try:
+        return describe(name, tuple(shape), dtype, config).vocab
+    except ReshardError:
+        return False
+
+
+def local_checksums(sharded_state_dict: dict, config: ModelConfig) -> dict[str, dict]:
+    """Partial checksums of this rank's primary shards, by canonical (manifest) name.
+
+    Applies the state dict's ShardedTensorFactories in place (as `dist_checkpointing.save` would).
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
+
+    apply_factories(sharded_state_dict)
+    accs: dict[str, TensorChecksum] = {}
+    for st in nested_values(sharded_state_dict):
+        if not isinstance(st, ShardedTensor) or not is_main_replica(st.replica_id):
+            continue
+        name = canonical(st.key, "dist", config.is_moe)
+        dtype = str(st.dtype).removeprefix("torch.")
+        if name not in accs:
+            rows = config.vocab_rows if _is_vocab(name, st.global_shape, dtype, config) else None
+            accs[name] = TensorChecksum(tuple(st.global_shape), dtype, rows)
+        p = st.prepend_axis_num
+        region = tuple((o, o + 1) for o in st.global_offset[:p]) + tuple(
+            (o, o + s) for o, s in zip(st.global_offset[p:], st.local_shape))
+        data = st.data.detach().to("cpu").reshape([1] * p + list(st.local_shape))
+        accs[name].add(region, data)
+    return {n: {"shape": a.shape, "dtype": a.dtype, "sums": a.sums, "covered": a.covered,
+                "expected": a.expected} for n, a in accs.items()}
+
+
+def combine_checksums(local: dict[str, dict]):
+    """Gather every rank's partial sums and combine them; returns {name: Checksum} on every rank."""
+    parts = [local]
+    if torch.distributed.is_initialized():
+        parts = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, local)
+    total: dict[str, TensorChecksum] = {}
+    for part in parts:
+        for name, p in part.items():
+            acc = total.get(name)
+            if acc is None:
+                acc = total[name] = TensorChecksum(tuple(p["shape"]), p["dtype"])
+                acc.expected = p["expected"]
+            acc.covered += p["covered"]
+            acc.sums = [(a + b) % m for a, b, m in zip(acc.sums, p["sums"], PRIMES)]
+    incomplete = [n for n, a in total.items() if a.covered != a.expected]
+    if incomplete:
+        raise CheckpointError(f"checksum of {incomplete[0]} covers {total[incomplete[0]].covered} of "
+                              f"{total[incomplete[0]].expected} elements: shards are missing or counted twice")
+    return {n: a.result() for n, a in sorted(total.items())}
+
+
+# ---------------------------------------------------------------------------------------- save
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def _save_pause(iteration: int, tmp: Path) -> None:
+    spec = os.environ.get(SAVE_PAUSE_ENV)
+    if not spec:
+        return
+    it, seconds = spec.split(":")
+    if int(it) == iteration:
+        if _rank() == 0:
+            (tmp.parent / f"SAVE_PAUSED_{iteration}").write_text(str(os.getpid()))
+        time.sleep(float(seconds))
+
+
+def _in_process_results_queue() -> None:
+    """Megatron's torch_dist writer hands its results back through a queue made by a `spawn`
+    multiprocessing Manager: a fresh interpreter that re-imports torch and megatron (~15 s on a small CPU
+    machine) the first time a process saves. A synchronous save runs the writer in this process, so a
+    plain in-process queue carries the results just as well."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "absent") is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def save_checkpoint(save_dir: Path, iteration: int, models: list, optimizer, scheduler, layout: Layout,
+                    config: ModelConfig, args: argparse.Namespace, data_state: dict) -> dict:
+    """Save atomically (see the module docstring); returns {'seconds', 'bytes'}."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    start = time.perf_counter()
+    save_dir = Path(save_dir)
+    final = save_dir / iter_dirname(iteration)
+    tmp = save_dir / f"{final.name}.tmp"
+    if _rank() == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a crashed save
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier()
+
+    state = {
+        "args": args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "opt_param_scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "data_state": data_state,
+    }
+    state.update(model_sharded_state_dict(models))
+    if optimizer is not None:
+        state["optimizer"] = optimizer_sharded_state_dict(models, optimizer, is_loading=False)
+    state["rng_state"] = sharded_rng_state(layout)
+    local = local_checksums(state, config)  # applies the factories, which save would do anyway
+
+    _in_process_results_queue()
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy)
+    checksums = combine_checksums(local)
+    for f in tmp.glob(f"__{_rank()}_*.distcp"):
+        _fsync(f)
+    _save_pause(iteration, tmp)
+    _barrier()
+
+    if _rank() == 0:
+        Manifest(
+            format="torch_dist",
+            config=config.replace(padded_vocab_size=config.padded_vocab_for(layout.tp)),
+            layout=layout,
+            checksums=checksums,
+            provenance={"tool": "trainer", "iteration": iteration,
+                        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        ).save(tmp)
+        for f in tmp.iterdir():
+            if f.is_file() and not f.name.startswith("__"):
+                _fsync(f)
+        _fsync(tmp)
+        if final.exists():  # re-saving an iteration: move the old one out of the way first
+            old = save_dir / f"{final.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, final)
+        _fsync(save_dir)
+        _write_atomic(save_dir / TRACKER, f"{iteration}\n")
+    _barrier()
+    size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
+    return {"seconds": time.perf_counter() - start, "bytes": size}
+
+
+# ---------------------------------------------------------------------------------------- load
+
+def find_checkpoint(load_dir: Path) -> Path | None:
+    """The iteration directory `latest_checkpointed_iteration.txt` points at (or an iter_* dir itself)."""
+    load_dir = Path(load_dir)
+    if (load_dir / ".metadata").is_file():
+        return load_dir
+    tracker = load_dir / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    directory = load_dir / ("release" if text == "release" else iter_dirname(int(text)))
+    if not (directory / ".metadata").is_file():
+        raise CheckpointError(f"{tracker} points at {directory.name}, which is not a complete torch_dist checkpoint")
+    return directory
+
+
+def read_common(ckpt: Path) -> dict:
+    return torch.load(Path(ckpt) / "common.pt", map_location="cpu", weights_only=False)
+
+
+def saved_tensor_keys(ckpt: Path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+
+
+def load_checkpoint(ckpt: Path, models: list, optimizer, scheduler, layout: Layout, config: ModelConfig,
+                    *, world: int, load_optim: bool = True, load_rng: bool = True, seed: int = 0) -> dict:
+    """Load model (and optimizer, scheduler, RNG) from the iteration directory `ckpt`, then verify
+    what was loaded against the checkpoint's manifest. Returns a report dict:
+    {'iteration', 'data_state', 'common', 'optimizer_loaded', 'rng_loaded', 'verified', 'seconds'}.
+    """
+    from megatron.core import dist_checkpointing
+
+    start = time.perf_counter()
+    common = read_common(ckpt)
+    keys = saved_tensor_keys(ckpt)
+    saved_args = vars(common.get("args") or argparse.Namespace())
+    has_optim = any(k.startswith("optimizer.state.") for k in keys)
+    load_optim = load_optim and optimizer is not None and has_optim
+    saved_layout = (saved_args.get("tensor_model_parallel_size"), saved_args.get("pipeline_model_parallel_size"),
+                    saved_args.get("expert_model_parallel_size") or 1, saved_args.get("world_size"))
+    same_ranks = saved_layout == (layout.tp, layout.pp, layout.ep, world)
+    load_rng = load_rng and same_ranks and any(k.startswith("rng_state") for k in keys)
+
+    request = model_sharded_state_dict(models)
+    if load_optim:
+        request["optimizer"] = optimizer_sharded_state_dict(models, optimizer, is_loading=True)
+    if load_rng:
+        request["rng_state"] = sharded_rng_state(layout)
+    loaded = dist_checkpointing.load(request, str(ckpt), strict="assume_ok_unexpected")
+    for key, m in zip(model_keys(len(models)), models):
+        unwrap(m).load_state_dict(loaded[key], strict=True)
+    if load_optim:
+        optimizer.load_state_dict(align_optimizer_state(loaded["optimizer"], request["optimizer"], optimizer))
+        if scheduler is not None and common.get("opt_param_scheduler"):
+            scheduler.load_state_dict(common["opt_param_scheduler"])
+    iteration = int(common.get("iteration", 0)) if str(common.get("iteration", 0)).isdigit() else 0
+    if load_rng:
+        state = loaded["rng_state"]
+        set_rng_state(state[0] if isinstance(state, list) else state)
+    else:
+        reseed(seed, iteration)
+
+    verified = verify_loaded(ckpt, models, optimizer if load_optim else None, config)
+    return {"iteration": iteration, "data_state": common.get("data_state"), "common": common,
+            "optimizer_loaded": load_optim, "has_optimizer": has_optim, "rng_loaded": load_rng,
+            "verified": verified, "seconds": time.perf_counter() - start}
+
+
+def verify_loaded(ckpt: Path, models: list, optimizer, config: ModelConfig) -> int:
+    """Recompute the checksums of the loaded model (and optimizer) state, compare with the manifest.
+
+    Raises CheckpointError naming the first tensor that differs; returns the number of tensors checked
+    (0 when the checkpoint has no manifest).
+    """
+    state = model_sharded_state_dict(models)
+    if optimizer is not None:
+        state["optimizer"] = optimizer_sharded_state_dict(models, optimizer, is_loading=False)
+    actual = combine_checksums(local_checksums(state, config))
+    manifest = Manifest.load(Path(ckpt))
+    if manifest is None:
+        return 0
+    recorded = manifest.checksums
+    bad = [n for n in actual if n in recorded and (actual[n].digest != recorded[n].digest or actual[n].dtype != recorded[n].dtype)]
+    missing = [n for n in actual if n not in recorded]
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {ckpt}: tensor {bad[0]} does not match the checksum recorded at save "
+            f"({len(bad)} tensor(s) differ); the checkpoint is corrupted, refusing to train on it")
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt}: tensor {missing[0]} has no recorded checksum in the manifest")
+    return len(actual)
