@@ -1,9 +1,12 @@
 """The main job end to end on a tiny embedded model (no downloads), as `bash scripts/demo.sh` runs it.
 
-1. megatron-core saves a tiny Llama-style model (with Adam state) at TP=2, torch_dist;
-2. reshard inspects it, reshards it to TP=1 PP=2, stores it as zarr and exports it to HuggingFace;
-3. the proofs: Megatron-Core loads the resharded checkpoint and computes the same loss, and
-   transformers loads the HF export and computes the same logits.
+1. the trainer trains a tiny Llama-style model on a generated corpus at TP=2 (Megatron-Core, torch_dist,
+   checksums recorded at save);
+2. reshard inspects the checkpoint, reshards it to TP=1 PP=2 (optimizer state included), stores it as
+   zarr and exports it to HuggingFace, verifying every tensor's checksum each time;
+3. the proofs: Megatron-Core loads both layouts and computes the same loss, transformers loads the HF
+   export and computes the same logits;
+4. the cluster "shrinks": training resumes from the resharded checkpoint at TP=1 PP=2.
 """
 
 from __future__ import annotations
@@ -38,9 +41,12 @@ def megatron_forward(ckpt: Path, **layout: int) -> dict:
 def main() -> None:
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
-    print("megatron-core saves a tiny model at TP=2 (one Adam step, torch_dist) ...", flush=True)
-    run("fixtures.megatron_checkpoint", ["--preset", "tiny-llama", "--out", WORK / "base", "--optimizer"], nproc=1)
-    run("fixtures.megatron_checkpoint", ["--preset", "tiny-llama", "--tp", 2, "--from", WORK / "base", "--out", WORK / "run1", "--optimizer"], nproc=2)
+    subprocess.run([sys.executable, "-m", "fixtures.corpus", WORK / "corpus.txt"], check=True, cwd=REPO)
+    print("training 6 iterations at TP=2 (torchrun, 2 ranks) ...", flush=True)
+    train = ["--model", "tiny-llama", "--data", WORK / "corpus.txt", "--global-batch-size", 4, "--lr", "3e-3", "--lr-decay-iters", 10]
+    run("trainer", [*train, "--tp", 2, "--train-iters", 6, "--save", WORK / "run1", "--save-interval", 3,
+                    "--metrics", WORK / "run1.jsonl"], nproc=2)
+    print((WORK / "run1.jsonl").read_text().strip().splitlines()[-1])
 
     reshard("inspect", "run1")
     reshard("convert", "run1", "run1-tp1pp2", "--tp", 2, "--to-tp", 1, "--to-pp", 2)
@@ -63,6 +69,13 @@ def main() -> None:
     diff = (logits - before["logits"]).abs().max().item()
     print(f"transformers on the HF export vs Megatron-Core: max |logit difference| = {diff:.2e}")
     assert diff <= 1e-4
+
+    print("\nthe cluster shrinks: training resumes at TP=1 PP=2 from the resharded checkpoint ...", flush=True)
+    run("trainer", [*train, "--pp", 2, "--train-iters", 10, "--load", WORK / "run1-tp1pp2", "--save", WORK / "run1-tp1pp2",
+                    "--metrics", WORK / "resumed.jsonl"], nproc=2)
+    for line in (WORK / "resumed.jsonl").read_text().strip().splitlines():
+        print(line)
+    reshard("verify", "run1-tp1pp2")
     print(f"\nall good: outputs are in {WORK}")
 
 
