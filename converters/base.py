@@ -265,6 +265,18 @@ L = "{layer}"
 E = "{expert}"
 
 
+# The Megatron features of a Llama-style decoder; families state how they differ from it.
+LLAMA_SIGNATURE: dict[str, Any] = {
+    "normalization": "RMSNorm",
+    "swiglu": True,
+    "add_bias_linear": False,
+    "add_qkv_bias": False,
+    "qk_layernorm": False,
+    "position_embedding_type": "rope",
+    "moe": False,
+}
+
+
 class Family:
     """One HF model family: names, mapping table, and config translation. Subclass per family."""
 

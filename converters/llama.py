@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-from converters.base import Family, embeddings_and_head, llama_attention, llama_dense_mlp
+from converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head, llama_attention, llama_dense_mlp
 
 
 class Llama(Family):
     model_type = "llama"
     architectures = ("LlamaForCausalLM",)
-    signature = {
-        "normalization": "RMSNorm",
-        "swiglu": True,
-        "add_bias_linear": False,
-        "add_qkv_bias": False,
-        "qk_layernorm": False,
-        "position_embedding_type": "rope",
-        "moe": False,
-    }
+    signature = {**LLAMA_SIGNATURE}
 
     def mappings(self, config):
         return [*embeddings_and_head(config), *llama_attention(config), *llama_dense_mlp()]

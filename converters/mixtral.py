@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-from converters.base import Family, embeddings_and_head, llama_attention, moe_mlp, refuse
+from converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head, llama_attention, moe_mlp, refuse
 
 
 class Mixtral(Family):
     model_type = "mixtral"
     architectures = ("MixtralForCausalLM",)
-    signature = {
-        "normalization": "RMSNorm",
-        "swiglu": True,
-        "add_bias_linear": False,
-        "add_qkv_bias": False,
-        "qk_layernorm": False,
-        "position_embedding_type": "rope",
-        "moe": True,
-        "shared_experts": False,
-    }
+    signature = {**LLAMA_SIGNATURE, "moe": True, "shared_experts": False}
 
     def adjust_from_hf(self, config, hf):
         experts = hf.get("num_local_experts") or hf.get("num_experts")

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-from converters.base import Family, embeddings_and_head, llama_attention, llama_dense_mlp
+from converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head, llama_attention, llama_dense_mlp
 
 
 class Qwen2(Family):
     model_type = "qwen2"
     architectures = ("Qwen2ForCausalLM",)
-    signature = {
-        "normalization": "RMSNorm",
-        "swiglu": True,
-        "add_bias_linear": False,
-        "add_qkv_bias": True,
-        "qk_layernorm": False,
-        "position_embedding_type": "rope",
-        "moe": False,
-    }
+    signature = {**LLAMA_SIGNATURE, "add_qkv_bias": True}
 
     def adjust_from_hf(self, config, hf):
         return config.replace(add_qkv_bias=True)  # Qwen2 always has q/k/v biases and no others

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-from converters.base import Family, embeddings_and_head, llama_attention, llama_dense_mlp
+from converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head, llama_attention, llama_dense_mlp
 
 
 class Qwen3(Family):
     model_type = "qwen3"
     architectures = ("Qwen3ForCausalLM",)
-    signature = {
-        "normalization": "RMSNorm",
-        "swiglu": True,
-        "add_bias_linear": False,
-        "add_qkv_bias": False,
-        "qk_layernorm": True,
-        "position_embedding_type": "rope",
-        "moe": False,
-    }
+    signature = {**LLAMA_SIGNATURE, "qk_layernorm": True}
 
     def adjust_from_hf(self, config, hf):
         return config.replace(qk_layernorm=True)

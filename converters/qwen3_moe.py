@@ -6,22 +6,13 @@ which is what Megatron's default router computes (top-k of the logits, softmax o
 
 from __future__ import annotations
 
-from converters.base import Family, embeddings_and_head, llama_attention, moe_mlp, refuse
+from converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head, llama_attention, moe_mlp, refuse
 
 
 class Qwen3Moe(Family):
     model_type = "qwen3_moe"
     architectures = ("Qwen3MoeForCausalLM",)
-    signature = {
-        "normalization": "RMSNorm",
-        "swiglu": True,
-        "add_bias_linear": False,
-        "add_qkv_bias": False,
-        "qk_layernorm": True,
-        "position_embedding_type": "rope",
-        "moe": True,
-        "shared_experts": False,
-    }
+    signature = {**LLAMA_SIGNATURE, "qk_layernorm": True, "moe": True, "shared_experts": False}
 
     def check_hf(self, hf):
         super().check_hf(hf)
