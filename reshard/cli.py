@@ -70,7 +70,7 @@ def inspect(path: Path, as_json: bool) -> None:
 @click.option("--workers", type=click.IntRange(1, 64), default=min(4, os.cpu_count() or 1), show_default=True,
               help="Threads reading and hashing slabs ahead of the writer (the output does not depend on it).")
 @click.option("--max-memory", "max_memory", type=str, default=None,
-              help="Working-memory budget, e.g. 2GiB (default: an eighth of this machine's RAM).")
+              help="Working-memory budget for slabs in flight, e.g. 2GiB (default: 1GiB, or less on a small machine).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def convert(source: Path, destination: Path, **opts: Any) -> None:
     """Convert SOURCE into DESTINATION at another layout and/or format.
@@ -186,9 +186,10 @@ def parse_bytes(text: str) -> int:
 
 
 def default_memory_budget() -> int:
+    """1 GiB, or an eighth of RAM if that is less: the read-ahead never needs more to keep the disk busy."""
     import psutil
 
-    return psutil.virtual_memory().total // 8
+    return min(1 << 30, psutil.virtual_memory().total // 8)
 
 
 def summarize(names: list[str]) -> str:

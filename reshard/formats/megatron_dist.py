@@ -142,16 +142,17 @@ class TorchDistReader(CheckpointReader):
             inside = intersect(chunk_region, region)
             if inside is None:
                 continue
-            chunk = self._chunk(info)
+            mapped, chunk = self._chunk(info)
             if tuple(chunk.shape) != tuple(b - a for a, b in chunk_region):
                 raise ReshardError(f"{self.tree.iteration_dir / info.relative_path}: chunk of {name} has the wrong shape; the file is damaged")
             out[to_slices(shift(inside, region))] = chunk[to_slices(shift(inside, chunk_region))]
+            mapped.release(chunk)
             filled += region_size(inside)
         if filled != region_size(region):
             raise ReshardError(f"{name}: the checkpoint's chunks do not cover the tensor; a .distcp file is missing or truncated")
         return out
 
-    def _chunk(self, info: _StorageInfo) -> torch.Tensor:
+    def _chunk(self, info: _StorageInfo) -> tuple[MappedFile, torch.Tensor]:
         if getattr(info, "transform_descriptors", None):
             raise ReshardError(f"{info.relative_path}: DCP stream transforms (compression) are not supported")
         path = self.tree.iteration_dir / info.relative_path
@@ -160,7 +161,8 @@ class TorchDistReader(CheckpointReader):
         if path.stat().st_size < info.offset + info.length:
             raise ReshardError(f"{path} is truncated: the checkpoint is damaged")
         try:
-            return cached(self._files, path, lambda: MappedFile(path)).tensor(info.offset, info.length)
+            mapped = cached(self._files, path, lambda: MappedFile(path))
+            return mapped, mapped.tensor(info.offset, info.length)
         except ReshardError:
             raise
         except Exception as exc:

@@ -26,6 +26,7 @@ from reshard.formats.base import (
     layout_from_args,
 )
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
+from reshard.formats.pages import file_mappings, release_tensor
 from reshard.formats.torch_blob import StreamingTorchSave
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
@@ -95,6 +96,7 @@ class LegacyReader(CheckpointReader):
         self.layout = layout_from_args(args)
         self.te_names = uses_te_names(args)
         self._states: dict[RankCoord, dict[str, Any]] = {}
+        self._mappings: dict[RankCoord, list[tuple[int, int]]] = {}
         for rank in ranks(self.layout):
             if not (tree.iteration_dir / rank.legacy_dirname(self.layout) / RANK_FILE).is_file():
                 raise ReshardError(
@@ -120,7 +122,13 @@ class LegacyReader(CheckpointReader):
 
     def _state(self, rank: RankCoord) -> dict[str, Any]:
         key = RankCoord(pp=rank.pp, tp=rank.tp, ep=rank.ep)
-        return cached(self._states, key, lambda: self._load_path(self._rank_file(key.legacy_dirname(self.layout))))
+        return cached(self._states, key, lambda: self._load_rank(key))
+
+    def _load_rank(self, rank: RankCoord) -> dict[str, Any]:
+        path = self._rank_file(rank.legacy_dirname(self.layout))
+        state = self._load_path(path)
+        self._mappings[rank] = file_mappings(path)  # where torch mapped it: pages to release after copies
+        return state
 
     def _model(self, rank: RankCoord) -> dict[str, torch.Tensor]:
         state = self._state(rank)
@@ -213,6 +221,7 @@ class LegacyReader(CheckpointReader):
                 (l0 + a, l0 + b) for (a, b), (l0, _) in zip(within_piece[len(within_piece) - len(piece.local_region) :], piece.local_region)
             )
             out[to_slices(shift(inside, region))] = local[to_slices(local_region)].reshape([b - a for a, b in inside])
+            release_tensor(local, self._mappings.get(RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep), []))
             filled += region_size(inside)
         if filled != region_size(region):
             raise ReshardError(f"{name}: the rank files do not cover the tensor; the checkpoint is incomplete")

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from reshard.errors import ReshardError
+from reshard.formats.pages import release, release_tensor
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,13 @@ class TensorHeader:
 
     @property
     def contiguous(self) -> bool:
-        expected, step = [], 1
-        for d in reversed(self.shape):
-            expected.append(step)
-            step *= d
-        return tuple(reversed(expected)) == self.stride or 0 in self.shape
+        """Row-major and dense (the stride of a size-1 dimension does not matter)."""
+        step = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != step:
+                return False
+            step *= size
+        return True
 
 
 # torch pickles a storage by the name of its legacy typed class, e.g. "BFloat16Storage".
@@ -110,6 +113,12 @@ class MappedFile:
         self.path = path
         # copy-on-write: torch wants writable buffers, and nothing we do writes through to the file
         self.map = np.memmap(path, dtype=np.uint8, mode="c") if path.stat().st_size else np.zeros(0, np.uint8)
+        base = self.map.ctypes.data
+        self.mappings = [(base, base + len(self.map))] if len(self.map) else []
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Drop a view's pages from the resident set once its values have been copied out."""
+        release_tensor(tensor, self.mappings)
 
     def _records(self, start: int, length: int) -> dict[str, tuple[int, int]]:
         """name -> (absolute data offset, size) of the zip records of the blob at [start, start+length)."""
@@ -136,6 +145,7 @@ class MappedFile:
         count = _numel(header.shape)
         if not header.contiguous or data_size < (header.storage_offset + count) * itemsize:
             blob = bytes(self.map[start : start + length])
+            release(self.map.ctypes.data + start, length, self.mappings)
             return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         if count == 0:
             return torch.empty(header.shape, dtype=header.dtype)
