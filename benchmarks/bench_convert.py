@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
             rmtree(dst)
 
         d = src["dense"]
-        zarr_dir, legacy_dir = work / "dense_zarr", work / "dense_legacy_tp4"
+        zarr_dir, legacy_dir, hf_dir = work / "dense_zarr", work / "dense_legacy_tp4", work / "dense_hf"
         dense_steps = [
             ("TP4->TP8 torch_dist", d, work / "dense_tp8", ["--to-tp", "8"], True),
             ("TP4->TP2PP2 torch_dist", d, work / "dense_tp2pp2", ["--to-tp", "2", "--to-pp", "2"], True),
@@ -545,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
             ("zarr->torch_dist", zarr_dir, work / "dense_from_zarr", ["--to-format", "torch_dist"], True),
             ("torch_dist->legacy", d, legacy_dir, ["--to-format", "legacy", "--no-optimizer"], False),
             ("legacy TP4->TP8", legacy_dir, work / "dense_legacy_tp8", ["--to-tp", "8"], args.skip_naive),
+            ("torch_dist->hf (export)", d, hf_dir, ["--to-format", "hf", "--no-optimizer"], False),
+            ("hf->torch_dist TP4 (import)", hf_dir, work / "dense_from_hf", ["--to-format", "torch_dist", "--to-tp", "4"], True),
         ]
         for label, s, t, flags, delete in dense_steps:
             rmtree(t)
@@ -558,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
             if delete:
                 rmtree(t)
         rmtree(zarr_dir)
+        rmtree(hf_dir)
 
         if not args.skip_naive:
             naive_out = work / "dense_naive_tp8"

@@ -26,6 +26,7 @@ from safetensors import safe_open
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, args_for_layout, cached
+from reshard.formats.pages import file_mappings, release
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe
 from reshard.sharding import Piece, Region, slab_of
@@ -117,6 +118,7 @@ class HFReader(CheckpointReader):
                 self._where[name] = file
                 self._meta[name] = (info["dtype"], tuple(info["shape"]))
         self._handles: dict[Path, Any] = {}
+        self._file_maps: dict[Path, list[tuple[int, int]]] = {}
 
         prefix = self.family.prefix
         self._alias: dict[str, str] = {}  # canonical HF name -> name in the files (old GPT-2 keys lack "transformer.")
@@ -218,9 +220,15 @@ class HFReader(CheckpointReader):
         name = self._alias.get(hf_name, hf_name)
         file = self._where[name]
         handle = cached(self._handles, file, lambda: safe_open(str(file), framework="pt"))
-        if rows is None:
-            return handle.get_tensor(name)
-        return handle.get_slice(name)[rows[0] : rows[1]]
+        cached(self._file_maps, file, lambda: file_mappings(file))  # safetensors maps the file: views, no copies
+        return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows[0] : rows[1]]
+
+    def _release_pages(self) -> None:
+        """Once a slab is assembled, let the mapped pages go (see reshard.formats.pages); a view still
+        being read elsewhere faults its pages back in from the file."""
+        for mappings in list(self._file_maps.values()):
+            for start, end in mappings:
+                release(start, end - start, mappings)
 
     def close(self) -> None:
         self._handles.clear()
@@ -245,6 +253,7 @@ class HFReader(CheckpointReader):
                     value = value[tuple(slice(a, b) for a, b in inner)]
                 index = tuple(i for i, present in ((li, spec.stacked), (ei, spec.experts)) if present)
                 out[index] = value
+        self._release_pages()
         return out
 
     def _vocab_rows(self, mapping, inner: Region, spec: TensorSpec) -> torch.Tensor:
