@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch.distributed as dist
 
@@ -72,12 +73,39 @@ def convert_distributed(
     progress: Callable[[int], None] | None,
     workers: int,
 ) -> Manifest:
-    from reshard.convert import manifest_for, write_moves
-
+    """Each rank writes its share of the plan; see the module docstring."""
     if plan.target_format not in MULTI_RANK_FORMATS:
         raise ReshardError(f"several ranks can write {' or '.join(MULTI_RANK_FORMATS)}, not {plan.target_format}; run one process")
-    if not dist.is_initialized():
+    with _process_group():
+        return _convert_ranks(reader, plan, target, writer_options, prepare_destination, replace_destination, progress, workers)
+
+
+@contextmanager
+def _process_group() -> Iterator[None]:
+    """A gloo group for the conversion, unless the caller made one; gloo's threads must be stopped
+    before the interpreter exits, or it aborts."""
+    created = not dist.is_initialized()
+    if created:
         dist.init_process_group("gloo", timeout=timedelta(hours=4))
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _convert_ranks(
+    reader: CheckpointReader,
+    plan: ConversionPlan,
+    target: Path,
+    writer_options: dict[str, Any],
+    prepare_destination: Callable[[], None],
+    replace_destination: Callable[[Path, Path], None],
+    progress: Callable[[int], None] | None,
+    workers: int,
+) -> Manifest:
+    from reshard.convert import manifest_for, write_moves
+
     rank, size = dist.get_rank(), dist.get_world_size()
     names: list[Any] = [f".{target.name}.reshard-tmp-{os.getpid()}"]
     dist.broadcast_object_list(names, src=0)  # one temporary sibling, named by rank 0
