@@ -13,7 +13,7 @@ import torch
 
 from reshard import __version__
 from reshard.checksum import Checksum, TensorChecksum
-from reshard.distributed import convert_distributed, world
+from reshard.distributed import convert_distributed, process_group, world
 from reshard.errors import ReshardError
 from reshard.formats import WRITERS, open_checkpoint
 from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
@@ -275,9 +275,10 @@ def convert(
         if dry_run:
             return ConversionResult(plan, None, time.perf_counter() - start)
         if world()[1] > 1:
-            manifest = convert_distributed(
-                reader, plan, target, options, lambda: _check_destination(target, overwrite), _replace, progress, workers
-            )
+            with process_group():
+                manifest = convert_distributed(
+                    reader, plan, target, options, lambda: _check_destination(target, overwrite), _replace, progress, workers
+                )
             return ConversionResult(plan, manifest, time.perf_counter() - start)
         _check_destination(target, overwrite)
         manifest = _convert_here(reader, plan, target, options, progress, workers)

@@ -63,25 +63,8 @@ def _together(step: Callable[[], T]) -> list[T]:
     return [value for _, value in gathered]
 
 
-def convert_distributed(
-    reader: CheckpointReader,
-    plan: ConversionPlan,
-    target: Path,
-    writer_options: dict[str, Any],
-    prepare_destination: Callable[[], None],
-    replace_destination: Callable[[Path, Path], None],
-    progress: Callable[[int], None] | None,
-    workers: int,
-) -> Manifest:
-    """Each rank writes its share of the plan; see the module docstring."""
-    if plan.target_format not in MULTI_RANK_FORMATS:
-        raise ReshardError(f"several ranks can write {' or '.join(MULTI_RANK_FORMATS)}, not {plan.target_format}; run one process")
-    with _process_group():
-        return _convert_ranks(reader, plan, target, writer_options, prepare_destination, replace_destination, progress, workers)
-
-
 @contextmanager
-def _process_group() -> Iterator[None]:
+def process_group() -> Iterator[None]:
     """A gloo group for the conversion, unless the caller made one; gloo's threads must be stopped
     before the interpreter exits, or it aborts."""
     created = not dist.is_initialized()
@@ -94,7 +77,7 @@ def _process_group() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def _convert_ranks(
+def convert_distributed(
     reader: CheckpointReader,
     plan: ConversionPlan,
     target: Path,
@@ -104,8 +87,11 @@ def _convert_ranks(
     progress: Callable[[int], None] | None,
     workers: int,
 ) -> Manifest:
+    """Each rank writes its share of the plan (inside `process_group()`); see the module docstring."""
     from reshard.convert import manifest_for, write_moves
 
+    if plan.target_format not in MULTI_RANK_FORMATS:
+        raise ReshardError(f"several ranks can write {' or '.join(MULTI_RANK_FORMATS)}, not {plan.target_format}; run one process")
     rank, size = dist.get_rank(), dist.get_world_size()
     names: list[Any] = [f".{target.name}.reshard-tmp-{os.getpid()}"]
     dist.broadcast_object_list(names, src=0)  # one temporary sibling, named by rank 0

@@ -134,8 +134,3 @@ def describe(name: str, shape: tuple[int, ...], dtype: str, config: ModelConfig)
         experts=experts,
         param=param,
     )
-
-
-def is_extra_state(name: str) -> bool:
-    """Transformer-Engine FP8 metadata and similar opaque per-module state."""
-    return name.endswith("_extra_state") or "._extra_state/" in name
