@@ -210,6 +210,14 @@ def refuse(what: str, hint: str) -> ReshardError:
     return ReshardError(f"HF config: {what} is not supported by reshard's converter; {hint}")
 
 
+def expert_count(hf: dict[str, Any]) -> int:
+    """Experts per MoE layer, under either name HF families use for it."""
+    experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if not experts:
+        raise refuse("a MoE config without num_local_experts/num_experts", "the config.json must name its expert count")
+    return int(experts)
+
+
 def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from a v4 (`rope_theta`, `rope_scaling`) or v5 (`rope_parameters`) config."""
     params = hf.get("rope_parameters")
@@ -385,11 +393,15 @@ class Family:
         features = self.megatron_features(config)
         return all(features[k] == v for k, v in self.signature.items())
 
+    def hf_config_base(self, config: ModelConfig, saved: dict[str, Any] | None) -> dict[str, Any]:
+        """Refuse what HF cannot express; start from the imported HF config when it is this family's."""
+        self.check_megatron(config)
+        return copy.deepcopy(saved) if saved and saved.get("model_type") == self.model_type else {}
+
     def config_to_hf(self, config: ModelConfig, saved: dict[str, Any] | None = None, extras: dict[str, Any] | None = None) -> dict[str, Any]:
         """config.json for `config`; `saved` is the HF config the model was imported from (kept where it agrees)."""
-        self.check_megatron(config)
         extras = extras or {}
-        out = copy.deepcopy(saved) if saved and saved.get("model_type") == self.model_type else {}
+        out = self.hf_config_base(config, saved)
         out.update(
             architectures=[self.architectures[0]],
             model_type=self.model_type,

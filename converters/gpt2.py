@@ -6,8 +6,6 @@ HF's default `gelu_new` (tanh approximation) is Megatron-LM's `openai_gelu`.
 
 from __future__ import annotations
 
-import copy
-
 from converters.base import L, Family, FusedQKV, Rename, Transposed, hf_dtype, refuse
 from reshard.config import ModelConfig, pad_vocab
 
@@ -71,9 +69,8 @@ class GPT2(Family):
         return config, {"hf_activation_function": hf.get("activation_function", "gelu_new")}
 
     def config_to_hf(self, config, saved=None, extras=None):
-        self.check_megatron(config)
         extras = extras or {}
-        out = copy.deepcopy(saved) if saved and saved.get("model_type") == self.model_type else {}
+        out = self.hf_config_base(config, saved)
         act = extras.get("hf_activation_function") or ("gelu_new" if config.openai_gelu else "gelu")
         out.update(
             architectures=[self.architectures[0]],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head, llama_attention, moe_mlp, refuse
+from converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head, expert_count, llama_attention, moe_mlp
 
 
 class Mixtral(Family):
@@ -11,11 +11,8 @@ class Mixtral(Family):
     signature = {**LLAMA_SIGNATURE, "moe": True, "shared_experts": False}
 
     def adjust_from_hf(self, config, hf):
-        experts = hf.get("num_local_experts") or hf.get("num_experts")
-        if not experts:
-            raise refuse("num_local_experts missing", "a Mixtral config.json names its expert count")
         return config.replace(
-            num_experts=int(experts),
+            num_experts=expert_count(hf),
             moe_router_topk=int(hf.get("num_experts_per_tok", 2)),
             moe_ffn_hidden_size=int(hf["intermediate_size"]),
         )

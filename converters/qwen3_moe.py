@@ -6,7 +6,7 @@ which is what Megatron's default router computes (top-k of the logits, softmax o
 
 from __future__ import annotations
 
-from converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head, llama_attention, moe_mlp, refuse
+from converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head, expert_count, llama_attention, moe_mlp, refuse
 
 
 class Qwen3Moe(Family):
@@ -22,10 +22,9 @@ class Qwen3Moe(Family):
             raise refuse("dense layers between MoE layers (mlp_only_layers/decoder_sparse_step)", "only all-MoE Qwen3-MoE models are mapped")
 
     def adjust_from_hf(self, config, hf):
-        experts = hf.get("num_experts") or hf.get("num_local_experts")
         return config.replace(
             qk_layernorm=True,
-            num_experts=int(experts),
+            num_experts=expert_count(hf),
             moe_router_topk=int(hf.get("num_experts_per_tok", 8)),
             moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
         )

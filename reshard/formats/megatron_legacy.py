@@ -28,7 +28,7 @@ from reshard.formats.base import (
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
 from reshard.formats.pages import file_mappings, release_tensor
 from reshard.formats.torch_blob import StreamingTorchSave
-from reshard.layout import Layout, RankCoord, ranks
+from reshard.layout import RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import ObjectKey, canonical, spell, uses_te_names
 from reshard.sharding import Piece, Region, intersect, pieces, region_size, shift, to_slices
