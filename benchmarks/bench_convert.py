@@ -12,13 +12,15 @@ What it does, in one run:
      fsyncing writers are treated alike); peak RSS is that child's own ru_maxrss (os.wait4), and
      psutil polling gives the whole process tree's peak (torchrun) and its disk I/O;
   3. measures `cp -r` of each source (the physical limit), reshard conversions
-     (`python -m reshard convert`), a naive load-everything converter and, unless --skip-mcore,
-     Megatron-Core's own reshard-on-load (dist_checkpointing.load at TP8 under torchrun, then save);
+     (`python -m reshard convert`; dense TP4->TP8 also at --workers 1 and 2, and as a 2-rank conversion
+     under torchrun), a naive load-everything converter and, unless --skip-mcore, Megatron-Core's own
+     reshard-on-load (dist_checkpointing.load at TP8 under torchrun, then save);
   4. writes JSON (machine info included) and prints a markdown table.
 
 Throughput is the model's logical bytes (sum of tensor sizes) per second; `cp` is the directory's bytes
 per second. Memory is compared with the largest single parameter (one layer/expert of one tensor, the
-unit reshard streams) and with the target "<= 1 GiB + 2 x largest tensor".
+unit reshard streams) and with the target "<= 1 GiB + 2 x largest tensor"; steps launched by torchrun
+report the whole process tree's summed peak RSS (launcher and every rank), not one process's.
 Internal modes (--_build, --_naive, --_mcore) are the subprocesses the benchmark runs itself.
 """
 
@@ -192,8 +194,9 @@ def _self_rss() -> int:
 
 
 def measure(name: str, cmd: list[str], *, drop: bool, timeout: float, env: dict | None = None,
-            cwd: Path = REPO) -> dict:
-    """Run `cmd` cold (if possible) in a fresh process, then sync; time, peak RSS, I/O, output tail."""
+            cwd: Path = REPO, ranks: int | None = None) -> dict:
+    """Run `cmd` cold (if possible) in a fresh process, then sync; time, peak RSS, I/O, output tail.
+    `ranks`: `cmd` is a torchrun launch of that many processes, so its memory is the tree's summed peak."""
     cache = drop_caches(drop)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -227,10 +230,13 @@ def measure(name: str, cmd: list[str], *, drop: bool, timeout: float, env: dict 
         "returncode": proc.returncode, "timed_out": timed_out, "seconds": round(total_s, 2),
         "seconds_before_sync": round(run_s, 2), "peak_rss_bytes": usage.ru_maxrss * 1024,
         "tree_peak_rss_bytes": poller.peak_rss, "parent_rss_bytes": _self_rss(), "cache": cache, **poller.totals(),
-        "output_tail": "\n".join(text.strip().splitlines()[-6:]),
+        "ranks": ranks,
+        # a failure keeps more: under torchrun the failing rank's own message sits above a ~12-line summary
+        "output_tail": "\n".join(text.strip().splitlines()[-6 if proc.returncode == 0 and not timed_out else -30:]),
     }
     status_word = "ok" if result["ok"] else ("TIMEOUT" if timed_out else f"FAILED rc={proc.returncode}")
-    print(f"  {name}: {status_word} {total_s:.1f} s, peak RSS {usage.ru_maxrss / 1024:.0f} MiB"
+    rss_mib = (poller.peak_rss if ranks else usage.ru_maxrss * 1024) / MIB
+    print(f"  {name}: {status_word} {total_s:.1f} s, peak RSS {rss_mib:.0f} MiB{' (process tree)' if ranks else ''}"
           f"{'' if cache.get('cold') else ' (warm cache)'}", flush=True)
     if not result["ok"]:
         print("    " + result["output_tail"].replace("\n", "\n    "), flush=True)
@@ -436,8 +442,33 @@ def mcore_main(source: Path, target: Path, size_gb: float, to_tp: int) -> None:
 # ----------------------------------------------------------------------------- the benchmark
 
 
+def reshard_args(src: Path, dst: Path, *flags: str) -> list[str]:
+    return ["-m", "reshard", "convert", str(src), str(dst), "-q", *flags]
+
+
 def reshard_cmd(src: Path, dst: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "reshard", "convert", str(src), str(dst), "-q", *flags]
+    return [sys.executable, *reshard_args(src, dst, *flags)]
+
+
+def torchrun_cmd(ranks: int, *program: str) -> list[str]:
+    """`torchrun --standalone` on this machine: `program` is a script path or `-m module` plus its arguments.
+    Through `python -m torch.distributed.run` so that the venv's interpreter runs the launcher too."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *program]
+
+
+def verify_step(res: dict, out: Path, against: Path, key: str, env: dict) -> None:
+    """Untimed: does `out` hold the same logical weights as `against`? (`reshard verify`; result under `key`)."""
+    if not res["ok"] or not out.exists() or not against.exists():
+        return
+    check = subprocess.run([sys.executable, "-m", "reshard", "verify", str(out), "--against", str(against)],
+                           cwd=REPO, env=env, capture_output=True, text=True)
+    # exit 1: the weights differ (or reshard refused to compare them); anything else: verify itself broke (None)
+    res[key] = {0: True, 1: False}.get(check.returncode)
+    res["verify_output"] = (check.stdout + check.stderr).strip()[-400:]
+    said = {True: "same weights", False: "DIFFERENT weights", None: f"verify failed rc={check.returncode}"}[res[key]]
+    print(f"    {res['name']}: output against {against.name}: {said}", flush=True)
+    if not res[key]:
+        print("    " + res["verify_output"].replace("\n", "\n    "), flush=True)
 
 
 def rmtree(path: Path) -> None:
@@ -518,6 +549,19 @@ def main(argv: list[str] | None = None) -> int:
         steps.append(res)
         return res
 
+    def measure_multi_rank(source: Path, out: Path, ranks: int) -> None:
+        """reshard TP4->TP8 as one conversion over `ranks` processes (reshard.distributed: each rank writes a
+        share, rank 0 the metadata), under torchrun; timed and measured as a whole process tree."""
+        name = f"reshard TP4->TP8 torch_dist, {ranks} ranks (torchrun)"
+        rmtree(out)
+        cmd = torchrun_cmd(ranks, *reshard_args(source, out, "--to-tp", "8"))
+        # OMP_NUM_THREADS=1 is what torchrun sets anyway (with a warning); the ranks' reader threads are --workers.
+        res = record(measure(name, cmd, drop=drop, timeout=timeout * 2, env=python_env(threads=1), ranks=ranks),
+                     "dense", "reshard", out, source)
+        # reshard checks its own checksums; this also checks that the ranks' shares add up to the source's weights
+        verify_step(res, out, source, "verified_against_source", env)
+        rmtree(out)
+
     t_start = time.perf_counter()
     try:
         print("building sources", flush=True)
@@ -538,8 +582,11 @@ def main(argv: list[str] | None = None) -> int:
 
         d = src["dense"]
         zarr_dir, legacy_dir, hf_dir = work / "dense_zarr", work / "dense_legacy_tp4", work / "dense_hf"
+        # The --workers steps pin the thread count the default (min(4, cores)) leaves to the machine: scaling.
         dense_steps = [
             ("TP4->TP8 torch_dist", d, work / "dense_tp8", ["--to-tp", "8"], True),
+            *((f"TP4->TP8 torch_dist --workers {w}", d, work / f"dense_tp8_w{w}", ["--to-tp", "8", "--workers", str(w)], True)
+              for w in (1, 2)),
             ("TP4->TP2PP2 torch_dist", d, work / "dense_tp2pp2", ["--to-tp", "2", "--to-pp", "2"], True),
             ("torch_dist->zarr", d, zarr_dir, ["--to-format", "zarr"], False),
             ("zarr->torch_dist", zarr_dir, work / "dense_from_zarr", ["--to-format", "torch_dist"], True),
@@ -559,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
                    "dense", "reshard", t, s)
             if delete:
                 rmtree(t)
+        measure_multi_rank(d, work / "dense_tp8_ranks", 2)
         rmtree(zarr_dir)
         rmtree(hf_dir)
 
@@ -568,13 +616,7 @@ def main(argv: list[str] | None = None) -> int:
             if legacy_dir.exists():
                 res = record(measure("naive legacy TP4->TP8", [sys.executable, __file__, "--_naive", str(legacy_dir), str(naive_out), "8"],
                                      drop=drop, timeout=timeout * 2, env=env), "dense", "naive", naive_out, legacy_dir)
-                reshard_tp8 = work / "dense_legacy_tp8"
-                if res["ok"] and reshard_tp8.exists():  # is the baseline right? (not timed)
-                    check = subprocess.run([sys.executable, "-m", "reshard", "verify", str(naive_out), "--against", str(reshard_tp8)],
-                                           cwd=REPO, env=env, capture_output=True, text=True)
-                    res["verified_against_reshard"] = check.returncode == 0
-                    res["verify_output"] = (check.stdout + check.stderr).strip()[-400:]
-                    print(f"    naive output verified against reshard's: {res['verified_against_reshard']}", flush=True)
+                verify_step(res, naive_out, work / "dense_legacy_tp8", "verified_against_reshard", env)  # is the baseline right?
             rmtree(naive_out)
             rmtree(work / "dense_legacy_tp8")
         rmtree(legacy_dir)
@@ -582,17 +624,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_mcore:
             mcore_out = work / "dense_mcore_tp8"
             rmtree(mcore_out)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8", __file__,
-                   "--_mcore", str(d), str(mcore_out), str(size), "8"]
-            res = record(measure("megatron-core load@TP8+save", cmd, drop=drop, timeout=timeout * 3, env=python_env(threads=1)),
-                         "dense", "mcore", mcore_out, d)
+            cmd = torchrun_cmd(8, __file__, "--_mcore", str(d), str(mcore_out), str(size), "8")
+            res = record(measure("megatron-core load@TP8+save", cmd, drop=drop, timeout=timeout * 3, env=python_env(threads=1),
+                                 ranks=8), "dense", "mcore", mcore_out, d)
             phases = re.search(r"mcore phases: (.*)", res.get("output_tail", ""))
             res["phases"] = phases.group(1) if phases else None
-            if res["ok"]:  # same logical weights? (not timed)
-                check = subprocess.run([sys.executable, "-m", "reshard", "verify", str(mcore_out), "--against", str(d)],
-                                       cwd=REPO, env=env, capture_output=True, text=True)
-                res["verified_against_source"] = check.returncode == 0
-                res["verify_output"] = (check.stdout + check.stderr).strip()[-400:]
+            verify_step(res, mcore_out, d, "verified_against_source", env)  # same logical weights?
             rmtree(mcore_out)
         else:
             results["notes"].append("megatron-core reshard-on-load: not measured (--skip-mcore)")
@@ -615,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
                 rmtree(p)
             for p in work.glob("moe_*"):
                 rmtree(p)
+            for p in work.glob(".*.reshard-tmp-*"):  # a conversion killed at the timeout leaves its temporary sibling
+                rmtree(p)
         print(render(results))
         print(f"\nresults: {out_path} ({results['total_seconds']} s in all)")
     return 0 if all(s.get("ok") for s in steps) else 1
@@ -634,7 +673,7 @@ def summarize(results: dict) -> None:
             s["mb_per_s"] = round(m["logical_bytes"] / s["seconds"] / 1e6, 1)
         if s["model"] in cp and s["kind"] != "cp":
             s["vs_cp"] = round(s["mb_per_s"] / cp[s["model"]]["mb_per_s"], 3)
-        rss = s["tree_peak_rss_bytes"] if s["kind"] == "mcore" else s["peak_rss_bytes"]
+        rss = s["tree_peak_rss_bytes"] if s.get("ranks") else s["peak_rss_bytes"]  # torchrun: the launcher's own peak says nothing
         s["rss_bytes_reported"] = rss
         s["rss_over_largest_tensor"] = round(rss / m["largest_tensor_bytes"], 2)
         s["memory_target_bytes"] = GIB + 2 * m["largest_tensor_bytes"]
@@ -669,8 +708,12 @@ def render(results: dict) -> str:
             why = s.get("skipped") or ("timeout" if s.get("timed_out") else f"failed rc={s.get('returncode')}")
             lines.append(f"| {s['name']} | | | | | | | | {why} |")
             continue
+        # a step that ran but whose output `reshard verify` rejected (or could not check) must not read as a plain result
+        checks = [v for k, v in s.items() if k.startswith("verified_")]
+        flag = " (output DIFFERS)" if False in checks else " (verify error)" if None in checks else ""
         lines.append(
-            f"| {s['name']} | {'cold' if s['cache'].get('cold') else 'warm'} | {s['seconds']:.1f} | {s['mb_per_s']:.0f} | "
+            f"| {s['name']}{flag} | {'cold' if s['cache'].get('cold') else 'warm'} | "
+            f"{s['seconds']:.1f} | {s['mb_per_s']:.0f} | "
             f"{s.get('vs_cp', 1.0) if s['kind'] != 'cp' else 1.0:.2f} | {s['rss_bytes_reported'] / MIB:.0f} | "
             f"{s['rss_over_largest_tensor']:.1f} | {'yes' if s['meets_memory_target'] else 'NO'} | "
             f"{s.get('output_over_logical', float('nan')):.2f} |"
@@ -680,6 +723,8 @@ def render(results: dict) -> str:
         lines.append(f"\nreshard vs naive (legacy TP4->TP8): naive time / reshard time = {r['speedup']}, "
                      f"naive peak RSS / reshard peak RSS = {r['memory_ratio']}")
     lines.append("\nMB/s: model (logical) bytes per second, cp: directory bytes per second; times include a final `sync`.")
+    if any(s.get("ranks") and s.get("ok") for s in results["steps"]):
+        lines.append("Peak RSS of torchrun steps (N ranks): the summed RSS of the whole process tree (launcher and ranks).")
     for note in results.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines)

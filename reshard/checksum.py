@@ -19,28 +19,19 @@ layouts does not change their checksum.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from reshard.buffers import PerThread
 from reshard.sharding import Region, intersect, region_size, shift, to_slices
 
 PRIMES = (2_147_483_647, 2_147_483_629)
 _SEEDS = ((0x9E3779B97F4A7C15, 0xD1B54A32D192ED03), (0x8CB92BA72F3D8DD7, 0xABC98388FB8FAC03))
 _COLUMN_BLOCK = 1 << 16
 _BLOCK_WORDS = 1 << 18  # words per converted block: 2 MiB of float64
-_scratch = threading.local()
-
-
-def _float64_buffer(shape: tuple[int, int]) -> np.ndarray:
-    """This thread's reusable conversion buffer, viewed as `shape` (reuse avoids page faults)."""
-    size = shape[0] * shape[1]
-    buffer = getattr(_scratch, "buffer", None)
-    if buffer is None or buffer.size < size:
-        buffer = _scratch.buffer = np.empty(max(size, _BLOCK_WORDS), dtype=np.float64)
-    return buffer[:size].reshape(shape)
+_scratch = PerThread()
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -136,7 +127,7 @@ class TensorChecksum:
             y = np.zeros((block.shape[0], 2), dtype=np.int64)
             for c0 in range(0, ncols, _COLUMN_BLOCK):
                 part = block[:, c0 : c0 + _COLUMN_BLOCK]
-                converted = _float64_buffer(part.shape)
+                converted = _scratch.take(part.size, np.float64).reshape(part.shape)
                 np.copyto(converted, part, casting="unsafe")
                 y += (converted @ b[c0 : c0 + _COLUMN_BLOCK]).astype(np.int64)
             y %= primes

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from reshard import __version__
+from reshard.buffers import Pool
 from reshard.checksum import Checksum, TensorChecksum
 from reshard.distributed import convert_distributed, process_group, world
 from reshard.errors import ReshardError
@@ -34,15 +35,18 @@ class ConversionResult:
     seconds: float
 
 
-def read_slab(reader: CheckpointReader, move: TensorMove, slab: Region) -> torch.Tensor:
-    """The target slab's values: the source region, zero-padded where the target vocabulary is larger."""
+def read_slab(reader: CheckpointReader, move: TensorMove, slab: Region, pool: Pool) -> torch.Tensor:
+    """The target slab's values, in a buffer from `pool`: the source region, zero-padded where the
+    target vocabulary is larger."""
+    out = pool.tensor([b - a for a, b in slab], getattr(torch, move.source.dtype))
     source_rows = move.source.shape[0] if move.source.shape else 1
     if not move.target.vocab or slab[0][1] <= source_rows:
-        return reader.read(move.source.name, slab)
+        reader.read_into(move.source.name, slab, out)
+        return out
     inside = ((slab[0][0], min(slab[0][1], source_rows)), *slab[1:])
-    out = torch.zeros([b - a for a, b in slab], dtype=getattr(torch, move.source.dtype))
+    out.zero_()
     if inside[0][0] < inside[0][1]:
-        out[: inside[0][1] - inside[0][0]] = reader.read(move.source.name, inside)
+        reader.read_into(move.source.name, inside, out[: inside[0][1] - inside[0][0]])
     return out
 
 
@@ -53,6 +57,7 @@ class _Prepared:
     move: TensorMove
     slab: Region
     data: torch.Tensor
+    buffer: torch.Tensor  # the pool's slab buffer, given back once written (`data` unless cast)
     as_read: TensorChecksum  # of the source values
     as_written: TensorChecksum  # of the values after a dtype cast (the same object when there is none)
 
@@ -75,10 +80,11 @@ def write_moves(
     slabs ahead (at most `plan.depth` waiting); the writer takes them in plan order, so the output is the
     same whatever the number of workers. `finished` hears of each tensor once it is wholly written."""
     content = {m.target.name: reader.config.vocab_rows if m.target.vocab else None for m in plan.moves}
+    pool = Pool()
 
     def prepare(job: tuple[TensorMove, Region]) -> _Prepared:
         move, slab = job
-        data = read_slab(reader, move, slab)
+        data = buffer = read_slab(reader, move, slab, pool)
         as_read = TensorChecksum(move.target.shape, move.source.dtype, content[move.target.name])
         as_read.add(slab, data)
         as_written = as_read
@@ -86,7 +92,7 @@ def write_moves(
             data = data.to(getattr(torch, move.target.dtype))
             as_written = TensorChecksum(move.target.shape, move.target.dtype, content[move.target.name])
             as_written.add(slab, data)
-        return _Prepared(move, slab, data, as_read, as_written)
+        return _Prepared(move, slab, data, buffer, as_read, as_written)
 
     jobs = ((move, slab) for move in plan.moves for slab in slabs(move.target))
     read_sums = {m.target.name: TensorChecksum(m.target.shape, m.source.dtype, content[m.target.name]) for m in plan.moves}
@@ -105,6 +111,7 @@ def write_moves(
             by_slab.clear()  # moves arrive one after another: keep only the current one's pieces
             by_slab[name] = pieces_by_slab(pieces(item.move.target, plan.config, plan.target_layout), item.move.target)
         writer.write(item.move.target, item.slab, item.data, by_slab[name].get(slab_of(item.move.target, item.slab), []))
+        pool.give(item.buffer)
         read_sums[name].merge(item.as_read)
         written_sums[name].merge(item.as_written)
         if progress:

@@ -22,8 +22,9 @@ MEGATRON_FORMATS = ("torch_dist", "legacy")
 
 
 def worker_overhead(slab_bytes: int) -> int:
-    """A worker's temporaries besides its slab: the checksum's float64 blocks (at most 32 MiB), buffers."""
-    return min(32 << 20, 4 * slab_bytes) + (1 << 20)
+    """A worker's reused buffers besides its slab: a chunk read (at most a slab), the checksum's float64
+    block (at most 2 MiB: 4 bytes per byte hashed), small ones."""
+    return slab_bytes + min(2 << 20, 4 * slab_bytes) + (1 << 20)
 
 
 def itemsize(dtype: str) -> int:

@@ -19,7 +19,7 @@ from reshard.logical import TensorSpec
 from reshard.sharding import Piece, Region
 
 MANIFEST_NAME = "reshard_manifest.json"
-_CACHE_LOCK = threading.Lock()
+_CACHE_LOCK = threading.RLock()  # re-entrant: a make() may fill another cache
 
 
 def cached(cache: dict, key: Any, make: Any) -> Any:
@@ -130,9 +130,16 @@ class CheckpointReader(abc.ABC):
     manifest: Manifest | None  # checksums recorded when it was written, if any
     unsupported_optimizer: list[str] = []  # optimizer state in a form that cannot be resharded
 
-    @abc.abstractmethod
     def read(self, name: str, region: Region) -> torch.Tensor:
         """The values of `region` of logical tensor `name`, as a new CPU tensor."""
+        out = torch.empty([b - a for a, b in region], dtype=getattr(torch, self.specs[name].dtype))
+        self.read_into(name, region, out)
+        return out
+
+    def read_into(self, name: str, region: Region, out: torch.Tensor) -> None:
+        """Fill `out` (shaped like `region`) with its values. Readers implement this or `read`; those that
+        can place bytes straight into `out` implement this, which saves the conversion a copy."""
+        out.copy_(self.read(name, region))
 
     def close(self) -> None:
         """Release file handles."""

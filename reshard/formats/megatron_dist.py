@@ -1,8 +1,8 @@
 """Megatron-Core's torch_dist format: PyTorch DCP files (`__R_K.distcp` + `.metadata`) plus `common.pt`.
 
 Read without a model or a process group: `.metadata` lists every tensor's global shape and the
-chunks it was saved in, and each chunk is a `torch.save` blob inside a `.distcp` file, which we
-memory-map (see `torch_blob`). Written the same way, one file per target rank holding that rank's
+chunks it was saved in, and each chunk is a `torch.save` blob inside a `.distcp` file, of which we
+read just the bytes asked for (see `torch_blob`). Written the same way, one file per target rank holding that rank's
 primary pieces, so that `megatron.core.dist_checkpointing.load` reads it at any layout.
 """
 
@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from reshard.buffers import Scratch
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.formats.base import (
@@ -39,7 +40,8 @@ from reshard.formats.base import (
     layout_from_args,
 )
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
-from reshard.formats.torch_blob import MappedFile, compact
+from reshard.formats.torch_archive import save_tensor
+from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, spell, uses_te_names
@@ -92,7 +94,8 @@ class TorchDistReader(CheckpointReader):
             else:
                 by_offset[index.fqn].append((tuple(index.offset), info))
         self.specs: dict[str, TensorSpec] = {}
-        self._files: dict[Path, MappedFile] = {}
+        self._files: dict[Path, RecordFile] = {}
+        self._records: dict[tuple[str, int], tuple[RecordFile, TensorRecord]] = {}
         self._chunks: dict[str, list[tuple[Region, _StorageInfo]]] = {}
         self.unsupported_optimizer = []
         moe = self.config.is_moe
@@ -134,25 +137,25 @@ class TorchDistReader(CheckpointReader):
             raise ReshardError(f"{path}: a ShardedObject is not encoded as Megatron encodes them; the file is foreign or damaged")
         return values[0]
 
-    def read(self, name: str, region: Region) -> torch.Tensor:
-        spec = self.specs[name]
-        out = torch.empty([b - a for a, b in region], dtype=getattr(torch, spec.dtype))
+    def read_into(self, name: str, region: Region, out: torch.Tensor) -> None:
         filled = 0
         for chunk_region, info in self._chunks[name]:
             inside = intersect(chunk_region, region)
             if inside is None:
                 continue
-            mapped, chunk = self._chunk(info)
-            if tuple(chunk.shape) != tuple(b - a for a, b in chunk_region):
-                raise ReshardError(f"{self.tree.iteration_dir / info.relative_path}: chunk of {name} has the wrong shape; the file is damaged")
-            out[to_slices(shift(inside, region))] = chunk[to_slices(shift(inside, chunk_region))]
-            mapped.release(chunk)
+            file, record = self._record(info)
+            if record.shape != tuple(b - a for a, b in chunk_region) or record.dtype != out.dtype:
+                raise ReshardError(f"{file.path}: chunk of {name} has the wrong shape or dtype; the file is damaged")
+            file.read_into(record, shift(inside, chunk_region), out[to_slices(shift(inside, region))])
             filled += region_size(inside)
         if filled != region_size(region):
             raise ReshardError(f"{name}: the checkpoint's chunks do not cover the tensor; a .distcp file is missing or truncated")
-        return out
 
-    def _chunk(self, info: _StorageInfo) -> tuple[MappedFile, torch.Tensor]:
+    def _record(self, info: _StorageInfo) -> tuple[RecordFile, TensorRecord]:
+        """The chunk's file and where its tensor lies in it (headers parsed once per chunk)."""
+        return cached(self._records, (info.relative_path, info.offset), lambda: self._parse(info))
+
+    def _parse(self, info: _StorageInfo) -> tuple[RecordFile, TensorRecord]:
         if getattr(info, "transform_descriptors", None):
             raise ReshardError(f"{info.relative_path}: DCP stream transforms (compression) are not supported")
         path = self.tree.iteration_dir / info.relative_path
@@ -160,13 +163,18 @@ class TorchDistReader(CheckpointReader):
             raise ReshardError(f"{path} is missing: the checkpoint is incomplete")
         if path.stat().st_size < info.offset + info.length:
             raise ReshardError(f"{path} is truncated: the checkpoint is damaged")
+        file = cached(self._files, path, lambda: RecordFile(path))
         try:
-            mapped = cached(self._files, path, lambda: MappedFile(path))
-            return mapped, mapped.tensor(info.offset, info.length)
+            return file, file.record(info.offset, info.length)
         except ReshardError:
             raise
         except Exception as exc:
             raise ReshardError(f"{path}: a chunk cannot be decoded ({exc.__class__.__name__}); the file is damaged") from None
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
 
 
 class TorchDistWriter(CheckpointWriter):
@@ -182,6 +190,7 @@ class TorchDistWriter(CheckpointWriter):
         self._files: dict[int, BinaryIO] = {}
         self._chunks: dict[str, list[ChunkStorageMetadata]] = defaultdict(list)
         self._storage: dict[MetadataIndex, _StorageInfo] = {}
+        self._scratch = Scratch()  # stages strided pieces
 
     def _file(self, piece: Piece) -> tuple[str, BinaryIO]:
         index = self._file_index[RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)]
@@ -195,9 +204,9 @@ class TorchDistWriter(CheckpointWriter):
             if not piece.primary:
                 continue
             name, f = self._file(piece)
-            chunk = compact(data[to_slices(shift(piece.region, slab))])
+            chunk = data[to_slices(shift(piece.region, slab))]
             offset = f.tell()
-            torch.save(chunk, f)
+            save_tensor(chunk, f, self._scratch)
             offsets = torch.Size(a for a, _ in piece.region)
             key = self._key(spec.name)
             self._chunks[key].append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(chunk.shape)))

@@ -7,6 +7,7 @@ the bytes a region needs are touched; written with `StreamingTorchSave`, one ten
 
 from __future__ import annotations
 
+import math
 import re
 from collections import OrderedDict, defaultdict
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from reshard.buffers import Scratch
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.formats.base import (
@@ -27,7 +29,7 @@ from reshard.formats.base import (
 )
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
 from reshard.formats.pages import file_mappings, release_tensor
-from reshard.formats.torch_blob import StreamingTorchSave
+from reshard.formats.torch_archive import StreamingTorchSave
 from reshard.layout import RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import ObjectKey, canonical, spell, uses_te_names
@@ -198,11 +200,9 @@ class LegacyReader(CheckpointReader):
         prefix = ([self.config.num_layers] if layer_axis else []) + ([self.config.num_experts] if probe.experts else [])
         return describe(name, tuple(prefix + dims), dtype, self.config)
 
-    def read(self, name: str, region: Region) -> torch.Tensor:
-        spec = self.specs[name]
+    def read_into(self, name: str, region: Region, out: torch.Tensor) -> None:
         if name not in self._pieces:
-            self._pieces[name] = [p for p in pieces(spec, self.config, self.layout) if p.primary]
-        out = torch.empty([b - a for a, b in region], dtype=getattr(torch, spec.dtype))
+            self._pieces[name] = [p for p in pieces(self.specs[name], self.config, self.layout) if p.primary]
         filled = 0
         for piece in self._pieces[name]:
             inside = intersect(piece.region, region)
@@ -225,7 +225,6 @@ class LegacyReader(CheckpointReader):
             filled += region_size(inside)
         if filled != region_size(region):
             raise ReshardError(f"{name}: the rank files do not cover the tensor; the checkpoint is incomplete")
-        return out
 
     def close(self) -> None:
         self._states.clear()
@@ -240,6 +239,7 @@ class LegacyWriter(CheckpointWriter):
         self.directory = self.path / iteration_dirname(self.common.iteration)
         self._streams: dict[RankCoord, StreamingTorchSave] = {}
         self._models: dict[RankCoord, list[dict[str, Any]]] = {}
+        self._scratch = Scratch()  # where each rank's local tensor is assembled before it is written
         for rank in ranks(self.layout):
             rank_dir = self.directory / rank.legacy_dirname(self.layout)
             rank_dir.mkdir(parents=True, exist_ok=True)
@@ -252,7 +252,9 @@ class LegacyWriter(CheckpointWriter):
             file_rank = RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)
             grouped[(file_rank, piece.rank.vstage, local_name(spec.name, piece, self.te_names, self.config.is_moe))].append(piece)
         for (rank, vstage, key), group in grouped.items():
-            local = torch.empty(group[0].local_shape, dtype=data.dtype)
+            shape = group[0].local_shape
+            local = torch.from_numpy(self._scratch.take(math.prod(shape) * data.element_size()))
+            local = local.view(data.dtype).view(shape)
             for piece in group:
                 values = data[to_slices(shift(piece.region, slab))]
                 local[to_slices(piece.local_region)] = values.reshape([b - a for a, b in piece.local_region])

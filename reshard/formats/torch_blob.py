@@ -1,16 +1,14 @@
-"""Zero-copy access to tensors inside `torch.save` archives, and a writer that streams them.
+"""Reading tensors inside `torch.save` archives without loading them (writing: `torch_archive`).
 
 Reading: a `torch.save` blob is an uncompressed zip whose `data/<key>` records hold raw storage
-bytes. We parse only the pickle's tensor header (never executing it) and map the bytes with
-`np.memmap`, so reading a slice of a chunk touches only that slice's pages.
-
-Writing: `StreamingTorchSave` writes each tensor's storage as soon as it is given and the pickle
-last, producing a file `torch.load` reads like any other, without holding the whole dict in memory.
+bytes. We parse only the pickle's tensor header (never executing it) and `pread` just the bytes of
+the slice asked for, into its destination.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import struct
 import zipfile
@@ -22,15 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from reshard.buffers import PerThread
 from reshard.errors import ReshardError
-from reshard.formats.pages import release, release_tensor
-
-
-@dataclass(frozen=True)
-class _StorageRef:
-    dtype: torch.dtype
-    key: str
-    numel: int
+from reshard.formats.torch_archive import StorageRef
+from reshard.sharding import Region
 
 
 @dataclass(frozen=True)
@@ -56,7 +49,7 @@ class TensorHeader:
 _STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
 
 
-def _rebuild_stub(storage: _StorageRef, offset: int, size: Any, stride: Any, *rest: Any) -> TensorHeader:
+def _rebuild_stub(storage: StorageRef, offset: int, size: Any, stride: Any, *rest: Any) -> TensorHeader:
     return TensorHeader(storage.dtype, storage.key, int(offset), tuple(size), tuple(stride))
 
 
@@ -74,16 +67,16 @@ class _HeaderUnpickler(pickle.Unpickler):
             return OrderedDict
         raise pickle.UnpicklingError(f"unexpected object {module}.{name} in a tensor record")
 
-    def persistent_load(self, pid: Any) -> _StorageRef:
+    def persistent_load(self, pid: Any) -> StorageRef:
         _, dtype, key, _location, numel = pid
-        return _StorageRef(dtype, str(key), int(numel))
+        return StorageRef(dtype, str(key), int(numel))
 
 
-class _Window(io.RawIOBase):
-    """A seekable read-only file over a byte range of a memory map (zipfile needs one); no copies."""
+class _FileWindow(io.RawIOBase):
+    """A seekable read-only file over [start, start+length) of a descriptor (zipfile needs one)."""
 
-    def __init__(self, data: memoryview):
-        self.data, self.pos = data, 0
+    def __init__(self, fd: int, start: int, length: int):
+        self.fd, self.start, self.length, self.pos = fd, start, length, 0
 
     def readable(self) -> bool:
         return True
@@ -92,70 +85,129 @@ class _Window(io.RawIOBase):
         return True
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: len(self.data)}[whence]
-        self.pos = max(0, min(len(self.data), base + offset))
+        base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        self.pos = max(0, min(self.length, base + offset))
         return self.pos
 
     def tell(self) -> int:
         return self.pos
 
     def readinto(self, buffer: Any) -> int:
-        n = min(len(buffer), len(self.data) - self.pos)
-        buffer[:n] = self.data[self.pos : self.pos + n]
+        n = min(len(buffer), self.length - self.pos)
+        n = os.preadv(self.fd, [memoryview(buffer)[:n]], self.start + self.pos) if n > 0 else 0
         self.pos += n
         return n
 
 
-class MappedFile:
-    """A file of `torch.save` records (a DCP `.distcp`), mapped once; tensors are views into the map."""
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where a saved tensor's elements lie in its file: row-major from `offset`."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    loaded: torch.Tensor | None = None  # a record torch.load had to decode (not a plain dense one)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+
+_scratch = PerThread()
+
+
+class RecordFile:
+    """A file of `torch.save` records (a DCP `.distcp`), read with `pread`: a record's headers are parsed
+    once, and a region of its tensor is read straight into the caller's tensor when it is contiguous
+    there, else through one reused buffer. Nothing is mapped, so nothing piles up in the resident set."""
 
     def __init__(self, path: Path):
         self.path = path
-        # copy-on-write: torch wants writable buffers, and nothing we do writes through to the file
-        self.map = np.memmap(path, dtype=np.uint8, mode="c") if path.stat().st_size else np.zeros(0, np.uint8)
-        base = self.map.ctypes.data
-        self.mappings = [(base, base + len(self.map))] if len(self.map) else []
+        self.fd = os.open(path, os.O_RDONLY)
+        if hasattr(os, "posix_fadvise"):  # larger read-ahead: chunks are read front to back
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
-    def release(self, tensor: torch.Tensor) -> None:
-        """Drop a view's pages from the resident set once its values have been copied out."""
-        release_tensor(tensor, self.mappings)
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def _pread(self, buffer: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(buffer):
+            n = os.preadv(self.fd, [buffer[done:]], offset + done)
+            if n == 0:
+                raise ReshardError(f"{self.path} is truncated: the checkpoint is damaged")
+            done += n
 
     def _records(self, start: int, length: int) -> dict[str, tuple[int, int]]:
         """name -> (absolute data offset, size) of the zip records of the blob at [start, start+length)."""
-        view = memoryview(self.map)[start : start + length]
-        with zipfile.ZipFile(_Window(view)) as zf:
+        with zipfile.ZipFile(_FileWindow(self.fd, start, length)) as zf:
             out = {}
             for info in zf.infolist():
                 if info.compress_type != zipfile.ZIP_STORED:
                     raise ReshardError("compressed torch.save records are not supported")
-                header = bytes(view[info.header_offset : info.header_offset + 30])
-                name_len, extra_len = struct.unpack("<HH", header[26:30])
+                header = bytearray(4)
+                self._pread(memoryview(header), start + info.header_offset + 26)
+                name_len, extra_len = struct.unpack("<HH", header)
                 out[info.filename.split("/", 1)[1]] = (start + info.header_offset + 30 + name_len + extra_len, info.file_size)
             return out
 
-    def tensor(self, start: int, length: int) -> torch.Tensor:
-        """The tensor that `torch.save` wrote at [start, start+length), as a view into the map."""
+    def record(self, start: int, length: int) -> TensorRecord:
+        """The tensor that `torch.save` wrote at [start, start+length)."""
         records = self._records(start, length)
         pkl_offset, pkl_size = records["data.pkl"]
-        header = _HeaderUnpickler(io.BytesIO(bytes(self.map[pkl_offset : pkl_offset + pkl_size]))).load()
+        pickled = bytearray(pkl_size)
+        self._pread(memoryview(pickled), pkl_offset)
+        header = _HeaderUnpickler(io.BytesIO(pickled)).load()
         if not isinstance(header, TensorHeader):
             raise ReshardError(f"{self.path}: expected a tensor record at offset {start}")
         data_offset, data_size = records[f"data/{header.key}"]
         itemsize = torch.empty(0, dtype=header.dtype).element_size()
-        count = _numel(header.shape)
-        if not header.contiguous or data_size < (header.storage_offset + count) * itemsize:
-            blob = bytes(self.map[start : start + length])
-            release(self.map.ctypes.data + start, length, self.mappings)
-            return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        if count == 0:
-            return torch.empty(header.shape, dtype=header.dtype)
-        first = data_offset + header.storage_offset * itemsize
-        return torch.frombuffer(self.map, dtype=header.dtype, count=count, offset=first).reshape(header.shape)
+        if not header.contiguous or data_size < (header.storage_offset + _numel(header.shape)) * itemsize:
+            blob = bytearray(length)
+            self._pread(memoryview(blob), start)
+            loaded = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+            return TensorRecord(loaded.dtype, tuple(loaded.shape), -1, loaded)
+        return TensorRecord(header.dtype, header.shape, data_offset + header.storage_offset * itemsize)
+
+    def read_into(self, record: TensorRecord, region: Region, dest: torch.Tensor) -> None:
+        """Copy `region` (in the record's own coordinates) of the record's tensor into `dest`."""
+        if dest.numel() == 0:
+            return
+        if record.loaded is not None:
+            dest.copy_(record.loaded[tuple(slice(a, b) for a, b in region)])
+            return
+        if not region:
+            region, dest = ((0, 1),), dest.reshape(1)
+        shape = record.shape or (1,)
+        strides = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * shape[d + 1]
+        first = sum(a * s for (a, _), s in zip(region, strides))
+        count = sum((b - 1) * s for (_, b), s in zip(region, strides)) + 1 - first
+        at = record.offset + first * record.itemsize
+        if dest.is_contiguous() and count == dest.numel():
+            self._pread(memoryview(dest.view(torch.uint8).numpy()).cast("B"), at)
+            return
+        buffer = _scratch.take(count * record.itemsize)
+        self._pread(memoryview(buffer), at)
+        flat = torch.from_numpy(buffer).view(record.dtype)
+        dest.copy_(flat.as_strided([b - a for a, b in region], strides))
+
+    def tensor(self, start: int, length: int) -> torch.Tensor:
+        """The whole tensor saved at [start, start+length), read into memory."""
+        record = self.record(start, length)
+        out = torch.empty(record.shape, dtype=record.dtype)
+        self.read_into(record, tuple((0, d) for d in record.shape), out)
+        return out
 
 
 def tensor_in_blob(path: Path, start: int, length: int) -> torch.Tensor:
-    """The tensor saved by `torch.save` at [start, start+length) of `path`, memory-mapped."""
-    return MappedFile(path).tensor(start, length)
+    """The tensor saved by `torch.save` at [start, start+length) of `path`."""
+    f = RecordFile(path)
+    try:
+        return f.tensor(start, length)
+    finally:
+        f.close()
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -163,65 +215,3 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def compact(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor that owns exactly its own bytes: `torch.save` writes a view's whole storage."""
-    tensor = tensor.detach().contiguous()
-    if tensor.storage_offset() or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()
-    return tensor
-
-
-class _TensorStub:
-    """Stands in for a tensor already written to the archive, when the pickle is written last."""
-
-    def __init__(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]):
-        self.ref = _StorageRef(dtype, key, _numel(shape))
-        self.shape = shape
-
-    def __reduce__(self) -> tuple:
-        stride, step = [], 1
-        for d in reversed(self.shape):
-            stride.append(step)
-            step *= d
-        return (
-            torch._utils._rebuild_tensor_v2,
-            (self.ref, 0, torch.Size(self.shape), tuple(reversed(stride)), False, OrderedDict()),
-        )
-
-
-class _StubPickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, _StorageRef):
-            storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
-            return ("storage", storage_type, obj.key, "cpu", obj.numel)
-        return None
-
-
-class StreamingTorchSave:
-    """Builds a `torch.save` file tensor by tensor; `finish(obj)` pickles `obj` with its stubs."""
-
-    def __init__(self, path: Path):
-        self._ctx = torch.serialization._open_zipfile_writer(str(path))
-        self._zip = self._ctx.__enter__()
-        self._count = 0
-
-    def add(self, tensor: torch.Tensor) -> _TensorStub:
-        tensor = compact(tensor)
-        key = str(self._count)
-        self._count += 1
-        storage = tensor.untyped_storage()
-        self._zip.write_record(f"data/{key}", storage, storage.nbytes())
-        return _TensorStub(key, tensor.dtype, tuple(tensor.shape))
-
-    def finish(self, obj: Any) -> None:
-        buf = io.BytesIO()
-        _StubPickler(buf, protocol=2).dump(obj)
-        data = buf.getvalue()
-        self._zip.write_record("data.pkl", data, len(data))
-        self._zip.write_record(".format_version", "1", 1)
-        alignment = str(torch.serialization._get_storage_alignment())
-        self._zip.write_record(".storage_alignment", alignment, len(alignment))
-        self._zip.write_record("byteorder", "little", len("little"))
-        self._ctx.__exit__(None, None, None)
