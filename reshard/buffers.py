@@ -15,6 +15,19 @@ import numpy as np
 import torch
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copy(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """`dest[...] = src` for strided slices of the same dtype: numpy's strided copy ran 1.6x faster
+    than torch's here (4.1 against 2.6 GB/s for bf16 column slices)."""
+    if dest.dtype != src.dtype or dest.shape != src.shape or dest.element_size() not in _SAME_SIZE_INT:
+        dest.copy_(src)
+        return
+    as_int = _SAME_SIZE_INT[dest.element_size()]
+    np.copyto(dest.view(as_int).numpy(), src.view(as_int).numpy())
+
+
 def _view(buffer: np.ndarray, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(buffer[:nbytes]).view(dtype).view(tuple(shape))

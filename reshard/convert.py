@@ -23,7 +23,7 @@ from reshard.pipeline import ordered_map
 from reshard.plan import ConversionPlan, TensorMove, make_plan
 from reshard.sharding import Region, pieces, pieces_by_slab, slab_of, slabs
 from reshard.verify import compare, compute_checksums
-from reshard.worklog import Done, WorkLog, fingerprint
+from reshard.worklog import Done, Recorder, WorkLog, fingerprint
 
 Progress = Callable[[int], None]  # called with the bytes just processed
 
@@ -203,8 +203,12 @@ def _convert_here(
             log.start()
         finished = {d.name for d in done}
         remaining = replace(full, moves=[m for m in plan.moves if m.target.name not in finished])
-        record = (lambda d: log.record(d, writer.state())) if resumable else None
-        written, as_read = write_moves(reader, remaining, writer, progress, workers, finished=record)
+        recorder = Recorder(log, writer) if resumable else None
+        try:
+            written, as_read = write_moves(reader, remaining, writer, progress, workers, finished=recorder)
+        finally:
+            if recorder:
+                recorder.close()
         written.update({d.name: d.written for d in done})
         as_read.update({d.name: d.read for d in done})
         if reader.manifest is not None:

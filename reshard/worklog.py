@@ -1,6 +1,6 @@
 """Resumable conversions: a work log of finished tensors in the partial output directory.
 
-After each tensor the log gets one JSON line: its checksums (as written and as read) and the writer's
+After each tensor the log gets one JSON line, written once the writer's bytes so far are on disk: its checksums (as written and as read) and the writer's
 state at that point (for torch_dist: every file's length and the chunks written). A re-run of the same
 conversion finds the partial directory, checks that the log was made by the same plan from the same
 source files, truncates the files to the last logged state (a half-written chunk is never trusted)
@@ -12,11 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from reshard.checksum import Checksum
+from reshard.formats.base import CheckpointWriter
 from reshard.plan import ConversionPlan
 
 LOG_NAME = "reshard_worklog.jsonl"
@@ -84,3 +86,30 @@ class WorkLog:
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+class Recorder:
+    """Logs finished tensors off the writing thread: the writer's state is taken at once, then a
+    background thread waits for its bytes to reach the disk (`sync`) and appends the entry. The disk
+    writes back while the next tensors stream, instead of the conversion stopping at every fsync."""
+
+    def __init__(self, log: WorkLog, writer: CheckpointWriter):
+        self.log, self.writer = log, writer
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-log")
+        self._pending: list[Future[None]] = []
+
+    def __call__(self, done: Done) -> None:
+        state = self.writer.state()
+        self._pending.append(self._thread.submit(self._record, done, state))
+
+    def _record(self, done: Done, state: Any) -> None:
+        self.writer.sync()
+        self.log.record(done, state)
+
+    def close(self) -> None:
+        """Wait for every entry (before the writer closes its files); raise the first failure."""
+        try:
+            for future in self._pending:
+                future.result()
+        finally:
+            self._thread.shutdown()

@@ -170,8 +170,12 @@ class CheckpointWriter(abc.ABC):
     resumable: ClassVar[bool] = False  # can continue a partial output (see reshard.worklog)
 
     def state(self) -> Any:
-        """What `restore` needs to continue after the last finished tensor (resumable writers)."""
+        """What `restore` needs to continue after the last finished tensor (resumable writers); taken
+        between writes, with everything written so far handed to the OS."""
         return None
+
+    def sync(self) -> None:
+        """Make the bytes handed to the OS durable. Called from another thread while writing goes on."""
 
     def restore(self, state: Any) -> None:
         raise ReshardError(f"{self.format_name} output cannot be resumed")

@@ -11,25 +11,16 @@ from __future__ import annotations
 import io
 import json
 import os
-import pickle
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from reshard.buffers import Scratch
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
+from reshard.formats import dcp_metadata
 from reshard.formats.base import (
     CheckpointReader,
     CheckpointWriter,
@@ -39,6 +30,7 @@ from reshard.formats.base import (
     cached,
     layout_from_args,
 )
+from reshard.formats.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
 from reshard.formats.torch_archive import save_tensor
 from reshard.formats.torch_blob import RecordFile, TensorRecord
@@ -68,11 +60,7 @@ class TorchDistReader(CheckpointReader):
             raise ReshardError(f"{path} is not a torch_dist checkpoint (no .metadata found)")
         self.path, self.tree = path, tree
         directory = tree.iteration_dir
-        try:
-            with open(directory / ".metadata", "rb") as f:
-                self.metadata: Metadata = pickle.load(f)
-        except Exception as exc:  # a truncated or foreign file
-            raise ReshardError(f"{directory / '.metadata'} cannot be read ({exc.__class__.__name__}): the checkpoint is damaged") from None
+        self.metadata = dcp_metadata.load(directory / ".metadata")
         common_path = directory / "common.pt"
         if not common_path.is_file():
             raise ReshardError(f"{common_path} is missing: not a complete Megatron torch_dist checkpoint")
@@ -86,45 +74,43 @@ class TorchDistReader(CheckpointReader):
         self.layout = layout_from_args(args)
         self.common = CommonState(args=args, iteration=iteration, extra=common)
         self.manifest = Manifest.load(directory)
-        by_offset: dict[str, list[tuple[tuple[int, ...], _StorageInfo]]] = defaultdict(list)
-        objects: dict[str, _StorageInfo] = {}
-        for index, info in self.metadata.storage_data.items():
-            if index.offset is None:
-                objects[index.fqn] = info
+        by_offset: dict[str, list[tuple[tuple[int, ...], Storage]]] = defaultdict(list)
+        objects: dict[str, Storage] = {}
+        for (fqn, offsets), info in self.metadata.storage.items():
+            if offsets is None:
+                objects[fqn] = info
             else:
-                by_offset[index.fqn].append((tuple(index.offset), info))
+                by_offset[fqn].append((offsets, info))
         self.specs: dict[str, TensorSpec] = {}
         self._files: dict[Path, RecordFile] = {}
         self._records: dict[tuple[str, int], tuple[RecordFile, TensorRecord]] = {}
-        self._chunks: dict[str, list[tuple[Region, _StorageInfo]]] = {}
+        self._chunks: dict[str, list[tuple[Region, Storage]]] = {}
         self.unsupported_optimizer = []
+        for key in self.metadata.objects:
+            if key.startswith("optimizer"):
+                self.unsupported_optimizer.append(key)
+            elif "_extra_state" in key or is_layout_bound(key):
+                self.common.objects[key] = self._object(objects[key])
+            else:
+                self.common.dropped.append(key)
         moe = self.config.is_moe
-        for key, md in self.metadata.state_dict_metadata.items():
-            if isinstance(md, BytesStorageMetadata):
-                if key.startswith("optimizer"):
-                    self.unsupported_optimizer.append(key)
-                elif "_extra_state" in key or is_layout_bound(key):
-                    self.common.objects[key] = self._object(objects[key])
-                else:
-                    self.common.dropped.append(key)
-                continue
-            assert isinstance(md, TensorStorageMetadata)
+        for key, entry in self.metadata.tensors.items():
             name = canonical(key, "dist", moe)
             if name != key:  # the MoE pre-MLP norm gives the spec away
                 self.common.args.setdefault("transformer_impl", "local")
             try:
-                self.specs[name] = describe(name, tuple(md.size), dtype_name(md.properties.dtype), self.config)
+                self.specs[name] = describe(name, entry.size, dtype_name(entry.dtype), self.config)
             except ReshardError:
                 if not key.startswith("optimizer."):
                     raise
                 self.unsupported_optimizer.append(key)
                 continue
-            sizes = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
+            sizes = {c.offsets: c.sizes for c in entry.chunks}
             self._chunks[name] = [
                 (tuple((o, o + s) for o, s in zip(offsets, sizes[offsets])), info) for offsets, info in by_offset[key]
             ]
 
-    def _object(self, info: _StorageInfo) -> object:
+    def _object(self, info: Storage) -> object:
         path = self.tree.iteration_dir / info.relative_path
         with open(path, "rb") as f:
             f.seek(info.offset)
@@ -151,12 +137,12 @@ class TorchDistReader(CheckpointReader):
         if filled != region_size(region):
             raise ReshardError(f"{name}: the checkpoint's chunks do not cover the tensor; a .distcp file is missing or truncated")
 
-    def _record(self, info: _StorageInfo) -> tuple[RecordFile, TensorRecord]:
+    def _record(self, info: Storage) -> tuple[RecordFile, TensorRecord]:
         """The chunk's file and where its tensor lies in it (headers parsed once per chunk)."""
         return cached(self._records, (info.relative_path, info.offset), lambda: self._parse(info))
 
-    def _parse(self, info: _StorageInfo) -> tuple[RecordFile, TensorRecord]:
-        if getattr(info, "transform_descriptors", None):
+    def _parse(self, info: Storage) -> tuple[RecordFile, TensorRecord]:
+        if info.transformed:
             raise ReshardError(f"{info.relative_path}: DCP stream transforms (compression) are not supported")
         path = self.tree.iteration_dir / info.relative_path
         if not path.is_file():
@@ -188,8 +174,9 @@ class TorchDistWriter(CheckpointWriter):
         self.directory.mkdir(parents=True, exist_ok=True)
         self._file_index = {rank: i for i, rank in enumerate(ranks(self.layout))}
         self._files: dict[int, BinaryIO] = {}
-        self._chunks: dict[str, list[ChunkStorageMetadata]] = defaultdict(list)
-        self._storage: dict[MetadataIndex, _StorageInfo] = {}
+        self._chunks: dict[str, list[Chunk]] = defaultdict(list)
+        self._storage: dict[StorageKey, Storage] = {}
+        dcp_metadata.prefetch()  # finish() needs DCP's classes; import them while the data streams
         self._scratch = Scratch()  # stages strided pieces
 
     def _file(self, piece: Piece) -> tuple[str, BinaryIO]:
@@ -207,18 +194,18 @@ class TorchDistWriter(CheckpointWriter):
             chunk = data[to_slices(shift(piece.region, slab))]
             offset = f.tell()
             save_tensor(chunk, f, self._scratch)
-            offsets = torch.Size(a for a, _ in piece.region)
+            offsets = tuple(a for a, _ in piece.region)
             key = self._key(spec.name)
-            self._chunks[key].append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(chunk.shape)))
-            self._storage[MetadataIndex(key, offsets)] = _StorageInfo(name, offset, f.tell() - offset)
+            self._chunks[key].append(Chunk(offsets, tuple(chunk.shape)))
+            self._storage[(key, offsets)] = Storage(name, offset, f.tell() - offset)
 
     def _key(self, name: str) -> str:
         return spell(name, "dist", self.te_names, self.config.is_moe)
 
-    def _write_objects(self) -> dict[str, BytesStorageMetadata]:
+    def _write_objects(self) -> list[str]:
         """Per-module objects go into the first rank's file, as Megatron's replica 0 saves them."""
         if not self.common.objects:
-            return {}
+            return []
         name = f"__0_{self.rank}.distcp"
         f = self._files.get(0) or open(self.directory / name, "ab")
         self._files[0] = f
@@ -227,20 +214,23 @@ class TorchDistWriter(CheckpointWriter):
             torch.save([value], buffer)
             offset = f.tell()
             f.write(buffer.getbuffer())
-            self._storage[MetadataIndex(key)] = _StorageInfo(name, offset, f.tell() - offset)
-        return {key: BytesStorageMetadata() for key in self.common.objects}
+            self._storage[(key, None)] = Storage(name, offset, f.tell() - offset)
+        return sorted(self.common.objects)
 
     resumable = True
 
     def state(self) -> dict[str, Any]:
         for f in self._files.values():
             f.flush()
-            os.fsync(f.fileno())
         return {
             "files": {str(i): f.tell() for i, f in self._files.items()},
             "chunks": {k: [[list(c.offsets), list(c.sizes)] for c in v] for k, v in self._chunks.items()},
-            "storage": [[i.fqn, list(i.offset), s.relative_path, s.offset, s.length] for i, s in self._storage.items()],
+            "storage": [[fqn, list(offsets), s.relative_path, s.offset, s.length] for (fqn, offsets), s in self._storage.items()],
         }
+
+    def sync(self) -> None:
+        for f in list(self._files.values()):
+            os.fsync(f.fileno())
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue after the logged state: files cut back to their logged length, later ones removed."""
@@ -255,10 +245,10 @@ class TorchDistWriter(CheckpointWriter):
             self._files[index] = f
         self._chunks = defaultdict(list)
         for key, chunks in state["chunks"].items():
-            self._chunks[key] = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(z)) for o, z in chunks]
-        self._storage = {MetadataIndex(fqn, torch.Size(o)): _StorageInfo(path, at, n) for fqn, o, path, at, n in state["storage"]}
+            self._chunks[key] = [Chunk(tuple(o), tuple(z)) for o, z in chunks]
+        self._storage = {(fqn, tuple(o)): Storage(path, at, n) for fqn, o, path, at, n in state["storage"]}
 
-    def part(self) -> tuple[dict[str, list[ChunkStorageMetadata]], dict[MetadataIndex, _StorageInfo]]:
+    def part(self) -> tuple[dict[str, list[Chunk]], dict[StorageKey, Storage]]:
         self._close_files()
         return dict(self._chunks), dict(self._storage)
 
@@ -276,19 +266,13 @@ class TorchDistWriter(CheckpointWriter):
                 for key, found in chunks.items():
                     self._chunks[key].extend(found)
                 self._storage.update(storage)
-        state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {
-            self._key(name): TensorStorageMetadata(
-                properties=TensorProperties(dtype=getattr(torch, spec.dtype)),
-                size=torch.Size(spec.shape),
-                chunks=self._chunks[self._key(name)],
-            )
+        tensors = {
+            self._key(name): TensorEntry(getattr(torch, spec.dtype), spec.shape, self._chunks[self._key(name)])
             for name, spec in self.specs.items()
         }
-        state.update(self._write_objects())
+        objects = self._write_objects()
         self._close_files()
-        metadata = Metadata(state_dict_metadata=state, storage_data=self._storage)
-        with open(self.directory / ".metadata", "wb") as f:
-            pickle.dump(metadata, f)
+        dcp_metadata.save(self.directory / ".metadata", DcpMetadata(tensors, objects, self._storage))
         common = dict(self.common.extra)
         args = args_for_layout(self.common.args, self.layout, self.config, "torch_dist")
         args["transformer_impl"] = "transformer_engine" if self.te_names else "local"

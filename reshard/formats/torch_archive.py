@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from reshard.buffers import Scratch
+from reshard.buffers import Scratch, copy
 
 _ALIGNMENT = 64
 _ZIP32_MAX = 0xFFFFFFFF
@@ -145,7 +145,7 @@ def tensor_bytes(tensor: torch.Tensor, scratch: Scratch | None = None) -> np.nda
     if tensor.is_contiguous():
         return tensor.view(torch.uint8).numpy().reshape(-1)
     staged = (scratch or Scratch()).take(tensor.numel() * tensor.element_size())
-    torch.from_numpy(staged).view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    copy(torch.from_numpy(staged).view(tensor.dtype).view(tensor.shape), tensor)
     return staged
 
 

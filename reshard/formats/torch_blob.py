@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reshard.buffers import PerThread
+from reshard.buffers import PerThread, copy
 from reshard.errors import ReshardError
 from reshard.formats.torch_archive import StorageRef
 from reshard.sharding import Region
@@ -191,7 +191,7 @@ class RecordFile:
         buffer = _scratch.take(count * record.itemsize)
         self._pread(memoryview(buffer), at)
         flat = torch.from_numpy(buffer).view(record.dtype)
-        dest.copy_(flat.as_strided([b - a for a, b in region], strides))
+        copy(dest, flat.as_strided([b - a for a, b in region], strides))
 
     def tensor(self, start: int, length: int) -> torch.Tensor:
         """The whole tensor saved at [start, start+length), read into memory."""

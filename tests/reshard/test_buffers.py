@@ -1,6 +1,6 @@
 import torch
 
-from reshard.buffers import Pool, Scratch
+from reshard.buffers import Pool, Scratch, copy
 
 
 def test_pool_reuses_given_back_memory_and_holds_no_more_than_was_lent():
@@ -24,3 +24,14 @@ def test_scratch_grows_then_reuses():
     big = scratch.tensor([10, 10], torch.int64)
     again = scratch.tensor([5, 5], torch.int64)
     assert small.numel() == 3 and big.shape == (10, 10) and again.data_ptr() == big.data_ptr()
+
+
+def test_copy_matches_torch_for_strided_slices():
+    src = torch.randn(6, 10).to(torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float32, torch.int64):
+        s = src.to(dtype)
+        dest = torch.zeros(6, 10, dtype=dtype)
+        copy(dest[:, 2:5], s[:, 5:8])
+        expected = torch.zeros(6, 10, dtype=dtype)
+        expected[:, 2:5] = s[:, 5:8]
+        assert torch.equal(dest, expected)

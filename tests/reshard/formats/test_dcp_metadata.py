@@ -1,0 +1,45 @@
+"""Our `.metadata` reader against PyTorch's own (`FileSystemReader.read_metadata`) on Megatron-saved
+checkpoints, and our writer read back by PyTorch."""
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+from reshard.formats import dcp_metadata
+
+
+def _same_as_pytorch(directory):
+    ours = dcp_metadata.load(directory / ".metadata")
+    theirs = FileSystemReader(str(directory)).read_metadata()
+    objects = sorted(k for k, v in theirs.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+    assert sorted(ours.objects) == objects and objects
+    tensors = {k: v for k, v in theirs.state_dict_metadata.items() if not isinstance(v, BytesStorageMetadata)}
+    assert set(ours.tensors) == set(tensors)
+    for fqn, md in tensors.items():
+        entry = ours.tensors[fqn]
+        assert entry.dtype == md.properties.dtype and entry.size == tuple(md.size)
+        assert [(c.offsets, c.sizes) for c in entry.chunks] == [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+    assert len(ours.storage) == len(theirs.storage_data)
+    for index, info in theirs.storage_data.items():
+        storage = ours.storage[(index.fqn, None if index.offset is None else tuple(index.offset))]
+        assert (storage.relative_path, storage.offset, storage.length) == (info.relative_path, info.offset, info.length)
+
+
+def test_reads_megatron_metadata_as_pytorch_does(dense, moe):
+    for path in (dense["base"], moe["ep2"]):
+        _same_as_pytorch(next(path.glob("iter_*")))
+
+
+def test_pytorch_reads_what_save_writes(dense, tmp_path):
+    directory = next(dense["base"].glob("iter_*"))
+    (tmp_path / "copy").mkdir()
+    dcp_metadata.save(tmp_path / "copy" / ".metadata", dcp_metadata.load(directory / ".metadata"))
+    theirs = FileSystemReader(str(tmp_path / "copy")).read_metadata()
+    original = FileSystemReader(str(directory)).read_metadata()
+    assert set(theirs.state_dict_metadata) == set(original.state_dict_metadata)
+    assert {(i.fqn, i.offset): (s.relative_path, s.offset, s.length) for i, s in theirs.storage_data.items()} == {
+        (i.fqn, i.offset): (s.relative_path, s.offset, s.length) for i, s in original.storage_data.items()
+    }
+    for fqn, md in original.state_dict_metadata.items():
+        if not isinstance(md, BytesStorageMetadata):
+            assert theirs.state_dict_metadata[fqn].size == md.size and theirs.state_dict_metadata[fqn].chunks == md.chunks
+            assert theirs.state_dict_metadata[fqn].properties.dtype == md.properties.dtype
