@@ -26,7 +26,7 @@ from safetensors import safe_open
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, args_for_layout, cached
-from reshard.formats.pages import file_mappings, release
+from reshard.formats.pages import Mapping, file_mappings, release
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe
 from reshard.sharding import Piece, Region, slab_of
@@ -118,7 +118,7 @@ class HFReader(CheckpointReader):
                 self._where[name] = file
                 self._meta[name] = (info["dtype"], tuple(info["shape"]))
         self._handles: dict[Path, Any] = {}
-        self._file_maps: dict[Path, list[tuple[int, int]]] = {}
+        self._file_maps: dict[Path, list[Mapping]] = {}
 
         prefix = self.family.prefix
         self._alias: dict[str, str] = {}  # canonical HF name -> name in the files (old GPT-2 keys lack "transformer.")
@@ -227,8 +227,8 @@ class HFReader(CheckpointReader):
         """Once a slab is assembled, let the mapped pages go (see reshard.formats.pages); a view still
         being read elsewhere faults its pages back in from the file."""
         for mappings in list(self._file_maps.values()):
-            for start, end in mappings:
-                release(start, end - start, mappings)
+            for m in mappings:
+                release(m.start, m.end - m.start, mappings)
 
     def close(self) -> None:
         self._handles.clear()

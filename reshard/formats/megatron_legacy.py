@@ -1,8 +1,9 @@
 """Megatron-LM's legacy format: one `torch.save` per model-parallel rank, stage-local layer numbers.
 
 `iter_N/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt`, each holding `args`, `iteration`
-and `model` (or `model0..N` with virtual pipeline stages). Read with `torch.load(mmap=True)` so only
-the bytes a region needs are touched; written with `StreamingTorchSave`, one tensor at a time.
+and `model` (or `model0..N` with virtual pipeline stages). Read with `torch.load(mmap=True)` for the
+structure, then the bytes a region needs with `pread` (faulting mapped pages in ran at a quarter of
+the speed here); written with `StreamingTorchSave`, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from reshard.buffers import Scratch
+from reshard.buffers import Scratch, copy
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.formats.base import (
@@ -28,8 +29,9 @@ from reshard.formats.base import (
     layout_from_args,
 )
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
-from reshard.formats.pages import file_mappings, release_tensor
+from reshard.formats.pages import Mapping, file_mappings, release_tensor
 from reshard.formats.torch_archive import StreamingTorchSave
+from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import ObjectKey, canonical, spell, uses_te_names
@@ -98,7 +100,8 @@ class LegacyReader(CheckpointReader):
         self.layout = layout_from_args(args)
         self.te_names = uses_te_names(args)
         self._states: dict[RankCoord, dict[str, Any]] = {}
-        self._mappings: dict[RankCoord, list[tuple[int, int]]] = {}
+        self._mappings: dict[RankCoord, list[Mapping]] = {}
+        self._files: dict[RankCoord, RecordFile] = {}
         for rank in ranks(self.layout):
             if not (tree.iteration_dir / rank.legacy_dirname(self.layout) / RANK_FILE).is_file():
                 raise ReshardError(
@@ -129,8 +132,19 @@ class LegacyReader(CheckpointReader):
     def _load_rank(self, rank: RankCoord) -> dict[str, Any]:
         path = self._rank_file(rank.legacy_dirname(self.layout))
         state = self._load_path(path)
-        self._mappings[rank] = file_mappings(path)  # where torch mapped it: pages to release after copies
+        self._mappings[rank] = file_mappings(path)  # where torch mapped it: to find tensor bytes in the file
         return state
+
+    def _file_offset(self, rank: RankCoord, local: torch.Tensor) -> int | None:
+        """Where `local`'s bytes lie in its rank file, from the mapping that holds them (None if the tensor
+        is not a dense view of a mapping of that file)."""
+        if not local.is_contiguous():
+            return None
+        first, last = local.data_ptr(), local.data_ptr() + local.numel() * local.element_size()
+        return next((first - m.start + m.offset for m in self._mappings.get(rank, []) if m.start <= first and last <= m.end), None)
+
+    def _file(self, rank: RankCoord) -> RecordFile:
+        return cached(self._files, rank, lambda: RecordFile(self._rank_file(rank.legacy_dirname(self.layout))))
 
     def _model(self, rank: RankCoord) -> dict[str, torch.Tensor]:
         state = self._state(rank)
@@ -220,14 +234,23 @@ class LegacyReader(CheckpointReader):
             local_region = tuple(
                 (l0 + a, l0 + b) for (a, b), (l0, _) in zip(within_piece[len(within_piece) - len(piece.local_region) :], piece.local_region)
             )
-            out[to_slices(shift(inside, region))] = local[to_slices(local_region)].reshape([b - a for a, b in inside])
-            release_tensor(local, self._mappings.get(RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep), []))
+            dest = out[to_slices(shift(inside, region))].view([b - a for a, b in local_region])
+            file_rank = RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)
+            offset = self._file_offset(file_rank, local)
+            if offset is None:
+                copy(dest, local[to_slices(local_region)])
+                release_tensor(local, self._mappings.get(file_rank, []))
+            else:  # read the bytes with pread instead of faulting the mapped pages in
+                self._file(file_rank).read_into(TensorRecord(local.dtype, tuple(local.shape), offset), local_region, dest)
             filled += region_size(inside)
         if filled != region_size(region):
             raise ReshardError(f"{name}: the rank files do not cover the tensor; the checkpoint is incomplete")
 
     def close(self) -> None:
         self._states.clear()
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
 
 
 class LegacyWriter(CheckpointWriter):

@@ -15,6 +15,7 @@ import mmap
 import os
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 _MADV_DONTNEED = 4
 _PAGE = mmap.PAGESIZE
@@ -22,8 +23,14 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
 _LOCK = threading.Lock()
 
 
-def file_mappings(path: Path) -> list[tuple[int, int]]:
-    """Address ranges where this process maps `path` (Linux /proc/self/maps; empty elsewhere)."""
+class Mapping(NamedTuple):
+    start: int  # address range [start, end) of this process
+    end: int
+    offset: int  # the file offset mapped at `start`
+
+
+def file_mappings(path: Path) -> list[Mapping]:
+    """Where this process maps `path` (Linux /proc/self/maps; empty elsewhere)."""
     target = str(path.resolve())
     ranges = []
     try:
@@ -32,24 +39,24 @@ def file_mappings(path: Path) -> list[tuple[int, int]]:
                 parts = line.split(maxsplit=5)
                 if len(parts) == 6 and parts[5].strip() == target:
                     start, end = (int(x, 16) for x in parts[0].split("-"))
-                    ranges.append((start, end))
+                    ranges.append(Mapping(start, end, int(parts[2], 16)))
     except OSError:
         return []
     return ranges
 
 
-def release(address: int, length: int, mappings: list[tuple[int, int]]) -> None:
+def release(address: int, length: int, mappings: list[Mapping]) -> None:
     """Drop the pages of [address, address+length) from the resident set, if wholly inside `mappings`."""
     if _LIBC is None or length <= 0:
         return
     first = address - address % _PAGE
     last = address + length
-    if not any(start <= first and last <= end for start, end in mappings):
+    if not any(m.start <= first and last <= m.end for m in mappings):
         return
     with _LOCK:
         _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
-def release_tensor(tensor, mappings: list[tuple[int, int]]) -> None:
+def release_tensor(tensor, mappings: list[Mapping]) -> None:
     """Release the bytes a (memory-mapped) tensor views."""
     release(tensor.data_ptr(), tensor.numel() * tensor.element_size(), mappings)

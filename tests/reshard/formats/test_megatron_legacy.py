@@ -65,3 +65,15 @@ def test_experts_are_numbered_per_rank(tmp_path):
         for j in range(2):
             assert torch.equal(m[f"decoder.layers.1.mlp.experts.local_experts.{j}.linear_fc2.weight"], fc2[1, ep * 2 + j])
         assert torch.equal(m["decoder.layers.1.mlp.router.weight"], router[1])
+
+
+def test_reader_reads_tensor_bytes_with_pread_not_through_the_map(tmp_path):
+    from reshard.formats.megatron_legacy import LegacyReader
+
+    layout = Layout(tp=2, pp=2)
+    write_synthetic(tmp_path / "ckpt", TINY_LLAMA, layout, "legacy")
+    source = SyntheticReader(TINY_LLAMA, layout)
+    with LegacyReader(tmp_path / "ckpt") as reader:
+        for name, spec in reader.specs.items():
+            assert torch.equal(reader.read(name, full_region(spec.shape)), source.read(name, full_region(spec.shape))), name
+        assert len(reader._files) == 4  # every rank file was read with pread (the mapped fallback opens none)
