@@ -70,7 +70,8 @@ def inspect(path: Path, as_json: bool) -> None:
 @click.option("--workers", type=click.IntRange(1, 64), default=min(4, os.cpu_count() or 1), show_default=True,
               help="Threads reading and hashing slabs ahead of the writer (the output does not depend on it).")
 @click.option("--max-memory", "max_memory", type=str, default=None,
-              help="Working-memory budget for slabs in flight, e.g. 2GiB (default: 1GiB, or less on a small machine).")
+              help="Working-memory budget for slabs in flight, e.g. 2GiB (default: two of the largest slab plus 1GiB, "
+              "or an eighth of RAM if less, for reading ahead).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def convert(source: Path, destination: Path, **opts: Any) -> None:
     """Convert SOURCE into DESTINATION at another layout and/or format.
@@ -118,7 +119,7 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
             writer_options=writer_options,
             progress=lambda n: bar.update(n),
             workers=opts["workers"],
-            max_memory=parse_bytes(opts["max_memory"]) if opts["max_memory"] else default_memory_budget(),
+            max_memory=parse_bytes(opts["max_memory"]) if opts["max_memory"] else None,
         )
     plan = result.plan
     if rank != 0:
@@ -183,13 +184,6 @@ def parse_bytes(text: str) -> int:
     if not match or match.group(2).upper() not in _UNITS:
         raise ReshardError(f"--max-memory {text!r} is not a size; write e.g. 2GiB or 512MiB")
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
-
-
-def default_memory_budget() -> int:
-    """1 GiB, or an eighth of RAM if that is less: the read-ahead never needs more to keep the disk busy."""
-    import psutil
-
-    return min(1 << 30, psutil.virtual_memory().total // 8)
 
 
 def summarize(names: list[str]) -> str:

@@ -20,8 +20,8 @@ from reshard.formats import WRITERS, open_checkpoint
 from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
 from reshard.layout import Layout
 from reshard.pipeline import ordered_map
-from reshard.plan import ConversionPlan, TensorMove, make_plan
-from reshard.sharding import Region, pieces, pieces_by_slab, slab_of, slabs
+from reshard.plan import ConversionPlan, TensorMove, itemsize, make_plan
+from reshard.sharding import Region, pieces, pieces_by_slab, region_size, slab_of, slabs
 from reshard.verify import compare, compute_checksums
 from reshard.worklog import Done, Recorder, WorkLog, fingerprint
 
@@ -77,7 +77,7 @@ def write_moves(
 ) -> tuple[dict[str, Checksum], dict[str, Checksum]]:
     """Copy every tensor of the plan slab by slab into `writer`. Returns the checksums of the values as
     written (after a cast to the target dtype, when a move changes it) and as read. Workers read and hash
-    slabs ahead (at most `plan.depth` waiting); the writer takes them in plan order, so the output is the
+    slabs ahead (within `plan.read_ahead` bytes); the writer takes them in plan order, so the output is the
     same whatever the number of workers. `finished` hears of each tensor once it is wholly written."""
     content = {m.target.name: reader.config.vocab_rows if m.target.vocab else None for m in plan.moves}
     pool = Pool()
@@ -103,7 +103,10 @@ def write_moves(
         if finished:
             finished(Done(name, written_sums[name].result(), read_sums[name].result()))
 
-    for item in ordered_map(prepare, jobs, workers, plan.depth(workers)):
+    def slab_bytes(job: tuple[TensorMove, Region]) -> int:
+        return region_size(job[1]) * itemsize(job[0].source.dtype)
+
+    for item in ordered_map(prepare, jobs, workers, plan.read_ahead(workers), slab_bytes):
         name = item.move.target.name
         if name not in by_slab:
             for previous in by_slab:
@@ -219,7 +222,7 @@ def _convert_here(
         writer.finish(manifest)
         log.remove()
         with open_checkpoint(tmp, plan.target_format) as written_back:
-            compare(compute_checksums(written_back, workers=workers), written, "written", "source").raise_if_bad(
+            compare(compute_checksums(written_back, workers=plan.hash_workers()), written, "written", "source").raise_if_bad(
                 "the written checkpoint does not match the source"
             )
         _replace(tmp, target)

@@ -132,7 +132,7 @@ def convert_distributed(
 
         def check() -> dict[str, Checksum]:
             with open_checkpoint(tmp, plan.target_format) as written_back:
-                return compute_checksums(written_back, workers=workers, names=[m.target.name for m in mine.moves])
+                return compute_checksums(written_back, workers=plan.hash_workers(), names=[m.target.name for m in mine.moves])
 
         rechecked = {k: v for part in _together(check) for k, v in part.items()}
 

@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CommonState
+from reshard.formats.torch_blob import READ_BLOCK
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
 from reshard.naming import default_extra_state, is_layout_bound, uses_te_names
@@ -22,9 +24,15 @@ MEGATRON_FORMATS = ("torch_dist", "legacy")
 
 
 def worker_overhead(slab_bytes: int) -> int:
-    """A worker's reused buffers besides its slab: a chunk read (at most a slab), the checksum's float64
-    block (at most 2 MiB: 4 bytes per byte hashed), small ones."""
-    return slab_bytes + min(2 << 20, 4 * slab_bytes) + (1 << 20)
+    """A worker's reused buffers besides its slab: a strided chunk read (at most READ_BLOCK), the
+    checksum's float64 block (at most 2 MiB: 4 bytes per byte hashed), small ones."""
+    return min(READ_BLOCK, slab_bytes) + min(2 << 20, 4 * slab_bytes) + (1 << 20)
+
+
+def default_budget(largest_slab_bytes: int) -> int:
+    """The slab being written and its staged pieces, plus 1 GiB (an eighth of RAM on a small machine)
+    for reading ahead: more does not keep the disk busier."""
+    return 2 * largest_slab_bytes + min(1 << 30, psutil.virtual_memory().total // 8)
 
 
 def itemsize(dtype: str) -> int:
@@ -60,7 +68,7 @@ class ConversionPlan:
     common: CommonState  # what the target carries besides tensors
     dropped: list[str] = field(default_factory=list)
     workers: int = 1
-    max_memory: int | None = None  # bytes; bounds how many slabs are read ahead
+    max_memory: int = 0  # bytes of working memory; make_plan fills in the default
 
     @property
     def bytes_moved(self) -> int:
@@ -70,26 +78,31 @@ class ConversionPlan:
     def largest_slab(self) -> TensorMove | None:
         return max(self.moves, key=lambda m: m.largest_slab_bytes, default=None)
 
-    def depth(self, workers: int | None = None) -> int:
-        """Slabs read ahead of the writer: two per worker, fewer if the memory budget says so, and none
-        (one slab at a time, in this thread) when it cannot hold one slab ahead."""
+    @property
+    def largest_slab_bytes(self) -> int:
+        return self.largest_slab.largest_slab_bytes if self.largest_slab else 0
+
+    def read_ahead(self, workers: int | None = None) -> int:
+        """Bytes of slabs the workers may read ahead of the writer: the budget less the slab being written,
+        its staged pieces and the workers' buffers. 0 means one slab at a time, in this thread."""
         workers = self.workers if workers is None else workers
         if workers <= 1:
             return 0
-        if self.max_memory is None or self.largest_slab is None:
-            return 2 * workers
-        per_slab = self.largest_slab.largest_slab_bytes
-        fits = (self.max_memory - worker_overhead(per_slab) * workers) // per_slab - 2
-        return max(0, min(2 * workers, fits))
+        largest = self.largest_slab_bytes
+        return max(0, self.max_memory - 2 * largest - workers * worker_overhead(largest))
+
+    def hash_workers(self) -> int:
+        """Threads for the read-back verification within the budget: each holds one slab and its buffers."""
+        largest = self.largest_slab_bytes
+        return max(1, min(self.workers, self.max_memory // max(1, largest + worker_overhead(largest))))
 
     @property
     def peak_memory(self) -> int:
-        """Estimated working memory: the slabs read ahead, the one being written and its target pieces,
-        and each worker's checksum temporaries."""
-        largest = self.largest_slab.largest_slab_bytes if self.largest_slab else 0
-        depth = self.depth()
-        threads = self.workers if depth else 1
-        return (depth + 2) * largest + worker_overhead(largest) * threads
+        """Estimated working memory: the slabs read ahead, the one being written and its staged pieces,
+        and the buffers of each thread reading."""
+        largest = self.largest_slab_bytes
+        ahead = self.read_ahead()
+        return 2 * largest + ahead + worker_overhead(largest) * (self.workers if ahead else 1)
 
     def target_files(self) -> dict[str, int]:
         """Bytes each target rank file receives (for Megatron formats; zarr has one file per chunk)."""
@@ -209,14 +222,14 @@ def make_plan(
         common=common,
         dropped=dropped,
         workers=workers,
-        max_memory=max_memory,
     )
-    if max_memory is not None and plan.largest_slab is not None:
+    plan.max_memory = default_budget(plan.largest_slab_bytes) if max_memory is None else max_memory
+    if plan.largest_slab is not None:
         biggest = plan.largest_slab
         needed = 2 * biggest.largest_slab_bytes + worker_overhead(biggest.largest_slab_bytes)
-        if needed > max_memory:
+        if needed > plan.max_memory:
             raise ReshardError(
-                f"--max-memory {human_bytes(max_memory)} is too small: one slab of {biggest.target.name} alone takes "
+                f"--max-memory {human_bytes(plan.max_memory)} is too small: one slab of {biggest.target.name} alone takes "
                 f"{human_bytes(biggest.largest_slab_bytes)}; allow at least {human_bytes(needed)}"
             )
     return plan

@@ -15,14 +15,14 @@ import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from reshard.buffers import PerThread, copy
 from reshard.errors import ReshardError
 from reshard.formats.torch_archive import StorageRef
-from reshard.sharding import Region
+from reshard.sharding import Region, shift, to_slices
 
 
 @dataclass(frozen=True)
@@ -109,10 +109,11 @@ class TensorRecord:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
 
 _scratch = PerThread()
+READ_BLOCK = 16 << 20  # bytes staged per strided read: bounds each thread's scratch buffer
 
 
 class RecordFile:
@@ -160,7 +161,7 @@ class RecordFile:
         if not isinstance(header, TensorHeader):
             raise ReshardError(f"{self.path}: expected a tensor record at offset {start}")
         data_offset, data_size = records[f"data/{header.key}"]
-        itemsize = torch.empty(0, dtype=header.dtype).element_size()
+        itemsize = header.dtype.itemsize
         if not header.contiguous or data_size < (header.storage_offset + _numel(header.shape)) * itemsize:
             blob = bytearray(length)
             self._pread(memoryview(blob), start)
@@ -181,16 +182,17 @@ class RecordFile:
         strides = [1] * len(shape)
         for d in range(len(shape) - 2, -1, -1):
             strides[d] = strides[d + 1] * shape[d + 1]
-        first = sum(a * s for (a, _), s in zip(region, strides))
-        count = sum((b - 1) * s for (_, b), s in zip(region, strides)) + 1 - first
-        at = record.offset + first * record.itemsize
+        first, count = _span(region, strides)
         if dest.is_contiguous() and count == dest.numel():
-            self._pread(memoryview(dest.view(torch.uint8).numpy()).cast("B"), at)
+            self._pread(memoryview(dest.view(torch.uint8).numpy()).cast("B"), record.offset + first * record.itemsize)
             return
-        buffer = _scratch.take(count * record.itemsize)
-        self._pread(memoryview(buffer), at)
-        flat = torch.from_numpy(buffer).view(record.dtype)
-        copy(dest, flat.as_strided([b - a for a, b in region], strides))
+        # strided: through the scratch buffer, a block of at most READ_BLOCK bytes at a time
+        for block in _blocks(region, strides, record.itemsize):
+            first, count = _span(block, strides)
+            buffer = _scratch.take(count * record.itemsize)
+            self._pread(memoryview(buffer), record.offset + first * record.itemsize)
+            flat = torch.from_numpy(buffer).view(record.dtype)
+            copy(dest[to_slices(shift(block, region))], flat.as_strided([b - a for a, b in block], strides))
 
     def tensor(self, start: int, length: int) -> torch.Tensor:
         """The whole tensor saved at [start, start+length), read into memory."""
@@ -198,6 +200,24 @@ class RecordFile:
         out = torch.empty(record.shape, dtype=record.dtype)
         self.read_into(record, tuple((0, d) for d in record.shape), out)
         return out
+
+
+def _span(region: Region, strides: list[int]) -> tuple[int, int]:
+    """First element and element count of the row-major range that holds `region`."""
+    first = sum(a * s for (a, _), s in zip(region, strides))
+    return first, sum((b - 1) * s for (_, b), s in zip(region, strides)) + 1 - first
+
+
+def _blocks(region: Region, strides: list[int], itemsize: int) -> Iterator[Region]:
+    """`region` cut along its first axis longer than one into blocks spanning about READ_BLOCK bytes."""
+    axis = next((i for i, (a, b) in enumerate(region) if b - a > 1), None)
+    if axis is None:
+        yield region
+        return
+    step = max(1, READ_BLOCK // (strides[axis] * itemsize))
+    a, b = region[axis]
+    for start in range(a, b, step):
+        yield (*region[:axis], (start, min(b, start + step)), *region[axis + 1 :])
 
 
 def tensor_in_blob(path: Path, start: int, length: int) -> torch.Tensor:

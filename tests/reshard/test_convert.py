@@ -89,6 +89,7 @@ def test_memory_budget(tmp_path):
     # a budget for a few slabs and the working buffers still converts, reading fewer slabs ahead
     budget = 7 << 20
     result = convert(tmp_path / "a", tmp_path / "b", layout=Layout(tp=4), max_memory=budget, workers=4)
-    assert 1 <= result.plan.depth() < 8 and result.plan.peak_memory <= budget
+    assert 0 < result.plan.read_ahead() < budget and result.plan.peak_memory <= budget
     sequential = convert(tmp_path / "a", tmp_path / "c", max_memory=1600 << 10, workers=4)  # no room to read ahead
-    assert sequential.plan.depth() == 0 and sequential.plan.peak_memory <= 1600 << 10
+    assert sequential.plan.read_ahead() == 0 and sequential.plan.peak_memory <= 1600 << 10
+    assert sequential.plan.hash_workers() == 1
