@@ -486,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-mcore", action="store_true", help="skip Megatron-Core's reshard-on-load")
     parser.add_argument("--skip-naive", action="store_true", help="skip the naive load-everything converter")
     parser.add_argument("--skip-moe", action="store_true", help="dense model only")
+    parser.add_argument("--only", action="append", metavar="TEXT",
+                        help="run only the dense reshard steps whose label contains TEXT (repeatable; cp always runs)")
     parser.add_argument("--timeout", type=float, default=None, help="per-step limit in seconds (default scales with size)")
     parser.add_argument("--_build", nargs=3, metavar=("KIND", "PATH", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--_naive", nargs=3, metavar=("SRC", "DST", "TP"), help=argparse.SUPPRESS)
@@ -596,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
             ("hf->torch_dist TP4 (import)", hf_dir, work / "dense_from_hf", ["--to-format", "torch_dist", "--to-tp", "4"], True),
         ]
         for label, s, t, flags, delete in dense_steps:
+            if args.only and not any(o in label for o in args.only):
+                continue
             rmtree(t)
             if not s.exists():
                 print(f"  reshard {label}: skipped, its source {s.name} was not produced", flush=True)
@@ -606,7 +610,8 @@ def main(argv: list[str] | None = None) -> int:
                    "dense", "reshard", t, s)
             if delete:
                 rmtree(t)
-        measure_multi_rank(d, work / "dense_tp8_ranks", 2)
+        if not args.only or any(o in "2 ranks" for o in args.only):
+            measure_multi_rank(d, work / "dense_tp8_ranks", 2)
         rmtree(zarr_dir)
         rmtree(hf_dir)
 
@@ -652,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
                 rmtree(p)
             for p in work.glob("moe_*"):
                 rmtree(p)
-            for p in work.glob(".*.reshard-tmp-*"):  # a conversion killed at the timeout leaves its temporary sibling
+            for p in work.glob(".*.reshard-partial"):  # a conversion killed at the timeout leaves its partial sibling
                 rmtree(p)
         print(render(results))
         print(f"\nresults: {out_path} ({results['total_seconds']} s in all)")

@@ -7,7 +7,7 @@ import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -21,7 +21,7 @@ from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
 from reshard.layout import Layout
 from reshard.pipeline import ordered_map
 from reshard.plan import ConversionPlan, TensorMove, itemsize, make_plan
-from reshard.sharding import Region, pieces, pieces_by_slab, region_size, slab_of, slabs
+from reshard.sharding import Piece, Region, pieces, pieces_by_slab, region_size, slab_of, slabs
 from reshard.verify import compare, compute_checksums
 from reshard.worklog import Done, Recorder, WorkLog, fingerprint
 
@@ -56,8 +56,10 @@ class _Prepared:
 
     move: TensorMove
     slab: Region
+    pieces: list[Piece]  # the target pieces in this slab
     data: torch.Tensor
     buffer: torch.Tensor  # the pool's slab buffer, given back once written (`data` unless cast)
+    prepared: Any  # the writer's `prepare` result
     as_read: TensorChecksum  # of the source values
     as_written: TensorChecksum  # of the values after a dtype cast (the same object when there is none)
 
@@ -82,8 +84,8 @@ def write_moves(
     content = {m.target.name: reader.config.vocab_rows if m.target.vocab else None for m in plan.moves}
     pool = Pool()
 
-    def prepare(job: tuple[TensorMove, Region]) -> _Prepared:
-        move, slab = job
+    def prepare(job: tuple[TensorMove, Region, list[Piece]]) -> _Prepared:
+        move, slab, slab_pieces = job
         data = buffer = read_slab(reader, move, slab, pool)
         as_read = TensorChecksum(move.target.shape, move.source.dtype, content[move.target.name])
         as_read.add(slab, data)
@@ -92,35 +94,40 @@ def write_moves(
             data = data.to(getattr(torch, move.target.dtype))
             as_written = TensorChecksum(move.target.shape, move.target.dtype, content[move.target.name])
             as_written.add(slab, data)
-        return _Prepared(move, slab, data, buffer, as_read, as_written)
+        prepared = writer.prepare(move.target, slab, data, slab_pieces)
+        return _Prepared(move, slab, slab_pieces, data, buffer, prepared, as_read, as_written)
 
-    jobs = ((move, slab) for move in plan.moves for slab in slabs(move.target))
+    def jobs() -> Iterator[tuple[TensorMove, Region, list[Piece]]]:
+        for move in plan.moves:
+            by_slab = pieces_by_slab(pieces(move.target, plan.config, plan.target_layout), move.target)
+            for slab in slabs(move.target):
+                yield move, slab, by_slab.get(slab_of(move.target, slab), [])
+
     read_sums = {m.target.name: TensorChecksum(m.target.shape, m.source.dtype, content[m.target.name]) for m in plan.moves}
     written_sums = {m.target.name: TensorChecksum(m.target.shape, m.target.dtype, content[m.target.name]) for m in plan.moves}
-    by_slab: dict[str, dict] = {}
+    current: str | None = None
 
     def close(name: str) -> None:
         if finished:
             finished(Done(name, written_sums[name].result(), read_sums[name].result()))
 
-    def slab_bytes(job: tuple[TensorMove, Region]) -> int:
+    def slab_bytes(job: tuple[TensorMove, Region, list[Piece]]) -> int:
         return region_size(job[1]) * itemsize(job[0].source.dtype)
 
-    for item in ordered_map(prepare, jobs, workers, plan.read_ahead(workers), slab_bytes):
+    for item in ordered_map(prepare, jobs(), workers, plan.read_ahead(workers), slab_bytes):
         name = item.move.target.name
-        if name not in by_slab:
-            for previous in by_slab:
-                close(previous)
-            by_slab.clear()  # moves arrive one after another: keep only the current one's pieces
-            by_slab[name] = pieces_by_slab(pieces(item.move.target, plan.config, plan.target_layout), item.move.target)
-        writer.write(item.move.target, item.slab, item.data, by_slab[name].get(slab_of(item.move.target, item.slab), []))
+        if name != current:  # moves arrive one after another
+            if current is not None:
+                close(current)
+            current = name
+        writer.write(item.move.target, item.slab, item.data, item.pieces, item.prepared)
         pool.give(item.buffer)
         read_sums[name].merge(item.as_read)
         written_sums[name].merge(item.as_written)
         if progress:
             progress(item.data.numel() * item.data.element_size())
-    for previous in by_slab:
-        close(previous)
+    if current is not None:
+        close(current)
     written = {name: acc.result() for name, acc in written_sums.items()}
     return written, {name: acc.result() for name, acc in read_sums.items()}
 

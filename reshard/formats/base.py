@@ -163,8 +163,13 @@ class CheckpointWriter(abc.ABC):
         self.specs = specs
         self.common = common
 
+    def prepare(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece]) -> Any:
+        """Work on a slab that a reader thread can do before `write` gets it (it receives the result), so
+        that the one thread writing does only the writing."""
+        return None
+
     @abc.abstractmethod
-    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece]) -> None:
+    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
         """Store `data` (the values of `slab`); `pieces` are the target pieces that lie in that slab."""
 
     resumable: ClassVar[bool] = False  # can continue a partial output (see reshard.worklog)

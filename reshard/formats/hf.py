@@ -375,7 +375,7 @@ class HFWriter(CheckpointWriter):
                 self._entries[name] = _Entry(name, tuple(shape), dtype, index, start + begin, nbytes)
 
     # -- streaming --------------------------------------------------------------------------------
-    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece]) -> None:
+    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
         mapping = self._mappings[spec.name]
         layer, expert = slab_of(spec, slab)
         value = data.reshape(data.shape[spec.prefix_axes :]) if spec.prefix_axes else data

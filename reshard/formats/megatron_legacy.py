@@ -269,7 +269,7 @@ class LegacyWriter(CheckpointWriter):
             self._streams[rank] = StreamingTorchSave(rank_dir / RANK_FILE)
             self._models[rank] = [OrderedDict() for _ in range(self.layout.vpp)]
 
-    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece]) -> None:
+    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
         grouped: dict[tuple[RankCoord, int, str], list[Piece]] = defaultdict(list)
         for piece in pieces:
             file_rank = RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)

@@ -42,20 +42,25 @@ class _Entry:
 
 
 class ZipWriter:
-    """An uncompressed zip written at the current position of `f`; offsets are relative to that start."""
+    """An uncompressed zip written from the current position of `f`; offsets are relative to that start."""
 
     def __init__(self, f: BinaryIO, zip64_from: int = _ZIP32_MAX):
         self.f = f
-        self.start = f.tell()
+        self.size = 0  # bytes written so far; kept here because f.tell() is a syscall per record
         self.zip64_from = zip64_from  # lowered by tests to exercise the Zip64 path on small data
         self.entries: list[_Entry] = []
 
-    def add(self, name: str, data: Any) -> None:
-        """Append a record; `data` is any C-contiguous buffer (bytes, a numpy array's memory)."""
+    def _write(self, data: Any) -> None:
+        self.size += len(data)
+        self.f.write(data)
+
+    def add(self, name: str, data: Any, crc: int | None = None) -> None:
+        """Append a record; `data` is any C-contiguous buffer (bytes, a numpy array's memory), `crc` its
+        CRC-32 if already known."""
         view = memoryview(data).cast("B")
-        offset = self.f.tell() - self.start
+        offset = self.size
         encoded = name.encode()
-        crc = zlib.crc32(view)
+        crc = zlib.crc32(view) if crc is None else crc
         size = len(view)
         zip64 = size >= self.zip64_from
         extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
@@ -66,13 +71,13 @@ class ZipWriter:
         header = struct.pack(
             "<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0x0800, 0, 0, 0x21, crc, stored, stored, len(encoded), len(extra)
         )
-        self.f.write(header + encoded + extra)
-        self.f.write(view)
+        self._write(header + encoded + extra)
+        self._write(view)
         self.entries.append(_Entry(encoded, offset, size, crc))
 
     def close(self) -> None:
         """Write the central directory (and the Zip64 end records when they are needed)."""
-        directory_offset = self.f.tell() - self.start
+        directory_offset = self.size
         directory = bytearray()
         for e in self.entries:
             fields = []
@@ -99,7 +104,7 @@ class ZipWriter:
             directory += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _ZIP32_MAX, _ZIP32_MAX, 0)
         else:
             directory += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, end - directory_offset, directory_offset, 0)
-        self.f.write(directory)
+        self._write(directory)
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,22 @@ class _StubPickler(pickle.Pickler):
         return None
 
 
+def crc32(tensor: torch.Tensor) -> int:
+    """CRC-32 of the tensor's values in row-major order (what its record will hold), row by row for a
+    strided slice, so that no contiguous copy is needed."""
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    if tensor.is_contiguous():
+        return zlib.crc32(tensor.view(torch.uint8).numpy().reshape(-1))
+    rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 2 else tensor
+    if rows.dim() == 1 or rows.stride(-1) != 1:
+        return zlib.crc32(tensor.contiguous().view(torch.uint8).numpy().reshape(-1))
+    crc = 0
+    for row in rows.view(torch.uint8).numpy():
+        crc = zlib.crc32(row, crc)
+    return crc
+
+
 def tensor_bytes(tensor: torch.Tensor, scratch: Scratch | None = None) -> np.ndarray:
     """The tensor's values as contiguous bytes: its own memory when it is contiguous, else a copy into
     `scratch` (which the caller reuses: see `reshard.buffers`)."""
@@ -157,10 +178,10 @@ class _Archive:
         self.prefix = prefix
         self.count = 0
 
-    def storage(self, tensor: torch.Tensor, scratch: Scratch | None) -> _TensorStub:
+    def storage(self, tensor: torch.Tensor, scratch: Scratch | None, crc: int | None = None) -> _TensorStub:
         key = str(self.count)
         self.count += 1
-        self.zip.add(f"{self.prefix}/data/{key}", tensor_bytes(tensor, scratch))
+        self.zip.add(f"{self.prefix}/data/{key}", tensor_bytes(tensor, scratch), crc)
         return _TensorStub(key, tensor.dtype, tuple(tensor.shape))
 
     def finish(self, obj: Any) -> None:
@@ -171,10 +192,14 @@ class _Archive:
         self.zip.close()
 
 
-def save_tensor(tensor: torch.Tensor, f: BinaryIO, scratch: Scratch | None = None, zip64_from: int = _ZIP32_MAX) -> None:
-    """`torch.save(tensor, f)` without the clone: the tensor's bytes are written from where they are."""
+def save_tensor(
+    tensor: torch.Tensor, f: BinaryIO, scratch: Scratch | None = None, zip64_from: int = _ZIP32_MAX, crc: int | None = None
+) -> int:
+    """`torch.save(tensor, f)` without the clone: the tensor's bytes are written from where they are
+    (`crc`: their `crc32`, if computed elsewhere). Returns the bytes written."""
     archive = _Archive(f, "archive", zip64_from)
-    archive.finish(archive.storage(tensor, scratch))
+    archive.finish(archive.storage(tensor, scratch, crc))
+    return archive.zip.size
 
 
 class StreamingTorchSave:

@@ -162,7 +162,7 @@ class ZarrWriter(CheckpointWriter):
             ),
         )
 
-    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece]) -> None:
+    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
         region = slab if spec.shape else ((0, 1),)
         self._array(spec)[to_slices(region)].write(_to_numpy(data.reshape([b - a for a, b in region]), spec.dtype)).result()
 
