@@ -72,6 +72,8 @@ def process_group() -> Iterator[None]:
         dist.init_process_group("gloo", timeout=timedelta(hours=4))
     try:
         yield
+        if created:  # every rank past its last collective before any tears gloo down (an abort at exit, seen under load)
+            dist.barrier()
     finally:
         if created:
             dist.destroy_process_group()

@@ -3,15 +3,14 @@
 Importing that package takes 1.3 s here (it pulls in DTensor): more than converting a small model.
 `load` unpickles `.metadata` with an allow-list that maps DCP's classes onto the plain records below,
 so nothing in the file can run code. Writers build the same records, and `save` turns them into
-DCP's own classes (imported then, or ahead in the background by `prefetch`) and pickles those, so
-`dist_checkpointing.load` and DCP read the file as their own.
+DCP's own classes (imported only then) and pickles those, so `dist_checkpointing.load` and DCP read
+the file as their own. (Importing in a background thread ahead of time was tried: it competed for
+the GIL with the conversion, and a daemon thread still importing at exit aborted the process.)
 """
 
 from __future__ import annotations
 
-import importlib
 import pickle
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,16 +127,6 @@ def load(path: Path) -> DcpMetadata:
         return out
     except Exception as exc:  # a truncated, foreign or damaged file
         raise ReshardError(f"{path} cannot be read ({exc.__class__.__name__}): the checkpoint is damaged") from None
-
-
-def _import_dcp() -> None:
-    importlib.import_module(f"{_DCP}.metadata")
-    importlib.import_module(f"{_DCP}.filesystem")
-
-
-def prefetch() -> None:
-    """Start importing DCP in the background, so that `save` at the end of a conversion finds it loaded."""
-    threading.Thread(target=_import_dcp, name="reshard-import-dcp", daemon=True).start()
 
 
 def save(path: Path, metadata: DcpMetadata) -> None:
