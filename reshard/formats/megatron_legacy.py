@@ -8,7 +8,6 @@ the speed here); written with `StreamingTorchSave`, one tensor at a time.
 
 from __future__ import annotations
 
-import math
 import re
 from collections import OrderedDict, defaultdict
 from pathlib import Path
@@ -275,9 +274,7 @@ class LegacyWriter(CheckpointWriter):
             file_rank = RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)
             grouped[(file_rank, piece.rank.vstage, local_name(spec.name, piece, self.te_names, self.config.is_moe))].append(piece)
         for (rank, vstage, key), group in grouped.items():
-            shape = group[0].local_shape
-            local = torch.from_numpy(self._scratch.take(math.prod(shape) * data.element_size()))
-            local = local.view(data.dtype).view(shape)
+            local = self._scratch.tensor(group[0].local_shape, data.dtype)
             for piece in group:
                 values = data[to_slices(shift(piece.region, slab))]
                 local[to_slices(piece.local_region)] = values.reshape([b - a for a, b in piece.local_region])
