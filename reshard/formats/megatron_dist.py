@@ -227,7 +227,7 @@ class TorchDistWriter(CheckpointWriter):
         for f in self._files.values():
             f.flush()
         return {
-            "files": {str(i): f.tell() for i, f in self._files.items()},
+            "files": {str(i): self._sizes[i] for i in self._files},
             "chunks": {k: [[list(c.offsets), list(c.sizes)] for c in v] for k, v in self._chunks.items()},
             "storage": [[fqn, list(offsets), s.relative_path, s.offset, s.length] for (fqn, offsets), s in self._storage.items()],
         }

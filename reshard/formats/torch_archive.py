@@ -165,9 +165,9 @@ def tensor_bytes(tensor: torch.Tensor, scratch: Scratch | None = None) -> np.nda
         tensor = tensor.reshape(1)
     if tensor.is_contiguous():
         return tensor.view(torch.uint8).numpy().reshape(-1)
-    staged = (scratch or Scratch()).take(tensor.numel() * tensor.element_size())
-    copy(torch.from_numpy(staged).view(tensor.dtype).view(tensor.shape), tensor)
-    return staged
+    staged = (scratch or Scratch()).tensor(tensor.shape, tensor.dtype)
+    copy(staged, tensor)
+    return staged.view(torch.uint8).numpy().reshape(-1)
 
 
 class _Archive:

@@ -189,9 +189,8 @@ class RecordFile:
         # strided: through the scratch buffer, a block of at most READ_BLOCK bytes at a time
         for block in _blocks(region, strides, record.itemsize):
             first, count = _span(block, strides)
-            buffer = _scratch.take(count * record.itemsize)
-            self._pread(memoryview(buffer), record.offset + first * record.itemsize)
-            flat = torch.from_numpy(buffer).view(record.dtype)
+            flat = _scratch.tensor([count], record.dtype)
+            self._pread(memoryview(flat.view(torch.uint8).numpy()), record.offset + first * record.itemsize)
             copy(dest[to_slices(shift(block, region))], flat.as_strided([b - a for a, b in block], strides))
 
     def tensor(self, start: int, length: int) -> torch.Tensor:
