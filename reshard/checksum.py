@@ -10,8 +10,10 @@ partition of the tensor into pieces (any TP/PP/EP layout) gives the same value; 
 one W by 2^k, which changes the sum (p is prime and the weights are non-zero mod p); moved or
 swapped values change it with probability ~1 - 2^-62. The inner sums over columns are exact
 float64 matrix-vector products (words < 2^16, b < 2^20, at most 2^16 columns per block). Blocks are
-converted into a per-thread float64 buffer small enough to stay in cache, which keeps the hashing at
-memory speed (about 3 GB/s per core here; a fresh 32 MiB temporary per block ran at a third of that).
+converted into a reused per-thread float64 buffer that stays in the last-level cache; one matrix-vector
+product per prime (BLAS dgemv) ran at 5.2 GB/s per core here, against 3.4 GB/s for one matrix-matrix
+product with both weight columns (dgemm packs the block first), and a fresh 32 MiB temporary per block
+at a third of that.
 
 Vocabulary tensors are summed over the true vocabulary rows only, so padding that differs between
 layouts does not change their checksum.
@@ -30,7 +32,8 @@ from reshard.sharding import Region, intersect, region_size, shift, to_slices
 PRIMES = (2_147_483_647, 2_147_483_629)
 _SEEDS = ((0x9E3779B97F4A7C15, 0xD1B54A32D192ED03), (0x8CB92BA72F3D8DD7, 0xABC98388FB8FAC03))
 _COLUMN_BLOCK = 1 << 16
-_BLOCK_WORDS = 1 << 18  # words per converted block: 2 MiB of float64
+_BLOCK_WORDS = 1 << 20  # words per converted block
+CHECKSUM_BLOCK_BYTES = 8 * _BLOCK_WORDS  # a worker's float64 buffer
 _scratch = PerThread()
 
 
@@ -119,7 +122,7 @@ class TensorChecksum:
         ncols = w2.shape[1]
         cols = np.arange(col0, col0 + ncols, dtype=np.int64)
         a = np.stack([_row_weights(rows, k) for k in range(2)], axis=1)
-        b = np.stack([_col_weights(cols, k) for k in range(2)], axis=1)
+        b = [_col_weights(cols, k) for k in range(2)]
         primes = np.array(PRIMES, dtype=np.int64)
         rows_per_block = max(1, _BLOCK_WORDS // max(1, min(ncols, _COLUMN_BLOCK)))
         for r0 in range(0, len(rows), rows_per_block):
@@ -129,7 +132,8 @@ class TensorChecksum:
                 part = block[:, c0 : c0 + _COLUMN_BLOCK]
                 converted = _scratch.take(part.size, np.float64).reshape(part.shape)
                 np.copyto(converted, part, casting="unsafe")
-                y += (converted @ b[c0 : c0 + _COLUMN_BLOCK]).astype(np.int64)
+                for k in range(2):
+                    y[:, k] += (converted @ b[k][c0 : c0 + _COLUMN_BLOCK]).astype(np.int64)
             y %= primes
             partial = ((y * a[r0 : r0 + rows_per_block]) % primes).sum(axis=0) % primes
             self.sums = [(s + int(v)) % p for s, v, p in zip(self.sums, partial, PRIMES)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -80,6 +81,10 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
     """
     from reshard.convert import convert as do_convert
     from reshard.formats import open_checkpoint
+
+    # torch's objects are long-lived: keep the collector from walking them again and again mid-stream
+    # (five full collections took 0.3 s of a 3 GB conversion)
+    gc.freeze()
 
     with open_checkpoint(source) as reader:
         base, total = reader.layout, sum(s.numel for s in reader.specs.values())

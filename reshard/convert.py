@@ -44,9 +44,10 @@ def read_slab(reader: CheckpointReader, move: TensorMove, slab: Region, pool: Po
         reader.read_into(move.source.name, slab, out)
         return out
     inside = ((slab[0][0], min(slab[0][1], source_rows)), *slab[1:])
-    out.zero_()
-    if inside[0][0] < inside[0][1]:
-        reader.read_into(move.source.name, inside, out[: inside[0][1] - inside[0][0]])
+    rows = max(0, inside[0][1] - inside[0][0])
+    out[rows:].zero_()
+    if rows:
+        reader.read_into(move.source.name, inside, out[:rows])
     return out
 
 
@@ -76,13 +77,14 @@ def write_moves(
     progress: Progress | None,
     workers: int = 1,
     finished: Callable[[Done], None] | None = None,
+    pool: Pool | None = None,
 ) -> tuple[dict[str, Checksum], dict[str, Checksum]]:
     """Copy every tensor of the plan slab by slab into `writer`. Returns the checksums of the values as
     written (after a cast to the target dtype, when a move changes it) and as read. Workers read and hash
     slabs ahead (within `plan.read_ahead` bytes); the writer takes them in plan order, so the output is the
     same whatever the number of workers. `finished` hears of each tensor once it is wholly written."""
     content = {m.target.name: reader.config.vocab_rows if m.target.vocab else None for m in plan.moves}
-    pool = Pool()
+    pool = pool or Pool()
 
     def prepare(job: tuple[TensorMove, Region, list[Piece]]) -> _Prepared:
         move, slab, slab_pieces = job
@@ -214,8 +216,9 @@ def _convert_here(
         finished = {d.name for d in done}
         remaining = replace(full, moves=[m for m in plan.moves if m.target.name not in finished])
         recorder = Recorder(log, writer) if resumable else None
+        pool = Pool()  # slab buffers, reused by the verification pass
         try:
-            written, as_read = write_moves(reader, remaining, writer, progress, workers, finished=recorder)
+            written, as_read = write_moves(reader, remaining, writer, progress, workers, finished=recorder, pool=pool)
         finally:
             if recorder:
                 recorder.close()
@@ -229,7 +232,7 @@ def _convert_here(
         writer.finish(manifest)
         log.remove()
         with open_checkpoint(tmp, plan.target_format) as written_back:
-            compare(compute_checksums(written_back, workers=plan.hash_workers()), written, "written", "source").raise_if_bad(
+            compare(compute_checksums(written_back, workers=plan.hash_workers(), pool=pool), written, "written", "source").raise_if_bad(
                 "the written checkpoint does not match the source"
             )
         _replace(tmp, target)

@@ -25,6 +25,7 @@ from reshard.errors import ReshardError
 from reshard.formats import WRITERS, open_checkpoint
 from reshard.formats.base import CheckpointReader, Manifest
 from reshard.plan import ConversionPlan, TensorMove
+from reshard.buffers import Pool
 from reshard.verify import compare, compute_checksums
 
 T = TypeVar("T")
@@ -112,8 +113,10 @@ def convert_distributed(
             tmp, plan.config, plan.target_layout, {m.target.name: m.target for m in plan.moves}, plan.common, rank=rank, **writer_options
         )
 
+        pool = Pool()  # slab buffers, reused by the verification pass
+
         def write() -> tuple[Any, dict[str, Checksum], dict[str, Checksum]]:
-            written, as_read = write_moves(reader, mine, writer, progress if rank == 0 else None, workers)
+            written, as_read = write_moves(reader, mine, writer, progress if rank == 0 else None, workers, pool=pool)
             return writer.part(), written, as_read
 
         results = _together(write)
@@ -134,7 +137,7 @@ def convert_distributed(
 
         def check() -> dict[str, Checksum]:
             with open_checkpoint(tmp, plan.target_format) as written_back:
-                return compute_checksums(written_back, workers=plan.hash_workers(), names=[m.target.name for m in mine.moves])
+                return compute_checksums(written_back, workers=plan.hash_workers(), names=[m.target.name for m in mine.moves], pool=pool)
 
         rechecked = {k: v for part in _together(check) for k, v in part.items()}
 

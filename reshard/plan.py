@@ -10,6 +10,7 @@ from typing import Any
 import psutil
 import torch
 
+from reshard.checksum import CHECKSUM_BLOCK_BYTES
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CommonState
@@ -25,8 +26,8 @@ MEGATRON_FORMATS = ("torch_dist", "legacy")
 
 def worker_overhead(slab_bytes: int) -> int:
     """A worker's reused buffers besides its slab: a strided chunk read (at most READ_BLOCK), the
-    checksum's float64 block (at most 2 MiB: 4 bytes per byte hashed), small ones."""
-    return min(READ_BLOCK, slab_bytes) + min(2 << 20, 4 * slab_bytes) + (1 << 20)
+    checksum's float64 block (at most 8 MiB: 4 bytes per byte hashed), small ones."""
+    return min(READ_BLOCK, slab_bytes) + min(CHECKSUM_BLOCK_BYTES, 4 * slab_bytes) + (1 << 20)
 
 
 def default_budget(largest_slab_bytes: int) -> int:

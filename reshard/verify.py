@@ -7,7 +7,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from reshard.buffers import PerThread
+from reshard.buffers import Pool
 from reshard.checksum import Checksum, TensorChecksum
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader
@@ -15,26 +15,29 @@ from reshard.logical import TensorSpec
 from reshard.pipeline import ordered_map
 from reshard.sharding import Region, slabs
 
-_slabs = PerThread()  # each worker hashes one slab at a time: one reused buffer per thread
-
-
 def compute_checksums(
     reader: CheckpointReader,
     progress: Callable[[int], None] | None = None,
     workers: int = 1,
     names: Iterable[str] | None = None,
+    pool: Pool | None = None,
 ) -> dict[str, Checksum]:
-    """Layout-invariant checksums of every logical tensor, reading one slab at a time (per worker)."""
+    """Layout-invariant checksums of every logical tensor, reading one slab at a time (per worker).
+    Slab buffers come from `pool` (a conversion passes the one its writing used, already faulted in)."""
+    pool = pool or Pool()
 
     def content(spec: TensorSpec) -> int | None:
         return reader.config.vocab_rows if spec.vocab else None
 
     def hash_slab(job: tuple[TensorSpec, Region]) -> tuple[str, TensorChecksum, int]:
         spec, slab = job
-        data = _slabs.tensor([b - a for a, b in slab], getattr(torch, spec.dtype))
-        reader.read_into(spec.name, slab, data)
-        part = TensorChecksum(spec.shape, spec.dtype, content(spec))
-        part.add(slab, data)
+        data = pool.tensor([b - a for a, b in slab], getattr(torch, spec.dtype))
+        try:
+            reader.read_into(spec.name, slab, data)
+            part = TensorChecksum(spec.shape, spec.dtype, content(spec))
+            part.add(slab, data)
+        finally:
+            pool.give(data)
         return spec.name, part, data.numel() * data.element_size()
 
     wanted = sorted(reader.specs if names is None else names)

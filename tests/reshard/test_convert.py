@@ -6,10 +6,12 @@ import torch.distributed.checkpoint as dcp
 
 from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import SyntheticReader, write_synthetic
-from reshard.convert import convert
+from reshard.buffers import Pool
+from reshard.convert import convert, read_slab
 from reshard.errors import ReshardError
 from reshard.formats import open_checkpoint
 from reshard.layout import Layout
+from reshard.plan import make_plan
 from reshard.sharding import full_region
 
 MHA = TINY_LLAMA.replace(num_query_groups=4)  # four query groups, so TP=4 is possible
@@ -45,6 +47,20 @@ def test_vocabulary_is_repadded_for_the_target_tp(tmp_path):
     emb = _tensors(tmp_path / "b")["embedding.word_embeddings.weight"]
     source = _tensors(tmp_path / "a")["embedding.word_embeddings.weight"]
     assert emb.shape == (512, 64) and torch.equal(emb[:256], source) and torch.count_nonzero(emb[256:]) == 0
+
+
+def test_read_slab_zeroes_vocabulary_padding_in_a_reused_buffer(tmp_path):
+    write_synthetic(tmp_path / "a", MHA, Layout(tp=1), "torch_dist")
+    with open_checkpoint(tmp_path / "a") as reader:
+        plan = make_plan(reader, tmp_path / "b", "torch_dist", Layout(tp=4))
+        move = next(m for m in plan.moves if m.target.vocab)
+        pool = Pool()
+        pool.give(pool.tensor([move.target.numel], torch.float32).fill_(7.0))  # a dirty buffer to reuse
+        slab = full_region(move.target.shape)
+        out = read_slab(reader, move, slab, pool)
+        rows = move.source.shape[0]
+        assert torch.equal(out[:rows], reader.read(move.source.name, full_region(move.source.shape)))
+        assert out.shape[0] == 512 and torch.count_nonzero(out[rows:]) == 0
 
 
 def test_moe_expert_parallel_round_trip_with_optimizer(tmp_path):
