@@ -93,3 +93,9 @@ class Pool:
             buffer = self._lent.pop(tensor.data_ptr(), None)
             if buffer is not None:
                 self._free.append(buffer)
+
+    def shrink(self, keep: int) -> None:
+        """Free all but the `keep` largest idle buffers, before a phase that holds fewer slabs at once."""
+        with self._lock:
+            self._free.sort(key=lambda b: b.size, reverse=True)
+            del self._free[keep:]

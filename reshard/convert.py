@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -20,8 +21,8 @@ from reshard.formats import WRITERS, open_checkpoint
 from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
 from reshard.layout import Layout
 from reshard.pipeline import ordered_map
-from reshard.plan import ConversionPlan, TensorMove, itemsize, make_plan
-from reshard.sharding import Piece, Region, pieces, pieces_by_slab, region_size, slab_of, slabs
+from reshard.plan import BAND_BYTES, ConversionPlan, TensorMove, itemsize, make_plan
+from reshard.sharding import Piece, Region, bands, pieces, pieces_by_slab, region_size, shift, slab_of, slabs, to_slices
 from reshard.verify import compare, compute_checksums
 from reshard.worklog import Done, Recorder, WorkLog, fingerprint
 
@@ -35,20 +36,18 @@ class ConversionResult:
     seconds: float
 
 
-def read_slab(reader: CheckpointReader, move: TensorMove, slab: Region, pool: Pool) -> torch.Tensor:
-    """The target slab's values, in a buffer from `pool`: the source region, zero-padded where the
-    target vocabulary is larger."""
-    out = pool.tensor([b - a for a, b in slab], getattr(torch, move.source.dtype))
+def read_slab(reader: CheckpointReader, move: TensorMove, slab: Region, out: torch.Tensor) -> None:
+    """Fill `out` with the target slab's values: the source region, zero-padded where the target
+    vocabulary is larger."""
     source_rows = move.source.shape[0] if move.source.shape else 1
     if not move.target.vocab or slab[0][1] <= source_rows:
         reader.read_into(move.source.name, slab, out)
-        return out
+        return
     inside = ((slab[0][0], min(slab[0][1], source_rows)), *slab[1:])
     rows = max(0, inside[0][1] - inside[0][0])
     out[rows:].zero_()
     if rows:
         reader.read_into(move.source.name, inside, out[:rows])
-    return out
 
 
 @dataclass
@@ -85,12 +84,30 @@ def write_moves(
     same whatever the number of workers. `finished` hears of each tensor once it is wholly written."""
     content = {m.target.name: reader.config.vocab_rows if m.target.vocab else None for m in plan.moves}
     pool = pool or Pool()
+    helpers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard-band") if workers > 1 else None
+
+    def read_and_hash(move: TensorMove, slab: Region, out: torch.Tensor) -> TensorChecksum:
+        """Read `slab` into `out` and hash it, in bands on the helper threads when it is large."""
+
+        def band(region: Region) -> TensorChecksum:
+            view = out[to_slices(shift(region, slab))]
+            read_slab(reader, move, region, view)
+            part = TensorChecksum(move.target.shape, move.source.dtype, content[move.target.name])
+            part.add(region, view)
+            return part
+
+        size = out.numel() * out.element_size()
+        if helpers is None or size < 2 * BAND_BYTES:
+            return band(slab)
+        parts = list(helpers.map(band, bands(slab, min(workers, size // BAND_BYTES))))
+        for part in parts[1:]:
+            parts[0].merge(part)
+        return parts[0]
 
     def prepare(job: tuple[TensorMove, Region, list[Piece]]) -> _Prepared:
         move, slab, slab_pieces = job
-        data = buffer = read_slab(reader, move, slab, pool)
-        as_read = TensorChecksum(move.target.shape, move.source.dtype, content[move.target.name])
-        as_read.add(slab, data)
+        data = buffer = pool.tensor([b - a for a, b in slab], getattr(torch, move.source.dtype))
+        as_read = read_and_hash(move, slab, data)
         as_written = as_read
         if move.target.dtype != move.source.dtype:
             data = data.to(getattr(torch, move.target.dtype))
@@ -116,18 +133,22 @@ def write_moves(
     def slab_bytes(job: tuple[TensorMove, Region, list[Piece]]) -> int:
         return region_size(job[1]) * itemsize(job[0].source.dtype)
 
-    for item in ordered_map(prepare, jobs(), workers, plan.read_ahead(workers), slab_bytes):
-        name = item.move.target.name
-        if name != current:  # moves arrive one after another
-            if current is not None:
-                close(current)
-            current = name
-        writer.write(item.move.target, item.slab, item.data, item.pieces, item.prepared)
-        pool.give(item.buffer)
-        read_sums[name].merge(item.as_read)
-        written_sums[name].merge(item.as_written)
-        if progress:
-            progress(item.data.numel() * item.data.element_size())
+    try:
+        for item in ordered_map(prepare, jobs(), workers, plan.read_ahead(workers), slab_bytes):
+            name = item.move.target.name
+            if name != current:  # moves arrive one after another
+                if current is not None:
+                    close(current)
+                current = name
+            writer.write(item.move.target, item.slab, item.data, item.pieces, item.prepared)
+            pool.give(item.buffer)
+            read_sums[name].merge(item.as_read)
+            written_sums[name].merge(item.as_written)
+            if progress:
+                progress(item.data.numel() * item.data.element_size())
+    finally:
+        if helpers is not None:
+            helpers.shutdown(cancel_futures=True)
     if current is not None:
         close(current)
     written = {name: acc.result() for name, acc in written_sums.items()}
@@ -222,6 +243,7 @@ def _convert_here(
         finally:
             if recorder:
                 recorder.close()
+        pool.shrink(plan.hash_workers())
         written.update({d.name: d.written for d in done})
         as_read.update({d.name: d.read for d in done})
         if reader.manifest is not None:

@@ -135,6 +135,8 @@ def convert_distributed(
 
         _together(finish)
 
+        pool.shrink(plan.hash_workers())
+
         def check() -> dict[str, Checksum]:
             with open_checkpoint(tmp, plan.target_format) as written_back:
                 return compute_checksums(written_back, workers=plan.hash_workers(), names=[m.target.name for m in mine.moves], pool=pool)

@@ -30,6 +30,18 @@ def worker_overhead(slab_bytes: int) -> int:
     return min(READ_BLOCK, slab_bytes) + min(CHECKSUM_BLOCK_BYTES, 4 * slab_bytes) + (1 << 20)
 
 
+# A slab at least twice this large is read and hashed in bands by helper threads: the slab of a tensor
+# that is not stacked per layer (a 128k vocabulary's embedding is 0.5-2 GiB) would otherwise stream
+# in one thread while the others wait.
+BAND_BYTES = 64 << 20
+
+
+def reading_threads(workers: int, largest_slab_bytes: int) -> int:
+    """Threads that read and hash during a conversion: the workers, and as many helpers when some slab
+    is large enough to be read in bands."""
+    return 2 * workers if workers > 1 and largest_slab_bytes >= 2 * BAND_BYTES else workers
+
+
 def default_budget(largest_slab_bytes: int) -> int:
     """The slab being written and its staged pieces, plus 256 MiB (an eighth of RAM on a small machine)
     for reading ahead: at 3 GB, 1 GiB of read-ahead ran no faster than none and only added memory."""
@@ -90,7 +102,7 @@ class ConversionPlan:
         if workers <= 1:
             return 0
         largest = self.largest_slab_bytes
-        return max(0, self.max_memory - 2 * largest - workers * worker_overhead(largest))
+        return max(0, self.max_memory - 2 * largest - reading_threads(workers, largest) * worker_overhead(largest))
 
     def hash_workers(self) -> int:
         """Threads for the read-back verification within the budget: each holds one slab and its buffers."""
@@ -103,7 +115,7 @@ class ConversionPlan:
         and the buffers of each thread reading."""
         largest = self.largest_slab_bytes
         ahead = self.read_ahead()
-        return 2 * largest + ahead + worker_overhead(largest) * (self.workers if ahead else 1)
+        return 2 * largest + ahead + worker_overhead(largest) * (reading_threads(self.workers, largest) if ahead else 1)
 
     def target_files(self) -> dict[str, int]:
         """Bytes each target rank file receives (for Megatron formats; zarr has one file per chunk)."""

@@ -202,3 +202,14 @@ def intersect(a: Region, b: Region) -> Region | None:
 def shift(region: Region, origin: Region) -> Region:
     """Express `region` relative to the start of `origin`."""
     return tuple((a - o, b - o) for (a, b), (o, _) in zip(region, origin))
+
+
+def bands(region: Region, parts: int) -> list[Region]:
+    """`region` cut into at most `parts` contiguous bands along its first axis longer than one: each
+    band of a row-major buffer over `region` is itself contiguous."""
+    axis = next((i for i, (a, b) in enumerate(region) if b - a > 1), None)
+    if axis is None or parts <= 1:
+        return [region]
+    start, stop = region[axis]
+    cuts = [start + (stop - start) * k // parts for k in range(parts + 1)]
+    return [(*region[:axis], (lo, hi), *region[axis + 1 :]) for lo, hi in zip(cuts, cuts[1:]) if lo < hi]

@@ -234,38 +234,35 @@ class HFReader(CheckpointReader):
         self._handles.clear()
 
     # -- logical reads ----------------------------------------------------------------------------
-    def read(self, name: str, region: Region) -> torch.Tensor:
+    def read_into(self, name: str, region: Region, out: torch.Tensor) -> None:
         spec = self.specs[name]
         mapping = self._mappings[name]
-        out = torch.empty([b - a for a, b in region], dtype=getattr(torch, spec.dtype))
         prefix = spec.prefix_axes
         inner = region[prefix:]
         layers = range(*region[0]) if spec.stacked else [None]
         experts = range(*region[int(spec.stacked)]) if spec.experts else [None]
         for li, layer in enumerate(layers):
             for ei, expert in enumerate(experts):
-                if spec.vocab:
-                    value = self._vocab_rows(mapping, inner, spec)
-                else:
-                    value = mapping.to_megatron([self._tensor(n) for n in mapping.hf_names(layer, expert)], self.config)
-                    if tuple(value.shape) != spec.shape[prefix:]:
-                        raise ReshardError(f"{name}: HF tensors give shape {tuple(value.shape)}, expected {spec.shape[prefix:]}")
-                    value = value[tuple(slice(a, b) for a, b in inner)]
                 index = tuple(i for i, present in ((li, spec.stacked), (ei, spec.experts)) if present)
-                out[index] = value
+                if spec.vocab:
+                    self._vocab_rows_into(mapping, inner, out[index])
+                    continue
+                value = mapping.to_megatron([self._tensor(n) for n in mapping.hf_names(layer, expert)], self.config)
+                if tuple(value.shape) != spec.shape[prefix:]:
+                    raise ReshardError(f"{name}: HF tensors give shape {tuple(value.shape)}, expected {spec.shape[prefix:]}")
+                out[index] = value[tuple(slice(a, b) for a, b in inner)]
         self._release_pages()
-        return out
 
-    def _vocab_rows(self, mapping, inner: Region, spec: TensorSpec) -> torch.Tensor:
-        """Rows of an embedding/output layer region; rows past the HF vocabulary are padding (zeros)."""
+    def _vocab_rows_into(self, mapping, inner: Region, out: torch.Tensor) -> None:
+        """Rows of an embedding/output layer region, copied from the mapped file straight into `out`;
+        rows past the HF vocabulary are padding (zeros)."""
         (r0, r1), cols = inner[0], inner[1:]
         hf_name = mapping.hf_names()[0]
-        rows = self._shape(hf_name)[0]
-        out = torch.zeros([r1 - r0, *(b - a for a, b in cols)], dtype=getattr(torch, spec.dtype))
-        if r0 < rows:
-            data = self._tensor(hf_name, (r0, min(r1, rows)))
-            out[: data.shape[0]] = data[(slice(None), *(slice(a, b) for a, b in cols))]
-        return out
+        rows = max(0, min(r1, self._shape(hf_name)[0]) - r0)
+        if rows:
+            data = self._tensor(hf_name, (r0, r0 + rows))
+            out[:rows] = data[(slice(None), *(slice(a, b) for a, b in cols))]
+        out[rows:].zero_()
 
 
 @dataclass

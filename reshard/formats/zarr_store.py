@@ -89,12 +89,6 @@ def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
     return t.contiguous().numpy()
 
 
-def _to_torch(a: np.ndarray, dtype: str) -> torch.Tensor:
-    if dtype in _BITS:
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(getattr(torch, dtype))
-    return torch.from_numpy(np.ascontiguousarray(a))
-
-
 class ZarrReader(CheckpointReader):
     format_name = "zarr"
 
@@ -125,15 +119,18 @@ class ZarrReader(CheckpointReader):
 
         return cached(self._arrays, name, open_array)
 
-    def read(self, name: str, region: Region) -> torch.Tensor:
+    def read_into(self, name: str, region: Region, out: torch.Tensor) -> None:
+        """tensorstore decodes straight into `out` (wrapped without a copy), not into an array of its own."""
+        if not out.is_contiguous():
+            out.copy_(self.read(name, region))
+            return
         spec = self.specs[name]
-        array = self._array(name)
         index = to_slices(region) if spec.shape else ()
+        dest = ts.array(_to_numpy(out.reshape([b - a for a, b in region] or [1]), spec.dtype), copy=False)
         try:
-            values = array[index].read().result()
+            dest.write(self._array(name)[index]).result()
         except ValueError as exc:
             raise ReshardError(f"{self.path / name}: {exc}") from None
-        return _to_torch(np.asarray(values), spec.dtype).reshape([b - a for a, b in region])
 
 
 class ZarrWriter(CheckpointWriter):

@@ -35,3 +35,13 @@ def test_copy_matches_torch_for_strided_slices():
         expected = torch.zeros(6, 10, dtype=dtype)
         expected[:, 2:5] = s[:, 5:8]
         assert torch.equal(dest, expected)
+
+
+def test_pool_shrink_keeps_the_largest_idle_buffers():
+    pool = Pool()
+    lent = [pool.tensor([n], torch.uint8) for n in (10, 30, 20)]
+    for t in lent:
+        pool.give(t)
+    pool.shrink(1)
+    again = pool.tensor([25], torch.uint8)  # served by the kept 30-byte buffer
+    assert again.data_ptr() == lent[1].data_ptr()

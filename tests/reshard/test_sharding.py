@@ -1,11 +1,12 @@
 """pieces(): the primary pieces of every tensor partition it exactly, under any layout."""
 
 import pytest
+import torch
 
 from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import SyntheticReader
 from reshard.layout import Layout
-from reshard.sharding import pieces, region_size
+from reshard.sharding import bands, pieces, region_size, shift, to_slices
 
 LAYOUTS = [Layout(), Layout(tp=2), Layout(pp=2, vpp=2), Layout(tp=2, pp=2), Layout(pp=2, first_stage_layers=1)]
 MOE_LAYOUTS = [Layout(ep=2), Layout(ep=4, tp=2, etp=1), Layout(ep=2, tp=2), Layout(ep=2, pp=2)]
@@ -49,3 +50,13 @@ def test_dense_tensors_replicate_over_expert_ranks_once_primary():
     spec = SyntheticReader(TINY_MOE).specs["decoder.layers.self_attention.linear_qkv.weight"]
     copies = [p for p in pieces(spec, TINY_MOE, Layout(ep=2)) if p.local_layer == 0]
     assert len(copies) == 2 and [p.primary for p in copies] == [True, False]
+
+
+def test_bands_cover_the_region_in_contiguous_bands():
+    region = ((3, 4), (0, 10), (0, 6))  # one layer of a stacked tensor: bands split its rows
+    cut = bands(region, 3)
+    assert cut == [((3, 4), (0, 3), (0, 6)), ((3, 4), (3, 6), (0, 6)), ((3, 4), (6, 10), (0, 6))]
+    buffer = torch.arange(60).reshape(1, 10, 6)
+    assert all(buffer[to_slices(shift(b, region))].is_contiguous() for b in cut)
+    assert bands(((0, 2), (0, 5)), 8) == [((0, 1), (0, 5)), ((1, 2), (0, 5))]  # never an empty band
+    assert bands(((0, 1), (0, 1)), 4) == [((0, 1), (0, 1))]
