@@ -104,8 +104,8 @@ def write_moves(
             parts[0].merge(part)
         return parts[0]
 
-    def prepare(job: tuple[TensorMove, Region, list[Piece]]) -> _Prepared:
-        move, slab, slab_pieces = job
+    def prepare(job: tuple[TensorMove, Region, list[Piece], Any]) -> _Prepared:
+        move, slab, slab_pieces, reserved = job
         data = buffer = pool.tensor([b - a for a, b in slab], getattr(torch, move.source.dtype))
         as_read = read_and_hash(move, slab, data)
         as_written = as_read
@@ -113,14 +113,15 @@ def write_moves(
             data = data.to(getattr(torch, move.target.dtype))
             as_written = TensorChecksum(move.target.shape, move.target.dtype, content[move.target.name])
             as_written.add(slab, data)
-        prepared = writer.prepare(move.target, slab, data, slab_pieces)
+        prepared = writer.prepare(move.target, slab, data, slab_pieces, reserved)
         return _Prepared(move, slab, slab_pieces, data, buffer, prepared, as_read, as_written)
 
-    def jobs() -> Iterator[tuple[TensorMove, Region, list[Piece]]]:
+    def jobs() -> Iterator[tuple[TensorMove, Region, list[Piece], Any]]:
         for move in plan.moves:
             by_slab = pieces_by_slab(pieces(move.target, plan.config, plan.target_layout), move.target)
             for slab in slabs(move.target):
-                yield move, slab, by_slab.get(slab_of(move.target, slab), [])
+                slab_pieces = by_slab.get(slab_of(move.target, slab), [])
+                yield move, slab, slab_pieces, writer.reserve(move.target, slab, slab_pieces)
 
     read_sums = {m.target.name: TensorChecksum(m.target.shape, m.source.dtype, content[m.target.name]) for m in plan.moves}
     written_sums = {m.target.name: TensorChecksum(m.target.shape, m.target.dtype, content[m.target.name]) for m in plan.moves}
@@ -130,7 +131,7 @@ def write_moves(
         if finished:
             finished(Done(name, written_sums[name].result(), read_sums[name].result()))
 
-    def slab_bytes(job: tuple[TensorMove, Region, list[Piece]]) -> int:
+    def slab_bytes(job: tuple[TensorMove, Region, list[Piece], Any]) -> int:
         return region_size(job[1]) * itemsize(job[0].source.dtype)
 
     try:
@@ -240,6 +241,7 @@ def _convert_here(
         pool = Pool()  # slab buffers, reused by the verification pass
         try:
             written, as_read = write_moves(reader, remaining, writer, progress, workers, finished=recorder, pool=pool)
+            writer.before_finish()
         finally:
             if recorder:
                 recorder.close()

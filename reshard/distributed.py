@@ -117,6 +117,8 @@ def convert_distributed(
 
         def write() -> tuple[Any, dict[str, Checksum], dict[str, Checksum]]:
             written, as_read = write_moves(reader, mine, writer, progress if rank == 0 else None, workers, pool=pool)
+            if rank == 0:
+                writer.before_finish()
             return writer.part(), written, as_read
 
         results = _together(write)

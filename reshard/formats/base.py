@@ -163,9 +163,14 @@ class CheckpointWriter(abc.ABC):
         self.specs = specs
         self.common = common
 
-    def prepare(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece]) -> Any:
+    def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> Any:
+        """Called in plan order before the slab is read: a writer may plan where its bytes go, so that
+        `prepare` can write them from a reader thread, in any order."""
+        return None
+
+    def prepare(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None) -> Any:
         """Work on a slab that a reader thread can do before `write` gets it (it receives the result), so
-        that the one thread writing does only the writing."""
+        that the one thread writing does only the writing. `reserved` is what `reserve` returned."""
         return None
 
     @abc.abstractmethod
@@ -190,6 +195,10 @@ class CheckpointWriter(abc.ABC):
         raise ReshardError(
             f"{self.format_name} output cannot be written by several ranks; run one process or write torch_dist or zarr"
         )
+
+    def before_finish(self) -> None:
+        """Called once every tensor is written, while the last bytes go to the disk: a writer may start
+        what `finish` will need (in another thread: the caller goes on to wait for the disk)."""
 
     @abc.abstractmethod
     def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:

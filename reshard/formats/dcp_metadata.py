@@ -10,7 +10,9 @@ the GIL with the conversion, and a daemon thread still importing at exit aborted
 
 from __future__ import annotations
 
+import importlib
 import pickle
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +129,17 @@ def load(path: Path) -> DcpMetadata:
         return out
     except Exception as exc:  # a truncated, foreign or damaged file
         raise ReshardError(f"{path} cannot be read ({exc.__class__.__name__}): the checkpoint is damaged") from None
+
+
+def import_dcp() -> None:
+    """Import the DCP modules `save` needs (0.75 s; `prefetch` runs it where it overlaps a wait)."""
+    for module in ("torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint.metadata"):
+        importlib.import_module(module)
+
+
+def prefetch() -> None:
+    """Start importing DCP in the background; `save` then finds it imported, or waits on the import lock."""
+    threading.Thread(target=import_dcp, name="reshard-import-dcp", daemon=True).start()
 
 
 def save(path: Path, metadata: DcpMetadata) -> None:

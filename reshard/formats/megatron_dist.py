@@ -12,12 +12,13 @@ import io
 import json
 import os
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
-from reshard.buffers import Scratch
+from reshard.buffers import PerThread
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.formats import dcp_metadata
@@ -32,7 +33,7 @@ from reshard.formats.base import (
 )
 from reshard.formats.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
-from reshard.formats.torch_archive import crc32, save_tensor
+from reshard.formats.torch_archive import At, archive_size, save_tensor
 from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import RankCoord, ranks
 from reshard.logical import TensorSpec, describe
@@ -163,7 +164,20 @@ class TorchDistReader(CheckpointReader):
         self._files.clear()
 
 
+@dataclass(frozen=True)
+class _Record:
+    """Where one piece's archive goes: planned before its values are read."""
+
+    index: int  # of the target rank file
+    storage: Storage
+    chunk: Chunk
+
+
 class TorchDistWriter(CheckpointWriter):
+    """Each piece is one `torch.save` archive in its target rank's file. Archive sizes are known from the
+    shapes, so `reserve` places every record in plan order and reader threads write them at once, in any
+    order (`os.pwrite`); `write` then only records them, in plan order."""
+
     format_name = "torch_dist"
 
     def __init__(self, *args: Any, te_names: bool | None = None, rank: int = 0, **kwargs: Any):
@@ -173,35 +187,52 @@ class TorchDistWriter(CheckpointWriter):
         self.directory = self.path / iteration_dirname(self.common.iteration)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._file_index = {rank: i for i, rank in enumerate(ranks(self.layout))}
-        self._files: dict[int, BinaryIO] = {}
+        self._fds: dict[int, int] = {}
+        self._planned: dict[int, int] = {}  # each file's end once every reserved record is written
+        self._sizes: dict[int, int] = {}  # each file's end after the records `write` has recorded
         self._chunks: dict[str, list[Chunk]] = defaultdict(list)
         self._storage: dict[StorageKey, Storage] = {}
-        self._scratch = Scratch()  # stages strided pieces
-        self._sizes: dict[int, int] = {}  # of each open file: tracked, as f.tell() costs a syscall per record
+        self._scratch = PerThread()  # stages strided pieces, in each reader thread
 
-    def _file(self, piece: Piece) -> tuple[int, str, BinaryIO]:
-        index = self._file_index[RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)]
-        name = f"__{index}_{self.rank}.distcp"
-        if index not in self._files:
-            self._files[index] = open(self.directory / name, "wb")
-            self._sizes[index] = 0
-        return index, name, self._files[index]
+    def _name(self, index: int) -> str:
+        return f"__{index}_{self.rank}.distcp"
 
-    def prepare(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece]) -> list[int]:
-        """The CRC-32 of each primary piece's record (it was a third of the writing thread's time)."""
-        return [crc32(data[to_slices(shift(p.region, slab))]) for p in pieces if p.primary]
+    def _open(self, index: int, size: int = 0) -> None:
+        self._fds[index] = os.open(self.directory / self._name(index), os.O_RDWR | os.O_CREAT, 0o644)
+        self._planned[index] = self._sizes[index] = size
+
+    def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Record]:
+        records = []
+        for piece in pieces:
+            if not piece.primary:
+                continue
+            index = self._file_index[RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)]
+            if index not in self._fds:
+                self._open(index)
+            shape = tuple(b - a for a, b in piece.region)
+            offset, length = self._planned[index], archive_size(shape, getattr(torch, spec.dtype))
+            self._planned[index] += length
+            offsets = tuple(a for a, _ in piece.region)
+            records.append(_Record(index, Storage(self._name(index), offset, length), Chunk(offsets, shape)))
+        return records
+
+    def prepare(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None) -> list[_Record]:
+        """Write the slab's records where `reserve` placed them: staging a strided piece, its CRC-32 and
+        the copy into the file all run in this reader thread."""
+        primary = [p for p in pieces if p.primary]
+        for piece, record in zip(primary, reserved):
+            chunk = data[to_slices(shift(piece.region, slab))]
+            written = save_tensor(chunk, At(self._fds[record.index], record.storage.offset), self._scratch.scratch)
+            if written != record.storage.length:
+                raise AssertionError(f"{spec.name}: archive of {written} bytes where {record.storage.length} were planned")
+        return reserved
 
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
-        primary = [p for p in pieces if p.primary]
-        for piece, crc in zip(primary, prepared or [None] * len(primary)):
-            index, name, f = self._file(piece)
-            chunk = data[to_slices(shift(piece.region, slab))]
-            offset = self._sizes[index]
-            self._sizes[index] += save_tensor(chunk, f, self._scratch, crc=crc)
-            offsets = tuple(a for a, _ in piece.region)
-            key = self._key(spec.name)
-            self._chunks[key].append(Chunk(offsets, tuple(chunk.shape)))
-            self._storage[(key, offsets)] = Storage(name, offset, self._sizes[index] - offset)
+        key = self._key(spec.name)
+        for record in prepared:
+            self._chunks[key].append(record.chunk)
+            self._storage[(key, record.chunk.offsets)] = record.storage
+            self._sizes[record.index] = record.storage.offset + record.storage.length
 
     def _key(self, name: str) -> str:
         return spell(name, "dist", self.te_names, self.config.is_moe)
@@ -210,44 +241,40 @@ class TorchDistWriter(CheckpointWriter):
         """Per-module objects go into the first rank's file, as Megatron's replica 0 saves them."""
         if not self.common.objects:
             return []
-        name = f"__0_{self.rank}.distcp"
-        f = self._files.get(0) or open(self.directory / name, "ab")
-        self._files[0] = f
+        if 0 not in self._fds:
+            self._open(0, os.path.getsize(self.directory / self._name(0)) if (self.directory / self._name(0)).exists() else 0)
         for key, value in sorted(self.common.objects.items()):
             buffer = io.BytesIO()
             torch.save([value], buffer)
-            offset = f.tell()
-            f.write(buffer.getbuffer())
-            self._storage[(key, None)] = Storage(name, offset, f.tell() - offset)
+            offset = self._sizes[0]
+            At(self._fds[0], offset).write(buffer.getbuffer())
+            self._sizes[0] = self._planned[0] = offset + len(buffer.getbuffer())
+            self._storage[(key, None)] = Storage(self._name(0), offset, len(buffer.getbuffer()))
         return sorted(self.common.objects)
 
     resumable = True
 
     def state(self) -> dict[str, Any]:
-        for f in self._files.values():
-            f.flush()
         return {
-            "files": {str(i): self._sizes[i] for i in self._files},
+            "files": {str(i): self._sizes[i] for i in self._fds},
             "chunks": {k: [[list(c.offsets), list(c.sizes)] for c in v] for k, v in self._chunks.items()},
             "storage": [[fqn, list(offsets), s.relative_path, s.offset, s.length] for (fqn, offsets), s in self._storage.items()],
         }
 
     def sync(self) -> None:
-        for f in list(self._files.values()):
-            os.fsync(f.fileno())
+        for fd in list(self._fds.values()):
+            os.fsync(fd)
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Continue after the logged state: files cut back to their logged length, later ones removed."""
-        kept = {f"__{i}_{self.rank}.distcp": (int(i), size) for i, size in state["files"].items()}
+        """Continue after the logged state: files cut back to their logged length (records of later
+        tensors may have been written past it), later files removed."""
+        kept = {self._name(int(i)): (int(i), size) for i, size in state["files"].items()}
         for path in self.directory.glob(f"__*_{self.rank}.distcp"):
             if path.name not in kept:
                 path.unlink()
         for name, (index, size) in kept.items():
-            f = open(self.directory / name, "r+b")
-            f.truncate(size)
-            f.seek(size)
-            self._files[index] = f
-            self._sizes[index] = size
+            self._open(index, size)
+            os.ftruncate(self._fds[index], size)
         self._chunks = defaultdict(list)
         for key, chunks in state["chunks"].items():
             self._chunks[key] = [Chunk(tuple(o), tuple(z)) for o, z in chunks]
@@ -258,11 +285,11 @@ class TorchDistWriter(CheckpointWriter):
         return dict(self._chunks), dict(self._storage)
 
     def _close_files(self) -> None:
-        for f in self._files.values():
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-        self._files.clear()
+        for index, fd in self._fds.items():
+            os.ftruncate(fd, self._sizes[index])  # nothing past the last recorded record
+            os.fsync(fd)
+            os.close(fd)
+        self._fds.clear()
 
     def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
         if parts is not None:  # every rank's chunks, in rank order (rank 0's own part among them)

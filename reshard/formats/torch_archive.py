@@ -6,13 +6,17 @@ uncompressed zip: `<archive>/data.pkl` (the pickled object, tensors as persisten
 `<archive>/data/<key>` record per storage, aligned to 64 bytes as torch aligns them, and a few small
 records `torch.load` checks. Zip64 fields are written when a record or the archive passes 4 GiB.
 
-`TensorArchive` writes one tensor (a DCP chunk); `StreamingTorchSave` writes a whole state dict,
-storage by storage as the tensors come, and the pickle last.
+`save_tensor` writes one tensor (a DCP chunk); `archive_size` gives its size from the shape alone, so
+records can be placed before their values are read and written by several threads (`At`).
+`StreamingTorchSave` writes a whole state dict, storage by storage as the tensors come, and the pickle
+last.
 """
 
 from __future__ import annotations
 
 import io
+import math
+import os
 import pickle
 import struct
 from collections import OrderedDict
@@ -56,12 +60,12 @@ class ZipWriter:
 
     def add(self, name: str, data: Any, crc: int | None = None) -> None:
         """Append a record; `data` is any C-contiguous buffer (bytes, a numpy array's memory), `crc` its
-        CRC-32 if already known."""
-        view = memoryview(data).cast("B")
+        CRC-32 if already known. An int `data` only counts that many bytes (`archive_size`)."""
+        view = None if isinstance(data, int) else memoryview(data).cast("B")
         offset = self.size
         encoded = name.encode()
-        crc = _crc32(view) if crc is None else crc
-        size = len(view)
+        size = len(view) if view is not None else data
+        crc = (0 if view is None else _crc32(view)) if crc is None else crc
         zip64 = size >= self.zip64_from
         extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
         # pad with an extra field so the data starts on the alignment torch uses (for mmap loading)
@@ -72,7 +76,10 @@ class ZipWriter:
             "<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0x0800, 0, 0, 0x21, crc, stored, stored, len(encoded), len(extra)
         )
         self._write(header + encoded + extra)
-        self._write(view)
+        if view is None:
+            self.size += size
+        else:
+            self._write(view)
         self.entries.append(_Entry(encoded, offset, size, crc))
 
     def close(self) -> None:
@@ -142,22 +149,6 @@ class _StubPickler(pickle.Pickler):
         return None
 
 
-def crc32(tensor: torch.Tensor) -> int:
-    """CRC-32 of the tensor's values in row-major order (what its record will hold), row by row for a
-    strided slice, so that no contiguous copy is needed."""
-    if tensor.dim() == 0:
-        tensor = tensor.reshape(1)
-    if tensor.is_contiguous():
-        return _crc32(tensor.view(torch.uint8).numpy().reshape(-1))
-    rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 2 else tensor
-    if rows.dim() == 1 or rows.stride(-1) != 1:
-        return _crc32(tensor.contiguous().view(torch.uint8).numpy().reshape(-1))
-    crc = 0
-    for row in rows.view(torch.uint8).numpy():
-        crc = _crc32(row, crc)
-    return crc
-
-
 def tensor_bytes(tensor: torch.Tensor, scratch: Scratch | None = None) -> np.ndarray:
     """The tensor's values as contiguous bytes: its own memory when it is contiguous, else a copy into
     `scratch` (which the caller reuses: see `reshard.buffers`)."""
@@ -178,10 +169,12 @@ class _Archive:
         self.prefix = prefix
         self.count = 0
 
-    def storage(self, tensor: torch.Tensor, scratch: Scratch | None, crc: int | None = None) -> _TensorStub:
+    def storage(self, tensor: torch.Tensor | TensorShape, scratch: Scratch | None, crc: int | None = None) -> _TensorStub:
+        """A storage record for `tensor`; for a `TensorShape`, only its size is counted."""
         key = str(self.count)
         self.count += 1
-        self.zip.add(f"{self.prefix}/data/{key}", tensor_bytes(tensor, scratch), crc)
+        data = tensor.nbytes if isinstance(tensor, TensorShape) else tensor_bytes(tensor, scratch)
+        self.zip.add(f"{self.prefix}/data/{key}", data, crc)
         return _TensorStub(key, tensor.dtype, tuple(tensor.shape))
 
     def finish(self, obj: Any) -> None:
@@ -192,14 +185,53 @@ class _Archive:
         self.zip.close()
 
 
-def save_tensor(
-    tensor: torch.Tensor, f: BinaryIO, scratch: Scratch | None = None, zip64_from: int = _ZIP32_MAX, crc: int | None = None
-) -> int:
-    """`torch.save(tensor, f)` without the clone: the tensor's bytes are written from where they are
-    (`crc`: their `crc32`, if computed elsewhere). Returns the bytes written."""
+def save_tensor(tensor: torch.Tensor, f: BinaryIO, scratch: Scratch | None = None, zip64_from: int = _ZIP32_MAX) -> int:
+    """`torch.save(tensor, f)` without the clone: the tensor's bytes are written from where they are (a
+    strided one staged in `scratch`). Returns the bytes written."""
     archive = _Archive(f, "archive", zip64_from)
-    archive.finish(archive.storage(tensor, scratch, crc))
+    archive.finish(archive.storage(tensor, scratch))
     return archive.zip.size
+
+
+@dataclass(frozen=True)
+class TensorShape:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class _Counter:
+    """A file that only counts the bytes written to it."""
+
+    def write(self, data: Any) -> int:
+        return len(data)
+
+
+def archive_size(shape: tuple[int, ...], dtype: torch.dtype, zip64_from: int = _ZIP32_MAX) -> int:
+    """The bytes `save_tensor` writes for a tensor of this shape and dtype, known before its values: a
+    file's records can be placed at planned offsets and written in any order."""
+    archive = _Archive(_Counter(), "archive", zip64_from)
+    archive.finish(archive.storage(TensorShape(tuple(shape), dtype), None, crc=0))
+    return archive.zip.size
+
+
+class At:
+    """A write-only file at a fixed offset of descriptor `fd` (`os.pwrite`), so threads can write
+    disjoint ranges of one file at once."""
+
+    def __init__(self, fd: int, offset: int):
+        self.fd, self.offset = fd, offset
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], self.offset + done)
+        self.offset += done
+        return done
 
 
 class StreamingTorchSave:
