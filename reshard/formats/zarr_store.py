@@ -25,7 +25,7 @@ from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, cached
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe
-from reshard.sharding import Piece, Region, to_slices
+from reshard.sharding import Piece, Region, shift, to_slices
 
 TP_CHUNKS = 8  # chunk the TP axis so that TP = 1, 2, 4, 8 read whole chunks
 MAX_CHUNK_BYTES = 64 << 20
@@ -69,6 +69,20 @@ def chunk_shape(spec: TensorSpec) -> list[int]:
     while first < len(chunks) and np.prod(chunks) * itemsize > MAX_CHUNK_BYTES and chunks[first] % 2 == 0:
         chunks[first] //= 2
     return chunks
+
+
+def write_bands(region: Region, chunks: list[int], itemsize: int) -> list[Region]:
+    """`region` cut along its first axis longer than one into bands of whole chunks, each about
+    MAX_CHUNK_BYTES: tensorstore copies what one write encodes, so writing a 0.5 GiB vocabulary slab
+    at once held a second copy of it."""
+    axis = next((i for i, (a, b) in enumerate(region) if b - a > 1), None)
+    if axis is None:
+        return [region]
+    per_row = itemsize * int(np.prod([b - a for i, (a, b) in enumerate(region) if i != axis]))
+    step = max(1, MAX_CHUNK_BYTES // max(1, per_row * chunks[axis])) * chunks[axis]
+    start, stop = region[axis]
+    cuts = [*range(start, stop, step), stop]
+    return [(*region[:axis], (lo, hi), *region[axis + 1 :]) for lo, hi in zip(cuts, cuts[1:])]
 
 
 def _stored_dtype(dtype: str) -> str:
@@ -161,7 +175,10 @@ class ZarrWriter(CheckpointWriter):
 
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
         region = slab if spec.shape else ((0, 1),)
-        self._array(spec)[to_slices(region)].write(_to_numpy(data.reshape([b - a for a, b in region]), spec.dtype)).result()
+        values = _to_numpy(data.reshape([b - a for a, b in region]), spec.dtype)
+        array = self._array(spec)
+        for band in write_bands(region, chunk_shape(spec), values.itemsize):
+            array[to_slices(band)].write(values[to_slices(shift(band, region))]).result()
 
     resumable = True
 

@@ -9,7 +9,7 @@ import zarr
 
 from fixtures.models import TINY_LLAMA
 from fixtures.synthetic import SyntheticReader, write_synthetic
-from reshard.formats.zarr_store import chunk_shape
+from reshard.formats.zarr_store import MAX_CHUNK_BYTES, chunk_shape, write_bands
 from reshard.layout import Layout
 from reshard.sharding import full_region
 
@@ -45,3 +45,15 @@ def test_chunks_follow_partition_axes():
     assert chunk_shape(specs["decoder.layers.mlp.linear_fc1.weight"]) == [1, 16, 64]
     assert chunk_shape(specs["decoder.layers.self_attention.linear_proj.weight"]) == [1, 64, 8]
     assert chunk_shape(specs["decoder.final_layernorm.weight"]) == [64]
+
+
+def test_write_bands_are_whole_chunks_of_bounded_size():
+    rows, cols, chunk_rows = 128512, 2048, 16064  # a bf16 128k-vocabulary embedding
+    bands = write_bands(((0, rows), (0, cols)), [chunk_rows, cols], 2)
+    assert bands[0][0][0] == 0 and bands[-1][0][1] == rows
+    assert all(a[0][1] == b[0][0] for a, b in zip(bands, bands[1:]))  # contiguous, in order
+    assert all((b[0][1] - b[0][0]) % chunk_rows == 0 for b in bands[:-1])  # whole chunks
+    assert all((b[0][1] - b[0][0]) * cols * 2 <= MAX_CHUNK_BYTES for b in bands)
+    layer = ((3, 4), (0, 64), (0, 32))  # one layer of a stacked tensor: cut along its rows
+    assert write_bands(layer, [1, 64, 32], 4) == [layer]
+    assert write_bands(((0, 1),), [1], 4) == [((0, 1),)]
