@@ -202,6 +202,7 @@ class TorchDistWriter(CheckpointWriter):
         self._planned[index] = self._sizes[index] = size
 
     def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Record]:
+        """Place each primary piece's record after the ones reserved before it in its file."""
         records = []
         for piece in pieces:
             if not piece.primary:
@@ -228,6 +229,7 @@ class TorchDistWriter(CheckpointWriter):
         return reserved
 
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
+        """Record the slab's written records (in plan order: what `state` and `.metadata` list)."""
         key = self._key(spec.name)
         for record in prepared:
             self._chunks[key].append(record.chunk)
@@ -241,8 +243,9 @@ class TorchDistWriter(CheckpointWriter):
         """Per-module objects go into the first rank's file, as Megatron's replica 0 saves them."""
         if not self.common.objects:
             return []
-        if 0 not in self._fds:
-            self._open(0, os.path.getsize(self.directory / self._name(0)) if (self.directory / self._name(0)).exists() else 0)
+        if 0 not in self._fds:  # closed by `part` in a multi-rank run, or never written
+            path = self.directory / self._name(0)
+            self._open(0, path.stat().st_size if path.exists() else 0)
         for key, value in sorted(self.common.objects.items()):
             buffer = io.BytesIO()
             torch.save([value], buffer)
