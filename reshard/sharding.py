@@ -204,12 +204,21 @@ def shift(region: Region, origin: Region) -> Region:
     return tuple((a - o, b - o) for (a, b), (o, _) in zip(region, origin))
 
 
+def long_axis(region: Region) -> int | None:
+    """The first axis of `region` longer than one: cutting along it leaves each band of a row-major
+    buffer over `region` contiguous."""
+    return next((i for i, (a, b) in enumerate(region) if b - a > 1), None)
+
+
+def cut(region: Region, axis: int, cuts: list[int]) -> list[Region]:
+    """`region` cut along `axis` at the ascending positions `cuts` (its start and stop included)."""
+    return [(*region[:axis], (lo, hi), *region[axis + 1 :]) for lo, hi in zip(cuts, cuts[1:]) if lo < hi]
+
+
 def bands(region: Region, parts: int) -> list[Region]:
-    """`region` cut into at most `parts` contiguous bands along its first axis longer than one: each
-    band of a row-major buffer over `region` is itself contiguous."""
-    axis = next((i for i, (a, b) in enumerate(region) if b - a > 1), None)
+    """`region` cut into at most `parts` contiguous bands of near-equal length along its `long_axis`."""
+    axis = long_axis(region)
     if axis is None or parts <= 1:
         return [region]
     start, stop = region[axis]
-    cuts = [start + (stop - start) * k // parts for k in range(parts + 1)]
-    return [(*region[:axis], (lo, hi), *region[axis + 1 :]) for lo, hi in zip(cuts, cuts[1:]) if lo < hi]
+    return cut(region, axis, [start + (stop - start) * k // parts for k in range(parts + 1)])

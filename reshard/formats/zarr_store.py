@@ -25,7 +25,7 @@ from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, cached
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe
-from reshard.sharding import Piece, Region, shift, to_slices
+from reshard.sharding import Piece, Region, cut, long_axis, shift, to_slices
 
 TP_CHUNKS = 8  # chunk the TP axis so that TP = 1, 2, 4, 8 read whole chunks
 MAX_CHUNK_BYTES = 64 << 20
@@ -75,14 +75,13 @@ def write_bands(region: Region, chunks: list[int], itemsize: int) -> list[Region
     """`region` cut along its first axis longer than one into bands of whole chunks, each about
     MAX_CHUNK_BYTES: tensorstore copies what one write encodes, so writing a 0.5 GiB vocabulary slab
     at once held a second copy of it."""
-    axis = next((i for i, (a, b) in enumerate(region) if b - a > 1), None)
+    axis = long_axis(region)
     if axis is None:
         return [region]
     per_row = itemsize * int(np.prod([b - a for i, (a, b) in enumerate(region) if i != axis]))
     step = max(1, MAX_CHUNK_BYTES // max(1, per_row * chunks[axis])) * chunks[axis]
     start, stop = region[axis]
-    cuts = [*range(start, stop, step), stop]
-    return [(*region[:axis], (lo, hi), *region[axis + 1 :]) for lo, hi in zip(cuts, cuts[1:])]
+    return cut(region, axis, [*range(start, stop, step), stop])
 
 
 def _stored_dtype(dtype: str) -> str:
