@@ -58,14 +58,14 @@ class ZipWriter:
         self.size += len(data)
         self.f.write(data)
 
-    def add(self, name: str, data: Any, crc: int | None = None) -> None:
-        """Append a record; `data` is any C-contiguous buffer (bytes, a numpy array's memory), `crc` its
-        CRC-32 if already known. An int `data` only counts that many bytes (`archive_size`)."""
+    def add(self, name: str, data: Any) -> None:
+        """Append a record; `data` is any C-contiguous buffer (bytes, a numpy array's memory). An int
+        `data` only counts that many bytes (`archive_size`)."""
         view = None if isinstance(data, int) else memoryview(data).cast("B")
         offset = self.size
         encoded = name.encode()
         size = len(view) if view is not None else data
-        crc = (0 if view is None else _crc32(view)) if crc is None else crc
+        crc = 0 if view is None else _crc32(view)
         zip64 = size >= self.zip64_from
         extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
         # pad with an extra field so the data starts on the alignment torch uses (for mmap loading)
@@ -169,12 +169,12 @@ class _Archive:
         self.prefix = prefix
         self.count = 0
 
-    def storage(self, tensor: torch.Tensor | TensorShape, scratch: Scratch | None, crc: int | None = None) -> _TensorStub:
+    def storage(self, tensor: torch.Tensor | TensorShape, scratch: Scratch | None) -> _TensorStub:
         """A storage record for `tensor`; for a `TensorShape`, only its size is counted."""
         key = str(self.count)
         self.count += 1
         data = tensor.nbytes if isinstance(tensor, TensorShape) else tensor_bytes(tensor, scratch)
-        self.zip.add(f"{self.prefix}/data/{key}", data, crc)
+        self.zip.add(f"{self.prefix}/data/{key}", data)
         return _TensorStub(key, tensor.dtype, tuple(tensor.shape))
 
     def finish(self, obj: Any) -> None:
@@ -214,7 +214,7 @@ def archive_size(shape: tuple[int, ...], dtype: torch.dtype, zip64_from: int = _
     """The bytes `save_tensor` writes for a tensor of this shape and dtype, known before its values: a
     file's records can be placed at planned offsets and written in any order."""
     archive = _Archive(_Counter(), "archive", zip64_from)
-    archive.finish(archive.storage(TensorShape(tuple(shape), dtype), None, crc=0))
+    archive.finish(archive.storage(TensorShape(tuple(shape), dtype), None))
     return archive.zip.size
 
 

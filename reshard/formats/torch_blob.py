@@ -15,14 +15,14 @@ import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from reshard.buffers import PerThread, copy
 from reshard.errors import ReshardError
 from reshard.formats.torch_archive import StorageRef
-from reshard.sharding import Region, shift, to_slices
+from reshard.sharding import Region, cut, long_axis, shift, to_slices
 
 
 @dataclass(frozen=True)
@@ -207,16 +207,14 @@ def _span(region: Region, strides: list[int]) -> tuple[int, int]:
     return first, sum((b - 1) * s for (_, b), s in zip(region, strides)) + 1 - first
 
 
-def _blocks(region: Region, strides: list[int], itemsize: int) -> Iterator[Region]:
-    """`region` cut along its first axis longer than one into blocks spanning about READ_BLOCK bytes."""
-    axis = next((i for i, (a, b) in enumerate(region) if b - a > 1), None)
+def _blocks(region: Region, strides: list[int], itemsize: int) -> list[Region]:
+    """`region` cut along its `long_axis` into blocks spanning about READ_BLOCK bytes."""
+    axis = long_axis(region)
     if axis is None:
-        yield region
-        return
+        return [region]
     step = max(1, READ_BLOCK // (strides[axis] * itemsize))
     a, b = region[axis]
-    for start in range(a, b, step):
-        yield (*region[:axis], (start, min(b, start + step)), *region[axis + 1 :])
+    return cut(region, axis, [*range(a, b, step), b])
 
 
 def tensor_in_blob(path: Path, start: int, length: int) -> torch.Tensor:
