@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.models import TINY_LLAMA
+from fixtures.torchrun import pythonpath
 from fixtures.synthetic import SyntheticReader, write_synthetic
 from reshard.layout import Layout
 
@@ -18,7 +19,7 @@ QKV = "decoder.layers.self_attention.linear_qkv.weight"
 
 
 def reshard(*args, cwd=None):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=pythonpath())
     return subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd)
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fixtures.corpus import write_corpus
-from fixtures.torchrun import REPO, run
+from fixtures.torchrun import REPO, pythonpath, run
 
 K, TOTAL = 3, 6
 REL = 1e-5
@@ -178,7 +178,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, corpus):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "trainer",
            *map(str, common(corpus, first)), "--train-iters", "4", "--save", str(root), "--save-interval", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TRAINER_TEST_SAVE_PAUSE="4:120",
-               PYTHONPATH=str(REPO))
+               PYTHONPATH=pythonpath())
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
