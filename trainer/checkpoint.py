@@ -7,7 +7,8 @@ Layout on disk (what Megatron-LM writes, so `reshard` and Megatron-LM read it):
 
 `common.pt` holds `args` (a Megatron-LM Namespace), `checkpoint_version`, `iteration`,
 `opt_param_scheduler`, `data_state` and the non-tensor part of the optimizer; model and optimizer tensors
-(`optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<param>`, "fully reshardable") are global ShardedTensors;
+(`optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<param>`, "fully reshardable"; `param` for the fp32
+master weights of the DistributedOptimizer) are global ShardedTensors;
 `rng_state` is a per-rank ShardedObject (layout-bound: `reshard convert` drops it on a layout change).
 
 Atomicity: every rank writes into `<save>/iter_NNNNNNN.tmp`; once all shards are on disk (fsynced),
@@ -48,6 +49,10 @@ SHARDED_SD_METADATA = {
     "chained_optim_avoid_prefix": True,
     "singleton_local_shards": False,
 }
+# The fp32 master weights are one tensor saved under two names: `optimizer.state.param.<p>` by Megatron's
+# DistributedOptimizer ("fully_reshardable"), `optimizer.state.fp32_param.<p>` by its plain mixed-precision
+# optimizer. Spelling a load request as the checkpoint does lets either optimizer resume the other's run.
+MASTER_WEIGHT_PREFIXES = ("optimizer.state.fp32_param.", "optimizer.state.param.")
 # Test hook: "ITERATION:SECONDS" pauses the save of that iteration after the shards are written and
 # before the directory is renamed (a test SIGKILLs the run there).
 SAVE_PAUSE_ENV = "TRAINER_TEST_SAVE_PAUSE"
@@ -178,15 +183,57 @@ def optimizer_sharded_state_dict(models: list, optimizer, is_loading: bool) -> d
                                         metadata=SHARDED_SD_METADATA)
 
 
-def _find_common_step(tree):
-    if isinstance(tree, dict):
-        if "common_step" in tree:
-            return tree["common_step"]
-        for value in tree.values():
-            found = _find_common_step(value)
-            if found is not None:
-                return found
-    return None
+def refuse_unloadable_distributed_optimizer(optimizer) -> None:
+    """megatron-core's DistributedOptimizer over torch's AdamW (no Transformer Engine or Apex) cannot load
+    optimizer state: building the load request asserts on its still empty state, and the load itself
+    wants a per-parameter `step` tensor that no checkpoint holds (seen with 0.16.1 on an H100). Refuse
+    with what to do instead; the plain optimizer loads the same state."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+        return
+    if any(isinstance(sub, distrib_optimizer.DistributedOptimizer)
+           for sub in getattr(optimizer, "chained_optimizers", [optimizer])):
+        raise CheckpointError(
+            "--use-distributed-optimizer cannot resume optimizer state without Transformer Engine or Apex "
+            "(megatron-core's DistributedOptimizer over torch's AdamW fails to load it): resume without "
+            "--use-distributed-optimizer, which loads the same state, or pass --no-load-optim")
+
+
+def spell_as_saved(optimizer_state: dict, saved_keys: set[str]) -> None:
+    """Rename, in place, the master-weight entries (ShardedTensors or factories) of a sharded optimizer
+    state dict whose key the checkpoint lacks to the other optimizer's spelling, where the checkpoint has that."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    for item in nested_values(optimizer_state):
+        key = getattr(item, "key", None)
+        if not isinstance(key, str) or key in saved_keys:
+            continue
+        for mine, theirs in (MASTER_WEIGHT_PREFIXES, MASTER_WEIGHT_PREFIXES[::-1]):
+            if key.startswith(mine) and theirs + key[len(mine):] in saved_keys:
+                item.key = theirs + key[len(mine):]
+                break
+
+
+def _find_step(tree):
+    """The optimizer step of a loaded optimizer dict: the plain optimizer's `state.common_step`, else the
+    step the DistributedOptimizer keeps in each of its param groups."""
+    def find(tree, key):
+        if isinstance(tree, dict):
+            if key in tree:
+                return tree[key]
+            for value in tree.values():
+                found = find(value, key)
+                if found is not None:
+                    return found
+        return None
+
+    def group_step(tree):
+        groups = find(tree, "param_groups")
+        return next((g["step"] for g in groups if isinstance(g, dict) and "step" in g), None) if groups else None
+
+    step = find(tree, "common_step")
+    return step if step is not None else group_step(tree)
 
 
 def _unwrap_value(value):
@@ -203,11 +250,12 @@ def align_optimizer_state(loaded: dict, request: dict, optimizer) -> dict:
 
     Megatron chains one optimizer for dense and one for expert parameters only when EP > 1, so the
     non-tensor part (param_groups, common_step, from common.pt) of a checkpoint saved at EP1 is one
-    optimizer's while EP2 expects two (and vice versa). The tensors (exp_avg...) are layout-free; the
+    optimizer's while EP2 expects two (and vice versa). The plain optimizer keeps its step in
+    `state.common_step`, the DistributedOptimizer in each param group: either resumes the other. The tensors (exp_avg...) are layout-free; the
     non-tensor part is taken from the loaded dict where its structure matches, else from the request
     (param ids) and the live optimizer (hyper-parameters such as lr, betas, wd_mult).
     """
-    out = _align(loaded, request, _find_common_step(loaded))
+    out = _align(loaded, request, _find_step(loaded))
     subs = getattr(optimizer, "chained_optimizers", [optimizer])
     parts = [out] if ("param_groups" in out or "optimizer" in out) else [out[k] for k in sorted(out)]
     for sub, part in zip(subs, parts):
@@ -230,7 +278,11 @@ def _align(loaded: dict, request: dict, step) -> dict:
         else:
             out[key] = have if have is not None else _unwrap_value(want)
     if "param_groups" in request and step is not None:
-        out.setdefault("state", {}).setdefault("common_step", step)
+        if "state" in request:  # the plain optimizer: one step shared by all parameters
+            out.setdefault("state", {}).setdefault("common_step", step)
+        for group, wanted in zip(out["param_groups"], _unwrap_value(request["param_groups"])):
+            if "step" in wanted:  # the DistributedOptimizer: the step in every param group
+                group.setdefault("step", step)
     return out
 
 
@@ -451,7 +503,9 @@ def load_checkpoint(ckpt: Path, models: list, optimizer, scheduler, layout: Layo
 
     request = model_sharded_state_dict(models)
     if load_optim:
+        refuse_unloadable_distributed_optimizer(optimizer)
         request["optimizer"] = optimizer_sharded_state_dict(models, optimizer, is_loading=True)
+        spell_as_saved(request["optimizer"], keys)
     if load_rng:
         request["rng_state"] = sharded_rng_state(layout)
     loaded = dist_checkpointing.load(request, str(ckpt), strict="assume_ok_unexpected")
@@ -468,14 +522,15 @@ def load_checkpoint(ckpt: Path, models: list, optimizer, scheduler, layout: Layo
     else:
         reseed(seed, iteration)
 
-    verified = verify_loaded(ckpt, models, optimizer if load_optim else None, config)
+    verified = verify_loaded(ckpt, models, optimizer if load_optim else None, config, saved_keys=keys)
     return {"iteration": iteration, "data_state": common.get("data_state"), "common": common,
             "optimizer_loaded": load_optim, "has_optimizer": has_optim, "rng_loaded": load_rng,
             "verified": verified, "seconds": time.perf_counter() - start}
 
 
-def verify_loaded(ckpt: Path, models: list, optimizer, config: ModelConfig) -> int:
-    """Recompute the checksums of the loaded model (and optimizer) state, compare with the manifest.
+def verify_loaded(ckpt: Path, models: list, optimizer, config: ModelConfig, saved_keys: set[str] | None = None) -> int:
+    """Recompute the checksums of the loaded model (and optimizer) state, compare with the manifest
+    (optimizer names spelled as in `saved_keys`, the checkpoint's tensor keys, when given).
 
     Raises CheckpointError naming the first tensor that differs; returns the number of tensors checked
     (0 when the checkpoint has no manifest).
@@ -483,6 +538,8 @@ def verify_loaded(ckpt: Path, models: list, optimizer, config: ModelConfig) -> i
     state = model_sharded_state_dict(models)
     if optimizer is not None:
         state["optimizer"] = optimizer_sharded_state_dict(models, optimizer, is_loading=False)
+        if saved_keys is not None:
+            spell_as_saved(state["optimizer"], saved_keys)
     actual = combine_checksums(local_checksums(state, config))
     manifest = Manifest.load(Path(ckpt))
     if manifest is None:

@@ -1,0 +1,74 @@
+"""How a checkpoint of one Megatron optimizer is fitted to the other (unit tests, no torchrun).
+
+The DistributedOptimizer (CUDA only, run by scripts/gpu_check.py) saves the fp32 master weights as
+`optimizer.state.param.*` and its step in every param group; the plain mixed-precision optimizer saves
+`optimizer.state.fp32_param.*` and one `state.common_step`. The shapes below are the ones megatron-core
+0.16 builds (seen in a GPU run's checkpoint).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from trainer.checkpoint import (
+    CheckpointError,
+    align_optimizer_state,
+    refuse_unloadable_distributed_optimizer,
+    spell_as_saved,
+)
+
+
+class _Sub:
+    def __init__(self, groups):
+        self.optimizer = type("Inner", (), {"param_groups": groups})()
+
+
+def _request(prefix: str) -> dict:
+    tensor = lambda kind: ShardedTensor.from_rank_offsets(f"optimizer.state.{kind}.w", torch.zeros(2))  # noqa: E731
+    return {"optimizer": {"state": {0: {"exp_avg": tensor("exp_avg"), "exp_avg_sq": tensor("exp_avg_sq")}}},
+            "master": tensor(prefix)}
+
+
+def test_master_weights_are_spelled_as_the_checkpoint_spells_them():
+    for live, saved in (("fp32_param", "param"), ("param", "fp32_param")):
+        request = _request(live)
+        spell_as_saved(request, {f"optimizer.state.{saved}.w", "optimizer.state.exp_avg.w"})
+        assert request["master"].key == f"optimizer.state.{saved}.w"
+        assert request["optimizer"]["state"][0]["exp_avg"].key == "optimizer.state.exp_avg.w"
+
+
+def test_a_key_the_checkpoint_has_is_kept():
+    request = _request("fp32_param")
+    spell_as_saved(request, {"optimizer.state.fp32_param.w", "optimizer.state.param.w"})
+    assert request["master"].key == "optimizer.state.fp32_param.w"
+
+
+def test_distributed_optimizer_step_goes_to_the_plain_optimizers_common_step():
+    loaded = {"optimizer": {"param_groups": [{"lr": 1e-3, "wd_mult": 1.0, "step": 4}]}}
+    request = {"optimizer": {"state": {0: {}}, "param_groups": [{"lr": 0.0, "wd_mult": 1.0, "params": [0]}]}}
+    out = align_optimizer_state(loaded, request, _Sub([{"lr": 0.0, "params": []}]))
+    assert out["optimizer"]["state"]["common_step"] == 4
+
+
+def test_plain_optimizer_common_step_goes_to_every_distributed_optimizer_group():
+    loaded = {"optimizer": {"state": {"common_step": torch.tensor(4.0)},
+                            "param_groups": [{"lr": 1e-3, "wd_mult": 1.0, "params": [0]},
+                                             {"lr": 1e-3, "wd_mult": 0.0, "params": [1]}]}}
+    request = {"optimizer": {"param_groups": [{"lr": 0.0, "wd_mult": 1.0, "step": 0},
+                                              {"lr": 0.0, "wd_mult": 0.0, "step": 0}]}}
+    out = align_optimizer_state(loaded, request, _Sub([{"lr": 0.0}, {"lr": 0.0}]))
+    assert [float(g["step"]) for g in out["optimizer"]["param_groups"]] == [4.0, 4.0]
+    assert "state" not in out["optimizer"]
+
+
+def test_distributed_optimizer_without_te_or_apex_is_refused_before_loading(monkeypatch):
+    from megatron.core.optimizer import distrib_optimizer
+
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    with pytest.raises(CheckpointError, match="resume without --use-distributed-optimizer"):
+        refuse_unloadable_distributed_optimizer(object.__new__(distrib_optimizer.DistributedOptimizer))
+    refuse_unloadable_distributed_optimizer(object())  # any other optimizer loads
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    refuse_unloadable_distributed_optimizer(object.__new__(distrib_optimizer.DistributedOptimizer))
