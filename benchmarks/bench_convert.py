@@ -475,6 +475,17 @@ def rmtree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4), for --workers and --ranks."""
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=float, default=3.0, help="model size in GB (bf16 bytes) of each source (default 3)")
@@ -489,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", metavar="TEXT",
                         help="run only the dense reshard steps whose label contains TEXT (repeatable; cp always runs)")
     parser.add_argument("--timeout", type=float, default=None, help="per-step limit in seconds (default scales with size)")
+    parser.add_argument("--workers", type=_counts, default=(1, 2), metavar="N,N,...",
+                        help="--workers values of the TP4->TP8 scaling steps (default 1,2)")
+    parser.add_argument("--ranks", type=_counts, default=(2,), metavar="N,N,...",
+                        help="torchrun process counts of the multi-rank TP4->TP8 steps (default 2)")
     parser.add_argument("--_build", nargs=3, metavar=("KIND", "PATH", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--_naive", nargs=3, metavar=("SRC", "DST", "TP"), help=argparse.SUPPRESS)
     parser.add_argument("--_mcore", nargs=4, metavar=("SRC", "DST", "SIZE", "TP"), help=argparse.SUPPRESS)
@@ -588,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         dense_steps = [
             ("TP4->TP8 torch_dist", d, work / "dense_tp8", ["--to-tp", "8"], True),
             *((f"TP4->TP8 torch_dist --workers {w}", d, work / f"dense_tp8_w{w}", ["--to-tp", "8", "--workers", str(w)], True)
-              for w in (1, 2)),
+              for w in args.workers),
             ("TP4->TP2PP2 torch_dist", d, work / "dense_tp2pp2", ["--to-tp", "2", "--to-pp", "2"], True),
             ("torch_dist->zarr", d, zarr_dir, ["--to-format", "zarr"], False),
             ("zarr->torch_dist", zarr_dir, work / "dense_from_zarr", ["--to-format", "torch_dist"], True),
@@ -610,8 +625,9 @@ def main(argv: list[str] | None = None) -> int:
                    "dense", "reshard", t, s)
             if delete:
                 rmtree(t)
-        if not args.only or any(o in "2 ranks" for o in args.only):
-            measure_multi_rank(d, work / "dense_tp8_ranks", 2)
+        for ranks in args.ranks:
+            if not args.only or any(o in f"{ranks} ranks" for o in args.only):
+                measure_multi_rank(d, work / "dense_tp8_ranks", ranks)
         rmtree(zarr_dir)
         rmtree(hf_dir)
 
