@@ -250,10 +250,11 @@ def align_optimizer_state(loaded: dict, request: dict, optimizer) -> dict:
 
     Megatron chains one optimizer for dense and one for expert parameters only when EP > 1, so the
     non-tensor part (param_groups, common_step, from common.pt) of a checkpoint saved at EP1 is one
-    optimizer's while EP2 expects two (and vice versa). The plain optimizer keeps its step in
-    `state.common_step`, the DistributedOptimizer in each param group: either resumes the other. The tensors (exp_avg...) are layout-free; the
+    optimizer's while EP2 expects two (and vice versa). The tensors (exp_avg...) are layout-free; the
     non-tensor part is taken from the loaded dict where its structure matches, else from the request
-    (param ids) and the live optimizer (hyper-parameters such as lr, betas, wd_mult).
+    (param ids) and the live optimizer (hyper-parameters such as lr, betas, wd_mult). The plain optimizer
+    keeps its step in `state.common_step`, the DistributedOptimizer in each param group: either's step
+    reaches the other.
     """
     out = _align(loaded, request, _find_step(loaded))
     subs = getattr(optimizer, "chained_optimizers", [optimizer])
