@@ -69,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard optimizer state over DP (Megatron's DistributedOptimizer)")
+                   help="shard optimizer state over DP (Megatron's DistributedOptimizer; CUDA only, and it resumes "
+                        "optimizer state only with Transformer Engine or Apex; its checkpoints resume without it)")
     g.add_argument("--train-iters", type=int, required=True, help="total iterations (a resumed run continues to it)")
     g.add_argument("--seed", type=int, default=1234)
     g = p.add_argument_group("checkpointing")
