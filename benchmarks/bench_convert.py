@@ -480,7 +480,7 @@ def _counts(text: str) -> tuple[int, ...]:
     try:
         counts = tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
+        counts = ()
     if not counts or min(counts) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
     return counts

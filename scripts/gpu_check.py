@@ -71,13 +71,13 @@ class Checks:
         self.results.append({"check": name, "ok": bool(ok), **facts})
         print(f"{'ok  ' if ok else 'FAIL'} {name} {facts}", flush=True)
 
-    def step(self, name: str, fn) -> None:
+    def step(self, fn) -> None:
         """Run one step; a step that raises is a failed check, and the next steps still run."""
-        print(f"== {name}", flush=True)
+        print(f"== {fn.__name__}", flush=True)
         try:
             fn(self)
         except Exception as exc:  # report every step, not only the first failure
-            self.add(name, False, error=str(exc)[-3000:])
+            self.add(fn.__name__, False, error=str(exc)[-3000:])
 
     def losses(self, name: str, got: dict[int, float], want: dict[int, float], iters: range, rtol: float) -> None:
         rel = max(abs(got[i] - want[i]) / abs(want[i]) for i in iters)
@@ -151,7 +151,7 @@ def main() -> int:
     subprocess.run([sys.executable, "-m", "fixtures.corpus", WORK / "corpus.txt"], check=True, cwd=REPO)
     checks = Checks()
     for step in (cpu_to_gpu, distributed_optimizer_to_cpu, cpu_to_gpu_bf16, hf_logits):
-        checks.step(step.__name__, step)
+        checks.step(step)
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "megatron_core": _version("megatron-core"), "python": sys.version.split()[0], "checks": checks.results}
     (WORK / "summary.json").write_text(json.dumps(summary, indent=1))

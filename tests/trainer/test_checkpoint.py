@@ -2,8 +2,8 @@
 
 The DistributedOptimizer (CUDA only, run by scripts/gpu_check.py) saves the fp32 master weights as
 `optimizer.state.param.*` and its step in every param group; the plain mixed-precision optimizer saves
-`optimizer.state.fp32_param.*` and one `state.common_step`. The shapes below are the ones megatron-core
-0.16 builds (seen in a GPU run's checkpoint).
+`optimizer.state.fp32_param.*` and one `state.common_step`. The dicts below have the shapes megatron-core
+0.16's optimizers build (its code, and the keys of a GPU run's checkpoint).
 """
 
 from __future__ import annotations
