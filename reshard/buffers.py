@@ -3,7 +3,8 @@
 A fresh large allocation costs a page fault per 4 KiB the first time it is touched; measured here,
 copying into fresh memory ran at 1.8 GB/s and into reused memory at 7.5 GB/s. Hot paths therefore
 reuse memory: slabs come from a `Pool` and go back once written; a chunk read, a staged piece or a
-block converted for the checksum uses a `Scratch` per writer or per thread.
+block converted for the checksum uses a `Scratch` per writer or per thread. Both start on a page, so
+that what is written from them can go to the disk directly (`reshard.direct_io`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 import numpy as np
 import torch
 
+from reshard.direct_io import ALIGN
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -28,6 +30,13 @@ def copy(dest: torch.Tensor, src: torch.Tensor) -> None:
     np.copyto(dest.view(as_int).numpy(), src.view(as_int).numpy())
 
 
+def empty(nbytes: int) -> np.ndarray:
+    """`nbytes` uninitialised bytes starting on a page."""
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start : start + nbytes]
+
+
 def _view(buffer: np.ndarray, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(buffer[:nbytes]).view(dtype).view(tuple(shape))
@@ -37,13 +46,13 @@ class Scratch:
     """A byte buffer that grows to the largest request and is then reused."""
 
     def __init__(self) -> None:
-        self.buffer = np.empty(0, dtype=np.uint8)
+        self.buffer = empty(0)
 
     def take(self, size: int, dtype: type = np.uint8) -> np.ndarray:
         """`size` elements of `dtype`, valid until the next `take`."""
         nbytes = size * np.dtype(dtype).itemsize
         if self.buffer.size < nbytes:
-            self.buffer = np.empty(nbytes, dtype=np.uint8)
+            self.buffer = empty(nbytes)
         return self.buffer[:nbytes].view(dtype)
 
     def tensor(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -82,7 +91,7 @@ class Pool:
             else:
                 if self._free:
                     self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].size))
-                buffer = np.empty(max(nbytes, 1), dtype=np.uint8)
+                buffer = empty(max(nbytes, 1))
             out = _view(buffer, shape, dtype)
             self._lent[out.data_ptr()] = buffer
         return out

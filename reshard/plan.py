@@ -26,7 +26,7 @@ MEGATRON_FORMATS = ("torch_dist", "legacy")
 
 def worker_overhead(slab_bytes: int) -> int:
     """A worker's reused buffers besides its slab: a strided chunk read (at most READ_BLOCK), the
-    checksum's float64 block (at most 8 MiB: 4 bytes per byte hashed), small ones."""
+    checksum's float64 block (at most 1 MiB: 4 bytes per byte hashed), small ones."""
     return min(READ_BLOCK, slab_bytes) + min(CHECKSUM_BLOCK_BYTES, 4 * slab_bytes) + (1 << 20)
 
 

@@ -8,6 +8,8 @@ not primary), which is what torch_dist stores and what checksums count.
 
 from __future__ import annotations
 
+import itertools
+
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterator
@@ -180,6 +182,13 @@ def slabs(spec: TensorSpec) -> Iterator[Region]:
                 region.append((expert, expert + 1))
             region.extend((0, d) for d in spec.shape[len(region) :])
             yield tuple(region)
+
+
+def split_by_slab(spec: TensorSpec, region: Region) -> Iterator[Region]:
+    """`region` cut into its parts in each slab (one layer and expert each)."""
+    lead = int(spec.stacked) + int(spec.experts)
+    for index in itertools.product(*(range(a, b) for a, b in region[:lead])):
+        yield (*((i, i + 1) for i in index), *region[lead:])
 
 
 def pieces_by_slab(all_pieces: list[Piece], spec: TensorSpec) -> dict[tuple[int | None, int | None], list[Piece]]:

@@ -1,4 +1,4 @@
-"""Checksums of a whole checkpoint, recomputed slab by slab, and their comparison."""
+"""Checksums of a whole checkpoint, recomputed region by region as it is stored, and their comparison."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader
 from reshard.logical import TensorSpec
 from reshard.pipeline import ordered_map
-from reshard.sharding import Region, slabs
+from reshard.sharding import Region
 
 def compute_checksums(
     reader: CheckpointReader,
@@ -22,31 +22,35 @@ def compute_checksums(
     names: Iterable[str] | None = None,
     pool: Pool | None = None,
 ) -> dict[str, Checksum]:
-    """Layout-invariant checksums of every logical tensor, reading one slab at a time (per worker).
-    Slab buffers come from `pool` (a conversion passes the one its writing used, already faulted in)."""
+    """Layout-invariant checksums of every logical tensor, reading one stored region (a chunk, or a slab)
+    at a time per worker. Buffers come from `pool` (a conversion passes the one its writing used, already
+    faulted in)."""
     pool = pool or Pool()
 
     def content(spec: TensorSpec) -> int | None:
         return reader.config.vocab_rows if spec.vocab else None
 
-    def hash_slab(job: tuple[TensorSpec, Region]) -> tuple[str, TensorChecksum, int]:
-        spec, slab = job
-        data = pool.tensor([b - a for a, b in slab], getattr(torch, spec.dtype))
+    def hash_region(job: tuple[TensorSpec, Region]) -> tuple[str, TensorChecksum, int]:
+        spec, region = job
+        data = pool.tensor([b - a for a, b in region], getattr(torch, spec.dtype))
         try:
-            reader.read_into(spec.name, slab, data)
+            reader.read_into(spec.name, region, data)
             part = TensorChecksum(spec.shape, spec.dtype, content(spec))
-            part.add(slab, data)
+            part.add(region, data)
         finally:
             pool.give(data)
         return spec.name, part, data.numel() * data.element_size()
 
     wanted = sorted(reader.specs if names is None else names)
     sums = {name: TensorChecksum(reader.specs[name].shape, reader.specs[name].dtype, content(reader.specs[name])) for name in wanted}
-    jobs = ((reader.specs[name], slab) for name in wanted for slab in slabs(reader.specs[name]))
-    for name, part, size in ordered_map(hash_slab, jobs, workers, 2 * workers):
+    jobs = ((reader.specs[name], region) for name in wanted for region in reader.stored_regions(name))
+    for name, part, size in ordered_map(hash_region, jobs, workers, 2 * workers):
         sums[name].merge(part)
         if progress:
             progress(size)
+    for name, acc in sums.items():  # a missing chunk of zeros would not change the sum
+        if not acc.complete:
+            raise ReshardError(f"{name}: the checkpoint's pieces do not cover the tensor exactly once; it is incomplete or damaged")
     return {name: acc.result() for name, acc in sorted(sums.items())}
 
 

@@ -16,7 +16,7 @@ from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
-from reshard.sharding import Piece, Region
+from reshard.sharding import Piece, Region, slabs
 
 MANIFEST_NAME = "reshard_manifest.json"
 _CACHE_LOCK = threading.RLock()  # re-entrant: a make() may fill another cache
@@ -140,6 +140,11 @@ class CheckpointReader(abc.ABC):
         """Fill `out` (shaped like `region`) with its values. Readers implement this or `read`; those that
         can place bytes straight into `out` implement this, which saves the conversion a copy."""
         out.copy_(self.read(name, region))
+
+    def stored_regions(self, name: str) -> list[Region]:
+        """Regions that cover tensor `name` once, each no larger than a slab: by default its slabs; a reader
+        of a chunked format gives its chunks, in file order, so that each is read back in one piece."""
+        return list(slabs(self.specs[name]))
 
     def close(self) -> None:
         """Release file handles."""

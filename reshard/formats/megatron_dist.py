@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass
@@ -33,12 +34,13 @@ from reshard.formats.base import (
 )
 from reshard.formats.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
-from reshard.formats.torch_archive import At, archive_size, save_tensor
+from reshard.direct_io import DirectFile, round_up
+from reshard.formats.torch_archive import At, archive_size, save_tensor, storage_alignment
 from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, spell, uses_te_names
-from reshard.sharding import Piece, Region, intersect, region_size, shift, to_slices
+from reshard.sharding import Piece, Region, intersect, region_size, shift, split_by_slab, to_slices
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 
@@ -138,6 +140,10 @@ class TorchDistReader(CheckpointReader):
         if filled != region_size(region):
             raise ReshardError(f"{name}: the checkpoint's chunks do not cover the tensor; a .distcp file is missing or truncated")
 
+    def stored_regions(self, name: str) -> list[Region]:
+        chunks = sorted(self._chunks[name], key=lambda chunk: (chunk[1].relative_path, chunk[1].offset))
+        return [part for region, _ in chunks for part in split_by_slab(self.specs[name], region)]
+
     def _record(self, info: Storage) -> tuple[RecordFile, TensorRecord]:
         """The chunk's file and where its tensor lies in it (headers parsed once per chunk)."""
         return cached(self._records, (info.relative_path, info.offset), lambda: self._parse(info))
@@ -187,7 +193,7 @@ class TorchDistWriter(CheckpointWriter):
         self.directory = self.path / iteration_dirname(self.common.iteration)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._file_index = {rank: i for i, rank in enumerate(ranks(self.layout))}
-        self._fds: dict[int, int] = {}
+        self._files: dict[int, DirectFile] = {}
         self._planned: dict[int, int] = {}  # each file's end once every reserved record is written
         self._sizes: dict[int, int] = {}  # each file's end after the records `write` has recorded
         self._chunks: dict[str, list[Chunk]] = defaultdict(list)
@@ -198,7 +204,7 @@ class TorchDistWriter(CheckpointWriter):
         return f"__{index}_{self.rank}.distcp"
 
     def _open(self, index: int, size: int = 0) -> None:
-        self._fds[index] = os.open(self.directory / self._name(index), os.O_RDWR | os.O_CREAT, 0o644)
+        self._files[index] = DirectFile(self.directory / self._name(index))
         self._planned[index] = self._sizes[index] = size
 
     def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Record]:
@@ -208,11 +214,14 @@ class TorchDistWriter(CheckpointWriter):
             if not piece.primary:
                 continue
             index = self._file_index[RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)]
-            if index not in self._fds:
+            if index not in self._files:
                 self._open(index)
             shape = tuple(b - a for a, b in piece.region)
-            offset, length = self._planned[index], archive_size(shape, getattr(torch, spec.dtype))
-            self._planned[index] += length
+            dtype = getattr(torch, spec.dtype)
+            alignment = storage_alignment(math.prod(shape) * dtype.itemsize)
+            offset = round_up(self._planned[index], alignment)  # the gap before it is read by no one
+            length = archive_size(shape, dtype, alignment=alignment)
+            self._planned[index] = offset + length
             offsets = tuple(a for a, _ in piece.region)
             records.append(_Record(index, Storage(self._name(index), offset, length), Chunk(offsets, shape)))
         return records
@@ -223,7 +232,8 @@ class TorchDistWriter(CheckpointWriter):
         primary = [p for p in pieces if p.primary]
         for piece, record in zip(primary, reserved):
             chunk = data[to_slices(shift(piece.region, slab))]
-            written = save_tensor(chunk, At(self._fds[record.index], record.storage.offset), self._scratch.scratch)
+            at = At(self._files[record.index], record.storage.offset)
+            written = save_tensor(chunk, at, self._scratch.scratch, alignment=storage_alignment(chunk.nbytes))
             if written != record.storage.length:
                 raise AssertionError(f"{spec.name}: archive of {written} bytes where {record.storage.length} were planned")
         return reserved
@@ -243,14 +253,14 @@ class TorchDistWriter(CheckpointWriter):
         """Per-module objects go into the first rank's file, as Megatron's replica 0 saves them."""
         if not self.common.objects:
             return []
-        if 0 not in self._fds:  # closed by `part` in a multi-rank run, or never written
+        if 0 not in self._files:  # closed by `part` in a multi-rank run, or never written
             path = self.directory / self._name(0)
             self._open(0, path.stat().st_size if path.exists() else 0)
         for key, value in sorted(self.common.objects.items()):
             buffer = io.BytesIO()
             torch.save([value], buffer)
             offset = self._sizes[0]
-            At(self._fds[0], offset).write(buffer.getbuffer())
+            At(self._files[0], offset).write(buffer.getbuffer())
             self._sizes[0] = self._planned[0] = offset + len(buffer.getbuffer())
             self._storage[(key, None)] = Storage(self._name(0), offset, len(buffer.getbuffer()))
         return sorted(self.common.objects)
@@ -259,14 +269,14 @@ class TorchDistWriter(CheckpointWriter):
 
     def state(self) -> dict[str, Any]:
         return {
-            "files": {str(i): self._sizes[i] for i in self._fds},
+            "files": {str(i): self._sizes[i] for i in self._files},
             "chunks": {k: [[list(c.offsets), list(c.sizes)] for c in v] for k, v in self._chunks.items()},
             "storage": [[fqn, list(offsets), s.relative_path, s.offset, s.length] for (fqn, offsets), s in self._storage.items()],
         }
 
     def sync(self) -> None:
-        for fd in list(self._fds.values()):
-            os.fsync(fd)
+        for file in list(self._files.values()):
+            os.fsync(file.fd)
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue after the logged state: files cut back to their logged length (records of later
@@ -277,7 +287,7 @@ class TorchDistWriter(CheckpointWriter):
                 path.unlink()
         for name, (index, size) in kept.items():
             self._open(index, size)
-            os.ftruncate(self._fds[index], size)
+            os.ftruncate(self._files[index].fd, size)
         self._chunks = defaultdict(list)
         for key, chunks in state["chunks"].items():
             self._chunks[key] = [Chunk(tuple(o), tuple(z)) for o, z in chunks]
@@ -288,11 +298,11 @@ class TorchDistWriter(CheckpointWriter):
         return dict(self._chunks), dict(self._storage)
 
     def _close_files(self) -> None:
-        for index, fd in self._fds.items():
-            os.ftruncate(fd, self._sizes[index])  # nothing past the last recorded record
-            os.fsync(fd)
-            os.close(fd)
-        self._fds.clear()
+        for index, file in self._files.items():
+            os.ftruncate(file.fd, self._sizes[index])  # nothing past the last recorded record
+            os.fsync(file.fd)
+            file.close()
+        self._files.clear()
 
     def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
         if parts is not None:  # every rank's chunks, in rank order (rank 0's own part among them)

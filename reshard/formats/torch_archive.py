@@ -3,8 +3,9 @@
 `torch.save` of a slice clones it first (it writes a view's whole storage otherwise) and computes its
 CRC-32 in the same thread; together that was a fifth of a conversion's time. An archive is a plain
 uncompressed zip: `<archive>/data.pkl` (the pickled object, tensors as persistent storage ids), one
-`<archive>/data/<key>` record per storage, aligned to 64 bytes as torch aligns them, and a few small
-records `torch.load` checks. Zip64 fields are written when a record or the archive passes 4 GiB.
+`<archive>/data/<key>` record per storage, aligned to 64 bytes as torch aligns them (to a page for a
+large one, so that it can be written past the page cache: `reshard.direct_io`), and a few small
+records `torch.load` checks, `.storage_alignment` among them. Zip64 fields are written when a record or the archive passes 4 GiB.
 
 `save_tensor` writes one tensor (a DCP chunk); `archive_size` gives its size from the shape alone, so
 records can be placed before their values are read and written by several threads (`At`).
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import pickle
 import struct
 from collections import OrderedDict
@@ -29,12 +29,17 @@ import torch
 from isal.isal_zlib import crc32 as _crc32  # zlib's CRC-32, 3.4x faster than the system zlib's here
 
 from reshard.buffers import Scratch, copy
+from reshard import direct_io
 
 _ALIGNMENT = 64
 _ZIP32_MAX = 0xFFFFFFFF
 _PADDING_FIELD = 0x4246  # "FB": the extra field torch pads with
-# written after the pickle, as torch writes them
-_RECORDS = ((".format_version", b"1"), (".storage_alignment", str(_ALIGNMENT).encode()), ("byteorder", b"little"), ("version", b"3\n"))
+
+
+def storage_alignment(nbytes: int) -> int:
+    """Where a storage of `nbytes` starts in its archive: a large one on a page (its archive starting on
+    one too), so its bytes can go to the disk directly."""
+    return direct_io.ALIGN if nbytes >= direct_io.DIRECT_FROM else _ALIGNMENT
 
 
 @dataclass(frozen=True)
@@ -58,9 +63,9 @@ class ZipWriter:
         self.size += len(data)
         self.f.write(data)
 
-    def add(self, name: str, data: Any) -> None:
-        """Append a record; `data` is any C-contiguous buffer (bytes, a numpy array's memory). An int
-        `data` only counts that many bytes (`archive_size`)."""
+    def add(self, name: str, data: Any, alignment: int = _ALIGNMENT) -> None:
+        """Append a record whose data starts on a multiple of `alignment`; `data` is any C-contiguous
+        buffer (bytes, a numpy array's memory). An int `data` only counts that many bytes (`archive_size`)."""
         view = None if isinstance(data, int) else memoryview(data).cast("B")
         offset = self.size
         encoded = name.encode()
@@ -69,7 +74,7 @@ class ZipWriter:
         zip64 = size >= self.zip64_from
         extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
         # pad with an extra field so the data starts on the alignment torch uses (for mmap loading)
-        pad = -(offset + 30 + len(encoded) + len(extra) + 4) % _ALIGNMENT
+        pad = -(offset + 30 + len(encoded) + len(extra) + 4) % alignment
         extra += struct.pack("<HH", _PADDING_FIELD, pad) + b"Z" * pad
         stored = _ZIP32_MAX if zip64 else size
         header = struct.pack(
@@ -164,9 +169,10 @@ def tensor_bytes(tensor: torch.Tensor, scratch: Scratch | None = None) -> np.nda
 class _Archive:
     """The parts every `torch.save` archive shares: records under one prefix, small records, pickle last."""
 
-    def __init__(self, f: BinaryIO, prefix: str, zip64_from: int):
+    def __init__(self, f: BinaryIO, prefix: str, zip64_from: int, alignment: int = _ALIGNMENT):
         self.zip = ZipWriter(f, zip64_from)
         self.prefix = prefix
+        self.alignment = alignment  # of the storages
         self.count = 0
 
     def storage(self, tensor: torch.Tensor | TensorShape, scratch: Scratch | None) -> _TensorStub:
@@ -174,21 +180,26 @@ class _Archive:
         key = str(self.count)
         self.count += 1
         data = tensor.nbytes if isinstance(tensor, TensorShape) else tensor_bytes(tensor, scratch)
-        self.zip.add(f"{self.prefix}/data/{key}", data)
+        self.zip.add(f"{self.prefix}/data/{key}", data, self.alignment)
         return _TensorStub(key, tensor.dtype, tuple(tensor.shape))
 
     def finish(self, obj: Any) -> None:
         buf = io.BytesIO()
         _StubPickler(buf, protocol=2).dump(obj)
-        for name, data in (("data.pkl", buf.getvalue()), *_RECORDS):
+        # the small records torch writes after the pickle
+        records = ((".format_version", b"1"), (".storage_alignment", str(self.alignment).encode()), ("byteorder", b"little"), ("version", b"3\n"))
+        for name, data in (("data.pkl", buf.getvalue()), *records):
             self.zip.add(f"{self.prefix}/{name}", data)
         self.zip.close()
 
 
-def save_tensor(tensor: torch.Tensor, f: BinaryIO, scratch: Scratch | None = None, zip64_from: int = _ZIP32_MAX) -> int:
+def save_tensor(
+    tensor: torch.Tensor, f: BinaryIO, scratch: Scratch | None = None, zip64_from: int = _ZIP32_MAX, alignment: int = _ALIGNMENT
+) -> int:
     """`torch.save(tensor, f)` without the clone: the tensor's bytes are written from where they are (a
-    strided one staged in `scratch`). Returns the bytes written."""
-    archive = _Archive(f, "archive", zip64_from)
+    strided one staged in `scratch`), starting on a multiple of `alignment` from the archive's start.
+    Returns the bytes written."""
+    archive = _Archive(f, "archive", zip64_from, alignment)
     archive.finish(archive.storage(tensor, scratch))
     return archive.zip.size
 
@@ -210,26 +221,23 @@ class _Counter:
         return len(data)
 
 
-def archive_size(shape: tuple[int, ...], dtype: torch.dtype, zip64_from: int = _ZIP32_MAX) -> int:
+def archive_size(shape: tuple[int, ...], dtype: torch.dtype, zip64_from: int = _ZIP32_MAX, alignment: int = _ALIGNMENT) -> int:
     """The bytes `save_tensor` writes for a tensor of this shape and dtype, known before its values: a
     file's records can be placed at planned offsets and written in any order."""
-    archive = _Archive(_Counter(), "archive", zip64_from)
+    archive = _Archive(_Counter(), "archive", zip64_from, alignment)
     archive.finish(archive.storage(TensorShape(tuple(shape), dtype), None))
     return archive.zip.size
 
 
 class At:
-    """A write-only file at a fixed offset of descriptor `fd` (`os.pwrite`), so threads can write
-    disjoint ranges of one file at once."""
+    """A write-only file at a fixed offset of `file` (positional writes), so threads can write disjoint
+    ranges of one file at once."""
 
-    def __init__(self, fd: int, offset: int):
-        self.fd, self.offset = fd, offset
+    def __init__(self, file: direct_io.DirectFile, offset: int):
+        self.file, self.offset = file, offset
 
     def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):
-            done += os.pwrite(self.fd, view[done:], self.offset + done)
+        done = self.file.pwrite(data, self.offset)
         self.offset += done
         return done
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from reshard.buffers import PerThread, copy
+from reshard.direct_io import DirectFile
 from reshard.errors import ReshardError
 from reshard.formats.torch_archive import StorageRef
 from reshard.sharding import Region, cut, long_axis, shift, to_slices
@@ -123,20 +124,17 @@ class RecordFile:
 
     def __init__(self, path: Path):
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
+        self.file = DirectFile(path, os.O_RDONLY)  # a page-aligned record (ours) is read past the page cache
+        self.fd = self.file.fd
         if hasattr(os, "posix_fadvise"):  # larger read-ahead: chunks are read front to back
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
     def close(self) -> None:
-        os.close(self.fd)
+        self.file.close()
 
     def _pread(self, buffer: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(buffer):
-            n = os.preadv(self.fd, [buffer[done:]], offset + done)
-            if n == 0:
-                raise ReshardError(f"{self.path} is truncated: the checkpoint is damaged")
-            done += n
+        if self.file.pread(buffer, offset) < len(buffer):
+            raise ReshardError(f"{self.path} is truncated: the checkpoint is damaged")
 
     def _records(self, start: int, length: int) -> dict[str, tuple[int, int]]:
         """name -> (absolute data offset, size) of the zip records of the blob at [start, start+length)."""

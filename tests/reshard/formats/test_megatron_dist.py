@@ -1,10 +1,12 @@
 """torch_dist output is checked with PyTorch's own DCP loader, not with our reader."""
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import SyntheticReader, write_synthetic
+from reshard import direct_io
 from reshard.formats.megatron_dist import TorchDistReader
 from reshard.layout import Layout
 from reshard.sharding import full_region
@@ -16,11 +18,21 @@ def _dcp_load(directory, names_and_specs):
     return state
 
 
-def test_pytorch_dcp_reads_what_we_write(tmp_path, dtype):
+@pytest.mark.parametrize("page_aligned", [False, True], ids=["small-records", "page-aligned"])
+def test_pytorch_dcp_reads_what_we_write(tmp_path, dtype, page_aligned, monkeypatch):
+    """Page-aligned archives (large records, written past the page cache) with gaps between them too."""
+    if page_aligned:
+        monkeypatch.setattr(direct_io, "DIRECT_FROM", 1)
     layout = Layout(tp=2, pp=2)
     write_synthetic(tmp_path / "ckpt", TINY_LLAMA, layout, "torch_dist", dtype=dtype, optimizer=True)
     source = SyntheticReader(TINY_LLAMA, layout, dtype, optimizer=True)
-    loaded = _dcp_load(tmp_path / "ckpt" / "iter_0000010", source.specs.items())
+    directory = tmp_path / "ckpt" / "iter_0000010"
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    tensor_offsets = [
+        info.offset for index, info in metadata.storage_data.items() if hasattr(metadata.state_dict_metadata[index.fqn], "chunks")
+    ]
+    assert any(offset % direct_io.ALIGN for offset in tensor_offsets) != page_aligned
+    loaded = _dcp_load(directory, source.specs.items())
     assert len(loaded) == len(source.specs) > 20
     for name, spec in source.specs.items():
         assert torch.equal(loaded[name], source.read(name, full_region(spec.shape))), name

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from reshard.buffers import Scratch
+from reshard.direct_io import DirectFile
 from reshard.formats.torch_archive import At, StreamingTorchSave, archive_size, save_tensor
 
 
@@ -70,7 +71,6 @@ def test_archive_size_is_known_before_the_values(zip64_from):
 
 
 def test_records_written_at_planned_offsets_by_several_threads(tmp_path):
-    import os
     from concurrent.futures import ThreadPoolExecutor
 
     tensors = list(_tensors().values())
@@ -78,12 +78,12 @@ def test_records_written_at_planned_offsets_by_several_threads(tmp_path):
     for t in tensors:
         offsets.append(offsets[-1] + archive_size(tuple(t.shape), t.dtype))
     path = tmp_path / "records"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    file = DirectFile(path)
     try:
         with ThreadPoolExecutor(3) as pool:  # written in any order, each at its planned offset
-            list(pool.map(lambda i: save_tensor(tensors[i], At(fd, offsets[i]), Scratch()), reversed(range(len(tensors)))))
+            list(pool.map(lambda i: save_tensor(tensors[i], At(file, offsets[i]), Scratch()), reversed(range(len(tensors)))))
     finally:
-        os.close(fd)
+        file.close()
     data = path.read_bytes()
     assert len(data) == offsets[-1]
     for t, a, b in zip(tensors, offsets, offsets[1:]):
