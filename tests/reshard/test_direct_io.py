@@ -69,3 +69,28 @@ def test_falls_back_where_direct_io_is_refused(tmp_path, monkeypatch):
     finally:
         file.close()
     assert (tmp_path / "f").read_bytes()[7:] == data.tobytes()
+
+
+def test_falls_back_when_a_direct_transfer_is_refused(tmp_path, small_direct, monkeypatch):
+    """Some filesystems accept O_DIRECT at open and refuse it at the first write or read (EINVAL)."""
+    writer, reader = DirectFile(tmp_path / "f"), DirectFile(tmp_path / "f")
+    refused = {writer.direct, reader.direct} - {None}
+    real_pwrite, real_preadv = os.pwrite, os.preadv
+
+    def check(fd):
+        if fd in refused:
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "pwrite", lambda fd, *a: check(fd) or real_pwrite(fd, *a))
+    monkeypatch.setattr(os, "preadv", lambda fd, *a: check(fd) or real_preadv(fd, *a))
+    data = empty(3 * ALIGN)
+    data[:] = 9
+    back = empty(data.size)
+    try:
+        assert writer.pwrite(data, 0) == data.size
+        assert reader.pread(memoryview(back), 0) == data.size
+        assert writer.direct is None and reader.direct is None  # given up after the refusal
+    finally:
+        writer.close()
+        reader.close()
+    assert back.tobytes() == data.tobytes() == (tmp_path / "f").read_bytes()
