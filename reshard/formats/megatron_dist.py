@@ -21,6 +21,7 @@ import torch
 
 from reshard.buffers import PerThread
 from reshard.config import ModelConfig
+from reshard.direct_io import DirectFile, round_up
 from reshard.errors import ReshardError
 from reshard.formats import dcp_metadata
 from reshard.formats.base import (
@@ -34,7 +35,6 @@ from reshard.formats.base import (
 )
 from reshard.formats.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
-from reshard.direct_io import DirectFile, round_up
 from reshard.formats.torch_archive import At, archive_size, save_tensor, storage_alignment
 from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import RankCoord, ranks
