@@ -9,7 +9,6 @@ not primary), which is what torch_dist stores and what checksums count.
 from __future__ import annotations
 
 import itertools
-
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterator

@@ -218,9 +218,9 @@ class TorchDistWriter(CheckpointWriter):
                 self._open(index)
             shape = tuple(b - a for a, b in piece.region)
             dtype = getattr(torch, spec.dtype)
-            alignment = storage_alignment(math.prod(shape) * dtype.itemsize)
-            offset = round_up(self._planned[index], alignment)  # the gap before it is read by no one
-            length = archive_size(shape, dtype, alignment=alignment)
+            # a page-aligned storage needs its archive on a page; the gap before it is read by no one
+            offset = round_up(self._planned[index], storage_alignment(math.prod(shape) * dtype.itemsize))
+            length = archive_size(shape, dtype)
             self._planned[index] = offset + length
             offsets = tuple(a for a, _ in piece.region)
             records.append(_Record(index, Storage(self._name(index), offset, length), Chunk(offsets, shape)))
@@ -232,8 +232,7 @@ class TorchDistWriter(CheckpointWriter):
         primary = [p for p in pieces if p.primary]
         for piece, record in zip(primary, reserved):
             chunk = data[to_slices(shift(piece.region, slab))]
-            at = At(self._files[record.index], record.storage.offset)
-            written = save_tensor(chunk, at, self._scratch.scratch, alignment=storage_alignment(chunk.nbytes))
+            written = save_tensor(chunk, At(self._files[record.index], record.storage.offset), self._scratch.scratch)
             if written != record.storage.length:
                 raise AssertionError(f"{spec.name}: archive of {written} bytes where {record.storage.length} were planned")
         return reserved

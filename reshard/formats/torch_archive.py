@@ -5,7 +5,8 @@ CRC-32 in the same thread; together that was a fifth of a conversion's time. An 
 uncompressed zip: `<archive>/data.pkl` (the pickled object, tensors as persistent storage ids), one
 `<archive>/data/<key>` record per storage, aligned to 64 bytes as torch aligns them (to a page for a
 large one, so that it can be written past the page cache: `reshard.direct_io`), and a few small
-records `torch.load` checks, `.storage_alignment` among them. Zip64 fields are written when a record or the archive passes 4 GiB.
+records `torch.load` checks, `.storage_alignment` among them. Zip64 fields are written when a record
+or the archive passes 4 GiB.
 
 `save_tensor` writes one tensor (a DCP chunk); `archive_size` gives its size from the shape alone, so
 records can be placed before their values are read and written by several threads (`At`).
@@ -28,8 +29,8 @@ import numpy as np
 import torch
 from isal.isal_zlib import crc32 as _crc32  # zlib's CRC-32, 3.4x faster than the system zlib's here
 
-from reshard.buffers import Scratch, copy
 from reshard import direct_io
+from reshard.buffers import Scratch, copy
 
 _ALIGNMENT = 64
 _ZIP32_MAX = 0xFFFFFFFF
@@ -186,20 +187,22 @@ class _Archive:
     def finish(self, obj: Any) -> None:
         buf = io.BytesIO()
         _StubPickler(buf, protocol=2).dump(obj)
-        # the small records torch writes after the pickle
-        records = ((".format_version", b"1"), (".storage_alignment", str(self.alignment).encode()), ("byteorder", b"little"), ("version", b"3\n"))
+        records = (  # the small records torch writes after the pickle
+            (".format_version", b"1"),
+            (".storage_alignment", str(self.alignment).encode()),
+            ("byteorder", b"little"),
+            ("version", b"3\n"),
+        )
         for name, data in (("data.pkl", buf.getvalue()), *records):
             self.zip.add(f"{self.prefix}/{name}", data)
         self.zip.close()
 
 
-def save_tensor(
-    tensor: torch.Tensor, f: BinaryIO, scratch: Scratch | None = None, zip64_from: int = _ZIP32_MAX, alignment: int = _ALIGNMENT
-) -> int:
+def save_tensor(tensor: torch.Tensor, f: BinaryIO, scratch: Scratch | None = None, zip64_from: int = _ZIP32_MAX) -> int:
     """`torch.save(tensor, f)` without the clone: the tensor's bytes are written from where they are (a
-    strided one staged in `scratch`), starting on a multiple of `alignment` from the archive's start.
-    Returns the bytes written."""
-    archive = _Archive(f, "archive", zip64_from, alignment)
+    strided one staged in `scratch`), at its `storage_alignment` from the archive's start. Returns the
+    bytes written."""
+    archive = _Archive(f, "archive", zip64_from, storage_alignment(tensor.nbytes))
     archive.finish(archive.storage(tensor, scratch))
     return archive.zip.size
 
@@ -221,11 +224,12 @@ class _Counter:
         return len(data)
 
 
-def archive_size(shape: tuple[int, ...], dtype: torch.dtype, zip64_from: int = _ZIP32_MAX, alignment: int = _ALIGNMENT) -> int:
+def archive_size(shape: tuple[int, ...], dtype: torch.dtype, zip64_from: int = _ZIP32_MAX) -> int:
     """The bytes `save_tensor` writes for a tensor of this shape and dtype, known before its values: a
     file's records can be placed at planned offsets and written in any order."""
-    archive = _Archive(_Counter(), "archive", zip64_from, alignment)
-    archive.finish(archive.storage(TensorShape(tuple(shape), dtype), None))
+    tensor = TensorShape(tuple(shape), dtype)
+    archive = _Archive(_Counter(), "archive", zip64_from, storage_alignment(tensor.nbytes))
+    archive.finish(archive.storage(tensor, None))
     return archive.zip.size
 
 
