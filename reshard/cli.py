@@ -73,6 +73,9 @@ def inspect(path: Path, as_json: bool) -> None:
 @click.option("--max-memory", "max_memory", type=str, default=None,
               help="Working-memory budget for slabs in flight, e.g. 2GiB (default: two of the largest slab plus 256MiB, "
               "or an eighth of RAM if less, for reading ahead).")
+@click.option("--reread", is_flag=True,
+              help="Verify by reading every written value back from the disk (default: records the metadata on disk "
+              "puts exactly where they were written count with the checksums of their bytes as written).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def convert(source: Path, destination: Path, **opts: Any) -> None:
     """Convert SOURCE into DESTINATION at another layout and/or format.
@@ -125,6 +128,7 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
             progress=lambda n: bar.update(n),
             workers=opts["workers"],
             max_memory=parse_bytes(opts["max_memory"]) if opts["max_memory"] else None,
+            reread=opts["reread"],
         )
     plan = result.plan
     if rank != 0:

@@ -217,6 +217,7 @@ def _convert_here(
     options: dict[str, Any],
     progress: Progress | None,
     workers: int,
+    reread: bool,
 ) -> Manifest:
     """Write into a partial sibling directory, resuming a previous interrupted run of the same conversion,
     verify everything written against the source, then move it into place."""
@@ -256,9 +257,9 @@ def _convert_here(
         writer.finish(manifest)
         log.remove()
         with open_checkpoint(tmp, plan.target_format) as written_back:
-            compare(compute_checksums(written_back, workers=plan.hash_workers(), pool=pool), written, "written", "source").raise_if_bad(
-                "the written checkpoint does not match the source"
-            )
+            records = None if reread else writer.written_records()
+            checked = compute_checksums(written_back, workers=plan.hash_workers(), pool=pool, written=records)
+            compare(checked, written, "written", "source").raise_if_bad("the written checkpoint does not match the source")
         _replace(tmp, target)
     except ReshardError:
         shutil.rmtree(tmp, ignore_errors=True)  # a refusal: nothing worth resuming
@@ -285,11 +286,16 @@ def convert(
     progress: Progress | None = None,
     workers: int = 1,
     max_memory: int | None = None,
+    reread: bool = False,
 ) -> ConversionResult:
     """Convert `source` to `target` at `layout` (default: the source's) in `to_format` (default: the source's).
 
     `expect_layout` (e.g. {"tp": 4}) asserts the source's layout, as `--tp 4` does on the command line.
-    Nothing is written at `target` unless the whole output verifies against the source's checksums.
+    Nothing is written at `target` unless the whole output verifies against the source's checksums: the
+    output is opened as any checkpoint is, and each tensor's checksum is recomputed from what it holds.
+    Where the writer can vouch for a record that the metadata on disk puts exactly where it wrote it, the
+    checksum of its bytes as written counts and its values are not read back; `reread` reads back every
+    value regardless (what `reshard verify` always does).
     """
     start = time.perf_counter()
     source, target = Path(source), Path(target)
@@ -325,9 +331,9 @@ def convert(
         if world()[1] > 1:
             with process_group():
                 manifest = convert_distributed(
-                    reader, plan, target, options, lambda: _check_destination(target, overwrite), _replace, progress, workers
+                    reader, plan, target, options, lambda: _check_destination(target, overwrite), _replace, progress, workers, reread
                 )
             return ConversionResult(plan, manifest, time.perf_counter() - start)
         _check_destination(target, overwrite)
-        manifest = _convert_here(reader, plan, target, options, progress, workers)
+        manifest = _convert_here(reader, plan, target, options, progress, workers, reread)
     return ConversionResult(plan, manifest, time.perf_counter() - start)

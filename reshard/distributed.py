@@ -89,6 +89,7 @@ def convert_distributed(
     replace_destination: Callable[[Path, Path], None],
     progress: Callable[[int], None] | None,
     workers: int,
+    reread: bool = False,
 ) -> Manifest:
     """Each rank writes its share of the plan (inside `process_group()`); see the module docstring."""
     from reshard.convert import manifest_for, write_moves
@@ -141,7 +142,9 @@ def convert_distributed(
 
         def check() -> dict[str, Checksum]:
             with open_checkpoint(tmp, plan.target_format) as written_back:
-                return compute_checksums(written_back, workers=plan.hash_workers(), names=[m.target.name for m in mine.moves], pool=pool)
+                names = [m.target.name for m in mine.moves]
+                records = None if reread else writer.written_records()
+                return compute_checksums(written_back, workers=plan.hash_workers(), names=names, pool=pool, written=records)
 
         rechecked = {k: v for part in _together(check) for k, v in part.items()}
 

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from reshard.buffers import Pool
 from reshard.checksum import Checksum, TensorChecksum
 from reshard.errors import ReshardError
-from reshard.formats.base import CheckpointReader
+from reshard.formats.base import CheckpointReader, StoredRecord
 from reshard.logical import TensorSpec
 from reshard.pipeline import ordered_map
-from reshard.sharding import Region
+from reshard.sharding import Region, split_by_slab
+
 
 def compute_checksums(
     reader: CheckpointReader,
@@ -21,10 +22,16 @@ def compute_checksums(
     workers: int = 1,
     names: Iterable[str] | None = None,
     pool: Pool | None = None,
+    written: dict[StoredRecord, TensorChecksum] | None = None,
 ) -> dict[str, Checksum]:
     """Layout-invariant checksums of every logical tensor, reading one stored region (a chunk, or a slab)
     at a time per worker. Buffers come from `pool` (a conversion passes the one its writing used, already
-    faulted in)."""
+    faulted in).
+
+    `written` (a conversion's `CheckpointWriter.written_records`) spares reading back the values of a
+    record the reader finds, from the metadata and headers on disk, exactly where the writer put it, with
+    the same tensor, region and dtype: its checksum as written counts instead. Every other record, and
+    every record of a format that cannot say where its values lie, is read back."""
     pool = pool or Pool()
 
     def content(spec: TensorSpec) -> int | None:
@@ -43,7 +50,20 @@ def compute_checksums(
 
     wanted = sorted(reader.specs if names is None else names)
     sums = {name: TensorChecksum(reader.specs[name].shape, reader.specs[name].dtype, content(reader.specs[name])) for name in wanted}
-    jobs = ((reader.specs[name], region) for name in wanted for region in reader.stored_regions(name))
+
+    def to_read(name: str) -> Iterator[Region]:
+        records = reader.stored_records(name) if written else None
+        if records is None:
+            yield from reader.stored_regions(name)
+            return
+        for record in records:
+            part = written.get(record)
+            if part is None:
+                yield from split_by_slab(reader.specs[name], record.region)
+            else:  # a record listed twice counts twice, and the coverage check below refuses it
+                sums[name].merge(part)
+
+    jobs = ((reader.specs[name], region) for name in wanted for region in to_read(name))
     for name, part, size in ordered_map(hash_region, jobs, workers, 2 * workers):
         sums[name].merge(part)
         if progress:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from reshard.checksum import Checksum
+from reshard.checksum import Checksum, TensorChecksum
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.layout import Layout
@@ -118,6 +118,18 @@ class Manifest:
         return cls.from_json(json.loads(path.read_text())) if path.exists() else None
 
 
+@dataclass(frozen=True)
+class StoredRecord:
+    """A region of a logical tensor stored whole, contiguous, at `offset` of file `file` (relative to the
+    checkpoint): as the writer placed it, or as a reader finds it from the metadata on disk."""
+
+    name: str
+    region: Region
+    dtype: str
+    file: str
+    offset: int  # of the region's first value
+
+
 class CheckpointReader(abc.ABC):
     """A checkpoint seen as logical tensors: `specs` says what exists, `read` returns any region."""
 
@@ -145,6 +157,11 @@ class CheckpointReader(abc.ABC):
         """Regions that cover tensor `name` once, each no larger than a slab: by default its slabs; a reader
         of a chunked format gives its chunks, in file order, so that each is read back in one piece."""
         return list(slabs(self.specs[name]))
+
+    def stored_records(self, name: str) -> list[StoredRecord] | None:
+        """Where tensor `name`'s records lie, found from the metadata and record headers on disk (not the
+        values); None for a format whose values are not stored as plain records (the default)."""
+        return None
 
     def close(self) -> None:
         """Release file handles."""
@@ -200,6 +217,12 @@ class CheckpointWriter(abc.ABC):
         raise ReshardError(
             f"{self.format_name} output cannot be written by several ranks; run one process or write torch_dist or zarr"
         )
+
+    def written_records(self) -> dict[StoredRecord, TensorChecksum]:
+        """The records this writer has handed to the OS, with the checksums of their bytes as written, for
+        a verification that re-reads where the values lie but not the values (see `verify.compute_checksums`);
+        empty for a writer that does not keep them."""
+        return {}
 
     def before_finish(self) -> None:
         """Called once every tensor is written, while the last bytes go to the disk: a writer may start

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from reshard.buffers import PerThread
+from reshard.checksum import TensorChecksum
 from reshard.config import ModelConfig
 from reshard.direct_io import DirectFile, round_up
 from reshard.errors import ReshardError
@@ -29,13 +30,14 @@ from reshard.formats.base import (
     CheckpointWriter,
     CommonState,
     Manifest,
+    StoredRecord,
     args_for_layout,
     cached,
     layout_from_args,
 )
 from reshard.formats.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
-from reshard.formats.torch_archive import At, archive_size, save_tensor, storage_alignment
+from reshard.formats.torch_archive import At, SavedTensor, archive_size, save_tensor, storage_alignment
 from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import RankCoord, ranks
 from reshard.logical import TensorSpec, describe
@@ -144,6 +146,15 @@ class TorchDistReader(CheckpointReader):
         chunks = sorted(self._chunks[name], key=lambda chunk: (chunk[1].relative_path, chunk[1].offset))
         return [part for region, _ in chunks for part in split_by_slab(self.specs[name], region)]
 
+    def stored_records(self, name: str) -> list[StoredRecord]:
+        records = []
+        for region, info in self._chunks[name]:
+            file, record = self._record(info)
+            if record.shape != tuple(b - a for a, b in region):
+                raise ReshardError(f"{file.path}: chunk of {name} has the wrong shape; the file is damaged")
+            records.append(StoredRecord(name, region, dtype_name(record.dtype), info.relative_path, record.offset))
+        return records
+
     def _record(self, info: Storage) -> tuple[RecordFile, TensorRecord]:
         """The chunk's file and where its tensor lies in it (headers parsed once per chunk)."""
         return cached(self._records, (info.relative_path, info.offset), lambda: self._parse(info))
@@ -199,6 +210,7 @@ class TorchDistWriter(CheckpointWriter):
         self._chunks: dict[str, list[Chunk]] = defaultdict(list)
         self._storage: dict[StorageKey, Storage] = {}
         self._scratch = PerThread()  # stages strided pieces, in each reader thread
+        self._written: dict[StoredRecord, TensorChecksum] = {}
 
     def _name(self, index: int) -> str:
         return f"__{index}_{self.rank}.distcp"
@@ -232,10 +244,22 @@ class TorchDistWriter(CheckpointWriter):
         primary = [p for p in pieces if p.primary]
         for piece, record in zip(primary, reserved):
             chunk = data[to_slices(shift(piece.region, slab))]
-            written = save_tensor(chunk, At(self._files[record.index], record.storage.offset), self._scratch.scratch)
-            if written != record.storage.length:
-                raise AssertionError(f"{spec.name}: archive of {written} bytes where {record.storage.length} were planned")
+            saved = save_tensor(chunk, At(self._files[record.index], record.storage.offset), self._scratch.scratch)
+            if saved.size != record.storage.length:
+                raise AssertionError(f"{spec.name}: archive of {saved.size} bytes where {record.storage.length} were planned")
+            self._checksum_written(spec, piece.region, record.storage, saved)
         return reserved
+
+    def _checksum_written(self, spec: TensorSpec, region: Region, storage: Storage, saved: SavedTensor) -> None:
+        """The checksum of a record's bytes as they went to the file (staged ones included), filed under
+        where the metadata will say they are."""
+        values = torch.from_numpy(saved.data).view(getattr(torch, spec.dtype)).reshape([b - a for a, b in region])
+        part = TensorChecksum(spec.shape, spec.dtype, self.config.vocab_rows if spec.vocab else None)
+        part.add(region, values)
+        self._written[StoredRecord(spec.name, region, spec.dtype, storage.relative_path, storage.offset + saved.data_offset)] = part
+
+    def written_records(self) -> dict[StoredRecord, TensorChecksum]:
+        return dict(self._written)
 
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
         """Record the slab's written records (in plan order: what `state` and `.metadata` list)."""

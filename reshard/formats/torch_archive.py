@@ -47,6 +47,7 @@ def storage_alignment(nbytes: int) -> int:
 class _Entry:
     name: bytes
     offset: int  # of the local header, from the archive's start
+    data_offset: int  # of the record's data, from the archive's start
     size: int
     crc: int
 
@@ -82,11 +83,12 @@ class ZipWriter:
             "<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0x0800, 0, 0, 0x21, crc, stored, stored, len(encoded), len(extra)
         )
         self._write(header + encoded + extra)
+        data_offset = self.size
         if view is None:
             self.size += size
         else:
             self._write(view)
-        self.entries.append(_Entry(encoded, offset, size, crc))
+        self.entries.append(_Entry(encoded, offset, data_offset, size, crc))
 
     def close(self) -> None:
         """Write the central directory (and the Zip64 end records when they are needed)."""
@@ -176,11 +178,11 @@ class _Archive:
         self.alignment = alignment  # of the storages
         self.count = 0
 
-    def storage(self, tensor: torch.Tensor | TensorShape, scratch: Scratch | None) -> _TensorStub:
-        """A storage record for `tensor`; for a `TensorShape`, only its size is counted."""
+    def storage(self, tensor: torch.Tensor | TensorShape, data: np.ndarray | int) -> _TensorStub:
+        """A storage record for `tensor`, holding `data` (its `tensor_bytes`); for a `TensorShape`, `data` is
+        its size, which is only counted."""
         key = str(self.count)
         self.count += 1
-        data = tensor.nbytes if isinstance(tensor, TensorShape) else tensor_bytes(tensor, scratch)
         self.zip.add(f"{self.prefix}/data/{key}", data, self.alignment)
         return _TensorStub(key, tensor.dtype, tuple(tensor.shape))
 
@@ -198,13 +200,24 @@ class _Archive:
         self.zip.close()
 
 
-def save_tensor(tensor: torch.Tensor, f: BinaryIO, scratch: Scratch | None = None, zip64_from: int = _ZIP32_MAX) -> int:
+@dataclass(frozen=True)
+class SavedTensor:
+    """What `save_tensor` wrote: `size` bytes of archive, the tensor's own bytes among them at
+    `data_offset` from its start. `data` is those bytes as they were handed to the file (staged in the
+    caller's scratch when the tensor was strided: valid until that scratch is used again)."""
+
+    size: int
+    data_offset: int
+    data: np.ndarray
+
+
+def save_tensor(tensor: torch.Tensor, f: BinaryIO, scratch: Scratch | None = None, zip64_from: int = _ZIP32_MAX) -> SavedTensor:
     """`torch.save(tensor, f)` without the clone: the tensor's bytes are written from where they are (a
-    strided one staged in `scratch`), at its `storage_alignment` from the archive's start. Returns the
-    bytes written."""
+    strided one staged in `scratch`), at its `storage_alignment` from the archive's start."""
     archive = _Archive(f, "archive", zip64_from, storage_alignment(tensor.nbytes))
-    archive.finish(archive.storage(tensor, scratch))
-    return archive.zip.size
+    data = tensor_bytes(tensor, scratch)
+    archive.finish(archive.storage(tensor, data))
+    return SavedTensor(archive.zip.size, archive.zip.entries[0].data_offset, data)
 
 
 @dataclass(frozen=True)
@@ -229,7 +242,7 @@ def archive_size(shape: tuple[int, ...], dtype: torch.dtype, zip64_from: int = _
     file's records can be placed at planned offsets and written in any order."""
     tensor = TensorShape(tuple(shape), dtype)
     archive = _Archive(_Counter(), "archive", zip64_from, storage_alignment(tensor.nbytes))
-    archive.finish(archive.storage(tensor, None))
+    archive.finish(archive.storage(tensor, tensor.nbytes))
     return archive.zip.size
 
 
@@ -254,7 +267,7 @@ class StreamingTorchSave:
         self._archive = _Archive(self._file, path.stem, zip64_from)
 
     def add(self, tensor: torch.Tensor, scratch: Scratch | None = None) -> _TensorStub:
-        return self._archive.storage(tensor, scratch)
+        return self._archive.storage(tensor, tensor_bytes(tensor, scratch))
 
     def finish(self, obj: Any) -> None:
         self._archive.finish(obj)

@@ -33,13 +33,17 @@ def test_save_tensor_loads_with_torch_and_passes_zipfile_crc(zip64_from: int) ->
     for name, tensor in _tensors().items():
         f = io.BytesIO(b"prefix")  # DCP appends records to a file: offsets are relative to the record
         f.seek(0, 2)
-        save_tensor(tensor, f, scratch, zip64_from=zip64_from)
+        saved = save_tensor(tensor, f, scratch, zip64_from=zip64_from)
         blob = f.getvalue()[len(b"prefix") :]
         loaded = torch.load(io.BytesIO(blob), weights_only=True)
         assert loaded.dtype == tensor.dtype and torch.equal(loaded, tensor), name
         assert loaded.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
         with zipfile.ZipFile(io.BytesIO(blob)) as zf:
             assert zf.testzip() is None, name
+            stored = zf.read("archive/data/0")
+        # what it reports as written is the storage zipfile finds, where it finds it
+        assert saved.size == len(blob) and saved.data.tobytes() == stored, name
+        assert blob[saved.data_offset : saved.data_offset + len(stored)] == stored, name
 
 
 @pytest.mark.parametrize("zip64_from", [0xFFFFFFFF, 0], ids=["zip32", "zip64"])
@@ -64,7 +68,7 @@ def test_streaming_save_matches_the_state_dict(tmp_path, zip64_from: int) -> Non
 def test_archive_size_is_known_before_the_values(zip64_from):
     for name, t in _tensors().items():
         buf = io.BytesIO()
-        written = save_tensor(t, buf, zip64_from=zip64_from)
+        written = save_tensor(t, buf, zip64_from=zip64_from).size
         assert archive_size(tuple(t.shape), t.dtype, zip64_from) == written == len(buf.getvalue()), name
     big = (128512, 2048)  # shapes whose pickles differ in length from the small ones
     assert archive_size(big, torch.bfloat16) - 128512 * 2048 * 2 != archive_size((3, 4), torch.bfloat16) - 24
