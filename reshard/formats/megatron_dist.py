@@ -35,7 +35,7 @@ from reshard.formats.base import (
     cached,
     layout_from_args,
 )
-from reshard.formats.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry
+from reshard.formats.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry, dtype_name
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
 from reshard.formats.torch_archive import At, SavedTensor, archive_size, save_tensor, storage_alignment
 from reshard.formats.torch_blob import RecordFile, TensorRecord
@@ -50,10 +50,6 @@ METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, 
 def is_torch_dist(path: Path) -> bool:
     tree = locate(path) if path.is_dir() else None
     return tree is not None and (tree.iteration_dir / ".metadata").is_file()
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class TorchDistReader(CheckpointReader):
