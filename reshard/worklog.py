@@ -4,7 +4,8 @@ After each tensor the log gets one JSON line, written once the writer's bytes so
 state at that point (for torch_dist: every file's length and the chunks written). A re-run of the same
 conversion finds the partial directory, checks that the log was made by the same plan from the same
 source files, truncates the files to the last logged state (a half-written chunk is never trusted)
-and converts only the tensors the log lacks. The final read-back verification covers every tensor.
+and converts only the tensors the log lacks. The final verification covers every tensor; those of an
+earlier run are read back from the disk (this run's writer cannot vouch for their bytes).
 """
 
 from __future__ import annotations

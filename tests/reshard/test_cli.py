@@ -54,8 +54,9 @@ def test_inspect_and_json(ckpt):
     assert "linear_qkv" in reshard("inspect", ckpt).stdout
 
 
-def test_convert_then_verify(ckpt, tmp_path):
-    out = reshard("convert", ckpt, tmp_path / "tp4", "--tp", 2, "--to-tp", 1, "--to-pp", 2)
+@pytest.mark.parametrize("reread", [[], ["--reread"]], ids=["written-records", "reread"])
+def test_convert_then_verify(ckpt, tmp_path, reread):
+    out = reshard("convert", ckpt, tmp_path / "tp4", "--tp", 2, "--to-tp", 1, "--to-pp", 2, *reread)
     assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
     assert reshard("verify", tmp_path / "tp4").returncode == 0
     assert reshard("verify", tmp_path / "tp4", "--against", ckpt).returncode == 0
