@@ -2,10 +2,10 @@
 
 Importing that package takes 1.3 s here (it pulls in DTensor): more than converting a small model.
 `load` unpickles `.metadata` with an allow-list that maps DCP's classes onto the plain records below,
-so nothing in the file can run code. Writers build the same records, and `save` turns them into
-DCP's own classes by name, so `dist_checkpointing.load` and DCP read the file as their own; `save`
-pickles stand-ins that name those classes, so it needs no import either (it took 1.07 s of a 3 GB
-conversion's 1.3 s `finish`; importing ahead in a background thread raced the conversion's imports).
+so nothing in the file can run code. Writers build the same records, and `save` pickles stand-ins
+that name DCP's classes, so `dist_checkpointing.load` and DCP unpickle their own objects while we
+import none of them (importing them took 1.07 s of a 3 GB conversion's 1.3 s `finish`; importing
+them ahead in a background thread raced the conversion's own imports).
 """
 
 from __future__ import annotations
