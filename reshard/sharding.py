@@ -230,3 +230,15 @@ def bands(region: Region, parts: int) -> list[Region]:
         return [region]
     start, stop = region[axis]
     return cut(region, axis, [start + (stop - start) * k // parts for k in range(parts + 1)])
+
+
+def contiguous_offset(shape: tuple[int, ...], region: Region) -> int | None:
+    """Where `region` starts in a row-major tensor of `shape`, in elements, if its elements are one
+    contiguous run there (every axis after its `long_axis` whole); None otherwise."""
+    axis = long_axis(region)
+    if axis is not None and any((a, b) != (0, d) for (a, b), d in zip(region[axis + 1 :], shape[axis + 1 :])):
+        return None
+    offset = 0
+    for (a, _), d in zip(region, shape):
+        offset = offset * d + a
+    return offset

@@ -184,6 +184,7 @@ class CheckpointWriter(abc.ABC):
         self.layout = layout
         self.specs = specs
         self.common = common
+        self._written: dict[StoredRecord, TensorChecksum] = {}
 
     def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> Any:
         """Called in plan order before the slab is read: a writer may plan where its bytes go, so that
@@ -222,7 +223,14 @@ class CheckpointWriter(abc.ABC):
         """The records this writer has handed to the OS, with the checksums of their bytes as written, for
         a verification that re-reads where the values lie but not the values (see `verify.compute_checksums`);
         empty for a writer that does not keep them."""
-        return {}
+        return dict(self._written)
+
+    def vouch(self, spec: TensorSpec, region: Region, file: str, offset: int, values: torch.Tensor) -> None:
+        """Keep the checksum of region `region` of `spec` as written: `values` are its bytes as they went
+        to `file` (relative to the iteration directory), starting at `offset`. Reader threads call it."""
+        part = TensorChecksum(spec.shape, spec.dtype, self.config.vocab_rows if spec.vocab else None)
+        part.add(region, values)
+        self._written[StoredRecord(spec.name, region, spec.dtype, file, offset)] = part
 
     def before_finish(self) -> None:
         """Called once every tensor is written, while the last bytes go to the disk: a writer may start

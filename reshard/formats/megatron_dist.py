@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from reshard.buffers import PerThread
-from reshard.checksum import TensorChecksum
 from reshard.config import ModelConfig
 from reshard.direct_io import DirectFile, round_up
 from reshard.errors import ReshardError
@@ -37,7 +36,7 @@ from reshard.formats.base import (
 )
 from reshard.formats.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry, dtype_name
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
-from reshard.formats.torch_archive import At, SavedTensor, archive_size, save_tensor, storage_alignment
+from reshard.formats.torch_archive import At, archive_size, save_tensor, storage_alignment
 from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import RankCoord, ranks
 from reshard.logical import TensorSpec, describe
@@ -206,7 +205,6 @@ class TorchDistWriter(CheckpointWriter):
         self._chunks: dict[str, list[Chunk]] = defaultdict(list)
         self._storage: dict[StorageKey, Storage] = {}
         self._scratch = PerThread()  # stages strided pieces, in each reader thread
-        self._written: dict[StoredRecord, TensorChecksum] = {}
 
     def _name(self, index: int) -> str:
         return f"__{index}_{self.rank}.distcp"
@@ -243,19 +241,10 @@ class TorchDistWriter(CheckpointWriter):
             saved = save_tensor(chunk, At(self._files[record.index], record.storage.offset), self._scratch.scratch)
             if saved.size != record.storage.length:
                 raise AssertionError(f"{spec.name}: archive of {saved.size} bytes where {record.storage.length} were planned")
-            self._checksum_written(spec, piece.region, record.storage, saved)
+            # the checksum of the bytes as they went to the file (staged ones included)
+            values = torch.from_numpy(saved.data).view(data.dtype).reshape([b - a for a, b in piece.region])
+            self.vouch(spec, piece.region, record.storage.relative_path, record.storage.offset + saved.data_offset, values)
         return reserved
-
-    def _checksum_written(self, spec: TensorSpec, region: Region, storage: Storage, saved: SavedTensor) -> None:
-        """The checksum of a record's bytes as they went to the file (staged ones included), filed under
-        where the metadata will say they are."""
-        values = torch.from_numpy(saved.data).view(getattr(torch, spec.dtype)).reshape([b - a for a, b in region])
-        part = TensorChecksum(spec.shape, spec.dtype, self.config.vocab_rows if spec.vocab else None)
-        part.add(region, values)
-        self._written[StoredRecord(spec.name, region, spec.dtype, storage.relative_path, storage.offset + saved.data_offset)] = part
-
-    def written_records(self) -> dict[StoredRecord, TensorChecksum]:
-        return dict(self._written)
 
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
         """Record the slab's written records (in plan order: what `state` and `.metadata` list)."""

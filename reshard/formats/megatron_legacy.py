@@ -3,19 +3,21 @@
 `iter_N/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt`, each holding `args`, `iteration`
 and `model` (or `model0..N` with virtual pipeline stages). Read with `torch.load(mmap=True)` for the
 structure, then the bytes a region needs with `pread` (faulting mapped pages in ran at a quarter of
-the speed here); written with `StreamingTorchSave`, one tensor at a time.
+the speed here); written with `StreamingTorchSave`, each local tensor's record placed in plan order and
+written by the reader threads.
 """
 
 from __future__ import annotations
 
 import re
 from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from reshard.buffers import Scratch, copy
+from reshard.buffers import PerThread, copy
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.formats.base import (
@@ -23,18 +25,19 @@ from reshard.formats.base import (
     CheckpointWriter,
     CommonState,
     Manifest,
+    StoredRecord,
     args_for_layout,
     cached,
     layout_from_args,
 )
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
 from reshard.formats.pages import Mapping, file_mappings, release_tensor
-from reshard.formats.torch_archive import StreamingTorchSave
+from reshard.formats.torch_archive import Slot, StreamingTorchSave
 from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import ObjectKey, canonical, spell, uses_te_names
-from reshard.sharding import Piece, Region, intersect, pieces, region_size, shift, to_slices
+from reshard.sharding import Piece, Region, contiguous_offset, full_region, intersect, pieces, region_size, shift, to_slices
 
 RANK_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -213,21 +216,29 @@ class LegacyReader(CheckpointReader):
         prefix = ([self.config.num_layers] if layer_axis else []) + ([self.config.num_experts] if probe.experts else [])
         return describe(name, tuple(prefix + dims), dtype, self.config)
 
-    def read_into(self, name: str, region: Region, out: torch.Tensor) -> None:
+    def _primary(self, name: str) -> list[Piece]:
         if name not in self._pieces:
             self._pieces[name] = [p for p in pieces(self.specs[name], self.config, self.layout) if p.primary]
+        return self._pieces[name]
+
+    def _local(self, name: str, piece: Piece) -> torch.Tensor:
+        """The rank's (memory-mapped) tensor that holds `piece`."""
+        local_key = local_name(name, piece, self.te_names, self.config.is_moe)
+        model = self._model(piece.rank)
+        if local_key not in model:
+            raise ReshardError(f"{self._rank_file(piece.rank.legacy_dirname(self.layout))} lacks {local_key}: the checkpoint is incomplete")
+        local = model[local_key]
+        if tuple(local.shape) != piece.local_shape:
+            raise ReshardError(f"{local_key} has shape {tuple(local.shape)} on rank {piece.rank}, expected {piece.local_shape}")
+        return local
+
+    def read_into(self, name: str, region: Region, out: torch.Tensor) -> None:
         filled = 0
-        for piece in self._pieces[name]:
+        for piece in self._primary(name):
             inside = intersect(piece.region, region)
             if inside is None:
                 continue
-            local_key = local_name(name, piece, self.te_names, self.config.is_moe)
-            model = self._model(piece.rank)
-            if local_key not in model:
-                raise ReshardError(f"{self._rank_file(piece.rank.legacy_dirname(self.layout))} lacks {local_key}: the checkpoint is incomplete")
-            local = model[local_key]
-            if tuple(local.shape) != piece.local_shape:
-                raise ReshardError(f"{local_key} has shape {tuple(local.shape)} on rank {piece.rank}, expected {piece.local_shape}")
+            local = self._local(name, piece)
             within_piece = shift(inside, piece.region)
             # piece.region and the local region have the same extent; drop the layer/expert axes.
             local_region = tuple(
@@ -245,6 +256,19 @@ class LegacyReader(CheckpointReader):
         if filled != region_size(region):
             raise ReshardError(f"{name}: the rank files do not cover the tensor; the checkpoint is incomplete")
 
+    def stored_records(self, name: str) -> list[StoredRecord]:
+        """Each primary piece where torch's own loader finds its values in the rank file (offset -1 where
+        they are not one run there: such a record is read back)."""
+        records = []
+        for piece in self._primary(name):
+            local = self._local(name, piece)
+            file_rank = RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)
+            start, within = self._file_offset(file_rank, local), contiguous_offset(piece.local_shape, piece.local_region)
+            offset = -1 if start is None or within is None else start + within * local.element_size()
+            dtype = str(local.dtype).removeprefix("torch.")
+            records.append(StoredRecord(name, piece.region, dtype, f"{file_rank.legacy_dirname(self.layout)}/{RANK_FILE}", offset))
+        return records
+
     def close(self) -> None:
         self._states.clear()
         for file in self._files.values():
@@ -252,7 +276,22 @@ class LegacyReader(CheckpointReader):
         self._files.clear()
 
 
+@dataclass(frozen=True)
+class _Local:
+    """One rank's local tensor made of a slab's pieces, placed in its rank file before the slab is read."""
+
+    rank: RankCoord  # of the rank file
+    vstage: int
+    key: str  # in that model chunk's state dict
+    pieces: tuple[Piece, ...]
+    slot: Slot
+
+
 class LegacyWriter(CheckpointWriter):
+    """Each rank file is one `torch.save` archive. A local tensor's record size follows from its shape, so
+    `reserve` places them in plan order and reader threads write them at once (`StreamingTorchSave.fill`);
+    `finish` pickles each rank's state dict after its last record."""
+
     format_name = "legacy"
 
     def __init__(self, *args: Any, te_names: bool | None = None, **kwargs: Any):
@@ -261,24 +300,51 @@ class LegacyWriter(CheckpointWriter):
         self.directory = self.path / iteration_dirname(self.common.iteration)
         self._streams: dict[RankCoord, StreamingTorchSave] = {}
         self._models: dict[RankCoord, list[dict[str, Any]]] = {}
-        self._scratch = Scratch()  # where each rank's local tensor is assembled before it is written
+        self._scratch = PerThread()  # where a local tensor of several pieces is assembled, in each reader thread
         for rank in ranks(self.layout):
             rank_dir = self.directory / rank.legacy_dirname(self.layout)
             rank_dir.mkdir(parents=True, exist_ok=True)
             self._streams[rank] = StreamingTorchSave(rank_dir / RANK_FILE)
             self._models[rank] = [OrderedDict() for _ in range(self.layout.vpp)]
 
-    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
+    def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Local]:
+        """Place each rank's local tensor of this slab (several pieces share one: a fused gated MLP)."""
         grouped: dict[tuple[RankCoord, int, str], list[Piece]] = defaultdict(list)
         for piece in pieces:
             file_rank = RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)
             grouped[(file_rank, piece.rank.vstage, local_name(spec.name, piece, self.te_names, self.config.is_moe))].append(piece)
-        for (rank, vstage, key), group in grouped.items():
-            local = self._scratch.tensor(group[0].local_shape, data.dtype)
-            for piece in group:
-                values = data[to_slices(shift(piece.region, slab))]
-                local[to_slices(piece.local_region)] = values.reshape([b - a for a, b in piece.local_region])
-            self._models[rank][vstage][key] = self._streams[rank].add(local)
+        dtype = getattr(torch, spec.dtype)
+        return [
+            _Local(rank, vstage, key, tuple(group), self._streams[rank].reserve(group[0].local_shape, dtype))
+            for (rank, vstage, key), group in grouped.items()
+        ]
+
+    def prepare(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None) -> list[_Local]:
+        """Write the slab's local tensors where `reserve` placed them, and keep the checksums of their
+        primary pieces as written."""
+        for local in reserved:
+            first = local.pieces[0]
+            if len(local.pieces) == 1 and first.local_region == full_region(first.local_shape):  # layer/expert axes dropped
+                values = data[to_slices(shift(first.region, slab))].view(first.local_shape)
+            else:
+                values = self._scratch.tensor(first.local_shape, data.dtype)
+                for piece in local.pieces:
+                    part = data[to_slices(shift(piece.region, slab))]
+                    copy(values[to_slices(piece.local_region)], part.view([b - a for a, b in piece.local_region]))
+            written = self._streams[local.rank].fill(local.slot, values, self._scratch.scratch)
+            as_written = torch.from_numpy(written).view(data.dtype).view(first.local_shape)
+            file = f"{local.rank.legacy_dirname(self.layout)}/{RANK_FILE}"
+            for piece in local.pieces:
+                start = contiguous_offset(first.local_shape, piece.local_region)
+                if piece.primary and start is not None:
+                    offset = local.slot.data_offset + start * data.element_size()
+                    shape = [b - a for a, b in piece.region]
+                    self.vouch(spec, piece.region, file, offset, as_written[to_slices(piece.local_region)].reshape(shape))
+        return reserved
+
+    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
+        for local in prepared:
+            self._models[local.rank][local.vstage][local.key] = local.slot.stub
 
     def _place_objects(self) -> dict[RankCoord, Any]:
         """Put per-module objects into the model dicts of every rank holding the module; return RNG states."""

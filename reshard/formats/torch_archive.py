@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import pickle
 import struct
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -49,52 +50,59 @@ class _Entry:
     offset: int  # of the local header, from the archive's start
     data_offset: int  # of the record's data, from the archive's start
     size: int
-    crc: int
+    extra: bytes  # the local header's extra fields (Zip64 sizes, alignment padding)
+    crc: int | None = None  # known once the data is
 
 
 class ZipWriter:
-    """An uncompressed zip written from the current position of `f`; offsets are relative to that start."""
+    """An uncompressed zip written from the current position of `f`; offsets are relative to that start.
+    A record can be placed first and its header and data written later, from any thread (`place`)."""
 
     def __init__(self, f: BinaryIO, zip64_from: int = _ZIP32_MAX):
         self.f = f
-        self.size = 0  # bytes written so far; kept here because f.tell() is a syscall per record
+        self.size = 0  # bytes placed so far; kept here because f.tell() is a syscall per record
         self.zip64_from = zip64_from  # lowered by tests to exercise the Zip64 path on small data
         self.entries: list[_Entry] = []
 
-    def _write(self, data: Any) -> None:
-        self.size += len(data)
-        self.f.write(data)
-
-    def add(self, name: str, data: Any, alignment: int = _ALIGNMENT) -> None:
-        """Append a record whose data starts on a multiple of `alignment`; `data` is any C-contiguous
-        buffer (bytes, a numpy array's memory). An int `data` only counts that many bytes (`archive_size`)."""
-        view = None if isinstance(data, int) else memoryview(data).cast("B")
-        offset = self.size
+    def place(self, name: str, size: int, alignment: int = _ALIGNMENT) -> int:
+        """Reserve the next record, of `size` bytes of data starting on a multiple of `alignment`, without
+        writing it; returns its index (see `header`)."""
         encoded = name.encode()
-        size = len(view) if view is not None else data
-        crc = 0 if view is None else _crc32(view)
-        zip64 = size >= self.zip64_from
-        extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
+        offset = self.size
+        extra = struct.pack("<HHQQ", 1, 16, size, size) if size >= self.zip64_from else b""
         # pad with an extra field so the data starts on the alignment torch uses (for mmap loading)
         pad = -(offset + 30 + len(encoded) + len(extra) + 4) % alignment
         extra += struct.pack("<HH", _PADDING_FIELD, pad) + b"Z" * pad
-        stored = _ZIP32_MAX if zip64 else size
-        header = struct.pack(
-            "<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0x0800, 0, 0, 0x21, crc, stored, stored, len(encoded), len(extra)
-        )
-        self._write(header + encoded + extra)
-        data_offset = self.size
-        if view is None:
-            self.size += size
-        else:
-            self._write(view)
-        self.entries.append(_Entry(encoded, offset, data_offset, size, crc))
+        data_offset = offset + 30 + len(encoded) + len(extra)
+        self.entries.append(_Entry(encoded, offset, data_offset, size, extra))
+        self.size = data_offset + size
+        return len(self.entries) - 1
+
+    def header(self, index: int, crc: int) -> bytes:
+        """The local header of placed record `index`, whose data has CRC-32 `crc` (kept for the directory)."""
+        entry = self.entries[index] = replace(self.entries[index], crc=crc)
+        zip64 = entry.size >= self.zip64_from
+        stored = _ZIP32_MAX if zip64 else entry.size
+        return struct.pack(
+            "<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0x0800, 0, 0, 0x21, crc, stored, stored, len(entry.name), len(entry.extra)
+        ) + entry.name + entry.extra
+
+    def add(self, name: str, data: Any, alignment: int = _ALIGNMENT) -> None:
+        """Append a record and write it now; `data` is any C-contiguous buffer (bytes, a numpy array's
+        memory). An int `data` only counts that many bytes (`archive_size`)."""
+        view = None if isinstance(data, int) else memoryview(data).cast("B")
+        index = self.place(name, data if view is None else len(view), alignment)
+        self.f.write(self.header(index, 0 if view is None else _crc32(view)))
+        if view is not None:
+            self.f.write(view)
 
     def close(self) -> None:
         """Write the central directory (and the Zip64 end records when they are needed)."""
         directory_offset = self.size
         directory = bytearray()
         for e in self.entries:
+            if e.crc is None:
+                raise AssertionError(f"zip record {e.name!r} was placed but never written")
             fields = []
             size = e.size
             if e.size >= self.zip64_from:
@@ -119,7 +127,8 @@ class ZipWriter:
             directory += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _ZIP32_MAX, _ZIP32_MAX, 0)
         else:
             directory += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, end - directory_offset, directory_offset, 0)
-        self._write(directory)
+        self.f.write(directory)
+        self.size += len(directory)
 
 
 @dataclass(frozen=True)
@@ -178,13 +187,24 @@ class _Archive:
         self.alignment = alignment  # of the storages
         self.count = 0
 
+    def _record(self, nbytes: int) -> tuple[str, str, int]:
+        """The next storage's key, record name and alignment (a large one on a page, which is also a
+        multiple of the archive's alignment)."""
+        key = str(self.count)
+        self.count += 1
+        return key, f"{self.prefix}/data/{key}", max(self.alignment, storage_alignment(nbytes))
+
     def storage(self, tensor: torch.Tensor | TensorShape, data: np.ndarray | int) -> _TensorStub:
         """A storage record for `tensor`, holding `data` (its `tensor_bytes`); for a `TensorShape`, `data` is
         its size, which is only counted."""
-        key = str(self.count)
-        self.count += 1
-        self.zip.add(f"{self.prefix}/data/{key}", data, self.alignment)
+        key, name, alignment = self._record(tensor.nbytes)
+        self.zip.add(name, data, alignment)
         return _TensorStub(key, tensor.dtype, tuple(tensor.shape))
+
+    def place(self, tensor: TensorShape) -> tuple[int, _TensorStub]:
+        """A storage record for `tensor` placed but not written: its zip index, and its stub."""
+        key, name, alignment = self._record(tensor.nbytes)
+        return self.zip.place(name, tensor.nbytes, alignment), _TensorStub(key, tensor.dtype, tensor.shape)
 
     def finish(self, obj: Any) -> None:
         buf = io.BytesIO()
@@ -259,16 +279,48 @@ class At:
         return done
 
 
+@dataclass(frozen=True)
+class Slot:
+    """A storage record placed in a `StreamingTorchSave` file, written later by `fill`."""
+
+    index: int  # in the zip
+    stub: _TensorStub  # what the pickle holds in the tensor's place
+    data_offset: int  # of its values in the file
+
+
 class StreamingTorchSave:
-    """Builds a `torch.save` file tensor by tensor; `finish(obj)` pickles `obj` with its stubs."""
+    """Builds a `torch.save` file tensor by tensor. `reserve` places each storage record in order (a large
+    one on a page), `fill` writes one from any thread (`pwrite`, its page-aligned middle past the page
+    cache), `finish(obj)` pickles `obj` with its stubs after the last record."""
 
     def __init__(self, path: Path, zip64_from: int = _ZIP32_MAX):
-        self._file = open(path, "wb")
-        self._archive = _Archive(self._file, path.stem, zip64_from)
+        self._file = direct_io.DirectFile(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        self._end = At(self._file, 0)  # where `finish` appends
+        self._archive = _Archive(self._end, path.stem, zip64_from)
+
+    def reserve(self, shape: tuple[int, ...], dtype: torch.dtype) -> Slot:
+        index, stub = self._archive.place(TensorShape(tuple(shape), dtype))
+        return Slot(index, stub, self._archive.zip.entries[index].data_offset)
+
+    def fill(self, slot: Slot, tensor: torch.Tensor, scratch: Scratch | None = None) -> np.ndarray:
+        """Write a reserved record: its header and `tensor`'s bytes. Returns those bytes as they were handed
+        to the file (staged in `scratch` when the tensor is strided)."""
+        data = tensor_bytes(tensor, scratch)
+        zip_writer = self._archive.zip
+        entry = zip_writer.entries[slot.index]
+        if data.nbytes != entry.size:
+            raise AssertionError(f"{data.nbytes} bytes for a record of {entry.size}")
+        self._file.pwrite(zip_writer.header(slot.index, _crc32(memoryview(data))), entry.offset)
+        self._file.pwrite(data, entry.data_offset)
+        return data
 
     def add(self, tensor: torch.Tensor, scratch: Scratch | None = None) -> _TensorStub:
-        return self._archive.storage(tensor, tensor_bytes(tensor, scratch))
+        slot = self.reserve(tuple(tensor.shape), tensor.dtype)
+        self.fill(slot, tensor, scratch)
+        return slot.stub
 
     def finish(self, obj: Any) -> None:
+        self._end.offset = self._archive.zip.size  # after every reserved record
         self._archive.finish(obj)
+        os.fsync(self._file.fd)
         self._file.close()

@@ -6,7 +6,7 @@ import torch
 from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import SyntheticReader
 from reshard.layout import Layout
-from reshard.sharding import bands, pieces, region_size, shift, to_slices
+from reshard.sharding import bands, contiguous_offset, pieces, region_size, shift, to_slices
 
 LAYOUTS = [Layout(), Layout(tp=2), Layout(pp=2, vpp=2), Layout(tp=2, pp=2), Layout(pp=2, first_stage_layers=1)]
 MOE_LAYOUTS = [Layout(ep=2), Layout(ep=4, tp=2, etp=1), Layout(ep=2, tp=2), Layout(ep=2, pp=2)]
@@ -60,3 +60,16 @@ def test_bands_cover_the_region_in_contiguous_bands():
     assert all(buffer[to_slices(shift(b, region))].is_contiguous() for b in cut)
     assert bands(((0, 2), (0, 5)), 8) == [((0, 1), (0, 5)), ((1, 2), (0, 5))]  # never an empty band
     assert bands(((0, 1), (0, 1)), 4) == [((0, 1), (0, 1))]
+
+
+def test_contiguous_offset_agrees_with_torch_views():
+    """Torch's own view arithmetic is the oracle: a region is one run exactly when its view is contiguous."""
+    import itertools
+
+    shape = (3, 4, 5)
+    t = torch.arange(60).view(shape)
+    spans = {d: [(a, b) for a in range(d) for b in range(a + 1, d + 1)] for d in set(shape)}
+    for region in itertools.product(*(spans[d] for d in shape)):
+        view = t[to_slices(region)]
+        expected = view.storage_offset() if view.is_contiguous() else None
+        assert contiguous_offset(shape, region) == expected, region

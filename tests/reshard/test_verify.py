@@ -10,6 +10,7 @@ from fixtures.synthetic import SyntheticReader, write_synthetic
 from reshard.convert import convert, manifest_for, new_writer, write_moves
 from reshard.errors import ReshardError
 from reshard.formats.megatron_dist import TorchDistReader
+from reshard.formats.megatron_legacy import LegacyReader
 from reshard.layout import Layout
 from reshard.plan import make_plan
 from reshard.verify import compute_checksums
@@ -40,29 +41,36 @@ def test_regions_that_miss_or_repeat_elements_are_refused(edit):
         compute_checksums(_Regions(edit))
 
 
-def _write(path, reader, layout):
-    """Convert `reader` to torch_dist at `path`; the writer's records with their checksums as written,
-    and the tensors' checksums as written."""
-    plan = make_plan(reader, path, "torch_dist", layout)
+READERS = {"torch_dist": TorchDistReader, "legacy": LegacyReader}
+
+
+def _write(path, reader, layout, fmt="torch_dist"):
+    """Convert `reader` to `fmt` at `path`; the writer's records with their checksums as written, and the
+    tensors' checksums as written."""
+    plan = make_plan(reader, path, fmt, layout)
     writer = new_writer(plan, {})
     written, _ = write_moves(reader, plan, writer, None, workers=2)
     writer.finish(manifest_for(plan, written))
     return writer.written_records(), written
 
 
-class _Counting(TorchDistReader):
-    """Counts the regions whose values are read back."""
+def _counting(fmt, path):
+    """The format's reader, counting the regions whose values are read back."""
 
-    reads = 0
+    class Counting(READERS[fmt]):
+        reads = 0
 
-    def read_into(self, name, region, out):
-        self.reads += 1
-        super().read_into(name, region, out)
+        def read_into(self, name, region, out):
+            self.reads += 1
+            super().read_into(name, region, out)
+
+    return Counting(path)
 
 
-def test_records_found_where_the_writer_put_them_are_not_read_back(tmp_path):
-    records, written = _write(tmp_path / "ckpt", SyntheticReader(TINY_LLAMA), Layout(tp=2, pp=2))
-    with _Counting(tmp_path / "ckpt") as reader:
+@pytest.mark.parametrize("fmt", READERS)
+def test_records_found_where_the_writer_put_them_are_not_read_back(tmp_path, fmt):
+    records, written = _write(tmp_path / "ckpt", SyntheticReader(TINY_LLAMA), Layout(tp=2, pp=2), fmt)
+    with _counting(fmt, tmp_path / "ckpt") as reader:
         assert len(records) == sum(len(reader.stored_records(name)) for name in reader.specs)
         assert compute_checksums(reader, written=records) == written
         assert reader.reads == 0
@@ -70,23 +78,36 @@ def test_records_found_where_the_writer_put_them_are_not_read_back(tmp_path):
         assert reader.reads > 0
 
 
-def test_a_record_the_metadata_places_elsewhere_is_read_back(tmp_path):
-    records, written = _write(tmp_path / "ckpt", SyntheticReader(TINY_LLAMA), Layout(tp=2))
+@pytest.mark.parametrize("fmt", READERS)
+def test_a_record_the_metadata_places_elsewhere_is_read_back(tmp_path, fmt):
+    records, written = _write(tmp_path / "ckpt", SyntheticReader(TINY_LLAMA), Layout(tp=2), fmt)
     moved = next(r for r in records if len(r.region) == 2)
     records[replace(moved, offset=moved.offset + 64)] = records.pop(moved)
-    with _Counting(tmp_path / "ckpt") as reader:
+    with _counting(fmt, tmp_path / "ckpt") as reader:
         assert compute_checksums(reader, written=records) == written
         assert reader.reads == 1
 
 
-def test_bytes_written_other_than_the_slab_says_are_caught_without_reading_back(tmp_path, monkeypatch):
-    """A writer bug between the slab and the file (here: each record's values shifted by one column) is
-    seen in the checksums of the bytes as written, so the conversion refuses and leaves nothing."""
+def _roll_saved_tensor(monkeypatch):
     import reshard.formats.megatron_dist as megatron_dist
 
     real = megatron_dist.save_tensor
-    write_synthetic(tmp_path / "src", TINY_LLAMA, Layout(tp=2), "torch_dist")
     monkeypatch.setattr(megatron_dist, "save_tensor", lambda chunk, f, scratch: real(chunk.roll(1, dims=-1), f, scratch))
+
+
+def _roll_filled_record(monkeypatch):
+    from reshard.formats.torch_archive import StreamingTorchSave
+
+    real = StreamingTorchSave.fill
+    monkeypatch.setattr(StreamingTorchSave, "fill", lambda self, slot, t, scratch=None: real(self, slot, t.roll(1, dims=-1), scratch))
+
+
+@pytest.mark.parametrize("fmt, corrupt", [("torch_dist", _roll_saved_tensor), ("legacy", _roll_filled_record)], ids=["torch_dist", "legacy"])
+def test_bytes_written_other_than_the_slab_says_are_caught_without_reading_back(tmp_path, monkeypatch, fmt, corrupt):
+    """A writer bug between the slab and the file (here: each record's values shifted by one column) is
+    seen in the checksums of the bytes as written, so the conversion refuses and leaves nothing."""
+    write_synthetic(tmp_path / "src", TINY_LLAMA, Layout(tp=2), "torch_dist")
+    corrupt(monkeypatch)
     with pytest.raises(ReshardError, match="does not match the source"):
-        convert(tmp_path / "src", tmp_path / "dst", layout=Layout(pp=2))
+        convert(tmp_path / "src", tmp_path / "dst", to_format=fmt, layout=Layout(pp=2))
     assert not (tmp_path / "dst").exists()

@@ -93,3 +93,28 @@ def test_records_written_at_planned_offsets_by_several_threads(tmp_path):
     for t, a, b in zip(tensors, offsets, offsets[1:]):
         assert zipfile.ZipFile(io.BytesIO(data[a:b])).testzip() is None
         assert torch.equal(torch.load(io.BytesIO(data[a:b])), t)
+
+
+def test_streaming_records_reserved_in_order_and_filled_by_threads_in_any_order(tmp_path):
+    """The legacy writer's way: records placed in plan order, written from reader threads; a large one
+    starts on a page (for direct I/O) and torch still loads the file, memory-mapped too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tensors = {**_tensors(), "large": torch.arange(1 << 20, dtype=torch.int16).view(512, 2048)}  # 2 MiB
+    path = tmp_path / "model_optim_rng.pt"
+    writer = StreamingTorchSave(path)
+    slots = {name: writer.reserve(tuple(t.shape), t.dtype) for name, t in tensors.items()}
+    with ThreadPoolExecutor(3) as pool:
+        written = dict(pool.map(lambda n: (n, writer.fill(slots[n], tensors[n], Scratch()).tobytes()), reversed(list(tensors))))
+    writer.finish({"model": {name: slot.stub for name, slot in slots.items()}})
+    for mmap in (False, True):
+        loaded = torch.load(path, weights_only=True, mmap=mmap)["model"]
+        for name, tensor in tensors.items():
+            assert torch.equal(loaded[name], tensor), (name, mmap)
+    raw = path.read_bytes()
+    with zipfile.ZipFile(path) as zf:
+        assert zf.testzip() is None
+        for index, (name, slot) in enumerate(slots.items()):
+            stored = zf.read(f"model_optim_rng/data/{index}")
+            assert written[name] == stored == raw[slot.data_offset : slot.data_offset + len(stored)], name
+    assert slots["large"].data_offset % 4096 == 0
