@@ -12,21 +12,28 @@ Megatron's non-tensor state (args, scheduler) is kept as `common.pt` beside the 
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import tensorstore as ts
 import torch
 
+from reshard.buffers import PerThread, copy
 from reshard.config import ModelConfig
+from reshard.direct_io import DirectFile
 from reshard.errors import ReshardError
-from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, cached
+from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, StoredRecord, cached
+from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe
-from reshard.sharding import Piece, Region, cut, long_axis, shift, to_slices
+from reshard.sharding import Piece, Region, contiguous_offset, full_region, intersect, shift, to_slices
 
+PLAIN_CODECS = [{"configuration": {"endian": "little"}, "name": "bytes"}]  # a chunk file is its values in C order
 TP_CHUNKS = 8  # chunk the TP axis so that TP = 1, 2, 4, 8 read whole chunks
 MAX_CHUNK_BYTES = 64 << 20
 COMMON_FILE = "common.pt"
@@ -71,17 +78,18 @@ def chunk_shape(spec: TensorSpec) -> list[int]:
     return chunks
 
 
-def write_bands(region: Region, chunks: list[int], itemsize: int) -> list[Region]:
-    """`region` cut along its first axis longer than one into bands of whole chunks, each about
-    MAX_CHUNK_BYTES: tensorstore copies what one write encodes, so writing a 0.5 GiB vocabulary slab
-    at once held a second copy of it."""
-    axis = long_axis(region)
-    if axis is None:
-        return [region]
-    per_row = itemsize * int(np.prod([b - a for i, (a, b) in enumerate(region) if i != axis]))
-    step = max(1, MAX_CHUNK_BYTES // max(1, per_row * chunks[axis])) * chunks[axis]
-    start, stop = region[axis]
-    return cut(region, axis, [*range(start, stop, step), stop])
+def chunk_grid(region: Region, chunks: list[int], shape: list[int]) -> Iterator[tuple[tuple[int, ...], Region, Region]]:
+    """The chunks of an array of `shape` that `region` touches: (grid index, the chunk's whole region,
+    the part of it inside the array)."""
+    spans = [range(a // c, -(-b // c)) for (a, b), c in zip(region, chunks)]
+    for index in itertools.product(*spans):
+        whole = tuple((i * c, (i + 1) * c) for i, c in zip(index, chunks))
+        yield index, whole, tuple((a, min(b, d)) for (a, b), d in zip(whole, shape))
+
+
+def chunk_key(index: tuple[int, ...]) -> str:
+    """A chunk's file under its array, in zarr v3's default key encoding."""
+    return "/".join(("c", *map(str, index)))
 
 
 def _stored_dtype(dtype: str) -> str:
@@ -118,8 +126,8 @@ class ZarrReader(CheckpointReader):
             args=common.get("args", {}), iteration=common.get("iteration", 0), extra=common.get("extra", {}), objects=common.get("objects", {})
         )
         self.specs = {}
-        self._dtypes: dict[str, str] = {}
         self._arrays: dict[str, ts.TensorStore] = {}
+        self._layouts: dict[str, tuple[list[int], list[int]] | None] = {}
         for name, entry in attrs["tensors"].items():
             self.specs[name] = describe(name, tuple(entry["shape"]), entry["dtype"], self.config)
 
@@ -132,18 +140,69 @@ class ZarrReader(CheckpointReader):
 
         return cached(self._arrays, name, open_array)
 
+    def _plain(self, name: str) -> tuple[list[int], list[int]] | None:
+        """(shape, chunk shape) of an array stored as reshard writes them (each chunk a file of its values
+        in C order, under the default key encoding, fill value 0); None for any other array."""
+
+        def check() -> tuple[list[int], list[int]] | None:
+            meta = json.loads((self.path / name / "zarr.json").read_text())
+            encoding = meta.get("chunk_key_encoding", {})
+            if meta.get("codecs") != PLAIN_CODECS or encoding.get("name") != "default" or meta.get("fill_value") != 0:
+                return None
+            if encoding.get("configuration", {}).get("separator", "/") != "/" or meta.get("chunk_grid", {}).get("name") != "regular":
+                return None
+            return meta["shape"], meta["chunk_grid"]["configuration"]["chunk_shape"]
+
+        return cached(self._layouts, name, check)
+
     def read_into(self, name: str, region: Region, out: torch.Tensor) -> None:
-        """tensorstore decodes straight into `out` (wrapped without a copy), not into an array of its own."""
+        """A plain array's chunk files are read with `pread`, straight into `out` where a chunk is one run
+        there (`RecordFile`); tensorstore decodes any other array straight into `out`."""
+        spec, plain = self.specs[name], self._plain(name)
+        if plain is not None and spec.shape:
+            shape, chunks = plain
+            for index, whole, inside in chunk_grid(region, chunks, shape):
+                part = intersect(inside, region)
+                assert part is not None  # the chunks chunk_grid gives touch the region
+                dest = out[to_slices(shift(part, region))]
+                path = self.path / name / chunk_key(index)
+                if not path.is_file():  # never written: the fill value
+                    dest.zero_()
+                    continue
+                file = RecordFile(path)
+                try:
+                    file.read_into(TensorRecord(out.dtype, tuple(chunks), 0), shift(part, whole), dest)
+                finally:
+                    file.close()
+            return
         if not out.is_contiguous():
             out.copy_(self.read(name, region))
             return
-        spec = self.specs[name]
         index = to_slices(region) if spec.shape else ()
         dest = ts.array(_to_numpy(out.reshape([b - a for a, b in region] or [1]), spec.dtype), copy=False)
         try:
             dest.write(self._array(name)[index]).result()
         except ValueError as exc:
             raise ReshardError(f"{self.path / name}: {exc}") from None
+
+    def stored_records(self, name: str) -> list[StoredRecord] | None:
+        """Each chunk of a plain array, where its zarr.json says it lies (None for other arrays). A chunk
+        file that is missing or of another size, or a chunk that reaches past the array other than in its
+        first axis, is read back (offset -1)."""
+        spec, plain = self.specs[name], self._plain(name)
+        if plain is None:
+            return None
+        shape, chunks = plain
+        itemsize = getattr(torch, spec.dtype).itemsize
+        records = []
+        for index, whole, inside in chunk_grid(full_region(tuple(shape)), chunks, shape):
+            key = f"{name}/{chunk_key(index)}"
+            start = contiguous_offset(chunks, shift(inside, whole))
+            path = self.path / key
+            stored = path.is_file() and path.stat().st_size == math.prod(chunks) * itemsize
+            offset = start * itemsize if stored and start is not None and spec.shape else -1
+            records.append(StoredRecord(name, inside if spec.shape else (), spec.dtype, key, offset))
+        return records
 
 
 class ZarrWriter(CheckpointWriter):
@@ -153,6 +212,7 @@ class ZarrWriter(CheckpointWriter):
         super().__init__(*args, **kwargs)
         self.path.mkdir(parents=True, exist_ok=True)
         self._arrays: dict[str, ts.TensorStore] = {}
+        self._scratch = PerThread()  # stages chunks that are not one run of their slab
 
     def _array(self, spec: TensorSpec) -> ts.TensorStore:
         """Created on first write, so that in a multi-rank run each array is created by its one writer."""
@@ -167,17 +227,41 @@ class ZarrWriter(CheckpointWriter):
                     "shape": list(spec.shape) or [1],
                     "data_type": _stored_dtype(spec.dtype),
                     "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk_shape(spec)}},
+                    "codecs": PLAIN_CODECS,  # tensorstore would shard large chunks otherwise; we write them as files
                     "attributes": {"reshard_dtype": spec.dtype, "reshard_shape": list(spec.shape)},
                 },
             ),
         )
 
-    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
+    def prepare(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None) -> None:
+        """Write the slab's chunks, each a file of its values in C order (the `bytes` codec), from this reader
+        thread; a chunk that is not one run of the slab, or that reaches past the array, is staged."""
+        self._array(spec)  # its zarr.json first
+        shape, chunks = list(spec.shape) or [1], chunk_shape(spec)
         region = slab if spec.shape else ((0, 1),)
-        values = _to_numpy(data.reshape([b - a for a, b in region]), spec.dtype)
-        array = self._array(spec)
-        for band in write_bands(region, chunk_shape(spec), values.itemsize):
-            array[to_slices(band)].write(values[to_slices(shift(band, region))]).result()
+        values = data.reshape([b - a for a, b in region])
+        for index, whole, inside in chunk_grid(region, chunks, shape):
+            part = values[to_slices(shift(inside, region))]
+            if inside != whole or not part.is_contiguous():
+                staged = self._scratch.tensor(chunks, data.dtype)
+                if inside != whole:
+                    staged.zero_()  # the fill value, where the chunk reaches past the array
+                copy(staged[to_slices(shift(inside, whole))], part)
+                part = staged
+            key = f"{spec.name}/{chunk_key(index)}"
+            (self.path / key).parent.mkdir(parents=True, exist_ok=True)
+            file = DirectFile(self.path / key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            try:
+                file.pwrite(part.view(-1).view(torch.uint8).numpy(), 0)
+            finally:
+                file.close()
+            start = contiguous_offset(chunks, shift(inside, whole))
+            if start is not None and spec.shape:
+                written = part.view(chunks)[to_slices(shift(inside, whole))]
+                self.vouch(spec, inside, key, start * data.element_size(), written)
+
+    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
+        """Nothing is left to do: the reader thread wrote the chunks."""
 
     resumable = True
 

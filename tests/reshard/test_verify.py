@@ -11,6 +11,7 @@ from reshard.convert import convert, manifest_for, new_writer, write_moves
 from reshard.errors import ReshardError
 from reshard.formats.megatron_dist import TorchDistReader
 from reshard.formats.megatron_legacy import LegacyReader
+from reshard.formats.zarr_store import ZarrReader
 from reshard.layout import Layout
 from reshard.plan import make_plan
 from reshard.verify import compute_checksums
@@ -41,7 +42,7 @@ def test_regions_that_miss_or_repeat_elements_are_refused(edit):
         compute_checksums(_Regions(edit))
 
 
-READERS = {"torch_dist": TorchDistReader, "legacy": LegacyReader}
+READERS = {"torch_dist": TorchDistReader, "legacy": LegacyReader, "zarr": ZarrReader}
 
 
 def _write(path, reader, layout, fmt="torch_dist"):
