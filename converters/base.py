@@ -97,6 +97,9 @@ class Mapping:
 
     megatron: str
     hf: tuple[str, ...]
+    # The slab is its HF tensors stacked along the first axis, values as they are: each HF tensor's bytes
+    # are one run of the slab's, so a writer can vouch for them and a reader find them (`stored_records`).
+    stacks_rows: ClassVar[bool] = False
 
     def hf_names(self, layer: int | None = None, expert: int | None = None) -> list[str]:
         return [t.format(layer=layer, expert=expert) for t in self.hf]
@@ -115,6 +118,8 @@ class Mapping:
 @dataclass(frozen=True)
 class Rename(Mapping):
     """Same values under another name."""
+
+    stacks_rows: ClassVar[bool] = True
 
     def __init__(self, megatron: str, hf: str):
         object.__setattr__(self, "megatron", megatron)
@@ -185,6 +190,8 @@ class FusedQKV(Mapping):
 @dataclass(frozen=True)
 class GatedMLP(Mapping):
     """HF gate_proj + up_proj (Mixtral: w1 + w3) <-> linear_fc1 [gate; up]."""
+
+    stacks_rows: ClassVar[bool] = True
 
     def __init__(self, megatron: str, gate: str, up: str):
         object.__setattr__(self, "megatron", megatron)

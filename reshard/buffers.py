@@ -59,6 +59,12 @@ class Scratch:
         """A tensor over the buffer, valid until the next `take` or `tensor`."""
         return _view(self.take(math.prod(shape) * dtype.itemsize), shape, dtype)
 
+    def tensor_for(self, offset: int, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor over the buffer whose address lies as far past a page as file offset `offset` does:
+        written there, its page-aligned middle can go to the disk directly (`reshard.direct_io`)."""
+        phase = offset % ALIGN
+        return _view(self.take(math.prod(shape) * dtype.itemsize + ALIGN)[phase:], shape, dtype)
+
 
 class PerThread(threading.local):
     """One `Scratch` per thread, for code that worker threads run concurrently."""

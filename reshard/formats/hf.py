@@ -1,7 +1,7 @@
 """HuggingFace format: a directory with config.json and *.safetensors (one file, or shards + index).
 
 `HFReader` presents the canonical logical tensors of the model's family (`converters/`): a slab read
-opens only that layer's (and expert's) HF tensors, lazily through `safetensors.safe_open`.
+reads only that layer's (and expert's) HF tensors, with `pread` at the offsets the safetensors headers give.
 
 `HFWriter` streams: every output tensor's name, shape and dtype is known before the first slab
 arrives, so each shard's safetensors header is computed up front and slab data is written at its
@@ -18,18 +18,19 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
-from safetensors import safe_open
 
+from reshard.buffers import PerThread, copy
 from reshard.config import ModelConfig
+from reshard.direct_io import ALIGN, DirectFile
 from reshard.errors import ReshardError
-from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, args_for_layout, cached
-from reshard.formats.pages import Mapping, file_mappings, release
+from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, StoredRecord, args_for_layout, cached
+from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe
-from reshard.sharding import Piece, Region, slab_of
+from reshard.sharding import Piece, Region, full_region, slab_of, slabs
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -49,6 +50,7 @@ TOKENIZER_FILES = (
     GENERATION_CONFIG,
 )
 DEFAULT_SHARD_BYTES = 5 * 1024**3
+STAGE_BYTES = 64 << 20  # a larger tensor not placed for direct I/O goes through the page cache instead of a copy
 
 _ST_DTYPES = {
     "F64": torch.float64,
@@ -77,7 +79,8 @@ def normalize_dtype(value: str) -> str:
     return _DTYPE_OPTIONS[key]
 
 
-def _read_header(path: Path) -> dict[str, Any]:
+def _read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The tensors a safetensors file lists, and where its data starts."""
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
@@ -90,7 +93,7 @@ def _read_header(path: Path) -> dict[str, Any]:
     end = max((v["data_offsets"][1] for v in header.values()), default=0)
     if path.stat().st_size < 8 + size + end:
         raise ReshardError(f"{path} is truncated: the model download is incomplete")
-    return header
+    return header, 8 + size
 
 
 class HFReader(CheckpointReader):
@@ -110,15 +113,17 @@ class HFReader(CheckpointReader):
         # Where each HF tensor lives, from the index or the file headers.
         self._where: dict[str, Path] = {}
         self._meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._offsets: dict[str, int] = {}  # of each tensor's data in its file
         files = self._files()
         for file in files:
-            for name, info in _read_header(file).items():
+            header, start = _read_header(file)
+            for name, info in header.items():
                 if name in self._where:
                     raise ReshardError(f"tensor {name} is in both {self._where[name].name} and {file.name}")
                 self._where[name] = file
                 self._meta[name] = (info["dtype"], tuple(info["shape"]))
-        self._handles: dict[Path, Any] = {}
-        self._file_maps: dict[Path, list[Mapping]] = {}
+                self._offsets[name] = start + info["data_offsets"][0]
+        self._handles: dict[Path, RecordFile] = {}
 
         prefix = self.family.prefix
         self._alias: dict[str, str] = {}  # canonical HF name -> name in the files (old GPT-2 keys lack "transformer.")
@@ -216,21 +221,22 @@ class HFReader(CheckpointReader):
     def _shape(self, hf_name: str) -> tuple[int, ...]:
         return self._meta_of(hf_name)[1]
 
-    def _tensor(self, hf_name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    def _record(self, hf_name: str) -> tuple[RecordFile, TensorRecord]:
+        """The file holding an HF tensor and where its values lie (a safetensors tensor is one C-order run)."""
         name = self._alias.get(hf_name, hf_name)
-        file = self._where[name]
-        handle = cached(self._handles, file, lambda: safe_open(str(file), framework="pt"))
-        cached(self._file_maps, file, lambda: file_mappings(file))  # safetensors maps the file: views, no copies
-        return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows[0] : rows[1]]
+        path = self._where[name]
+        st_dtype, shape = self._meta[name]
+        return cached(self._handles, path, lambda: RecordFile(path)), TensorRecord(_ST_DTYPES[st_dtype], shape, self._offsets[name])
 
-    def _release_pages(self) -> None:
-        """Once a slab is assembled, let the mapped pages go (see reshard.formats.pages); a view still
-        being read elsewhere faults its pages back in from the file."""
-        for mappings in list(self._file_maps.values()):
-            for m in mappings:
-                release(m.start, m.end - m.start, mappings)
+    def _tensor(self, hf_name: str) -> torch.Tensor:
+        file, record = self._record(hf_name)
+        out = torch.empty(record.shape, dtype=record.dtype)
+        file.read_into(record, full_region(record.shape), out)
+        return out
 
     def close(self) -> None:
+        for file in self._handles.values():
+            file.close()
         self._handles.clear()
 
     # -- logical reads ----------------------------------------------------------------------------
@@ -251,7 +257,26 @@ class HFReader(CheckpointReader):
                 if tuple(value.shape) != spec.shape[prefix:]:
                     raise ReshardError(f"{name}: HF tensors give shape {tuple(value.shape)}, expected {spec.shape[prefix:]}")
                 out[index] = value[tuple(slice(a, b) for a, b in inner)]
-        self._release_pages()
+
+    def stored_records(self, name: str) -> list[StoredRecord] | None:
+        """Where each HF tensor of a row-stacking mapping (`stacks_rows`) lies, by the safetensors headers;
+        None for tensors whose HF form moves values around (QKV, transposed)."""
+        spec, mapping = self.specs[name], self._mappings[name]
+        if not mapping.stacks_rows:
+            return None
+        records = []
+        for slab in slabs(spec):
+            layer, expert = slab_of(spec, slab)
+            row = 0
+            for hf_name in mapping.hf_names(layer, expert):
+                st_dtype, shape = self._meta_of(hf_name)
+                stored = self._alias.get(hf_name, hf_name)
+                rows = shape[0] if shape else 1
+                region = (*slab[: spec.prefix_axes], (row, row + rows), *((0, d) for d in shape[1:]))
+                dtype = str(_ST_DTYPES[st_dtype]).removeprefix("torch.")
+                records.append(StoredRecord(name, region, dtype, self._where[stored].name, self._offsets[stored]))
+                row += rows
+        return records
 
     def _vocab_rows_into(self, mapping, inner: Region, out: torch.Tensor) -> None:
         """Rows of an embedding/output layer region, copied from the mapped file straight into `out`;
@@ -260,8 +285,8 @@ class HFReader(CheckpointReader):
         hf_name = mapping.hf_names()[0]
         rows = max(0, min(r1, self._shape(hf_name)[0]) - r0)
         if rows:
-            data = self._tensor(hf_name, (r0, r0 + rows))
-            out[:rows] = data[(slice(None), *(slice(a, b) for a, b in cols))]
+            file, record = self._record(hf_name)
+            file.read_into(record, ((r0, r0 + rows), *cols), out[:rows])
         out[rows:].zero_()
 
 
@@ -314,6 +339,7 @@ class HFWriter(CheckpointWriter):
             )
         self.path.mkdir(parents=True, exist_ok=True)
         self._entries: dict[str, _Entry] = {}
+        self._scratch = PerThread()  # stages the tensors that cannot be written from where they are
         self._plan_files(max_shard_size)
 
     # -- planning ---------------------------------------------------------------------------------
@@ -352,7 +378,7 @@ class HFWriter(CheckpointWriter):
             size += nbytes
         n = len(shards)
         self._file_names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        self._files: list[BinaryIO] = []
+        self._files: list[DirectFile] = []
         for index, (file_name, tensors) in enumerate(zip(self._file_names, shards)):
             header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
             offset = 0
@@ -360,38 +386,52 @@ class HFWriter(CheckpointWriter):
                 header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
                 offset += nbytes
             raw = json.dumps(header, separators=(",", ":")).encode()
-            raw += b" " * (-(8 + len(raw)) % 8)  # data starts 8-byte aligned, as safetensors writes it
+            raw += b" " * (-(8 + len(raw)) % ALIGN)  # data starts on a page (safetensors pads to 8 with spaces too)
             start = 8 + len(raw)
-            f = open(self.path / file_name, "wb+")
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            f.truncate(start + offset)
+            f = DirectFile(self.path / file_name, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+            f.pwrite(struct.pack("<Q", len(raw)) + raw, 0)
+            os.ftruncate(f.fd, start + offset)
             self._files.append(f)
             for name, shape, dtype, nbytes in tensors:
                 begin = header[name]["data_offsets"][0]
                 self._entries[name] = _Entry(name, tuple(shape), dtype, index, start + begin, nbytes)
 
     # -- streaming --------------------------------------------------------------------------------
-    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
+    def prepare(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None) -> None:
+        """Write the slab's HF tensors at their offsets from this reader thread: a tensor that is strided,
+        cast, or (up to STAGE_BYTES) not as far past a page as its offset is staged first, so that its
+        middle goes to the disk directly. A slab that is its HF tensors stacked row-wise (`stacks_rows`)
+        has each kept with the checksum of its bytes as written."""
         mapping = self._mappings[spec.name]
         layer, expert = slab_of(spec, slab)
         value = data.reshape(data.shape[spec.prefix_axes :]) if spec.prefix_axes else data
         if spec.vocab:
             value = value[: self.config.vocab_rows]  # the padding never reaches HF
+        row = 0
         for hf_name, tensor in zip(mapping.hf_names(layer, expert), mapping.to_hf(value, self.config)):
             entry = self._entries[hf_name]
             if tuple(tensor.shape) != entry.shape:
                 raise ReshardError(f"{hf_name}: got shape {tuple(tensor.shape)}, expected {entry.shape}")
-            raw = tensor.to(entry.dtype).contiguous().view(torch.uint8).numpy()
-            f = self._files[entry.file]
-            f.seek(entry.offset)
-            f.write(memoryview(raw))
-            entry.written = True
+            out = tensor
+            aligned = tensor.data_ptr() % ALIGN == entry.offset % ALIGN
+            if tensor.dtype != entry.dtype or not tensor.is_contiguous() or (not aligned and entry.nbytes <= STAGE_BYTES):
+                out = self._scratch.scratch.tensor_for(entry.offset, entry.shape, entry.dtype)
+                copy(out, tensor)
+            self._files[entry.file].pwrite(out.reshape(-1).view(torch.uint8).numpy(), entry.offset)
+            if mapping.stacks_rows:
+                rows = entry.shape[0] if entry.shape else 1
+                region = (*slab[: spec.prefix_axes], (row, row + rows), *((0, d) for d in entry.shape[1:]))
+                self.vouch(spec, region, self._file_names[entry.file], entry.offset, out.reshape([b - a for a, b in region]))
+                row += rows
+
+    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
+        layer, expert = slab_of(spec, slab)
+        for hf_name in self._mappings[spec.name].hf_names(layer, expert):
+            self._entries[hf_name].written = True
 
     def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
         for f in self._files:
-            f.flush()
-            os.fsync(f.fileno())
+            os.fsync(f.fd)
             f.close()
         missing = [e.name for e in self._entries.values() if not e.written]
         if missing:

@@ -1,8 +1,12 @@
 """The intermediate form: a zarr v3 store, one array per logical tensor at its global shape.
 
-Written and read through tensorstore. Chunks are one layer (and one expert) deep and cut along the
-tensor-parallel axis at the finest split we expect (`TP_CHUNKS`), so a TP/PP/EP target reads only
-the chunks it needs. bfloat16 has no zarr v3 core data type that zarr-python reads, so bf16 arrays
+Arrays are created through tensorstore with the plain `bytes` codec, so each chunk is a file holding
+its values in C order (zarr v3's default key encoding: `<array>/c/<i>/<j>/...`). Those files are
+written and read by the conversion's own threads with `pwrite`/`pread`, a large one past the page
+cache (`reshard.direct_io`), byte for byte as tensorstore writes them; an array stored any other way
+(compressed, sharded) is read through tensorstore. Chunks are one layer (and one expert) deep and
+cut along the tensor-parallel axis at the finest split we expect (`TP_CHUNKS`), so a TP/PP/EP target
+reads only the chunks it needs. bfloat16 has no zarr v3 core data type that zarr-python reads, so bf16 arrays
 are stored as their uint16 bit patterns with `reshard_dtype: "bfloat16"` in the array's attributes:
 plain `zarr` and `tensorstore` open every array, and the bits are exact.
 

@@ -144,18 +144,20 @@ def test_unmapped_hf_features_are_refused(arch, extra, match):
         family_for_hf(hf).config_from_hf(hf)
 
 
+HF_CONFIGS = {
+    "llama": dict(BASE, architectures=["LlamaForCausalLM"], tie_word_embeddings=True),
+    "mistral": dict(BASE, architectures=["MistralForCausalLM"]),
+    "qwen2": dict(BASE, architectures=["Qwen2ForCausalLM"]),
+    "qwen3": dict(BASE, architectures=["Qwen3ForCausalLM"], head_dim=32),
+    "mixtral": dict(BASE, architectures=["MixtralForCausalLM"], num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(BASE, architectures=["Qwen3MoeForCausalLM"], num_experts=4, moe_intermediate_size=32, norm_topk_prob=True),
+    "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 250},
+}
+
+
 def test_every_family_maps_exactly_the_model_tensors():
-    configs = {
-        "llama": dict(BASE, architectures=["LlamaForCausalLM"], tie_word_embeddings=True),
-        "mistral": dict(BASE, architectures=["MistralForCausalLM"]),
-        "qwen2": dict(BASE, architectures=["Qwen2ForCausalLM"]),
-        "qwen3": dict(BASE, architectures=["Qwen3ForCausalLM"], head_dim=32),
-        "mixtral": dict(BASE, architectures=["MixtralForCausalLM"], num_local_experts=4, num_experts_per_tok=2),
-        "qwen3_moe": dict(BASE, architectures=["Qwen3MoeForCausalLM"], num_experts=4, moe_intermediate_size=32, norm_topk_prob=True),
-        "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 250},
-    }
-    assert set(configs) == set(FAMILIES)
-    for name, hf in configs.items():
+    assert set(HF_CONFIGS) == set(FAMILIES)
+    for name, hf in HF_CONFIGS.items():
         family = family_for_hf(hf)
         config, _ = family.config_from_hf(hf)
         assert {m.megatron for m in family.mappings(config)} == set(model_tensors(config)), name
@@ -163,3 +165,17 @@ def test_every_family_maps_exactly_the_model_tensors():
         back = family.config_to_hf(config, None, {})
         again, _ = family.config_from_hf(back)
         assert again == config, name
+
+
+@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+def test_stacks_rows_says_exactly_when_the_hf_tensors_are_the_slab_cut_in_row_bands(name):
+    """The flag that lets a writer vouch for HF tensors without a read-back must agree with the transform."""
+    family = family_for_hf(HF_CONFIGS[name])
+    config, _ = family.config_from_hf(HF_CONFIGS[name])
+    shapes = model_tensors(config)
+    for mapping in family.mappings(config):
+        prefix = int(mapping.megatron.startswith("decoder.layers.")) + int(".experts.experts." in mapping.megatron)
+        slab = torch.randn(shapes[mapping.megatron][prefix:])
+        parts = [t.reshape(-1, *slab.shape[1:]) for t in mapping.to_hf(slab, config)]
+        stacked = torch.cat(parts) if all(p.shape[1:] == slab.shape[1:] for p in parts) else None
+        assert mapping.stacks_rows == (stacked is not None and stacked.shape == slab.shape and torch.equal(stacked, slab)), mapping.megatron

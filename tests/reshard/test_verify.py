@@ -9,6 +9,7 @@ from fixtures.models import TINY_LLAMA
 from fixtures.synthetic import SyntheticReader, write_synthetic
 from reshard.convert import convert, manifest_for, new_writer, write_moves
 from reshard.errors import ReshardError
+from reshard.formats.hf import HFReader
 from reshard.formats.megatron_dist import TorchDistReader
 from reshard.formats.megatron_legacy import LegacyReader
 from reshard.formats.zarr_store import ZarrReader
@@ -43,6 +44,7 @@ def test_regions_that_miss_or_repeat_elements_are_refused(edit):
 
 
 READERS = {"torch_dist": TorchDistReader, "legacy": LegacyReader, "zarr": ZarrReader}
+LAYOUT_FREE = {"hf": HFReader}
 
 
 def _write(path, reader, layout, fmt="torch_dist"):
@@ -58,7 +60,7 @@ def _write(path, reader, layout, fmt="torch_dist"):
 def _counting(fmt, path):
     """The format's reader, counting the regions whose values are read back."""
 
-    class Counting(READERS[fmt]):
+    class Counting({**READERS, **LAYOUT_FREE}[fmt]):
         reads = 0
 
         def read_into(self, name, region, out):
@@ -77,6 +79,18 @@ def test_records_found_where_the_writer_put_them_are_not_read_back(tmp_path, fmt
         assert reader.reads == 0
         assert compute_checksums(reader) == written  # the same, read back
         assert reader.reads > 0
+
+
+def test_hf_tensors_stacked_row_wise_are_not_read_back_the_others_are(tmp_path):
+    """An HF export vouches for the tensors its mapping only renames or splits into row bands (embedding,
+    norms, gate/up, down); QKV, whose heads are regrouped, is read back."""
+    records, written = _write(tmp_path / "hf", SyntheticReader(TINY_LLAMA), Layout(), "hf")
+    with _counting("hf", tmp_path / "hf") as reader:
+        regrouped = [n for n in reader.specs if reader.stored_records(n) is None]
+        assert regrouped == ["decoder.layers.self_attention.linear_qkv.weight"]
+        assert len(records) == sum(len(reader.stored_records(n)) for n in reader.specs if n not in regrouped)
+        assert compute_checksums(reader, written=records) == written
+        assert reader.reads == sum(len(reader.stored_regions(n)) for n in regrouped)
 
 
 @pytest.mark.parametrize("fmt", READERS)
@@ -103,12 +117,22 @@ def _roll_filled_record(monkeypatch):
     monkeypatch.setattr(StreamingTorchSave, "fill", lambda self, slot, t, scratch=None: real(self, slot, t.roll(1, dims=-1), scratch))
 
 
-@pytest.mark.parametrize("fmt, corrupt", [("torch_dist", _roll_saved_tensor), ("legacy", _roll_filled_record)], ids=["torch_dist", "legacy"])
-def test_bytes_written_other_than_the_slab_says_are_caught_without_reading_back(tmp_path, monkeypatch, fmt, corrupt):
+def _roll_renamed(monkeypatch):
+    from converters.base import Rename
+
+    monkeypatch.setattr(Rename, "to_hf", lambda self, tensor, config: [tensor.roll(1, dims=-1)])
+
+
+@pytest.mark.parametrize(
+    "fmt, layout, corrupt",
+    [("torch_dist", Layout(pp=2), _roll_saved_tensor), ("legacy", Layout(pp=2), _roll_filled_record), ("hf", Layout(), _roll_renamed)],
+    ids=["torch_dist", "legacy", "hf"],
+)
+def test_bytes_written_other_than_the_slab_says_are_caught_without_reading_back(tmp_path, monkeypatch, fmt, layout, corrupt):
     """A writer bug between the slab and the file (here: each record's values shifted by one column) is
     seen in the checksums of the bytes as written, so the conversion refuses and leaves nothing."""
     write_synthetic(tmp_path / "src", TINY_LLAMA, Layout(tp=2), "torch_dist")
     corrupt(monkeypatch)
     with pytest.raises(ReshardError, match="does not match the source"):
-        convert(tmp_path / "src", tmp_path / "dst", to_format=fmt, layout=Layout(pp=2))
+        convert(tmp_path / "src", tmp_path / "dst", to_format=fmt, layout=layout)
     assert not (tmp_path / "dst").exists()
