@@ -71,8 +71,8 @@ def inspect(path: Path, as_json: bool) -> None:
 @click.option("--workers", type=click.IntRange(1, 64), default=min(4, os.cpu_count() or 1), show_default=True,
               help="Threads reading and hashing slabs ahead of the writer (the output does not depend on it).")
 @click.option("--max-memory", "max_memory", type=str, default=None,
-              help="Working-memory budget for slabs in flight, e.g. 2GiB (default: two of the largest slab plus 256MiB, "
-              "or an eighth of RAM if less, for reading ahead).")
+              help="Working-memory budget for slabs in flight, e.g. 2GiB (default: two of the largest unit of work, a "
+              "slab or the part of one the target writes at once, plus 256MiB, or an eighth of RAM if less, for reading ahead).")
 @click.option("--reread", is_flag=True,
               help="Verify by reading every written value back from the disk (default: records the metadata on disk "
               "puts exactly where they were written count with the checksums of their bytes as written).")

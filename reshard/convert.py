@@ -22,7 +22,7 @@ from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
 from reshard.layout import Layout
 from reshard.pipeline import ordered_map
 from reshard.plan import BAND_BYTES, ConversionPlan, TensorMove, itemsize, make_plan
-from reshard.sharding import Piece, Region, bands, pieces, pieces_by_slab, region_size, shift, slab_of, slabs, to_slices
+from reshard.sharding import Piece, Region, bands, region_size, shift, to_slices
 from reshard.verify import compare, compute_checksums
 from reshard.worklog import Done, Recorder, WorkLog, fingerprint
 
@@ -118,10 +118,8 @@ def write_moves(
 
     def jobs() -> Iterator[tuple[TensorMove, Region, list[Piece], Any]]:
         for move in plan.moves:
-            by_slab = pieces_by_slab(pieces(move.target, plan.config, plan.target_layout), move.target)
-            for slab in slabs(move.target):
-                slab_pieces = by_slab.get(slab_of(move.target, slab), [])
-                yield move, slab, slab_pieces, writer.reserve(move.target, slab, slab_pieces)
+            for unit, unit_pieces in plan.units(move):
+                yield move, unit, unit_pieces, writer.reserve(move.target, unit, unit_pieces)
 
     read_sums = {m.target.name: TensorChecksum(m.target.shape, m.source.dtype, content[m.target.name]) for m in plan.moves}
     written_sums = {m.target.name: TensorChecksum(m.target.shape, m.target.dtype, content[m.target.name]) for m in plan.moves}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import psutil
 import torch
@@ -13,12 +13,13 @@ import torch
 from reshard.checksum import CHECKSUM_BLOCK_BYTES
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
+from reshard.formats import WRITERS
 from reshard.formats.base import CheckpointReader, CommonState
 from reshard.formats.torch_blob import READ_BLOCK
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
 from reshard.naming import default_extra_state, is_layout_bound, uses_te_names
-from reshard.sharding import pieces, region_size, slabs
+from reshard.sharding import Piece, Region, intersect, pieces, pieces_by_slab, region_size, slab_of, slabs, units
 
 
 MEGATRON_FORMATS = ("torch_dist", "legacy")
@@ -34,18 +35,21 @@ def worker_overhead(slab_bytes: int) -> int:
 # that is not stacked per layer (a 128k vocabulary's embedding is 0.5-2 GiB) would otherwise stream
 # in one thread while the others wait.
 BAND_BYTES = 64 << 20
+# A larger slab is cut into units of work of at most this size wherever its target's records allow
+# (`CheckpointWriter.whole_regions`): memory then follows the target's pieces, not the model's width.
+UNIT_BYTES = 64 << 20
 
 
-def reading_threads(workers: int, largest_slab_bytes: int) -> int:
+def reading_threads(workers: int, largest_unit_bytes: int) -> int:
     """Threads that read and hash during a conversion: the workers, and as many helpers when some slab
     is large enough to be read in bands."""
-    return 2 * workers if workers > 1 and largest_slab_bytes >= 2 * BAND_BYTES else workers
+    return 2 * workers if workers > 1 and largest_unit_bytes >= 2 * BAND_BYTES else workers
 
 
-def default_budget(largest_slab_bytes: int) -> int:
+def default_budget(largest_unit_bytes: int) -> int:
     """The slab being written and its staged pieces, plus 256 MiB (an eighth of RAM on a small machine)
     for reading ahead: at 3 GB, 1 GiB of read-ahead ran no faster than none and only added memory."""
-    return 2 * largest_slab_bytes + min(256 << 20, psutil.virtual_memory().total // 8)
+    return 2 * largest_unit_bytes + min(256 << 20, psutil.virtual_memory().total // 8)
 
 
 def itemsize(dtype: str) -> int:
@@ -64,8 +68,9 @@ class TensorMove:
         return self.target.numel * itemsize(self.target.dtype)
 
     @property
-    def largest_slab_bytes(self) -> int:
-        return max(region_size(s) for s in slabs(self.target)) * itemsize(self.target.dtype)
+    def itemsize(self) -> int:
+        """Bytes per element of a unit's buffers (the source's dtype is read, the target's written)."""
+        return max(itemsize(self.source.dtype), itemsize(self.target.dtype))
 
 
 @dataclass
@@ -87,13 +92,29 @@ class ConversionPlan:
     def bytes_moved(self) -> int:
         return sum(m.bytes for m in self.moves)
 
-    @property
-    def largest_slab(self) -> TensorMove | None:
-        return max(self.moves, key=lambda m: m.largest_slab_bytes, default=None)
+    def units(self, move: TensorMove, first_slab_only: bool = False) -> Iterator[tuple[Region, list[Piece]]]:
+        """The move's units of work in order, each with the target pieces inside it: its slabs, a large one
+        cut where the target's writer allows (every piece it writes lies in one of its whole regions)."""
+        writer = WRITERS[self.target_format]
+        by_slab = pieces_by_slab(pieces(move.target, self.config, self.target_layout), move.target)
+        for slab in slabs(move.target):
+            slab_pieces = by_slab.get(slab_of(move.target, slab), [])
+            for unit in units(slab, writer.whole_regions(move.target, slab, slab_pieces), UNIT_BYTES // move.itemsize):
+                yield unit, [p for p in slab_pieces if intersect(p.region, unit) == p.region]
+            if first_slab_only:
+                return
+
+    def largest_unit(self) -> tuple[TensorMove | None, int]:
+        """The move with the largest unit of work, and that unit's bytes (every slab of a tensor is cut
+        alike, so its first slab tells)."""
+        sizes = [(max(region_size(u) for u, _ in self.units(m, first_slab_only=True)) * m.itemsize, i) for i, m in enumerate(self.moves)]
+        size, index = max(sizes, default=(0, -1))
+        return (self.moves[index] if index >= 0 else None), size
 
     @property
-    def largest_slab_bytes(self) -> int:
-        return self.largest_slab.largest_slab_bytes if self.largest_slab else 0
+    def largest_unit_bytes(self) -> int:
+        """Bytes of the largest unit of work: what one reader holds at a time."""
+        return self.largest_unit()[1]
 
     def read_ahead(self, workers: int | None = None) -> int:
         """Bytes of slabs the workers may read ahead of the writer: the budget less the slab being written,
@@ -101,19 +122,19 @@ class ConversionPlan:
         workers = self.workers if workers is None else workers
         if workers <= 1:
             return 0
-        largest = self.largest_slab_bytes
+        largest = self.largest_unit_bytes
         return max(0, self.max_memory - 2 * largest - reading_threads(workers, largest) * worker_overhead(largest))
 
     def hash_workers(self) -> int:
         """Threads for the read-back verification within the budget: each holds one slab and its buffers."""
-        largest = self.largest_slab_bytes
+        largest = self.largest_unit_bytes
         return max(1, min(self.workers, self.max_memory // max(1, largest + worker_overhead(largest))))
 
     @property
     def peak_memory(self) -> int:
         """Estimated working memory: the slabs read ahead, the one being written and its staged pieces,
         and the buffers of each thread reading."""
-        largest = self.largest_slab_bytes
+        largest = self.largest_unit_bytes
         ahead = self.read_ahead()
         return 2 * largest + ahead + worker_overhead(largest) * (reading_threads(self.workers, largest) if ahead else 1)
 
@@ -236,14 +257,14 @@ def make_plan(
         dropped=dropped,
         workers=workers,
     )
-    plan.max_memory = default_budget(plan.largest_slab_bytes) if max_memory is None else max_memory
-    if plan.largest_slab is not None:
-        biggest = plan.largest_slab
-        needed = 2 * biggest.largest_slab_bytes + worker_overhead(biggest.largest_slab_bytes)
+    biggest, largest = plan.largest_unit()
+    plan.max_memory = default_budget(largest) if max_memory is None else max_memory
+    if biggest is not None:
+        needed = 2 * largest + worker_overhead(largest)
         if needed > plan.max_memory:
             raise ReshardError(
-                f"--max-memory {human_bytes(plan.max_memory)} is too small: one slab of {biggest.target.name} alone takes "
-                f"{human_bytes(biggest.largest_slab_bytes)}; allow at least {human_bytes(needed)}"
+                f"--max-memory {human_bytes(plan.max_memory)} is too small: one slab (or the part of one written at once) of "
+                f"{biggest.target.name} alone takes {human_bytes(largest)}; allow at least {human_bytes(needed)}"
             )
     return plan
 

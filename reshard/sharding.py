@@ -232,6 +232,25 @@ def bands(region: Region, parts: int) -> list[Region]:
     return cut(region, axis, [start + (stop - start) * k // parts for k in range(parts + 1)])
 
 
+def units(slab: Region, whole: list[Region], max_elements: int) -> list[Region]:
+    """`slab` cut along its `long_axis` into consecutive units of at most `max_elements` where it can be,
+    never through one of the `whole` regions (each ends up inside one unit); a unit is larger only where
+    one region alone is."""
+    axis = long_axis(slab)
+    if axis is None or region_size(slab) <= max_elements:
+        return [slab]
+    start, stop = slab[axis]
+    per_line = region_size(slab) // (stop - start)
+    spans = [(r[axis][0], r[axis][1]) for r in whole]
+    allowed = sorted({p for span in spans for p in span if start < p < stop and not any(a < p < b for a, b in spans)})
+    points, previous = [start], start
+    for point in [*allowed, stop]:
+        if (point - points[-1]) * per_line > max_elements and previous > points[-1]:
+            points.append(previous)
+        previous = point
+    return cut(slab, axis, [*points, stop])
+
+
 def contiguous_offset(shape: tuple[int, ...], region: Region) -> int | None:
     """Where `region` starts in a row-major tensor of `shape`, in elements, if its elements are one
     contiguous run there (every axis after its `long_axis` whole); None otherwise."""

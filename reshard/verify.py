@@ -13,7 +13,8 @@ from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, StoredRecord
 from reshard.logical import TensorSpec
 from reshard.pipeline import ordered_map
-from reshard.sharding import Region, split_by_slab
+from reshard.plan import UNIT_BYTES
+from reshard.sharding import Region, bands, region_size, split_by_slab
 
 
 def compute_checksums(
@@ -63,7 +64,14 @@ def compute_checksums(
             else:  # a record listed twice counts twice, and the coverage check below refuses it
                 sums[name].merge(part)
 
-    jobs = ((reader.specs[name], region) for name in wanted for region in to_read(name))
+    def in_units(name: str) -> Iterator[Region]:
+        """What `to_read` gives, a large region in bands of about UNIT_BYTES (the sum does not care)."""
+        spec = reader.specs[name]
+        for region in to_read(name):
+            nbytes = region_size(region) * getattr(torch, spec.dtype).itemsize
+            yield from bands(region, -(-nbytes // UNIT_BYTES))
+
+    jobs = ((reader.specs[name], region) for name in wanted for region in in_units(name))
     for name, part, size in ordered_map(hash_region, jobs, workers, 2 * workers):
         sums[name].merge(part)
         if progress:

@@ -186,6 +186,13 @@ class CheckpointWriter(abc.ABC):
         self.common = common
         self._written: dict[StoredRecord, TensorChecksum] = {}
 
+    @classmethod
+    def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:
+        """Regions of `slab` that must reach the writer in one call: a conversion may cut a large slab into
+        units (`reshard.plan.UNIT_BYTES`), never through one of them. By default the slab stays whole;
+        below, `slab` names whichever unit the writer is given."""
+        return [slab]
+
     def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> Any:
         """Called in plan order before the slab is read: a writer may plan where its bytes go, so that
         `prepare` can write them from a reader thread, in any order."""

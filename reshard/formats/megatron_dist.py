@@ -213,6 +213,10 @@ class TorchDistWriter(CheckpointWriter):
         self._files[index] = DirectFile(self.directory / self._name(index))
         self._planned[index] = self._sizes[index] = size
 
+    @classmethod
+    def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:
+        return [p.region for p in pieces if p.primary]  # each is one record
+
     def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Record]:
         """Place each primary piece's record after the ones reserved before it in its file."""
         records = []
@@ -319,8 +323,8 @@ class TorchDistWriter(CheckpointWriter):
                 for key, found in chunks.items():
                     self._chunks[key].extend(found)
                 self._storage.update(storage)
-        tensors = {
-            self._key(name): TensorEntry(getattr(torch, spec.dtype), spec.shape, self._chunks[self._key(name)])
+        tensors = {  # chunks by position: the same list however the slabs were cut into units or shared by ranks
+            self._key(name): TensorEntry(getattr(torch, spec.dtype), spec.shape, sorted(self._chunks[self._key(name)], key=lambda c: c.offsets))
             for name, spec in self.specs.items()
         }
         objects = self._write_objects()

@@ -307,6 +307,16 @@ class LegacyWriter(CheckpointWriter):
             self._streams[rank] = StreamingTorchSave(rank_dir / RANK_FILE)
             self._models[rank] = [OrderedDict() for _ in range(self.layout.vpp)]
 
+    @classmethod
+    def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:
+        """The span of each rank's pieces (one local tensor: a gated MLP's gate and up rows keep together)."""
+        spans: dict[tuple[RankCoord, str | None], Region] = {}
+        for piece in pieces:
+            key = (piece.rank, piece.alias)
+            old = spans.get(key, piece.region)
+            spans[key] = tuple((min(a, c), max(b, d)) for (a, b), (c, d) in zip(old, piece.region))
+        return list(spans.values())
+
     def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Local]:
         """Place each rank's local tensor of this slab (several pieces share one: a fused gated MLP)."""
         grouped: dict[tuple[RankCoord, int, str], list[Piece]] = defaultdict(list)

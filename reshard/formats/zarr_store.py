@@ -237,6 +237,12 @@ class ZarrWriter(CheckpointWriter):
             ),
         )
 
+    @classmethod
+    def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:
+        if not spec.shape:
+            return [slab]
+        return [inside for _, _, inside in chunk_grid(slab, chunk_shape(spec), list(spec.shape))]  # each is one file
+
     def prepare(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None) -> None:
         """Write the slab's chunks, each a file of its values in C order (the `bytes` codec), from this reader
         thread; a chunk that is not one run of the slab, or that reaches past the array, is staged."""

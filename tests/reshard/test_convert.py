@@ -9,7 +9,7 @@ from fixtures.synthetic import SyntheticReader, write_synthetic
 from reshard.buffers import Pool
 from reshard.convert import convert, read_slab
 from reshard.errors import ReshardError
-from reshard.formats import open_checkpoint
+from reshard.formats import dcp_metadata, open_checkpoint
 from reshard.layout import Layout
 from reshard.plan import make_plan
 from reshard.sharding import full_region
@@ -108,9 +108,29 @@ def test_large_slabs_read_in_bands_give_the_same_output(tmp_path, monkeypatch):
     assert emb.shape[0] == 512 and torch.count_nonzero(emb[256:]) == 0  # padding added for TP4 is zero
 
 
+@pytest.mark.parametrize("fmt", ["torch_dist", "legacy", "zarr"])
+def test_slabs_cut_into_units_give_the_same_output_in_less_memory(tmp_path, monkeypatch, fmt):
+    """Units follow the target's records (TP pieces, rank tensors, zarr chunks): the bytes written do not change."""
+    write_synthetic(tmp_path / "a", MHA, Layout(tp=2), "torch_dist")
+    whole = convert(tmp_path / "a", tmp_path / "whole", to_format=fmt, layout=Layout(tp=4), workers=2)
+    monkeypatch.setattr("reshard.plan.UNIT_BYTES", 1 << 10)
+    cut = convert(tmp_path / "a", tmp_path / "units", to_format=fmt, layout=Layout(tp=4), workers=2)
+    whole_files, cut_files = _file_bytes(tmp_path / "whole"), _file_bytes(tmp_path / "units")
+    metadata = [name for name in whole_files if name.endswith(".metadata")]
+    for name in metadata:  # the same DCP metadata; its pickle may share objects differently
+        assert dcp_metadata.load(tmp_path / "whole" / name) == dcp_metadata.load(tmp_path / "units" / name)
+        del whole_files[name], cut_files[name]
+    if "zarr.json" in whole_files:  # the root's attributes hold the manifest, with its time
+        del whole_files["zarr.json"], cut_files["zarr.json"]
+    assert whole_files == cut_files
+    assert cut.plan.max_memory < whole.plan.max_memory  # the default budget follows the largest unit
+    embedding = next(m for m in cut.plan.moves if m.target.name == "embedding.word_embeddings.weight")
+    assert len(list(cut.plan.units(embedding))) > 1
+
+
 def test_memory_budget(tmp_path):
     write_synthetic(tmp_path / "a", MHA, Layout(tp=2), "torch_dist")
-    with pytest.raises(ReshardError, match="too small: one slab of .* alone takes 64.0 KiB"):
+    with pytest.raises(ReshardError, match="too small: one slab .* alone takes 64.0 KiB"):
         convert(tmp_path / "a", tmp_path / "b", max_memory=200 << 10, workers=1)
     assert not (tmp_path / "b").exists()
     # a budget for a few slabs and the working buffers still converts, reading fewer slabs ahead

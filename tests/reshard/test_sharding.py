@@ -6,7 +6,7 @@ import torch
 from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import SyntheticReader
 from reshard.layout import Layout
-from reshard.sharding import bands, contiguous_offset, pieces, region_size, shift, to_slices
+from reshard.sharding import bands, contiguous_offset, pieces, region_size, shift, to_slices, units
 
 LAYOUTS = [Layout(), Layout(tp=2), Layout(pp=2, vpp=2), Layout(tp=2, pp=2), Layout(pp=2, first_stage_layers=1)]
 MOE_LAYOUTS = [Layout(ep=2), Layout(ep=4, tp=2, etp=1), Layout(ep=2, tp=2), Layout(ep=2, pp=2)]
@@ -73,3 +73,15 @@ def test_contiguous_offset_agrees_with_torch_views():
         view = t[to_slices(region)]
         expected = view.storage_offset() if view.is_contiguous() else None
         assert contiguous_offset(shape, region) == expected, region
+
+
+def test_units_never_cut_a_whole_region_and_stay_within_the_size_where_they_can():
+    slab = ((3, 4), (0, 100), (0, 4))  # one layer: 100 rows of 4
+    whole = [((3, 4), (r, r + 10), (0, 4)) for r in range(0, 100, 10)]  # records of 10 rows
+    cut = units(slab, whole, 25 * 4)
+    assert [u[1] for u in cut] == [(0, 20), (20, 40), (40, 60), (60, 80), (80, 100)]
+    assert all(u[0] == (3, 4) and u[2] == (0, 4) for u in cut)
+    # a region spanning others (a gated MLP's gate and up rows on one rank) keeps them together
+    spanning = [*whole, ((3, 4), (5, 55), (0, 4))]
+    assert [u[1] for u in units(slab, spanning, 25 * 4)] == [(0, 60), (60, 80), (80, 100)]
+    assert units(slab, [slab], 4) == [slab] and units(slab, whole, 400) == [slab]

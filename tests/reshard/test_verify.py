@@ -136,3 +136,14 @@ def test_bytes_written_other_than_the_slab_says_are_caught_without_reading_back(
     with pytest.raises(ReshardError, match="does not match the source"):
         convert(tmp_path / "src", tmp_path / "dst", to_format=fmt, layout=layout)
     assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("fmt", READERS)
+def test_regions_read_back_in_bands_give_the_same_checksums(tmp_path, monkeypatch, fmt):
+    """A large stored region (an embedding slab) is read back in bands of about UNIT_BYTES, not whole."""
+    _, written = _write(tmp_path / "ckpt", SyntheticReader(TINY_LLAMA), Layout(tp=2), fmt)
+    monkeypatch.setattr("reshard.verify.UNIT_BYTES", 1 << 10)
+    with _counting(fmt, tmp_path / "ckpt") as reader:
+        assert compute_checksums(reader) == written
+        regions = sum(len(reader.stored_regions(name)) for name in reader.specs)
+        assert reader.reads > regions
