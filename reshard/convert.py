@@ -78,10 +78,11 @@ def write_moves(
     finished: Callable[[Done], None] | None = None,
     pool: Pool | None = None,
 ) -> tuple[dict[str, Checksum], dict[str, Checksum]]:
-    """Copy every tensor of the plan slab by slab into `writer`. Returns the checksums of the values as
-    written (after a cast to the target dtype, when a move changes it) and as read. Workers read and hash
-    slabs ahead (within `plan.read_ahead` bytes); the writer takes them in plan order, so the output is the
-    same whatever the number of workers. `finished` hears of each tensor once it is wholly written."""
+    """Copy every tensor of the plan into `writer`, unit of work by unit (`ConversionPlan.units`: slabs, a
+    large one in parts). Returns the checksums of the values as written (after a cast to the target dtype,
+    when a move changes it) and as read. Workers read and hash units ahead (within `plan.read_ahead`
+    bytes); the writer takes them in plan order, so the output is the same whatever the number of workers.
+    `finished` hears of each tensor once it is wholly written."""
     content = {m.target.name: reader.config.vocab_rows if m.target.vocab else None for m in plan.moves}
     pool = pool or Pool()
     helpers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard-band") if workers > 1 else None

@@ -279,7 +279,7 @@ class HFReader(CheckpointReader):
         return records
 
     def _vocab_rows_into(self, mapping, inner: Region, out: torch.Tensor) -> None:
-        """Rows of an embedding/output layer region, copied from the mapped file straight into `out`;
+        """Rows of an embedding/output layer region, read from the file straight into `out`;
         rows past the HF vocabulary are padding (zeros)."""
         (r0, r1), cols = inner[0], inner[1:]
         hf_name = mapping.hf_names()[0]
