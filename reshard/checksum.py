@@ -21,6 +21,7 @@ layouts does not change their checksum.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,6 +153,28 @@ class TensorChecksum:
 
     def result(self) -> Checksum:
         return Checksum(f"{self.sums[0]:08x}{self.sums[1]:08x}", self.dtype, self.shape)
+
+
+@dataclass(frozen=True)
+class HashedParts:
+    """A unit of work's values in memory, hashed by the regions its writer records whole. A record written
+    from exactly one part's memory counts with that part's checksum instead of being hashed a second time:
+    its bytes are the ones hashed as read, and nothing was cut between the two."""
+
+    parts: dict[Region, tuple[torch.Tensor, TensorChecksum]]
+
+    def checksum_of(self, region: Region, values: torch.Tensor) -> TensorChecksum | None:
+        """The checksum of `values` (given as the values of `region`) if they are the memory of that part."""
+        data, checksum = self.parts.get(region, (None, None))
+        same = (
+            data is not None
+            and values.dtype == data.dtype
+            and values.numel() == data.numel()
+            and values.is_contiguous()
+            and data.is_contiguous()
+            and values.data_ptr() == data.data_ptr()
+        )
+        return copy.copy(checksum) if same else None
 
 
 def checksum_tensor(t: torch.Tensor, content_rows: int | None = None) -> Checksum:

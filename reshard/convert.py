@@ -14,7 +14,7 @@ import torch
 
 from reshard import __version__
 from reshard.buffers import Pool
-from reshard.checksum import Checksum, TensorChecksum
+from reshard.checksum import Checksum, HashedParts, TensorChecksum
 from reshard.distributed import convert_distributed, process_group, world
 from reshard.errors import ReshardError
 from reshard.formats import WRITERS, open_checkpoint
@@ -22,7 +22,7 @@ from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
 from reshard.layout import Layout
 from reshard.pipeline import ordered_map
 from reshard.plan import BAND_BYTES, ConversionPlan, TensorMove, itemsize, make_plan
-from reshard.sharding import Piece, Region, bands, region_size, shift, to_slices
+from reshard.sharding import Piece, Region, bands, contiguous_offset, region_size, shift, to_slices
 from reshard.verify import compare, compute_checksums
 from reshard.worklog import Done, Recorder, WorkLog, fingerprint
 
@@ -105,16 +105,50 @@ def write_moves(
             parts[0].merge(part)
         return parts[0]
 
+    def runs(move: TensorMove, unit: Region, unit_pieces: list[Piece]) -> list[Region] | None:
+        """The regions the writer records whole in `unit`, if they are runs of its memory that tile it
+        (each byte in exactly one); hashing by them spares hashing each record again as written."""
+        shape = [b - a for a, b in unit]
+        starts = []
+        for region in type(writer).whole_regions(move.target, unit, unit_pieces):
+            start = contiguous_offset(shape, shift(region, unit))
+            if start is None:
+                return None
+            starts.append((start, region))
+        starts.sort()
+        ends = [start + region_size(region) for start, region in starts]
+        if [start for start, _ in starts] != [0, *ends[:-1]] or ends[-1:] != [region_size(unit)]:
+            return None
+        return [region for _, region in starts]
+
+    def read_and_hash_parts(move: TensorMove, unit: Region, unit_pieces: list[Piece], out: torch.Tensor) -> tuple[TensorChecksum, HashedParts]:
+        """Read `unit` into `out` and hash it: by the writer's records where they tile it (see `runs`), else
+        whole (in bands on the helper threads when it is large)."""
+        parts = runs(move, unit, unit_pieces) if out.numel() * out.element_size() < 2 * BAND_BYTES else None
+        if parts is None:
+            whole = read_and_hash(move, unit, out)
+            return whole, HashedParts({unit: (out, whole)})
+        read_slab(reader, move, unit, out)
+        total = TensorChecksum(move.target.shape, move.source.dtype, content[move.target.name])
+        hashed = {}
+        for region in parts:
+            view = out[to_slices(shift(region, unit))]
+            part = TensorChecksum(move.target.shape, move.source.dtype, content[move.target.name])
+            part.add(region, view)
+            total.merge(part)
+            hashed[region] = (view, part)
+        return total, HashedParts(hashed)
+
     def prepare(job: tuple[TensorMove, Region, list[Piece], Any]) -> _Prepared:
         move, slab, slab_pieces, reserved = job
         data = buffer = pool.tensor([b - a for a, b in slab], getattr(torch, move.source.dtype))
-        as_read = read_and_hash(move, slab, data)
-        as_written = as_read
+        as_read, hashed = read_and_hash_parts(move, slab, slab_pieces, data)
+        as_written, written_parts = as_read, hashed
         if move.target.dtype != move.source.dtype:
             data = data.to(getattr(torch, move.target.dtype))
-            as_written = TensorChecksum(move.target.shape, move.target.dtype, content[move.target.name])
+            as_written, written_parts = TensorChecksum(move.target.shape, move.target.dtype, content[move.target.name]), None
             as_written.add(slab, data)
-        prepared = writer.prepare(move.target, slab, data, slab_pieces, reserved)
+        prepared = writer.prepare(move.target, slab, data, slab_pieces, reserved, written_parts)
         return _Prepared(move, slab, slab_pieces, data, buffer, prepared, as_read, as_written)
 
     def jobs() -> Iterator[tuple[TensorMove, Region, list[Piece], Any]]:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from reshard.checksum import Checksum, TensorChecksum
+from reshard.checksum import Checksum, HashedParts, TensorChecksum
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.layout import Layout
@@ -198,9 +198,12 @@ class CheckpointWriter(abc.ABC):
         `prepare` can write them from a reader thread, in any order."""
         return None
 
-    def prepare(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None) -> Any:
+    def prepare(
+        self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
+    ) -> Any:
         """Work on a slab that a reader thread can do before `write` gets it (it receives the result), so
-        that the one thread writing does only the writing. `reserved` is what `reserve` returned."""
+        that the one thread writing does only the writing. `reserved` is what `reserve` returned; `hashed`,
+        `data`'s checksums by part (see `vouch`)."""
         return None
 
     @abc.abstractmethod
@@ -232,11 +235,16 @@ class CheckpointWriter(abc.ABC):
         empty for a writer that does not keep them."""
         return dict(self._written)
 
-    def vouch(self, spec: TensorSpec, region: Region, file: str, offset: int, values: torch.Tensor) -> None:
+    def vouch(
+        self, spec: TensorSpec, region: Region, file: str, offset: int, values: torch.Tensor, hashed: HashedParts | None = None
+    ) -> None:
         """Keep the checksum of region `region` of `spec` as written: `values` are its bytes as they went
-        to `file` (relative to the iteration directory), starting at `offset`. Reader threads call it."""
-        part = TensorChecksum(spec.shape, spec.dtype, self.config.vocab_rows if spec.vocab else None)
-        part.add(region, values)
+        to `file` (relative to the iteration directory), starting at `offset`; when they are the memory of
+        one of the `hashed` parts, its checksum counts. Reader threads call it."""
+        part = hashed.checksum_of(region, values) if hashed is not None else None
+        if part is None:
+            part = TensorChecksum(spec.shape, spec.dtype, self.config.vocab_rows if spec.vocab else None)
+            part.add(region, values)
         self._written[StoredRecord(spec.name, region, spec.dtype, file, offset)] = part
 
     def before_finish(self) -> None:

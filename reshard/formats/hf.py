@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from reshard.buffers import PerThread, copy
+from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
 from reshard.direct_io import ALIGN, DirectFile
 from reshard.errors import ReshardError
@@ -397,7 +398,9 @@ class HFWriter(CheckpointWriter):
                 self._entries[name] = _Entry(name, tuple(shape), dtype, index, start + begin, nbytes)
 
     # -- streaming --------------------------------------------------------------------------------
-    def prepare(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None) -> None:
+    def prepare(
+        self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
+    ) -> None:
         """Write the slab's HF tensors at their offsets from this reader thread: a tensor that is strided,
         cast, or (up to STAGE_BYTES) not as far past a page as its offset is staged first, so that its
         middle goes to the disk directly. A slab that is its HF tensors stacked row-wise (`stacks_rows`)
@@ -421,7 +424,7 @@ class HFWriter(CheckpointWriter):
             if mapping.stacks_rows:
                 rows = entry.shape[0] if entry.shape else 1
                 region = (*slab[: spec.prefix_axes], (row, row + rows), *((0, d) for d in entry.shape[1:]))
-                self.vouch(spec, region, self._file_names[entry.file], entry.offset, out.reshape([b - a for a, b in region]))
+                self.vouch(spec, region, self._file_names[entry.file], entry.offset, out.reshape([b - a for a, b in region]), hashed)
                 row += rows
 
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from reshard.buffers import PerThread
+from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
 from reshard.direct_io import DirectFile, round_up
 from reshard.errors import ReshardError
@@ -236,7 +237,9 @@ class TorchDistWriter(CheckpointWriter):
             records.append(_Record(index, Storage(self._name(index), offset, length), Chunk(offsets, shape)))
         return records
 
-    def prepare(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None) -> list[_Record]:
+    def prepare(
+        self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
+    ) -> list[_Record]:
         """Write the slab's records where `reserve` placed them: staging a strided piece, its CRC-32 and
         the copy into the file all run in this reader thread."""
         primary = [p for p in pieces if p.primary]
@@ -247,7 +250,7 @@ class TorchDistWriter(CheckpointWriter):
                 raise AssertionError(f"{spec.name}: archive of {saved.size} bytes where {record.storage.length} were planned")
             # the checksum of the bytes as they went to the file (staged ones included)
             values = torch.from_numpy(saved.data).view(data.dtype).reshape([b - a for a, b in piece.region])
-            self.vouch(spec, piece.region, record.storage.relative_path, record.storage.offset + saved.data_offset, values)
+            self.vouch(spec, piece.region, record.storage.relative_path, record.storage.offset + saved.data_offset, values, hashed)
         return reserved
 
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:

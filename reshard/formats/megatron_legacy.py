@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from reshard.buffers import PerThread, copy
+from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.formats.base import (
@@ -329,7 +330,9 @@ class LegacyWriter(CheckpointWriter):
             for (rank, vstage, key), group in grouped.items()
         ]
 
-    def prepare(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None) -> list[_Local]:
+    def prepare(
+        self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
+    ) -> list[_Local]:
         """Write the slab's local tensors where `reserve` placed them, and keep the checksums of their
         primary pieces as written."""
         for local in reserved:
@@ -349,7 +352,7 @@ class LegacyWriter(CheckpointWriter):
                 if piece.primary and start is not None:
                     offset = local.slot.data_offset + start * data.element_size()
                     shape = [b - a for a, b in piece.region]
-                    self.vouch(spec, piece.region, file, offset, as_written[to_slices(piece.local_region)].reshape(shape))
+                    self.vouch(spec, piece.region, file, offset, as_written[to_slices(piece.local_region)].reshape(shape), hashed)
         return reserved
 
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:

@@ -28,6 +28,7 @@ import tensorstore as ts
 import torch
 
 from reshard.buffers import PerThread, copy
+from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
 from reshard.direct_io import DirectFile
 from reshard.errors import ReshardError
@@ -243,7 +244,9 @@ class ZarrWriter(CheckpointWriter):
             return [slab]
         return [inside for _, _, inside in chunk_grid(slab, chunk_shape(spec), list(spec.shape))]  # each is one file
 
-    def prepare(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None) -> None:
+    def prepare(
+        self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
+    ) -> None:
         """Write the slab's chunks, each a file of its values in C order (the `bytes` codec), from this reader
         thread; a chunk that is not one run of the slab, or that reaches past the array, is staged."""
         self._array(spec)  # its zarr.json first
@@ -268,7 +271,7 @@ class ZarrWriter(CheckpointWriter):
             start = contiguous_offset(chunks, shift(inside, whole))
             if start is not None and spec.shape:
                 written = part.view(chunks)[to_slices(shift(inside, whole))]
-                self.vouch(spec, inside, key, start * data.element_size(), written)
+                self.vouch(spec, inside, key, start * data.element_size(), written, hashed)
 
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
         """Nothing is left to do: the reader thread wrote the chunks."""

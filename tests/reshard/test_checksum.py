@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from reshard.checksum import TensorChecksum, checksum_tensor
+from reshard.checksum import HashedParts, TensorChecksum, checksum_tensor
 
 
 def _random_partition(shape, rng):
@@ -68,3 +68,19 @@ def test_incomplete_coverage_is_visible():
     acc = TensorChecksum((4, 4), "float32")
     acc.add(((0, 2), (0, 4)), torch.zeros(2, 4))
     assert not acc.complete
+
+
+def test_hashed_parts_vouch_only_for_their_own_memory():
+    data = torch.randn(1, 6, 8).to(torch.bfloat16)
+    top, bottom = ((2, 3), (0, 3), (0, 8)), ((2, 3), (3, 6), (0, 8))
+    parts = {}
+    for region, view in ((top, data[:, :3]), (bottom, data[:, 3:])):
+        acc = TensorChecksum((4, 6, 8), "bfloat16")
+        acc.add(region, view)
+        parts[region] = (view, acc)
+    hashed = HashedParts(parts)
+    reused = hashed.checksum_of(bottom, data[:, 3:].view(torch.int16).view(torch.bfloat16))
+    assert reused is not None and reused.result() == parts[bottom][1].result()
+    assert hashed.checksum_of(bottom, data[:, 3:].clone()) is None  # equal values elsewhere are hashed again
+    assert hashed.checksum_of(top, data[:, 3:]) is None  # another part's memory under this part's name
+    assert hashed.checksum_of(((2, 3), (0, 6), (0, 8)), data) is None  # a region that is no part
