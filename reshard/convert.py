@@ -21,7 +21,7 @@ from reshard.formats import WRITERS, open_checkpoint
 from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
 from reshard.layout import Layout
 from reshard.pipeline import ordered_map
-from reshard.plan import BAND_BYTES, ConversionPlan, TensorMove, itemsize, make_plan
+from reshard.plan import BAND_BYTES, ConversionPlan, TensorMove, Unit, itemsize, make_plan
 from reshard.sharding import Piece, Region, bands, contiguous_offset, region_size, shift, to_slices
 from reshard.verify import compare, compute_checksums
 from reshard.worklog import Done, Recorder, WorkLog, fingerprint
@@ -105,56 +105,57 @@ def write_moves(
             parts[0].merge(part)
         return parts[0]
 
-    def runs(move: TensorMove, unit: Region, unit_pieces: list[Piece]) -> list[Region] | None:
+    def runs(unit: Unit) -> list[Region] | None:
         """The regions the writer records whole in `unit`, if they are runs of its memory that tile it
         (each byte in exactly one); hashing by them spares hashing each record again as written."""
-        shape = [b - a for a, b in unit]
+        shape = [b - a for a, b in unit.region]
         starts = []
-        for region in type(writer).whole_regions(move.target, unit, unit_pieces):
-            start = contiguous_offset(shape, shift(region, unit))
+        for region in unit.records:
+            start = contiguous_offset(shape, shift(region, unit.region))
             if start is None:
                 return None
             starts.append((start, region))
         starts.sort()
         ends = [start + region_size(region) for start, region in starts]
-        if [start for start, _ in starts] != [0, *ends[:-1]] or ends[-1:] != [region_size(unit)]:
+        if [start for start, _ in starts] != [0, *ends[:-1]] or ends[-1:] != [region_size(unit.region)]:
             return None
         return [region for _, region in starts]
 
-    def read_and_hash_parts(move: TensorMove, unit: Region, unit_pieces: list[Piece], out: torch.Tensor) -> tuple[TensorChecksum, HashedParts]:
+    def read_and_hash_parts(move: TensorMove, unit: Unit, out: torch.Tensor) -> tuple[TensorChecksum, HashedParts]:
         """Read `unit` into `out` and hash it: by the writer's records where they tile it (see `runs`), else
         whole (in bands on the helper threads when it is large)."""
-        parts = runs(move, unit, unit_pieces) if out.numel() * out.element_size() < 2 * BAND_BYTES else None
+        parts = runs(unit) if out.numel() * out.element_size() < 2 * BAND_BYTES else None
         if parts is None:
-            whole = read_and_hash(move, unit, out)
-            return whole, HashedParts({unit: (out, whole)})
-        read_slab(reader, move, unit, out)
+            whole = read_and_hash(move, unit.region, out)
+            return whole, HashedParts({unit.region: (out, whole)})
+        read_slab(reader, move, unit.region, out)
         total = TensorChecksum(move.target.shape, move.source.dtype, content[move.target.name])
         hashed = {}
         for region in parts:
-            view = out[to_slices(shift(region, unit))]
+            view = out[to_slices(shift(region, unit.region))]
             part = TensorChecksum(move.target.shape, move.source.dtype, content[move.target.name])
             part.add(region, view)
             total.merge(part)
             hashed[region] = (view, part)
         return total, HashedParts(hashed)
 
-    def prepare(job: tuple[TensorMove, Region, list[Piece], Any]) -> _Prepared:
-        move, slab, slab_pieces, reserved = job
+    def prepare(job: tuple[TensorMove, Unit, Any]) -> _Prepared:
+        move, unit, reserved = job
+        slab = unit.region
         data = buffer = pool.tensor([b - a for a, b in slab], getattr(torch, move.source.dtype))
-        as_read, hashed = read_and_hash_parts(move, slab, slab_pieces, data)
+        as_read, hashed = read_and_hash_parts(move, unit, data)
         as_written, written_parts = as_read, hashed
         if move.target.dtype != move.source.dtype:
             data = data.to(getattr(torch, move.target.dtype))
             as_written, written_parts = TensorChecksum(move.target.shape, move.target.dtype, content[move.target.name]), None
             as_written.add(slab, data)
-        prepared = writer.prepare(move.target, slab, data, slab_pieces, reserved, written_parts)
-        return _Prepared(move, slab, slab_pieces, data, buffer, prepared, as_read, as_written)
+        prepared = writer.prepare(move.target, slab, data, unit.pieces, reserved, written_parts)
+        return _Prepared(move, slab, unit.pieces, data, buffer, prepared, as_read, as_written)
 
-    def jobs() -> Iterator[tuple[TensorMove, Region, list[Piece], Any]]:
+    def jobs() -> Iterator[tuple[TensorMove, Unit, Any]]:
         for move in plan.moves:
-            for unit, unit_pieces in plan.units(move):
-                yield move, unit, unit_pieces, writer.reserve(move.target, unit, unit_pieces)
+            for unit in plan.units(move):
+                yield move, unit, writer.reserve(move.target, unit.region, unit.pieces)
 
     read_sums = {m.target.name: TensorChecksum(m.target.shape, m.source.dtype, content[m.target.name]) for m in plan.moves}
     written_sums = {m.target.name: TensorChecksum(m.target.shape, m.target.dtype, content[m.target.name]) for m in plan.moves}
@@ -164,8 +165,8 @@ def write_moves(
         if finished:
             finished(Done(name, written_sums[name].result(), read_sums[name].result()))
 
-    def slab_bytes(job: tuple[TensorMove, Region, list[Piece], Any]) -> int:
-        return region_size(job[1]) * itemsize(job[0].source.dtype)
+    def slab_bytes(job: tuple[TensorMove, Unit, Any]) -> int:
+        return region_size(job[1].region) * itemsize(job[0].source.dtype)
 
     try:
         for item in ordered_map(prepare, jobs(), workers, plan.read_ahead(workers), slab_bytes):

@@ -73,6 +73,16 @@ class TensorMove:
         return max(itemsize(self.source.dtype), itemsize(self.target.dtype))
 
 
+@dataclass(frozen=True)
+class Unit:
+    """One unit of work: a slab or a part of one, with the target pieces inside it and the regions its
+    writer records whole there (`CheckpointWriter.whole_regions`)."""
+
+    region: Region
+    pieces: list[Piece]
+    records: list[Region]
+
+
 @dataclass
 class ConversionPlan:
     source: Path
@@ -92,22 +102,24 @@ class ConversionPlan:
     def bytes_moved(self) -> int:
         return sum(m.bytes for m in self.moves)
 
-    def units(self, move: TensorMove, first_slab_only: bool = False) -> Iterator[tuple[Region, list[Piece]]]:
-        """The move's units of work in order, each with the target pieces inside it: its slabs, a large one
-        cut where the target's writer allows (every piece it writes lies in one of its whole regions)."""
+    def units(self, move: TensorMove, first_slab_only: bool = False) -> Iterator[Unit]:
+        """The move's units of work in order: its slabs, a large one cut where the target's writer allows
+        (every piece it writes lies in one of its whole regions)."""
         writer = WRITERS[self.target_format]
         by_slab = pieces_by_slab(pieces(move.target, self.config, self.target_layout), move.target)
         for slab in slabs(move.target):
             slab_pieces = by_slab.get(slab_of(move.target, slab), [])
-            for unit in units(slab, writer.whole_regions(move.target, slab, slab_pieces), UNIT_BYTES // move.itemsize):
-                yield unit, [p for p in slab_pieces if intersect(p.region, unit) == p.region]
+            whole = writer.whole_regions(move.target, slab, slab_pieces)
+            for unit in units(slab, whole, UNIT_BYTES // move.itemsize):
+                inside = [p for p in slab_pieces if intersect(p.region, unit) == p.region]
+                yield Unit(unit, inside, [r for r in whole if intersect(r, unit) == r])
             if first_slab_only:
                 return
 
     def largest_unit(self) -> tuple[TensorMove | None, int]:
         """The move with the largest unit of work, and that unit's bytes (every slab of a tensor is cut
         alike, so its first slab tells)."""
-        sizes = [(max(region_size(u) for u, _ in self.units(m, first_slab_only=True)) * m.itemsize, i) for i, m in enumerate(self.moves)]
+        sizes = [(max(region_size(u.region) for u in self.units(m, first_slab_only=True)) * m.itemsize, i) for i, m in enumerate(self.moves)]
         size, index = max(sizes, default=(0, -1))
         return (self.moves[index] if index >= 0 else None), size
 

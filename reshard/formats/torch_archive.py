@@ -10,8 +10,8 @@ or the archive passes 4 GiB.
 
 `save_tensor` writes one tensor (a DCP chunk); `archive_size` gives its size from the shape alone, so
 records can be placed before their values are read and written by several threads (`At`).
-`StreamingTorchSave` writes a whole state dict, storage by storage as the tensors come, and the pickle
-last.
+`StreamingTorchSave` writes a whole state dict: each storage record placed in order (`reserve`),
+written by any thread (`fill`), and the pickle last.
 """
 
 from __future__ import annotations
@@ -313,11 +313,6 @@ class StreamingTorchSave:
         self._file.pwrite(zip_writer.header(slot.index, _crc32(memoryview(data))), entry.offset)
         self._file.pwrite(data, entry.data_offset)
         return data
-
-    def add(self, tensor: torch.Tensor, scratch: Scratch | None = None) -> _TensorStub:
-        slot = self.reserve(tuple(tensor.shape), tensor.dtype)
-        self.fill(slot, tensor, scratch)
-        return slot.stub
 
     def finish(self, obj: Any) -> None:
         self._end.offset = self._archive.zip.size  # after every reserved record

@@ -52,7 +52,10 @@ def test_streaming_save_matches_the_state_dict(tmp_path, zip64_from: int) -> Non
     writer = StreamingTorchSave(path, zip64_from=zip64_from)
     tensors = _tensors()
     scratch = Scratch()
-    stubs = {name: writer.add(t, scratch) for name, t in tensors.items()}
+    slots = {name: writer.reserve(tuple(t.shape), t.dtype) for name, t in tensors.items()}
+    for name, t in tensors.items():
+        writer.fill(slots[name], t, scratch)
+    stubs = {name: slot.stub for name, slot in slots.items()}
     writer.finish({"model": stubs, "iteration": 7, "args": {"lr": 0.1}})
     for mmap in (False, True):  # torch's mmap loading needs aligned records
         loaded = torch.load(path, weights_only=True, mmap=mmap)
