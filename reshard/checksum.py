@@ -60,13 +60,14 @@ def _col_weights(cols: np.ndarray, k: int) -> np.ndarray:
 
 def words(t: torch.Tensor) -> np.ndarray:
     """The tensor's bits as uint16 words: shape (*t.shape[:-1], last * itemsize/2)."""
-    t = t.detach().contiguous()
+    t = t.detach()
     if t.dim() == 0:
         t = t.reshape(1)
     if t.element_size() == 1:
         return t.view(torch.uint8).numpy().astype(np.uint16)
-    flat = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.uint8).view(torch.int16)
-    return flat.numpy().view(np.uint16).reshape(*t.shape[:-1], -1)
+    if t.stride(-1) != 1:  # a strided view is hashed where it lies, unless its last axis is strided too
+        t = t.contiguous()
+    return t.view(torch.int16).numpy().view(np.uint16)
 
 
 @dataclass(frozen=True)
@@ -164,14 +165,14 @@ class HashedParts:
     parts: dict[Region, tuple[torch.Tensor, TensorChecksum]]
 
     def checksum_of(self, region: Region, values: torch.Tensor) -> TensorChecksum | None:
-        """The checksum of `values` (given as the values of `region`) if they are the memory of that part."""
+        """The checksum of `values` (given as the values of `region`) if they are the memory of that part:
+        the same elements at the same addresses, strided or not."""
         data, checksum = self.parts.get(region, (None, None))
         same = (
             data is not None
             and values.dtype == data.dtype
-            and values.numel() == data.numel()
-            and values.is_contiguous()
-            and data.is_contiguous()
+            and values.shape == data.shape
+            and values.stride() == data.stride()
             and values.data_ptr() == data.data_ptr()
         )
         return copy.copy(checksum) if same else None

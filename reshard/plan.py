@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,7 @@ def default_budget(largest_unit_bytes: int) -> int:
     return 2 * largest_unit_bytes + min(256 << 20, psutil.virtual_memory().total // 8)
 
 
+@functools.cache
 def itemsize(dtype: str) -> int:
     return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 

@@ -8,10 +8,14 @@ not primary), which is what torch_dist stores and what checksums count.
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Generic, Iterable, Iterator, TypeVar
+
+import numpy as np
 
 from reshard.config import ModelConfig
 from reshard.layout import Layout, RankCoord
@@ -207,6 +211,32 @@ def intersect(a: Region, b: Region) -> Region | None:
     return tuple(out)
 
 
+T = TypeVar("T")
+
+
+class RegionIndex(Generic[T]):
+    """Regions, each with a value, found by overlap with a query by bisecting on the first axis instead of
+    testing every one: a MoE tensor of thousands of chunks is read in hundreds of units."""
+
+    def __init__(self, items: Iterable[tuple[Region, T]]):
+        self.items = sorted(items, key=lambda item: _first(item[0])[0])
+        self.starts = [_first(region)[0] for region, _ in self.items]
+        self.reach = max((b - a for a, b in map(_first, (r for r, _ in self.items))), default=0)
+
+    def overlapping(self, region: Region) -> Iterator[tuple[Region, Region, T]]:
+        """(item's region, its intersection with `region`, item's value) for each item overlapping `region`."""
+        a, b = _first(region)
+        lo = bisect.bisect_left(self.starts, a - self.reach + 1)
+        for item_region, value in self.items[lo : bisect.bisect_left(self.starts, b)]:
+            inside = intersect(item_region, region)
+            if inside is not None:
+                yield item_region, inside, value
+
+
+def _first(region: Region) -> tuple[int, int]:
+    return region[0] if region else (0, 1)
+
+
 def shift(region: Region, origin: Region) -> Region:
     """Express `region` relative to the start of `origin`."""
     return tuple((a - o, b - o) for (a, b), (o, _) in zip(region, origin))
@@ -249,6 +279,23 @@ def units(slab: Region, whole: list[Region], max_elements: int) -> list[Region]:
             points.append(previous)
         previous = point
     return cut(slab, axis, [*points, stop])
+
+
+def tiles(box: Region, regions: list[Region]) -> bool:
+    """Whether `regions`, each inside `box`, cover it with every element in exactly one: counted on the
+    grid their edges cut the box into (conservatively False when that grid is huge)."""
+    if sum(map(region_size, regions)) != region_size(box):
+        return False
+    if len(regions) <= 1:
+        return True
+    edges = [sorted({a, b, *(x for r in regions for x in r[d])}) for d, (a, b) in enumerate(box)]
+    if math.prod(len(e) - 1 for e in edges) > 1 << 20:
+        return False
+    cell = [{x: i for i, x in enumerate(e)} for e in edges]
+    grid = np.zeros([len(e) - 1 for e in edges], dtype=np.int32)
+    for region in regions:
+        grid[tuple(slice(c[a], c[b]) for c, (a, b) in zip(cell, region))] += 1
+    return bool((grid == 1).all())
 
 
 def contiguous_offset(shape: tuple[int, ...], region: Region) -> int | None:

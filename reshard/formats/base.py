@@ -19,19 +19,25 @@ from reshard.logical import TensorSpec
 from reshard.sharding import Piece, Region, slabs
 
 MANIFEST_NAME = "reshard_manifest.json"
-_CACHE_LOCK = threading.RLock()  # re-entrant: a make() may fill another cache
+_CACHE_LOCK = threading.Lock()
+_MAKING: dict[tuple[int, Any], threading.Lock] = {}  # a lock per entry being made
 
 
 def cached(cache: dict, key: Any, make: Any) -> Any:
-    """Get or create an entry of a cache that reader threads share; `make()` runs once per key."""
+    """Get or create an entry of a cache that reader threads share; `make()` runs once per key. Entries are
+    made under their own lock, so threads making different ones (each reading headers) do not queue."""
     try:
         return cache[key]
     except KeyError:
         pass
     with _CACHE_LOCK:
+        lock = _MAKING.setdefault((id(cache), key), threading.Lock())
+    with lock:
         if key not in cache:
             cache[key] = make()
-        return cache[key]
+    with _CACHE_LOCK:
+        _MAKING.pop((id(cache), key), None)
+    return cache[key]
 
 # Megatron-LM `args` fields that describe the parallel layout rather than the model.
 LAYOUT_ARGS = {
@@ -152,6 +158,10 @@ class CheckpointReader(abc.ABC):
         """Fill `out` (shaped like `region`) with its values. Readers implement this or `read`; those that
         can place bytes straight into `out` implement this, which saves the conversion a copy."""
         out.copy_(self.read(name, region))
+
+    def prefetch(self, name: str, region: Region) -> None:
+        """A hint that `region` of tensor `name` is read next (after the regions hinted before it): a reader
+        may start finding it (reading headers) in the background. Nothing is read into memory that counts."""
 
     def stored_regions(self, name: str) -> list[Region]:
         """Regions that cover tensor `name` once, each no larger than a slab: by default its slabs; a reader

@@ -15,7 +15,7 @@ import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -99,6 +99,111 @@ class _FileWindow(io.RawIOBase):
         return n
 
 
+WINDOW = 4096  # bytes read at each end of a record: a torch.save archive keeps its headers and pickle there
+
+
+class _Windows:
+    """The first and last WINDOW bytes of a record, read once (two `pread`s in place of zipfile's dozen);
+    a read outside them goes to the file."""
+
+    def __init__(self, file: RecordFile, start: int, length: int):
+        self.file, self.start, self.length = file, start, length
+        self.head = self._pread(0, min(length, WINDOW))
+        self.tail_at = max(0, length - WINDOW)
+        self.tail = self.head if self.tail_at == 0 else self._pread(self.tail_at, length - self.tail_at)
+
+    def _pread(self, offset: int, size: int) -> bytes:
+        buffer = bytearray(size)
+        self.file._pread(memoryview(buffer), self.start + offset)
+        return bytes(buffer)
+
+    def read(self, offset: int, size: int) -> bytes:
+        """`size` bytes at `offset` of the record."""
+        if offset < 0 or offset + size > self.length:
+            raise ReshardError(f"{self.file.path}: a zip header points outside its record at {self.start}; the file is damaged")
+        if offset + size <= len(self.head):
+            return self.head[offset : offset + size]
+        if offset >= self.tail_at:
+            return self.tail[offset - self.tail_at : offset - self.tail_at + size]
+        return self._pread(offset, size)
+
+
+_EOCD = struct.Struct("<IHHHHIIH")  # end of central directory
+_ZIP64_LOCATOR = struct.Struct("<IIQI")
+_ZIP64_EOCD = struct.Struct("<IQHHIIQQQQ")
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # a central directory entry, before its name
+_LOCAL = struct.Struct("<I22xHH")  # a local header's signature, name and extra lengths
+_OVERFLOW = 0xFFFFFFFF
+
+
+def zip_entries(read: Callable[[int, int], bytes], length: int) -> dict[str, tuple[int, int]] | None:
+    """name -> (data offset, size) of the stored entries of a zip of `length` bytes, `read(offset, size)`
+    giving its bytes: the central directory found at the very end (no comment, one disk), Zip64 included.
+    None for any other layout, which `zipfile` is left to read; compressed entries are refused."""
+    if length < _EOCD.size:
+        return None
+    sig, disk, cd_disk, _, count, cd_size, cd_offset, comment = _EOCD.unpack(read(length - _EOCD.size, _EOCD.size))
+    if sig != 0x06054B50 or comment or disk or cd_disk:
+        return None
+    if count == 0xFFFF or _OVERFLOW in (cd_size, cd_offset):
+        at = length - _EOCD.size - _ZIP64_LOCATOR.size
+        if at < 0:
+            return None
+        sig, _, eocd64, _ = _ZIP64_LOCATOR.unpack(read(at, _ZIP64_LOCATOR.size))
+        if sig != 0x07064B50 or eocd64 + _ZIP64_EOCD.size > at:
+            return None
+        sig, *_, count, cd_size, cd_offset = _ZIP64_EOCD.unpack(read(eocd64, _ZIP64_EOCD.size))
+        if sig != 0x06064B50:
+            return None
+    directory = read(cd_offset, cd_size)
+    entries, pos = {}, 0
+    for _ in range(count):
+        if pos + _CENTRAL.size > len(directory):
+            return None
+        sig, _, _, _, method, _, _, _, compressed, size, name_len, extra_len, comment_len, _, _, _, local = _CENTRAL.unpack_from(directory, pos)
+        if sig != 0x02014B50:
+            return None
+        name_at = pos + _CENTRAL.size
+        name = directory[name_at : name_at + name_len].decode("utf-8")
+        size, compressed, local = _zip64_sizes(directory[name_at + name_len : name_at + name_len + extra_len], size, compressed, local)
+        pos = name_at + name_len + extra_len + comment_len
+        if method != 0 or compressed != size:
+            raise ReshardError("compressed torch.save records are not supported")
+        sig, local_name, local_extra = _LOCAL.unpack(read(local, _LOCAL.size))
+        if sig != 0x04034B50:
+            return None
+        entries[name] = (local + _LOCAL.size + local_name + local_extra, size)
+    return entries
+
+
+def _zip64_sizes(extra: bytes, size: int, compressed: int, local: int) -> tuple[int, int, int]:
+    """The fields a central directory entry left at 0xFFFFFFFF, from its Zip64 extra field (in this order)."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, n = struct.unpack_from("<HH", extra, pos)
+        if tag == 1:
+            values = iter(struct.unpack_from(f"<{n // 8}Q", extra, pos + 4))
+            size = next(values) if size == _OVERFLOW else size
+            compressed = next(values) if compressed == _OVERFLOW else compressed
+            local = next(values) if local == _OVERFLOW else local
+            break
+        pos += 4 + n
+    return size, compressed, local
+
+
+def _zipfile_entries(window: _FileWindow) -> dict[str, tuple[int, int]]:
+    """`zip_entries` by `zipfile`, for a zip laid out any other way."""
+    with zipfile.ZipFile(window) as zf:
+        out = {}
+        for info in zf.infolist():
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise ReshardError("compressed torch.save records are not supported")
+            window.seek(info.header_offset + 26)
+            name_len, extra_len = struct.unpack("<HH", window.read(4))
+            out[info.filename] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
+        return out
+
+
 @dataclass(frozen=True)
 class TensorRecord:
     """Where a saved tensor's elements lie in its file: row-major from `offset`."""
@@ -136,26 +241,20 @@ class RecordFile:
         if self.file.pread(buffer, offset) < len(buffer):
             raise ReshardError(f"{self.path} is truncated: the checkpoint is damaged")
 
-    def _records(self, start: int, length: int) -> dict[str, tuple[int, int]]:
-        """name -> (absolute data offset, size) of the zip records of the blob at [start, start+length)."""
-        with zipfile.ZipFile(_FileWindow(self.fd, start, length)) as zf:
-            out = {}
-            for info in zf.infolist():
-                if info.compress_type != zipfile.ZIP_STORED:
-                    raise ReshardError("compressed torch.save records are not supported")
-                header = bytearray(4)
-                self._pread(memoryview(header), start + info.header_offset + 26)
-                name_len, extra_len = struct.unpack("<HH", header)
-                out[info.filename.split("/", 1)[1]] = (start + info.header_offset + 30 + name_len + extra_len, info.file_size)
-            return out
+    def _records(self, start: int, length: int) -> tuple[dict[str, tuple[int, int]], _Windows]:
+        """name -> (absolute data offset, size) of the zip records of the blob at [start, start+length), and
+        the blob's two ends as read (its headers and pickle lie there)."""
+        ends = _Windows(self, start, length)
+        entries = zip_entries(ends.read, length)
+        if entries is None:  # not laid out as torch.save writes: let zipfile make sense of it
+            entries = _zipfile_entries(_FileWindow(self.fd, start, length))
+        return {name.split("/", 1)[1]: (start + offset, size) for name, (offset, size) in entries.items()}, ends
 
     def record(self, start: int, length: int) -> TensorRecord:
         """The tensor that `torch.save` wrote at [start, start+length)."""
-        records = self._records(start, length)
+        records, ends = self._records(start, length)
         pkl_offset, pkl_size = records["data.pkl"]
-        pickled = bytearray(pkl_size)
-        self._pread(memoryview(pickled), pkl_offset)
-        header = _HeaderUnpickler(io.BytesIO(pickled)).load()
+        header = _HeaderUnpickler(io.BytesIO(ends.read(pkl_offset - start, pkl_size))).load()
         if not isinstance(header, TensorHeader):
             raise ReshardError(f"{self.path}: expected a tensor record at offset {start}")
         data_offset, data_size = records[f"data/{header.key}"]

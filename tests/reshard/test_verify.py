@@ -149,18 +149,21 @@ def test_regions_read_back_in_bands_give_the_same_checksums(tmp_path, monkeypatc
         assert reader.reads > regions
 
 
-@pytest.mark.parametrize("fmt", READERS)
-def test_records_written_from_the_memory_hashed_as_read_are_not_hashed_again(tmp_path, monkeypatch, fmt):
-    """At TP1 a torch_dist record is a whole slab written from the slab's own memory: each value is hashed
-    once. A legacy rank tensor made of several pieces (a gated MLP) is assembled and hashed again, as is a
-    zarr chunk that is not one run of its slab."""
+@pytest.mark.parametrize(
+    "fmt, layout", [*((fmt, Layout()) for fmt in READERS), ("torch_dist", Layout(tp=2, pp=2))], ids=[*READERS, "torch_dist-strided"]
+)
+def test_records_written_from_the_memory_hashed_as_read_are_not_hashed_again(tmp_path, monkeypatch, fmt, layout):
+    """A torch_dist record is written from the slab's own memory (at TP1 a whole slab; at TP2 a row-parallel
+    piece is a strided view of it, staged by a plain copy): each value is hashed once. A legacy rank tensor
+    made of several pieces (a gated MLP) is assembled and hashed again, as is a zarr chunk that is not one
+    run of its slab."""
     import reshard.checksum
 
     hashed = []
     real = reshard.checksum.TensorChecksum.add
     monkeypatch.setattr(reshard.checksum.TensorChecksum, "add", lambda self, region, data: hashed.append(data.numel()) or real(self, region, data))
     reader = SyntheticReader(TINY_LLAMA)
-    records, written = _write(tmp_path / "ckpt", reader, Layout(), fmt)
+    records, written = _write(tmp_path / "ckpt", reader, layout, fmt)
     total = sum(spec.numel for spec in reader.specs.values())
     assert sum(hashed) == total if fmt == "torch_dist" else total < sum(hashed) < 2 * total
     with _counting(fmt, tmp_path / "ckpt") as back:

@@ -1,17 +1,23 @@
 """Region reads out of `torch.save` records, against slicing what `torch.save` was given."""
 
+import io
 import itertools
+import zipfile
 
 import pytest
 import torch
 
+from reshard.errors import ReshardError
 from reshard.formats import torch_blob
-from reshard.formats.torch_blob import RecordFile
+from reshard.formats.torch_archive import save_tensor
+from reshard.formats.torch_blob import RecordFile, zip_entries
 
 
+@pytest.mark.parametrize("window", [torch_blob.WINDOW, 64], ids=["headers-in-windows", "headers-between"])
 @pytest.mark.parametrize("block", [torch_blob.READ_BLOCK, 64], ids=["one-read", "many-blocks"])
-def test_regions_read_back_as_saved(tmp_path, monkeypatch, block):
+def test_regions_read_back_as_saved(tmp_path, monkeypatch, block, window):
     monkeypatch.setattr(torch_blob, "READ_BLOCK", block)
+    monkeypatch.setattr(torch_blob, "WINDOW", window)
     saved = torch.arange(3 * 10 * 12, dtype=torch.float32).reshape(3, 10, 12).to(torch.bfloat16)
     path = tmp_path / "records"
     with open(path, "wb") as f:
@@ -31,3 +37,61 @@ def test_regions_read_back_as_saved(tmp_path, monkeypatch, block):
                 assert torch.equal(dest, saved[tuple(itertools.starmap(slice, region))]), (region, into_column)
     finally:
         f.close()
+
+
+def _zips() -> dict[str, bytes]:
+    """Archives written by torch.save, by our own writer (Zip32 and Zip64) and by `zipfile` (Zip64 entries)."""
+    out = {}
+    for name, value in {"bf16": torch.ones(3, 5, dtype=torch.bfloat16), "scalar": torch.tensor(2.5), "dict": {"a": torch.arange(7)}}.items():
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        out[f"torch.save {name}"] = buffer.getvalue()
+    for zip64_from in (0xFFFFFFFF, 0):
+        buffer = io.BytesIO()
+        save_tensor(torch.arange(40, dtype=torch.float32).reshape(5, 8), buffer, zip64_from=zip64_from)
+        out[f"save_tensor zip64_from={zip64_from}"] = buffer.getvalue()
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        for i in range(3):
+            with zf.open(f"archive/data/{i}", "w", force_zip64=True) as f:
+                f.write(bytes(range(i, 100 + i)))
+    out["zipfile force_zip64"] = buffer.getvalue()
+    return out
+
+
+@pytest.mark.parametrize("name, blob", list(_zips().items()), ids=list(_zips()))
+def test_zip_entries_agree_with_zipfile(name, blob):
+    """Our two-window zip parse against `zipfile`: the same names, and each entry's bytes where it says."""
+    entries = zip_entries(lambda offset, size: blob[offset : offset + size], len(blob))
+    with zipfile.ZipFile(io.BytesIO(blob)) as zf:
+        assert sorted(entries) == sorted(zf.namelist())
+        for entry, (offset, size) in entries.items():
+            assert blob[offset : offset + size] == zf.read(entry), entry
+
+
+def test_zip_layouts_we_do_not_parse_fall_back_to_zipfile(tmp_path):
+    """A zip with a comment is not read by `zip_entries`; a record in one still reads through zipfile."""
+    saved = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    with zipfile.ZipFile(buffer, "a") as zf:
+        zf.comment = b"written elsewhere"
+    blob = buffer.getvalue()
+    assert zip_entries(lambda offset, size: blob[offset : offset + size], len(blob)) is None
+    (tmp_path / "record").write_bytes(blob)
+    f = RecordFile(tmp_path / "record")
+    try:
+        out = torch.empty(3, 4)
+        f.read_into(f.record(0, len(blob)), ((0, 3), (0, 4)), out)
+        assert torch.equal(out, saved)
+    finally:
+        f.close()
+
+
+def test_compressed_records_are_refused():
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("archive/data.pkl", b"x" * 100)
+    blob = buffer.getvalue()
+    with pytest.raises(ReshardError, match="compressed"):
+        zip_entries(lambda offset, size: blob[offset : offset + size], len(blob))
