@@ -12,7 +12,7 @@ What it does, in one run:
      fsyncing writers are treated alike); peak RSS is that child's own ru_maxrss (os.wait4), and
      psutil polling gives the whole process tree's peak (torchrun) and its disk I/O;
   3. measures `cp -r` of each source (the physical limit), reshard conversions
-     (`python -m reshard convert`; dense TP4->TP8 also at --workers 1 and 2, and as a 2-rank conversion
+     (`python -m reshard convert`; dense TP4->TP8 also at --workers 1, 2 and 4, and as a 2-rank conversion
      under torchrun), a naive load-everything converter and, unless --skip-mcore, Megatron-Core's own
      reshard-on-load (dist_checkpointing.load at TP8 under torchrun, then save);
   4. writes JSON (machine info included) and prints a markdown table.
@@ -501,8 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", metavar="TEXT",
                         help="run only the dense reshard steps whose label contains TEXT (repeatable; cp always runs)")
     parser.add_argument("--timeout", type=float, default=None, help="per-step limit in seconds (default scales with size)")
-    parser.add_argument("--workers", type=_counts, default=(1, 2), metavar="N,N,...",
-                        help="--workers values of the TP4->TP8 scaling steps (default 1,2)")
+    parser.add_argument("--workers", type=_counts, default=(1, 2, 4), metavar="N,N,...",
+                        help="--workers values of the TP4->TP8 scaling steps (default 1,2,4)")
     parser.add_argument("--ranks", type=_counts, default=(2,), metavar="N,N,...",
                         help="torchrun process counts of the multi-rank TP4->TP8 steps (default 2)")
     parser.add_argument("--_build", nargs=3, metavar=("KIND", "PATH", "SIZE"), help=argparse.SUPPRESS)
@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
 
         d = src["dense"]
         zarr_dir, legacy_dir, hf_dir = work / "dense_zarr", work / "dense_legacy_tp4", work / "dense_hf"
-        # The --workers steps pin the thread count the default (min(4, cores)) leaves to the machine: scaling.
+        # The --workers steps pin the thread count the default (min(8, 2 x cores)) leaves to the machine: scaling.
         dense_steps = [
             ("TP4->TP8 torch_dist", d, work / "dense_tp8", ["--to-tp", "8"], True),
             *((f"TP4->TP8 torch_dist --workers {w}", d, work / f"dense_tp8_w{w}", ["--to-tp", "8", "--workers", str(w)], True)
