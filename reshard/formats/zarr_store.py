@@ -21,10 +21,9 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
-import tensorstore as ts
 import torch
 
 from reshard.buffers import PerThread, copy
@@ -37,6 +36,9 @@ from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe
 from reshard.sharding import Piece, Region, contiguous_offset, full_region, intersect, shift, to_slices
+
+if TYPE_CHECKING:
+    import tensorstore as ts
 
 PLAIN_CODECS = [{"configuration": {"endian": "little"}, "name": "bytes"}]  # a chunk file is its values in C order
 TP_CHUNKS = 8  # chunk the TP axis so that TP = 1, 2, 4, 8 read whole chunks
@@ -105,8 +107,16 @@ def _stored_dtype(dtype: str) -> str:
     return _ZARR_DTYPES[dtype]
 
 
+def _tensorstore() -> Any:
+    """tensorstore, imported when a zarr array is first opened: it costs every other conversion 0.1-0.3 s
+    of start-up otherwise."""
+    import tensorstore
+
+    return tensorstore
+
+
 def _open(path: Path, **spec: Any) -> ts.TensorStore:
-    return ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}, **spec}).result()
+    return _tensorstore().open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}, **spec}).result()
 
 
 def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
@@ -184,7 +194,7 @@ class ZarrReader(CheckpointReader):
             out.copy_(self.read(name, region))
             return
         index = to_slices(region) if spec.shape else ()
-        dest = ts.array(_to_numpy(out.reshape([b - a for a, b in region] or [1]), spec.dtype), copy=False)
+        dest = _tensorstore().array(_to_numpy(out.reshape([b - a for a, b in region] or [1]), spec.dtype), copy=False)
         try:
             dest.write(self._array(name)[index]).result()
         except ValueError as exc:
