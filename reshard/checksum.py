@@ -122,16 +122,16 @@ class TensorChecksum:
             rows = np.zeros(1, dtype=np.int64)
         w2 = w.reshape(len(rows), -1)
         ncols = w2.shape[1]
-        cols = np.arange(col0, col0 + ncols, dtype=np.int64)
         a = np.stack([_row_weights(rows, k) for k in range(2)], axis=1)
-        b = [_col_weights(cols, k) for k in range(2)]
         # Inner sums y[row, k] = sum_col W * b_k(col): exact in float64 within one column block; added
-        # up across column blocks in int64, reduced mod p once at the end.
+        # up across column blocks in int64, reduced mod p once at the end. Column weights are made per
+        # block, so a long row (a large 1-D tensor) needs no weight array of its own length.
         y = np.zeros((len(rows), 2), dtype=np.int64)
         width = min(ncols, _COLUMN_BLOCK)
         rows_per_block = max(1, _BLOCK_WORDS // width)
         for c0 in range(0, ncols, width):
-            weights = [bk[c0 : c0 + width] for bk in b]
+            cols = np.arange(col0 + c0, col0 + min(ncols, c0 + width), dtype=np.int64)
+            weights = [_col_weights(cols, k) for k in range(2)]
             for r0 in range(0, len(rows), rows_per_block):
                 part = w2[r0 : r0 + rows_per_block, c0 : c0 + width]
                 converted = _scratch.take(part.size, np.float64).reshape(part.shape)
