@@ -64,3 +64,21 @@ def test_files_hold_each_byte_once(tmp_path):
     logical = sum(spec.numel * 4 for spec in source.specs.values())
     stored = sum(p.stat().st_size for p in (tmp_path / "ckpt" / "iter_0000010").glob("*.distcp"))
     assert logical <= stored < 1.1 * logical + 200_000  # plus a small record header per chunk
+
+
+def test_prefetched_headers_are_parsed_once_and_read_the_same(tmp_path, monkeypatch):
+    """Headers parsed ahead on the background threads are the ones the reads use: each chunk's once."""
+    write_synthetic(tmp_path / "ckpt", TINY_MOE, Layout(tp=2, ep=2), "torch_dist")
+    source = SyntheticReader(TINY_MOE, Layout(tp=2, ep=2))
+    parsed = []
+    real = TorchDistReader._parse
+    monkeypatch.setattr(TorchDistReader, "_parse", lambda self, info: parsed.append((info.relative_path, info.offset)) or real(self, info))
+    with TorchDistReader(tmp_path / "ckpt") as reader:
+        for name, spec in reader.specs.items():
+            reader.prefetch(name, full_region(spec.shape))
+        for name, spec in reader.specs.items():
+            out = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
+            reader.read_into(name, full_region(spec.shape), out)
+            assert torch.equal(out, source.read(name, full_region(spec.shape))), name
+        chunks = sum(len(reader.stored_records(name)) for name in reader.specs)
+    assert len(parsed) == len(set(parsed)) == chunks
