@@ -16,7 +16,8 @@ from reshard.errors import ReshardError
 FORMATS = ["torch_dist", "legacy", "zarr", "hf"]
 
 # Each thread waits on the disk about half the time (a read, then a write, of every unit), so two per core
-# keep the cores busy: 3 GB MoE EP4->EP2 on 2 cores took 8.2-8.4 s at 4 threads, 9.7-10.7 s at 2.
+# keep the cores busier: in two alternating pairs on 2 cores, 3 GB MoE EP4->EP2 took 10.1 and 8.1 s at 4
+# threads against 10.7 and 9.7 s at 2 (dense TP4->TP8: 6.5 and 7.3 s against 7.1 and 7.7 s).
 DEFAULT_WORKERS = min(8, 2 * (os.cpu_count() or 1))
 
 
