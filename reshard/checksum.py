@@ -168,14 +168,13 @@ class HashedParts:
         """The checksum of `values` (given as the values of `region`) if they are the memory of that part:
         the same elements at the same addresses, strided or not."""
         data, checksum = self.parts.get(region, (None, None))
-        same = (
-            data is not None
-            and values.dtype == data.dtype
-            and values.shape == data.shape
-            and values.stride() == data.stride()
-            and values.data_ptr() == data.data_ptr()
-        )
-        return copy.copy(checksum) if same else None
+        return copy.copy(checksum) if data is not None and _placement(values) == _placement(data) else None
+
+
+def _placement(t: torch.Tensor) -> tuple:
+    """Where a tensor's elements lie: its dtype, shape, address and strides (but for size-1 axes, where a
+    stride means nothing)."""
+    return t.dtype, tuple(t.shape), t.data_ptr(), tuple(st for size, st in zip(t.shape, t.stride()) if size != 1)
 
 
 def checksum_tensor(t: torch.Tensor, content_rows: int | None = None) -> Checksum:

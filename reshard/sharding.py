@@ -211,19 +211,19 @@ def intersect(a: Region, b: Region) -> Region | None:
     return tuple(out)
 
 
-T = TypeVar("T")
+_Value = TypeVar("_Value")
 
 
-class RegionIndex(Generic[T]):
+class RegionIndex(Generic[_Value]):
     """Regions, each with a value, found by overlap with a query by bisecting on the first axis instead of
     testing every one: a MoE tensor of thousands of chunks is read in hundreds of units."""
 
-    def __init__(self, items: Iterable[tuple[Region, T]]):
+    def __init__(self, items: Iterable[tuple[Region, _Value]]):
         self.items = sorted(items, key=lambda item: _first(item[0])[0])
         self.starts = [_first(region)[0] for region, _ in self.items]
         self.reach = max((b - a for a, b in map(_first, (r for r, _ in self.items))), default=0)
 
-    def overlapping(self, region: Region) -> Iterator[tuple[Region, Region, T]]:
+    def overlapping(self, region: Region) -> Iterator[tuple[Region, Region, _Value]]:
         """(item's region, its intersection with `region`, item's value) for each item overlapping `region`."""
         a, b = _first(region)
         lo = bisect.bisect_left(self.starts, a - self.reach + 1)
@@ -287,7 +287,7 @@ def tiles(box: Region, regions: list[Region]) -> bool:
     if sum(map(region_size, regions)) != region_size(box):
         return False
     if len(regions) <= 1:
-        return True
+        return regions == [box]
     edges = [sorted({a, b, *(x for r in regions for x in r[d])}) for d, (a, b) in enumerate(box)]
     if math.prod(len(e) - 1 for e in edges) > 1 << 20:
         return False

@@ -32,12 +32,14 @@ def cached(cache: dict, key: Any, make: Any) -> Any:
         pass
     with _CACHE_LOCK:
         lock = _MAKING.setdefault((id(cache), key), threading.Lock())
-    with lock:
-        if key not in cache:
-            cache[key] = make()
-    with _CACHE_LOCK:
-        _MAKING.pop((id(cache), key), None)
-    return cache[key]
+    try:
+        with lock:
+            if key not in cache:
+                cache[key] = make()
+            return cache[key]
+    finally:
+        with _CACHE_LOCK:
+            _MAKING.pop((id(cache), key), None)
 
 # Megatron-LM `args` fields that describe the parallel layout rather than the model.
 LAYOUT_ARGS = {

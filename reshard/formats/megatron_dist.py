@@ -92,6 +92,7 @@ class TorchDistReader(CheckpointReader):
         self._index: dict[str, RegionIndex[Storage]] = {}
         self._header_pool: ThreadPoolExecutor | None = None
         self._prefetched: set[tuple[str, int]] = set()
+        self._closed = False
         self.unsupported_optimizer = []
         for key in self.metadata.objects:
             if key.startswith("optimizer"):
@@ -145,7 +146,10 @@ class TorchDistReader(CheckpointReader):
     def prefetch(self, name: str, region: Region) -> None:
         """Parse the headers of the chunks `region` needs on background threads: each is two small reads at
         random places, which would otherwise stall a reader thread once per chunk (about 1 ms on a cold
-        disk; 2000 of them in a 3 GB MoE checkpoint)."""
+        disk; 2000 of them in a 3 GB MoE checkpoint). A record torch itself must decode (not stored dense)
+        is loaded whole there, as the reader would load it."""
+        if self._closed:
+            return
         if self._header_pool is None:
             self._header_pool = ThreadPoolExecutor(HEADER_THREADS, thread_name_prefix="reshard-headers")
         for _, _, info in self._index[name].overlapping(region):
@@ -188,6 +192,7 @@ class TorchDistReader(CheckpointReader):
             raise ReshardError(f"{path}: a chunk cannot be decoded ({exc.__class__.__name__}); the file is damaged") from None
 
     def close(self) -> None:
+        self._closed = True
         if self._header_pool is not None:
             self._header_pool.shutdown(cancel_futures=True)
             self._header_pool = None
@@ -270,8 +275,9 @@ class TorchDistWriter(CheckpointWriter):
             saved = save_tensor(chunk, At(self._files[record.index], record.storage.offset), self._scratch.scratch)
             if saved.size != record.storage.length:
                 raise AssertionError(f"{spec.name}: archive of {saved.size} bytes where {record.storage.length} were planned")
-            # the checksum of the values as they went to the file (a strided piece staged by a plain copy)
-            self.vouch(spec, piece.region, record.storage.relative_path, record.storage.offset + saved.data_offset, saved.tensor, hashed)
+            # the checksum of the bytes as they went to the file (staged ones included)
+            values = torch.from_numpy(saved.data).view(data.dtype).reshape([b - a for a, b in piece.region])
+            self.vouch(spec, piece.region, record.storage.relative_path, record.storage.offset + saved.data_offset, values, hashed)
         return reserved
 
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:

@@ -224,13 +224,11 @@ class _Archive:
 class SavedTensor:
     """What `save_tensor` wrote: `size` bytes of archive, the tensor's own bytes among them at
     `data_offset` from its start. `data` is those bytes as they were handed to the file (staged in the
-    caller's scratch when the tensor was strided: valid until that scratch is used again); `tensor` is the
-    tensor they are the values of, as it was given."""
+    caller's scratch when the tensor was strided: valid until that scratch is used again)."""
 
     size: int
     data_offset: int
     data: np.ndarray
-    tensor: torch.Tensor
 
 
 def save_tensor(tensor: torch.Tensor, f: BinaryIO, scratch: Scratch | None = None, zip64_from: int = _ZIP32_MAX) -> SavedTensor:
@@ -239,7 +237,7 @@ def save_tensor(tensor: torch.Tensor, f: BinaryIO, scratch: Scratch | None = Non
     archive = _Archive(f, "archive", zip64_from, storage_alignment(tensor.nbytes))
     data = tensor_bytes(tensor, scratch)
     archive.finish(archive.storage(tensor, data))
-    return SavedTensor(archive.zip.size, archive.zip.entries[0].data_offset, data, tensor)
+    return SavedTensor(archive.zip.size, archive.zip.entries[0].data_offset, data)
 
 
 @dataclass(frozen=True)

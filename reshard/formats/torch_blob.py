@@ -114,7 +114,7 @@ class _Windows:
 
     def _pread(self, offset: int, size: int) -> bytes:
         buffer = bytearray(size)
-        self.file._pread(memoryview(buffer), self.start + offset)
+        self.file.read_exact(memoryview(buffer), self.start + offset)
         return bytes(buffer)
 
     def read(self, offset: int, size: int) -> bytes:
@@ -138,8 +138,16 @@ _OVERFLOW = 0xFFFFFFFF
 
 def zip_entries(read: Callable[[int, int], bytes], length: int) -> dict[str, tuple[int, int]] | None:
     """name -> (data offset, size) of the stored entries of a zip of `length` bytes, `read(offset, size)`
-    giving its bytes: the central directory found at the very end (no comment, one disk), Zip64 included.
-    None for any other layout, which `zipfile` is left to read; compressed entries are refused."""
+    giving its bytes: the central directory found at the very end (no comment, one disk), Zip64 included,
+    every offset counted from the zip's start and inside it. None for anything else, which `zipfile` is
+    left to read (or to refuse); compressed entries are refused."""
+    try:
+        return _stored_entries(read, length)
+    except (struct.error, StopIteration, UnicodeDecodeError):
+        return None
+
+
+def _stored_entries(read: Callable[[int, int], bytes], length: int) -> dict[str, tuple[int, int]] | None:
     if length < _EOCD.size:
         return None
     sig, disk, cd_disk, _, count, cd_size, cd_offset, comment = _EOCD.unpack(read(length - _EOCD.size, _EOCD.size))
@@ -155,11 +163,11 @@ def zip_entries(read: Callable[[int, int], bytes], length: int) -> dict[str, tup
         sig, *_, count, cd_size, cd_offset = _ZIP64_EOCD.unpack(read(eocd64, _ZIP64_EOCD.size))
         if sig != 0x06064B50:
             return None
+    if cd_offset + cd_size > length:  # offsets counted from elsewhere (a zip inside a larger file)
+        return None
     directory = read(cd_offset, cd_size)
     entries, pos = {}, 0
     for _ in range(count):
-        if pos + _CENTRAL.size > len(directory):
-            return None
         sig, _, _, _, method, _, _, _, compressed, size, name_len, extra_len, comment_len, _, _, _, local = _CENTRAL.unpack_from(directory, pos)
         if sig != 0x02014B50:
             return None
@@ -169,10 +177,13 @@ def zip_entries(read: Callable[[int, int], bytes], length: int) -> dict[str, tup
         pos = name_at + name_len + extra_len + comment_len
         if method != 0 or compressed != size:
             raise ReshardError("compressed torch.save records are not supported")
-        sig, local_name, local_extra = _LOCAL.unpack(read(local, _LOCAL.size))
-        if sig != 0x04034B50:
+        if local + _LOCAL.size > length:
             return None
-        entries[name] = (local + _LOCAL.size + local_name + local_extra, size)
+        sig, local_name, local_extra = _LOCAL.unpack(read(local, _LOCAL.size))
+        data = local + _LOCAL.size + local_name + local_extra
+        if sig != 0x04034B50 or data + size > length:
+            return None
+        entries[name] = (data, size)
     return entries
 
 
@@ -237,7 +248,8 @@ class RecordFile:
     def close(self) -> None:
         self.file.close()
 
-    def _pread(self, buffer: memoryview, offset: int) -> None:
+    def read_exact(self, buffer: memoryview, offset: int) -> None:
+        """Fill `buffer` from `offset`, or refuse the file as truncated."""
         if self.file.pread(buffer, offset) < len(buffer):
             raise ReshardError(f"{self.path} is truncated: the checkpoint is damaged")
 
@@ -261,7 +273,7 @@ class RecordFile:
         itemsize = header.dtype.itemsize
         if not header.contiguous or data_size < (header.storage_offset + _numel(header.shape)) * itemsize:
             blob = bytearray(length)
-            self._pread(memoryview(blob), start)
+            self.read_exact(memoryview(blob), start)
             loaded = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
             return TensorRecord(loaded.dtype, tuple(loaded.shape), -1, loaded)
         return TensorRecord(header.dtype, header.shape, data_offset + header.storage_offset * itemsize)
@@ -281,13 +293,13 @@ class RecordFile:
             strides[d] = strides[d + 1] * shape[d + 1]
         first, count = _span(region, strides)
         if dest.is_contiguous() and count == dest.numel():
-            self._pread(memoryview(dest.view(torch.uint8).numpy()).cast("B"), record.offset + first * record.itemsize)
+            self.read_exact(memoryview(dest.view(torch.uint8).numpy()).cast("B"), record.offset + first * record.itemsize)
             return
         # strided: through the scratch buffer, a block of at most READ_BLOCK bytes at a time
         for block in _blocks(region, strides, record.itemsize):
             first, count = _span(block, strides)
             flat = _scratch.tensor([count], record.dtype)
-            self._pread(memoryview(flat.view(torch.uint8).numpy()), record.offset + first * record.itemsize)
+            self.read_exact(memoryview(flat.view(torch.uint8).numpy()), record.offset + first * record.itemsize)
             copy(dest[to_slices(shift(block, region))], flat.as_strided([b - a for a, b in block], strides))
 
     def tensor(self, start: int, length: int) -> torch.Tensor:

@@ -264,12 +264,12 @@ class ZarrWriter(CheckpointWriter):
         region = slab if spec.shape else ((0, 1),)
         values = data.reshape([b - a for a, b in region])
         for index, whole, inside in chunk_grid(region, chunks, shape):
-            given = part = values[to_slices(shift(inside, region))]
+            part = values[to_slices(shift(inside, region))]
             if inside != whole or not part.is_contiguous():
                 staged = self._scratch.tensor(chunks, data.dtype)
                 if inside != whole:
                     staged.zero_()  # the fill value, where the chunk reaches past the array
-                copy(staged[to_slices(shift(inside, whole))], given)
+                copy(staged[to_slices(shift(inside, whole))], part)
                 part = staged
             key = f"{spec.name}/{chunk_key(index)}"
             (self.path / key).parent.mkdir(parents=True, exist_ok=True)
@@ -279,10 +279,8 @@ class ZarrWriter(CheckpointWriter):
             finally:
                 file.close()
             start = contiguous_offset(chunks, shift(inside, whole))
-            if start is not None and spec.shape:
-                # what the file got: `given` itself, or a plain copy of it when the chunk was staged whole; an
-                # edge chunk's values are hashed where staging put them
-                written = given if inside == whole else part.view(chunks)[to_slices(shift(inside, whole))]
+            if start is not None and spec.shape:  # the bytes as they went to the file (a staged chunk's too)
+                written = part.view(chunks)[to_slices(shift(inside, whole))]
                 self.vouch(spec, inside, key, start * data.element_size(), written, hashed)
 
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:

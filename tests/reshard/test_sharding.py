@@ -126,4 +126,4 @@ def test_tiles_against_counting_every_cell():
                 counts[to_slices(region)] += 1
             covered_once = bool((counts[to_slices(box)] == 1).all())
             assert tiles(box, candidate) == covered_once, candidate
-    assert tiles((), [()]) and not tiles((), [(), ()])
+    assert tiles((), [()]) and not tiles((), [(), ()]) and not tiles(box, [((0, 4), (2, 8), (6, 12))])

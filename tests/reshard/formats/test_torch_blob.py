@@ -95,3 +95,28 @@ def test_compressed_records_are_refused():
     blob = buffer.getvalue()
     with pytest.raises(ReshardError, match="compressed"):
         zip_entries(lambda offset, size: blob[offset : offset + size], len(blob))
+
+
+def test_a_zip_whose_offsets_count_from_the_file_start_reads_through_zipfile(tmp_path):
+    """A zip written into a file after other bytes, its offsets counted from the file's start (as `zipfile`
+    writes when appending): `zip_entries` does not claim it; `zipfile` corrects the offsets and it reads."""
+    saved = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    with zipfile.ZipFile(buffer) as source:
+        entries = [(info, source.read(info)) for info in source.infolist()]
+    path = tmp_path / "records"
+    with open(path, "wb") as f:
+        f.write(b"x" * 5000)
+        with zipfile.ZipFile(f, "a") as zf:
+            for info, data in entries:
+                zf.writestr(info, data)
+    blob = path.read_bytes()[5000:]
+    assert zip_entries(lambda offset, size: blob[offset : offset + size], len(blob)) is None
+    f = RecordFile(path)
+    try:
+        out = torch.empty(3, 4)
+        f.read_into(f.record(5000, len(blob)), ((0, 3), (0, 4)), out)
+        assert torch.equal(out, saved)
+    finally:
+        f.close()
