@@ -59,10 +59,25 @@ def _zips() -> dict[str, bytes]:
     return out
 
 
+def _entries(blob: bytes):
+    return zip_entries(lambda offset, size: blob[offset : offset + size], len(blob))
+
+
+def _read_back(path, start: int, length: int, saved: torch.Tensor) -> None:
+    """The record at [start, start+length) of `path` reads back as `saved`."""
+    f = RecordFile(path)
+    try:
+        out = torch.empty(saved.shape, dtype=saved.dtype)
+        f.read_into(f.record(start, length), tuple((0, d) for d in saved.shape), out)
+        assert torch.equal(out, saved)
+    finally:
+        f.close()
+
+
 @pytest.mark.parametrize("name, blob", list(_zips().items()), ids=list(_zips()))
 def test_zip_entries_agree_with_zipfile(name, blob):
     """Our two-window zip parse against `zipfile`: the same names, and each entry's bytes where it says."""
-    entries = zip_entries(lambda offset, size: blob[offset : offset + size], len(blob))
+    entries = _entries(blob)
     with zipfile.ZipFile(io.BytesIO(blob)) as zf:
         assert sorted(entries) == sorted(zf.namelist())
         for entry, (offset, size) in entries.items():
@@ -77,15 +92,9 @@ def test_zip_layouts_we_do_not_parse_fall_back_to_zipfile(tmp_path):
     with zipfile.ZipFile(buffer, "a") as zf:
         zf.comment = b"written elsewhere"
     blob = buffer.getvalue()
-    assert zip_entries(lambda offset, size: blob[offset : offset + size], len(blob)) is None
+    assert _entries(blob) is None
     (tmp_path / "record").write_bytes(blob)
-    f = RecordFile(tmp_path / "record")
-    try:
-        out = torch.empty(3, 4)
-        f.read_into(f.record(0, len(blob)), ((0, 3), (0, 4)), out)
-        assert torch.equal(out, saved)
-    finally:
-        f.close()
+    _read_back(tmp_path / "record", 0, len(blob), saved)
 
 
 def test_compressed_records_are_refused():
@@ -94,7 +103,7 @@ def test_compressed_records_are_refused():
         zf.writestr("archive/data.pkl", b"x" * 100)
     blob = buffer.getvalue()
     with pytest.raises(ReshardError, match="compressed"):
-        zip_entries(lambda offset, size: blob[offset : offset + size], len(blob))
+        _entries(blob)
 
 
 def test_a_zip_whose_offsets_count_from_the_file_start_reads_through_zipfile(tmp_path):
@@ -112,11 +121,5 @@ def test_a_zip_whose_offsets_count_from_the_file_start_reads_through_zipfile(tmp
             for info, data in entries:
                 zf.writestr(info, data)
     blob = path.read_bytes()[5000:]
-    assert zip_entries(lambda offset, size: blob[offset : offset + size], len(blob)) is None
-    f = RecordFile(path)
-    try:
-        out = torch.empty(3, 4)
-        f.read_into(f.record(5000, len(blob)), ((0, 3), (0, 4)), out)
-        assert torch.equal(out, saved)
-    finally:
-        f.close()
+    assert _entries(blob) is None
+    _read_back(path, 5000, len(blob), saved)
