@@ -182,7 +182,11 @@ class TreePoller(threading.Thread):
             self.stop.wait(self.interval)
 
     def totals(self) -> dict:
-        r = [sum(v[i] for v in self.io.values()) for i in range(4)]
+        """The tree's I/O. Linux adds a child's counters to its parent's once the parent reaps it, so when
+        the root (the launcher) has reaped the ranks its own counters already hold theirs."""
+        root = self.io.get(self.root.pid, (0, 0, 0, 0))
+        children = [sum(v[i] for pid, v in self.io.items() if pid != self.root.pid) for i in range(4)]
+        r = [root[i] if root[i] >= children[i] else root[i] + children[i] for i in range(4)]
         return {"disk_read_bytes": r[0], "disk_write_bytes": r[1], "read_chars": r[2], "write_chars": r[3]}
 
 
