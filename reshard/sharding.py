@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Generic, Iterable, Iterator, TypeVar
 
-import numpy as np
 
 from reshard.config import ModelConfig
 from reshard.layout import Layout, RankCoord
@@ -279,23 +277,6 @@ def units(slab: Region, whole: list[Region], max_elements: int) -> list[Region]:
             points.append(previous)
         previous = point
     return cut(slab, axis, [*points, stop])
-
-
-def tiles(box: Region, regions: list[Region]) -> bool:
-    """Whether `regions`, each inside `box`, cover it with every element in exactly one: counted on the
-    grid their edges cut the box into (conservatively False when that grid is huge)."""
-    if sum(map(region_size, regions)) != region_size(box):
-        return False
-    if len(regions) <= 1:
-        return regions == [box]
-    edges = [sorted({a, b, *(x for r in regions for x in r[d])}) for d, (a, b) in enumerate(box)]
-    if math.prod(len(e) - 1 for e in edges) > 1 << 20:
-        return False
-    cell = [{x: i for i, x in enumerate(e)} for e in edges]
-    grid = np.zeros([len(e) - 1 for e in edges], dtype=np.int32)
-    for region in regions:
-        grid[tuple(slice(c[a], c[b]) for c, (a, b) in zip(cell, region))] += 1
-    return bool((grid == 1).all())
 
 
 def contiguous_offset(shape: tuple[int, ...], region: Region) -> int | None:

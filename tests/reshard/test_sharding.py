@@ -8,7 +8,7 @@ import torch
 from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import SyntheticReader
 from reshard.layout import Layout
-from reshard.sharding import RegionIndex, bands, contiguous_offset, intersect, pieces, region_size, shift, tiles, to_slices, units
+from reshard.sharding import RegionIndex, bands, contiguous_offset, intersect, pieces, region_size, shift, to_slices, units
 
 LAYOUTS = [Layout(), Layout(tp=2), Layout(pp=2, vpp=2), Layout(tp=2, pp=2), Layout(pp=2, first_stage_layers=1)]
 MOE_LAYOUTS = [Layout(ep=2), Layout(ep=4, tp=2, etp=1), Layout(ep=2, tp=2), Layout(ep=2, pp=2)]
@@ -101,29 +101,3 @@ def test_region_index_finds_what_testing_every_region_finds():
         assert set(index.overlapping(query)) == expected
     assert list(RegionIndex([((), "scalar")]).overlapping(())) == [((), (), "scalar")]
 
-
-def test_tiles_against_counting_every_cell():
-    """`tiles` against marking each element: random cuts of a box, with one region moved, dropped or doubled."""
-    rng = random.Random(1)
-    box = ((0, 4), (2, 8), (0, 6))
-    for _ in range(100):
-        regions = [box]
-        for _ in range(rng.randrange(6)):  # split a random region along a random axis
-            region = regions.pop(rng.randrange(len(regions)))
-            axis = rng.randrange(3)
-            a, b = region[axis]
-            if b - a < 2:
-                regions.append(region)
-                continue
-            at = rng.randrange(a + 1, b)
-            regions += [tuple((a, at) if d == axis else r for d, r in enumerate(region)), tuple((at, b) if d == axis else r for d, r in enumerate(region))]
-        variants = [regions, regions[:-1], regions + regions[:1]]
-        if len(regions) > 1:  # a region moved onto its neighbour's place
-            variants.append(regions[:-1] + [regions[0]])
-        for candidate in variants:
-            counts = torch.zeros(4, 8, 6, dtype=torch.int32)
-            for region in candidate:
-                counts[to_slices(region)] += 1
-            covered_once = bool((counts[to_slices(box)] == 1).all())
-            assert tiles(box, candidate) == covered_once, candidate
-    assert tiles((), [()]) and not tiles((), [(), ()]) and not tiles(box, [((0, 4), (2, 8), (6, 12))])
