@@ -281,7 +281,8 @@ def _convert_here(
         finally:
             if recorder:
                 recorder.close()
-        pool.shrink(plan.hash_workers())
+        hash_workers = plan.hash_workers()
+        pool.shrink(hash_workers)
         written.update({d.name: d.written for d in done})
         as_read.update({d.name: d.read for d in done})
         if reader.manifest is not None:
@@ -293,7 +294,7 @@ def _convert_here(
         log.remove()
         with open_checkpoint(tmp, plan.target_format) as written_back:
             records = None if reread else writer.written_records()
-            checked = compute_checksums(written_back, workers=plan.hash_workers(), pool=pool, written=records)
+            checked = compute_checksums(written_back, workers=hash_workers, pool=pool, written=records)
             compare(checked, written, "written", "source").raise_if_bad("the written checkpoint does not match the source")
         _replace(tmp, target)
     except ReshardError:

@@ -138,13 +138,14 @@ def convert_distributed(
 
         _together(finish)
 
-        pool.shrink(plan.hash_workers())
+        hash_workers = plan.hash_workers()
+        pool.shrink(hash_workers)
 
         def check() -> dict[str, Checksum]:
             with open_checkpoint(tmp, plan.target_format) as written_back:
                 names = [m.target.name for m in mine.moves]
                 records = None if reread else writer.written_records()
-                return compute_checksums(written_back, workers=plan.hash_workers(), names=names, pool=pool, written=records)
+                return compute_checksums(written_back, workers=hash_workers, names=names, pool=pool, written=records)
 
         rechecked = {k: v for part in _together(check) for k, v in part.items()}
 

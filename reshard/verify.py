@@ -13,7 +13,7 @@ from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, StoredRecord
 from reshard.logical import TensorSpec
 from reshard.pipeline import ordered_map
-from reshard.plan import UNIT_BYTES
+from reshard.plan import UNIT_BYTES, itemsize
 from reshard.sharding import Region, bands, region_size, split_by_slab
 
 
@@ -68,7 +68,7 @@ def compute_checksums(
         """What `to_read` gives, a large region in bands of about UNIT_BYTES (the sum does not care)."""
         spec = reader.specs[name]
         for region in to_read(name):
-            nbytes = region_size(region) * getattr(torch, spec.dtype).itemsize
+            nbytes = region_size(region) * itemsize(spec.dtype)
             yield from bands(region, -(-nbytes // UNIT_BYTES))
 
     jobs = ((reader.specs[name], region) for name in wanted for region in in_units(name))

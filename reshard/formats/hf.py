@@ -28,6 +28,7 @@ from reshard.config import ModelConfig
 from reshard.direct_io import ALIGN, DirectFile
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, StoredRecord, args_for_layout, cached
+from reshard.formats.dcp_metadata import dtype_name
 from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe
@@ -96,6 +97,16 @@ def _read_header(path: Path) -> tuple[dict[str, Any], int]:
         raise ReshardError(f"{path} is truncated: the model download is incomplete")
     return header, 8 + size
 
+
+def stacked_regions(spec: TensorSpec, slab: Region, shapes: list[tuple[int, ...]]) -> list[Region]:
+    """The regions of `slab` that HF tensors of these shapes hold when the slab is them stacked by rows
+    (`Mapping.stacks_rows`): where the writer vouches for each and where the reader finds it."""
+    regions, row = [], 0
+    for shape in shapes:
+        rows = shape[0] if shape else 1
+        regions.append((*slab[: spec.prefix_axes], (row, row + rows), *((0, d) for d in shape[1:])))
+        row += rows
+    return regions
 
 class HFReader(CheckpointReader):
     format_name = "hf"
@@ -268,15 +279,11 @@ class HFReader(CheckpointReader):
         records = []
         for slab in slabs(spec):
             layer, expert = slab_of(spec, slab)
-            row = 0
-            for hf_name in mapping.hf_names(layer, expert):
-                st_dtype, shape = self._meta_of(hf_name)
+            hf_names = mapping.hf_names(layer, expert)
+            metas = [self._meta_of(hf_name) for hf_name in hf_names]
+            for hf_name, (st_dtype, _), region in zip(hf_names, metas, stacked_regions(spec, slab, [shape for _, shape in metas])):
                 stored = self._alias.get(hf_name, hf_name)
-                rows = shape[0] if shape else 1
-                region = (*slab[: spec.prefix_axes], (row, row + rows), *((0, d) for d in shape[1:]))
-                dtype = str(_ST_DTYPES[st_dtype]).removeprefix("torch.")
-                records.append(StoredRecord(name, region, dtype, self._where[stored].name, self._offsets[stored]))
-                row += rows
+                records.append(StoredRecord(name, region, dtype_name(_ST_DTYPES[st_dtype]), self._where[stored].name, self._offsets[stored]))
         return records
 
     def _vocab_rows_into(self, mapping, inner: Region, out: torch.Tensor) -> None:
@@ -410,8 +417,9 @@ class HFWriter(CheckpointWriter):
         value = data.reshape(data.shape[spec.prefix_axes :]) if spec.prefix_axes else data
         if spec.vocab:
             value = value[: self.config.vocab_rows]  # the padding never reaches HF
-        row = 0
-        for hf_name, tensor in zip(mapping.hf_names(layer, expert), mapping.to_hf(value, self.config)):
+        hf_names = mapping.hf_names(layer, expert)
+        regions = stacked_regions(spec, slab, [self._entries[hf_name].shape for hf_name in hf_names])
+        for hf_name, tensor, region in zip(hf_names, mapping.to_hf(value, self.config), regions):
             entry = self._entries[hf_name]
             if tuple(tensor.shape) != entry.shape:
                 raise ReshardError(f"{hf_name}: got shape {tuple(tensor.shape)}, expected {entry.shape}")
@@ -422,10 +430,7 @@ class HFWriter(CheckpointWriter):
                 copy(out, tensor)
             self._files[entry.file].pwrite(out.reshape(-1).view(torch.uint8).numpy(), entry.offset)
             if mapping.stacks_rows:
-                rows = entry.shape[0] if entry.shape else 1
-                region = (*slab[: spec.prefix_axes], (row, row + rows), *((0, d) for d in entry.shape[1:]))
                 self.vouch(spec, region, self._file_names[entry.file], entry.offset, out.reshape([b - a for a, b in region]), hashed)
-                row += rows
 
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
         layer, expert = slab_of(spec, slab)

@@ -31,6 +31,7 @@ from reshard.formats.base import (
     cached,
     layout_from_args,
 )
+from reshard.formats.dcp_metadata import dtype_name
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
 from reshard.formats.pages import Mapping, file_mappings, release_tensor
 from reshard.formats.torch_archive import Slot, StreamingTorchSave
@@ -266,8 +267,7 @@ class LegacyReader(CheckpointReader):
             file_rank = RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)
             start, within = self._file_offset(file_rank, local), contiguous_offset(piece.local_shape, piece.local_region)
             offset = -1 if start is None or within is None else start + within * local.element_size()
-            dtype = str(local.dtype).removeprefix("torch.")
-            records.append(StoredRecord(name, piece.region, dtype, f"{file_rank.legacy_dirname(self.layout)}/{RANK_FILE}", offset))
+            records.append(StoredRecord(name, piece.region, dtype_name(local.dtype), f"{file_rank.legacy_dirname(self.layout)}/{RANK_FILE}", offset))
         return records
 
     def close(self) -> None:
