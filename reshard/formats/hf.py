@@ -108,6 +108,16 @@ def stacked_regions(spec: TensorSpec, slab: Region, shapes: list[tuple[int, ...]
         row += rows
     return regions
 
+@dataclass(frozen=True)
+class _Stored:
+    """Where one HF tensor lives, by its file's header."""
+
+    file: Path
+    st_dtype: str  # safetensors' name for it, e.g. "BF16"
+    shape: tuple[int, ...]
+    offset: int  # of its data in the file
+
+
 class HFReader(CheckpointReader):
     format_name = "hf"
 
@@ -123,24 +133,19 @@ class HFReader(CheckpointReader):
         self.layout = Layout()
         self.manifest = Manifest.load(self.path)
         # Where each HF tensor lives, from the index or the file headers.
-        self._where: dict[str, Path] = {}
-        self._meta: dict[str, tuple[str, tuple[int, ...]]] = {}
-        self._offsets: dict[str, int] = {}  # of each tensor's data in its file
-        files = self._files()
-        for file in files:
+        self._stored: dict[str, _Stored] = {}
+        for file in self._files():
             header, start = _read_header(file)
             for name, info in header.items():
-                if name in self._where:
-                    raise ReshardError(f"tensor {name} is in both {self._where[name].name} and {file.name}")
-                self._where[name] = file
-                self._meta[name] = (info["dtype"], tuple(info["shape"]))
-                self._offsets[name] = start + info["data_offsets"][0]
+                if name in self._stored:
+                    raise ReshardError(f"tensor {name} is in both {self._stored[name].file.name} and {file.name}")
+                self._stored[name] = _Stored(file, info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0])
         self._handles: dict[Path, RecordFile] = {}
 
         prefix = self.family.prefix
         self._alias: dict[str, str] = {}  # canonical HF name -> name in the files (old GPT-2 keys lack "transformer.")
-        for name in list(self._where):
-            if not name.startswith(prefix) and name != "lm_head.weight" and prefix + name not in self._where:
+        for name in list(self._stored):
+            if not name.startswith(prefix) and name != "lm_head.weight" and prefix + name not in self._stored:
                 self._alias[prefix + name] = name
 
         # Embedding rows, in case config.json's vocab_size disagrees with the weights.
@@ -168,13 +173,12 @@ class HFReader(CheckpointReader):
             for layer in layers:
                 for expert in experts:
                     for hf_name in mapping.hf_names(layer, expert):
-                        st_dtype, _ = self._meta_of(hf_name)
-                        kinds.add(st_dtype)
+                        kinds.add(self._stored_as(hf_name).st_dtype)
                         used.add(self._alias.get(hf_name, hf_name))
             if len(kinds) != 1 or next(iter(kinds)) not in ("F32", "BF16", "F16"):
                 raise ReshardError(f"{name}: HF tensors have dtypes {sorted(kinds)}; expected one floating-point dtype")
             dtypes[name] = str(_ST_DTYPES[next(iter(kinds))]).removeprefix("torch.")
-        leftover = sorted(n for n in self._where if n not in used)
+        leftover = sorted(n for n in self._stored if n not in used)
         dropped = []
         for name in leftover:
             if self.family.is_ignored(name) or (name == "lm_head.weight" and config.tied_embeddings):
@@ -224,21 +228,20 @@ class HFReader(CheckpointReader):
             raise ReshardError(f"{self.path} has no *.safetensors files (PyTorch .bin weights are not supported; re-save with safetensors)")
         return files
 
-    def _meta_of(self, hf_name: str) -> tuple[str, tuple[int, ...]]:
-        name = self._alias.get(hf_name, hf_name)
-        if name not in self._meta:
+    def _stored_as(self, hf_name: str) -> _Stored:
+        stored = self._stored.get(self._alias.get(hf_name, hf_name))
+        if stored is None:
             raise ReshardError(f"{self.path}: tensor {hf_name} is missing; the checkpoint is incomplete or config.json does not match it")
-        return self._meta[name]
+        return stored
 
     def _shape(self, hf_name: str) -> tuple[int, ...]:
-        return self._meta_of(hf_name)[1]
+        return self._stored_as(hf_name).shape
 
     def _record(self, hf_name: str) -> tuple[RecordFile, TensorRecord]:
         """The file holding an HF tensor and where its values lie (a safetensors tensor is one C-order run)."""
-        name = self._alias.get(hf_name, hf_name)
-        path = self._where[name]
-        st_dtype, shape = self._meta[name]
-        return cached(self._handles, path, lambda: RecordFile(path)), TensorRecord(_ST_DTYPES[st_dtype], shape, self._offsets[name])
+        stored = self._stored_as(hf_name)
+        file = cached(self._handles, stored.file, lambda: RecordFile(stored.file))
+        return file, TensorRecord(_ST_DTYPES[stored.st_dtype], stored.shape, stored.offset)
 
     def _tensor(self, hf_name: str) -> torch.Tensor:
         file, record = self._record(hf_name)
@@ -279,11 +282,9 @@ class HFReader(CheckpointReader):
         records = []
         for slab in slabs(spec):
             layer, expert = slab_of(spec, slab)
-            hf_names = mapping.hf_names(layer, expert)
-            metas = [self._meta_of(hf_name) for hf_name in hf_names]
-            for hf_name, (st_dtype, _), region in zip(hf_names, metas, stacked_regions(spec, slab, [shape for _, shape in metas])):
-                stored = self._alias.get(hf_name, hf_name)
-                records.append(StoredRecord(name, region, dtype_name(_ST_DTYPES[st_dtype]), self._where[stored].name, self._offsets[stored]))
+            stored = [self._stored_as(hf_name) for hf_name in mapping.hf_names(layer, expert)]
+            for where, region in zip(stored, stacked_regions(spec, slab, [s.shape for s in stored])):
+                records.append(StoredRecord(name, region, dtype_name(_ST_DTYPES[where.st_dtype]), where.file.name, where.offset))
         return records
 
     def _vocab_rows_into(self, mapping, inner: Region, out: torch.Tensor) -> None:
