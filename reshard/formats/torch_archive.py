@@ -88,10 +88,17 @@ class ZipWriter:
         ) + entry.name + entry.extra
 
     def add(self, name: str, data: Any, alignment: int = _ALIGNMENT) -> None:
-        """Append a record and write it now; `data` is any C-contiguous buffer (bytes, a numpy array's
-        memory). An int `data` only counts that many bytes (`archive_size`)."""
+        """Append a record and write it now (see `write`)."""
+        self.write(self.place(name, data if isinstance(data, int) else memoryview(data).nbytes, alignment), data)
+
+    def write(self, index: int, data: Any) -> None:
+        """Write placed record `index` at the file's current position, which is where it was placed when
+        records are written in the order placed. `data` is any C-contiguous buffer (bytes, a numpy array's
+        memory); an int `data` only counts that many bytes (`archive_size`)."""
         view = None if isinstance(data, int) else memoryview(data).cast("B")
-        index = self.place(name, data if view is None else len(view), alignment)
+        size = data if view is None else len(view)
+        if size != self.entries[index].size:
+            raise AssertionError(f"{size} bytes for a zip record of {self.entries[index].size}")
         self.f.write(self.header(index, 0 if view is None else _crc32(view)))
         if view is not None:
             self.f.write(view)
@@ -187,24 +194,21 @@ class _Archive:
         self.alignment = alignment  # of the storages
         self.count = 0
 
-    def _record(self, nbytes: int) -> tuple[str, str, int]:
-        """The next storage's key, record name and alignment (a large one on a page, which is also a
-        multiple of the archive's alignment)."""
+    def place(self, tensor: torch.Tensor | TensorShape) -> tuple[int, _TensorStub]:
+        """The next storage record, for `tensor`, placed but not written: its zip index, and its stub. A
+        large one starts on a page, which is also a multiple of the archive's alignment."""
         key = str(self.count)
         self.count += 1
-        return key, f"{self.prefix}/data/{key}", max(self.alignment, storage_alignment(nbytes))
+        alignment = max(self.alignment, storage_alignment(tensor.nbytes))
+        index = self.zip.place(f"{self.prefix}/data/{key}", tensor.nbytes, alignment)
+        return index, _TensorStub(key, tensor.dtype, tuple(tensor.shape))
 
     def storage(self, tensor: torch.Tensor | TensorShape, data: np.ndarray | int) -> _TensorStub:
-        """A storage record for `tensor`, holding `data` (its `tensor_bytes`); for a `TensorShape`, `data` is
-        its size, which is only counted."""
-        key, name, alignment = self._record(tensor.nbytes)
-        self.zip.add(name, data, alignment)
-        return _TensorStub(key, tensor.dtype, tuple(tensor.shape))
-
-    def place(self, tensor: TensorShape) -> tuple[int, _TensorStub]:
-        """A storage record for `tensor` placed but not written: its zip index, and its stub."""
-        key, name, alignment = self._record(tensor.nbytes)
-        return self.zip.place(name, tensor.nbytes, alignment), _TensorStub(key, tensor.dtype, tensor.shape)
+        """A storage record for `tensor` written now, holding `data` (its `tensor_bytes`); for a
+        `TensorShape`, `data` is its size, which is only counted."""
+        index, stub = self.place(tensor)
+        self.zip.write(index, data)
+        return stub
 
     def finish(self, obj: Any) -> None:
         buf = io.BytesIO()
