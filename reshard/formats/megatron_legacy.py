@@ -310,25 +310,22 @@ class LegacyWriter(CheckpointWriter):
 
     @classmethod
     def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:
-        """The span of each rank's pieces (one local tensor: a gated MLP's gate and up rows keep together)."""
-        spans: dict[tuple[RankCoord, str | None], Region] = {}
-        for piece in pieces:
-            key = (piece.rank, piece.alias)
-            old = spans.get(key, piece.region)
-            spans[key] = tuple((min(a, c), max(b, d)) for (a, b), (c, d) in zip(old, piece.region))
-        return list(spans.values())
+        """The span of each local tensor's pieces (a gated MLP's gate and up rows keep together)."""
+        return [
+            tuple((min(a for a, _ in axis), max(b for _, b in axis)) for axis in zip(*(p.region for p in group)))
+            for group in _local_groups(pieces)
+        ]
 
     def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Local]:
         """Place each rank's local tensor of this slab (several pieces share one: a fused gated MLP)."""
-        grouped: dict[tuple[RankCoord, int, str], list[Piece]] = defaultdict(list)
-        for piece in pieces:
-            file_rank = RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)
-            grouped[(file_rank, piece.rank.vstage, local_name(spec.name, piece, self.te_names, self.config.is_moe))].append(piece)
         dtype = getattr(torch, spec.dtype)
-        return [
-            _Local(rank, vstage, key, tuple(group), self._streams[rank].reserve(group[0].local_shape, dtype))
-            for (rank, vstage, key), group in grouped.items()
-        ]
+        locals_ = []
+        for group in _local_groups(pieces):
+            rank = group[0].rank
+            file_rank = RankCoord(pp=rank.pp, tp=rank.tp, ep=rank.ep)
+            key = local_name(spec.name, group[0], self.te_names, self.config.is_moe)
+            locals_.append(_Local(file_rank, rank.vstage, key, tuple(group), self._streams[file_rank].reserve(group[0].local_shape, dtype)))
+        return locals_
 
     def prepare(
         self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
@@ -409,6 +406,15 @@ class LegacyWriter(CheckpointWriter):
             stream.finish(state)
         manifest.save(self.directory)
         write_tracker(self.path, self.common.iteration)
+
+
+def _local_groups(pieces: list[Piece]) -> list[list[Piece]]:
+    """A slab's pieces by the local tensor holding them: one per rank (model chunk included) and alias, as
+    a slab is one layer's (and expert's), so `local_name` is the same throughout a group."""
+    groups: dict[tuple[RankCoord, str | None], list[Piece]] = defaultdict(list)
+    for piece in pieces:
+        groups[(piece.rank, piece.alias)].append(piece)
+    return list(groups.values())
 
 
 def _module_order(item: tuple[str, Any]) -> tuple[int, int, str]:
