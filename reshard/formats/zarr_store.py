@@ -180,11 +180,11 @@ class ZarrReader(CheckpointReader):
                 part = intersect(inside, region)
                 assert part is not None  # the chunks chunk_grid gives touch the region
                 dest = out[to_slices(shift(part, region))]
-                path = self.path / name / chunk_key(index)
-                if not path.is_file():  # never written: the fill value
+                try:
+                    file = RecordFile(self.path / name / chunk_key(index))
+                except FileNotFoundError:  # never written: the fill value
                     dest.zero_()
                     continue
-                file = RecordFile(path)
                 try:
                     file.read_into(TensorRecord(out.dtype, tuple(chunks), 0), shift(part, whole), dest)
                 finally:
@@ -228,6 +228,7 @@ class ZarrWriter(CheckpointWriter):
         self.path.mkdir(parents=True, exist_ok=True)
         self._arrays: dict[str, ts.TensorStore] = {}
         self._scratch = PerThread()  # stages chunks that are not one run of their slab
+        self._made: set[Path] = set()  # chunk directories known to exist
 
     def _array(self, spec: TensorSpec) -> ts.TensorStore:
         """Created on first write, so that in a multi-rank run each array is created by its one writer."""
@@ -272,7 +273,10 @@ class ZarrWriter(CheckpointWriter):
                 copy(staged[to_slices(shift(inside, whole))], part)
                 part = staged
             key = f"{spec.name}/{chunk_key(index)}"
-            (self.path / key).parent.mkdir(parents=True, exist_ok=True)
+            folder = (self.path / key).parent
+            if folder not in self._made:  # a directory per row of chunks: made once, not checked per chunk
+                folder.mkdir(parents=True, exist_ok=True)
+                self._made.add(folder)
             file = DirectFile(self.path / key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
                 file.pwrite(part.view(-1).view(torch.uint8).numpy(), 0)
