@@ -230,7 +230,6 @@ class TorchDistWriter(CheckpointWriter):
         self._chunks: dict[str, list[Chunk]] = defaultdict(list)
         self._storage: dict[StorageKey, Storage] = {}
         self._scratch = PerThread()  # stages strided pieces, in each reader thread
-        self._archive_sizes: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
 
     def _name(self, index: int) -> str:
         return f"__{index}_{self.rank}.distcp"
@@ -256,9 +255,7 @@ class TorchDistWriter(CheckpointWriter):
             dtype = getattr(torch, spec.dtype)
             # a page-aligned storage needs its archive on a page; the gap before it is read by no one
             offset = round_up(self._planned[index], storage_alignment(math.prod(shape) * dtype.itemsize))
-            if (shape, dtype) not in self._archive_sizes:  # a MoE checkpoint has thousands of records of a few shapes
-                self._archive_sizes[shape, dtype] = archive_size(shape, dtype)
-            length = self._archive_sizes[shape, dtype]
+            length = archive_size(shape, dtype)
             self._planned[index] = offset + length
             offsets = tuple(a for a, _ in piece.region)
             records.append(_Record(index, Storage(self._name(index), offset, length), Chunk(offsets, shape)))

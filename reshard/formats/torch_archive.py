@@ -16,6 +16,7 @@ written by any thread (`fill`), and the pickle last.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
@@ -224,6 +225,66 @@ class _Archive:
         self.zip.close()
 
 
+_LOCAL_CRC_AT = 14  # where a zip local header holds its record's CRC-32
+_CENTRAL_CRC_AT = 16  # and where a central directory entry does
+
+
+class _Recording:
+    """A file that keeps what is written to it, write by write."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: Any) -> int:
+        self.writes.append(bytes(data))
+        return len(data)
+
+
+@dataclass(frozen=True)
+class TensorShape:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class _Template:
+    """A `save_tensor` archive but for its tensor's bytes and their CRC-32: all else depends on the shape
+    and dtype alone, so it is built once per shape (a MoE checkpoint has thousands of records of a few)."""
+
+    head: bytes  # everything before the tensor's bytes: the storage record's local header
+    nbytes: int  # the tensor's
+    tail: bytes  # everything after: the pickle, the small records, the central directory
+    tail_crc_at: int  # where `tail` holds the storage record's CRC-32 (its central directory entry)
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + self.nbytes + len(self.tail)
+
+    def filled(self, crc: int) -> tuple[bytes, bytes]:
+        """`head` and `tail` with `crc` in their CRC fields."""
+        value = struct.pack("<I", crc)
+        head = self.head[:_LOCAL_CRC_AT] + value + self.head[_LOCAL_CRC_AT + 4 :]
+        return head, self.tail[: self.tail_crc_at] + value + self.tail[self.tail_crc_at + 4 :]
+
+
+@functools.lru_cache(maxsize=1024)
+def _template(shape: tuple[int, ...], dtype: torch.dtype, zip64_from: int) -> _Template:
+    tensor = TensorShape(shape, dtype)
+    recording = _Recording()
+    archive = _Archive(recording, "archive", zip64_from, storage_alignment(tensor.nbytes))
+    archive.finish(archive.storage(tensor, tensor.nbytes))  # sizes only: the storage's header is the first write
+    storage, last = archive.zip.entries[0], archive.zip.entries[-1]
+    head, tail = recording.writes[0], b"".join(recording.writes[1:])
+    assert len(head) == storage.data_offset
+    # the central directory follows the last record, and its first entry is the storage's
+    directory = last.data_offset + last.size - (storage.data_offset + storage.size)
+    return _Template(head, storage.size, tail, directory + _CENTRAL_CRC_AT)
+
+
 @dataclass(frozen=True)
 class SavedTensor:
     """What `save_tensor` wrote: `size` bytes of archive, the tensor's own bytes among them at
@@ -237,37 +298,22 @@ class SavedTensor:
 
 def save_tensor(tensor: torch.Tensor, f: BinaryIO, scratch: Scratch | None = None, zip64_from: int = _ZIP32_MAX) -> SavedTensor:
     """`torch.save(tensor, f)` without the clone: the tensor's bytes are written from where they are (a
-    strided one staged in `scratch`), at its `storage_alignment` from the archive's start."""
-    archive = _Archive(f, "archive", zip64_from, storage_alignment(tensor.nbytes))
+    strided one staged in `scratch`), at its `storage_alignment` from the archive's start, between the
+    parts of the archive that its shape alone decides (`_Template`)."""
     data = tensor_bytes(tensor, scratch)
-    archive.finish(archive.storage(tensor, data))
-    return SavedTensor(archive.zip.size, archive.zip.entries[0].data_offset, data)
-
-
-@dataclass(frozen=True)
-class TensorShape:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-class _Counter:
-    """A file that only counts the bytes written to it."""
-
-    def write(self, data: Any) -> int:
-        return len(data)
+    template = _template(tuple(tensor.shape), tensor.dtype, zip64_from)
+    if data.nbytes != template.nbytes:
+        raise AssertionError(f"{data.nbytes} bytes for a tensor of {template.nbytes}")
+    head, tail = template.filled(_crc32(memoryview(data)))
+    for part in (head, data, tail):
+        f.write(part)
+    return SavedTensor(template.size, len(head), data)
 
 
 def archive_size(shape: tuple[int, ...], dtype: torch.dtype, zip64_from: int = _ZIP32_MAX) -> int:
     """The bytes `save_tensor` writes for a tensor of this shape and dtype, known before its values: a
     file's records can be placed at planned offsets and written in any order."""
-    tensor = TensorShape(tuple(shape), dtype)
-    archive = _Archive(_Counter(), "archive", zip64_from, storage_alignment(tensor.nbytes))
-    archive.finish(archive.storage(tensor, tensor.nbytes))
-    return archive.zip.size
+    return _template(tuple(shape), dtype, zip64_from).size
 
 
 class At:

@@ -4,6 +4,7 @@ which checks every record's CRC-32."""
 from __future__ import annotations
 
 import io
+import struct
 import zipfile
 
 import pytest
@@ -44,6 +45,22 @@ def test_save_tensor_loads_with_torch_and_passes_zipfile_crc(zip64_from: int) ->
         # what it reports as written is the storage zipfile finds, where it finds it
         assert saved.size == len(blob) and saved.data.tobytes() == stored, name
         assert blob[saved.data_offset : saved.data_offset + len(stored)] == stored, name
+
+
+@pytest.mark.parametrize("zip64_from", [0xFFFFFFFF, 0], ids=["zip32", "zip64"])
+def test_tensors_of_one_shape_each_get_their_own_crc(zip64_from: int) -> None:
+    """All of an archive but the tensor's bytes and CRC-32 is built once per shape: each archive written
+    from it still loads, and zipfile finds each record's CRC-32 right."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        tensor = torch.randn(4, 6, generator=g).to(torch.bfloat16)
+        f = io.BytesIO()
+        save_tensor(tensor, f, zip64_from=zip64_from)
+        assert torch.equal(torch.load(io.BytesIO(f.getvalue()), weights_only=True), tensor)
+        with zipfile.ZipFile(io.BytesIO(f.getvalue())) as zf:
+            assert zf.testzip() is None  # against the central directory's CRC-32s
+            for info in zf.infolist():  # which each local header repeats (zip spec: CRC-32 at byte 14)
+                assert struct.unpack_from("<I", f.getvalue(), info.header_offset + 14)[0] == info.CRC, info.filename
 
 
 @pytest.mark.parametrize("zip64_from", [0xFFFFFFFF, 0], ids=["zip32", "zip64"])
