@@ -22,7 +22,7 @@ from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
 from reshard.layout import Layout
 from reshard.pipeline import ordered_map
 from reshard.plan import BAND_BYTES, ConversionPlan, TensorMove, Unit, itemsize, make_plan
-from reshard.sharding import Piece, Region, bands, contiguous_offset, region_size, shift, to_slices
+from reshard.sharding import Piece, Region, bands, region_size, shift, to_slices
 from reshard.verify import compare, compute_checksums
 from reshard.worklog import Done, Recorder, WorkLog, fingerprint
 
@@ -105,26 +105,11 @@ def write_moves(
             parts[0].merge(part)
         return parts[0]
 
-    def runs(unit: Unit) -> list[Region] | None:
-        """The regions the writer records whole in `unit`, if they are runs of its memory that tile it
-        (each byte in exactly one); hashing by them spares hashing each record again as written."""
-        shape = [b - a for a, b in unit.region]
-        starts = []
-        for region in unit.records:
-            start = contiguous_offset(shape, shift(region, unit.region))
-            if start is None:
-                return None
-            starts.append((start, region))
-        starts.sort()
-        ends = [start + region_size(region) for start, region in starts]
-        if [start for start, _ in starts] != [0, *ends[:-1]] or ends[-1:] != [region_size(unit.region)]:
-            return None
-        return [region for _, region in starts]
-
     def read_and_hash_parts(move: TensorMove, unit: Unit, out: torch.Tensor) -> tuple[TensorChecksum, HashedParts]:
-        """Read `unit` into `out` and hash it: by the writer's records where they tile it (see `runs`), else
-        whole (in bands on the helper threads when it is large)."""
-        parts = runs(unit) if out.numel() * out.element_size() < 2 * BAND_BYTES else None
+        """Read `unit` into `out` and hash it: by the writer's records where they tile it (`Unit.runs`: hashing
+        by them spares hashing each record again as written), else whole (in bands on the helper threads
+        when it is large)."""
+        parts = unit.runs() if out.numel() * out.element_size() < 2 * BAND_BYTES else None
         if parts is None:
             whole = read_and_hash(move, unit.region, out)
             return whole, HashedParts({unit.region: (out, whole)})
@@ -361,7 +346,7 @@ def convert(
             dtype = str(options["dtype"])
             if not isinstance(getattr(torch, dtype, None), torch.dtype):
                 raise ReshardError(f"dtype {dtype!r} is not a torch dtype name (float32, bfloat16, float16)")
-            plan.moves = [TensorMove(m.source, replace(m.target, dtype=dtype)) for m in plan.moves]
+            plan.moves = [replace(m, target=replace(m.target, dtype=dtype)) for m in plan.moves]
         if dry_run:
             return ConversionResult(plan, None, time.perf_counter() - start)
         if world()[1] > 1:

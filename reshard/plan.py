@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -20,7 +20,7 @@ from reshard.formats.torch_blob import READ_BLOCK
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
 from reshard.naming import default_extra_state, is_layout_bound, uses_te_names
-from reshard.sharding import Piece, Region, intersect, pieces, pieces_by_slab, region_size, slab_of, slabs, units
+from reshard.sharding import Piece, Region, contiguous_offset, intersect, pieces, pieces_by_slab, region_size, shift, slab_of, slabs, units
 
 
 MEGATRON_FORMATS = ("torch_dist", "legacy")
@@ -64,6 +64,9 @@ class TensorMove:
 
     source: TensorSpec
     target: TensorSpec
+    # Every record the target writes is a chunk the source stores (an EP or PP reshard regroups them):
+    # a record is then read, hashed and written in one piece, in a unit of its own (`ConversionPlan.units`).
+    aligned: bool = False
 
     @property
     def bytes(self) -> int:
@@ -83,6 +86,30 @@ class Unit:
     region: Region
     pieces: list[Piece]
     records: list[Region]
+
+    def runs(self) -> list[Region] | None:
+        """The records in memory order, if each is one contiguous run of the unit's buffer and together
+        they tile it (each byte in exactly one); None otherwise (some record is strided there)."""
+        shape = [b - a for a, b in self.region]
+        starts = []
+        for region in self.records:
+            start = contiguous_offset(shape, shift(region, self.region))
+            if start is None:
+                return None
+            starts.append((start, region))
+        starts.sort()
+        ends = [start + region_size(region) for start, region in starts]
+        if [start for start, _ in starts] != [0, *ends[:-1]] or ends[-1:] != [region_size(self.region)]:
+            return None
+        return [region for _, region in starts]
+
+    def by_record(self) -> list[Unit]:
+        """The unit cut into one unit per record region (with the pieces inside each); ranks that each write
+        the same region (a replicated tensor in the legacy format) share its unit."""
+        return [
+            Unit(record, [p for p in self.pieces if intersect(p.region, record) == p.region], [record])
+            for record in dict.fromkeys(self.records)
+        ]
 
 
 @dataclass
@@ -112,9 +139,15 @@ class ConversionPlan:
         for slab in slabs(move.target):
             slab_pieces = by_slab.get(slab_of(move.target, slab), [])
             whole = writer.whole_regions(move.target, slab, slab_pieces)
-            for unit in units(slab, whole, UNIT_BYTES // move.itemsize):
-                inside = [p for p in slab_pieces if intersect(p.region, unit) == p.region]
-                yield Unit(unit, inside, [r for r in whole if intersect(r, unit) == r])
+            for region in units(slab, whole, UNIT_BYTES // move.itemsize):
+                inside = [p for p in slab_pieces if intersect(p.region, region) == p.region]
+                unit = Unit(region, inside, [r for r in whole if intersect(r, region) == r])
+                if move.aligned and len(unit.records) > 1 and unit.runs() is None:
+                    # its records are strided in the unit, but each is one chunk of the source: read into a
+                    # buffer of its own, a record needs no staging on either side and is hashed once
+                    yield from unit.by_record()
+                else:
+                    yield unit
             if first_slab_only:
                 return
 
@@ -218,6 +251,12 @@ def target_config(config: ModelConfig, layout: Layout) -> ModelConfig:
     return config.replace(padded_vocab_size=padded)
 
 
+def _records_are_chunks(plan: ConversionPlan, move: TensorMove, reader: CheckpointReader) -> bool:
+    """Whether every record the target writes of `move` is a region the source stores whole."""
+    chunks = set(reader.stored_regions(move.source.name))
+    return all(set(unit.records) <= chunks for unit in plan.units(move))
+
+
 def make_plan(
     reader: CheckpointReader,
     target: Path,
@@ -271,6 +310,7 @@ def make_plan(
         dropped=dropped,
         workers=workers,
     )
+    plan.moves = [replace(move, aligned=_records_are_chunks(plan, move, reader)) for move in moves]
     biggest, largest = plan.largest_unit()
     plan.max_memory = default_budget(largest) if max_memory is None else max_memory
     if biggest is not None:

@@ -87,6 +87,18 @@ def _file_bytes(root):
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != "reshard_manifest.json"}
 
 
+def _assert_same_files(a, b):
+    """The same bytes in every file, but for the DCP metadata (the same, though its pickle may share objects
+    differently) and a zarr root's attributes (they hold the manifest, with its time)."""
+    files_a, files_b = _file_bytes(a), _file_bytes(b)
+    for name in [name for name in files_a if name.endswith(".metadata")]:
+        assert dcp_metadata.load(a / name) == dcp_metadata.load(b / name)
+        del files_a[name], files_b[name]
+    if "zarr.json" in files_a:
+        del files_a["zarr.json"], files_b["zarr.json"]
+    assert files_a == files_b
+
+
 def test_output_does_not_depend_on_the_number_of_workers(tmp_path):
     write_synthetic(tmp_path / "a", TINY_MOE, Layout(ep=2), "torch_dist", optimizer=True)
     for fmt, layout in (("torch_dist", Layout(ep=4, pp=2)), ("legacy", Layout(ep=1, tp=2))):
@@ -115,17 +127,26 @@ def test_slabs_cut_into_units_give_the_same_output_in_less_memory(tmp_path, monk
     whole = convert(tmp_path / "a", tmp_path / "whole", to_format=fmt, layout=Layout(tp=4), workers=2)
     monkeypatch.setattr("reshard.plan.UNIT_BYTES", 1 << 10)
     cut = convert(tmp_path / "a", tmp_path / "units", to_format=fmt, layout=Layout(tp=4), workers=2)
-    whole_files, cut_files = _file_bytes(tmp_path / "whole"), _file_bytes(tmp_path / "units")
-    metadata = [name for name in whole_files if name.endswith(".metadata")]
-    for name in metadata:  # the same DCP metadata; its pickle may share objects differently
-        assert dcp_metadata.load(tmp_path / "whole" / name) == dcp_metadata.load(tmp_path / "units" / name)
-        del whole_files[name], cut_files[name]
-    if "zarr.json" in whole_files:  # the root's attributes hold the manifest, with its time
-        del whole_files["zarr.json"], cut_files["zarr.json"]
-    assert whole_files == cut_files
+    _assert_same_files(tmp_path / "whole", tmp_path / "units")
     assert cut.plan.max_memory < whole.plan.max_memory  # the default budget follows the largest unit
     embedding = next(m for m in cut.plan.moves if m.target.name == "embedding.word_embeddings.weight")
     assert len(list(cut.plan.units(embedding))) > 1
+
+
+def test_an_expert_reshard_moves_each_record_in_one_piece(tmp_path, monkeypatch):
+    """TP2 EP2 -> EP4: every record is a chunk of the source, so a row-split expert weight (strided in any
+    unit of several experts) gets units of one record each; the files are the same as without."""
+    write_synthetic(tmp_path / "a", TINY_MOE, Layout(tp=2, ep=2), "torch_dist")
+    regrouped = convert(tmp_path / "a", tmp_path / "aligned", layout=Layout(tp=2, ep=4), workers=2)
+    fc2 = next(m for m in regrouped.plan.moves if m.target.name.endswith("experts.linear_fc2.weight"))
+    units = list(regrouped.plan.units(fc2))
+    assert fc2.aligned and all(unit.records == [unit.region] for unit in units)
+    assert len(units) == TINY_MOE.num_layers * TINY_MOE.num_experts * 2  # one per expert and TP rank
+    monkeypatch.setattr("reshard.plan._records_are_chunks", lambda *_: False)
+    convert(tmp_path / "a", tmp_path / "slabs", layout=Layout(tp=2, ep=4), workers=2)
+    _assert_same_files(tmp_path / "aligned", tmp_path / "slabs")
+    retiled = convert(tmp_path / "a", tmp_path / "tp1", layout=Layout(tp=1, ep=4), dry_run=True)
+    assert not any(m.aligned for m in retiled.plan.moves if m.target.name.endswith("linear_fc2.weight"))
 
 
 def test_memory_budget(tmp_path):
