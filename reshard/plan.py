@@ -103,13 +103,16 @@ class Unit:
             return None
         return [region for _, region in starts]
 
-    def by_record(self) -> list[Unit]:
-        """The unit cut into one unit per record region (with the pieces inside each); ranks that each write
-        the same region (a replicated tensor in the legacy format) share its unit."""
-        return [
-            Unit(record, [p for p in self.pieces if intersect(p.region, record) == p.region], [record])
-            for record in dict.fromkeys(self.records)
-        ]
+    def by_record(self) -> list[Unit] | None:
+        """The unit cut into one unit per record region (with the pieces inside each), if the regions cover
+        it once (disjoint, and as large together as it); ranks that each write the same region (a
+        replicated tensor in the legacy format) share its unit."""
+        regions = list(dict.fromkeys(self.records))
+        if sum(map(region_size, regions)) != region_size(self.region):
+            return None
+        if any(intersect(a, b) is not None for i, a in enumerate(regions) for b in regions[i + 1 :]):
+            return None
+        return [Unit(region, [p for p in self.pieces if intersect(p.region, region) == p.region], [region]) for region in regions]
 
 
 @dataclass
@@ -142,12 +145,10 @@ class ConversionPlan:
             for region in units(slab, whole, UNIT_BYTES // move.itemsize):
                 inside = [p for p in slab_pieces if intersect(p.region, region) == p.region]
                 unit = Unit(region, inside, [r for r in whole if intersect(r, region) == r])
-                if move.aligned and len(unit.records) > 1 and unit.runs() is None:
-                    # its records are strided in the unit, but each is one chunk of the source: read into a
-                    # buffer of its own, a record needs no staging on either side and is hashed once
-                    yield from unit.by_record()
-                else:
-                    yield unit
+                # records strided in the unit, but each one chunk of the source: read into a buffer of
+                # its own, a record needs no staging on either side and is hashed once
+                cut = unit.by_record() if move.aligned and len(unit.records) > 1 and unit.runs() is None else None
+                yield from cut or [unit]
             if first_slab_only:
                 return
 
