@@ -271,11 +271,16 @@ class _Template:
         return head, self.tail[: self.tail_crc_at] + value + self.tail[self.tail_crc_at + 4 :]
 
 
-@functools.lru_cache(maxsize=1024)
 def _template(shape: tuple[int, ...], dtype: torch.dtype, zip64_from: int) -> _Template:
+    return _built_template(shape, dtype, zip64_from, storage_alignment(math.prod(shape) * dtype.itemsize))
+
+
+@functools.lru_cache(maxsize=1024)
+def _built_template(shape: tuple[int, ...], dtype: torch.dtype, zip64_from: int, alignment: int) -> _Template:
+    """The template, cached with the alignment it was built for (`direct_io.DIRECT_FROM` decides it)."""
     tensor = TensorShape(shape, dtype)
     recording = _Recording()
-    archive = _Archive(recording, "archive", zip64_from, storage_alignment(tensor.nbytes))
+    archive = _Archive(recording, "archive", zip64_from, alignment)
     archive.finish(archive.storage(tensor, tensor.nbytes))  # sizes only: the storage's header is the first write
     storage, last = archive.zip.entries[0], archive.zip.entries[-1]
     head, tail = recording.writes[0], b"".join(recording.writes[1:])

@@ -1,5 +1,9 @@
 """torch_dist output is checked with PyTorch's own DCP loader, not with our reader."""
 
+import io
+import struct
+import zipfile
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -28,10 +32,20 @@ def test_pytorch_dcp_reads_what_we_write(tmp_path, dtype, page_aligned, monkeypa
     source = SyntheticReader(TINY_LLAMA, layout, dtype, optimizer=True)
     directory = tmp_path / "ckpt" / "iter_0000010"
     metadata = dcp.FileSystemReader(str(directory)).read_metadata()
-    tensor_offsets = [
-        info.offset for index, info in metadata.storage_data.items() if hasattr(metadata.state_dict_metadata[index.fqn], "chunks")
+    tensor_records = [
+        info for index, info in metadata.storage_data.items() if hasattr(metadata.state_dict_metadata[index.fqn], "chunks")
     ]
-    assert any(offset % direct_io.ALIGN for offset in tensor_offsets) != page_aligned
+    assert any(info.offset % direct_io.ALIGN for info in tensor_records) != page_aligned
+    # where each record's tensor bytes start in the file, by the zip spec (local header: 30 bytes, then
+    # the name and the extra field, whose lengths sit at bytes 26 and 28)
+    data_offsets = []
+    for info in tensor_records:
+        blob = (directory / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+        with zipfile.ZipFile(io.BytesIO(blob)) as zf:
+            entry = next(e for e in zf.infolist() if "/data/" in e.filename)
+        name_length, extra_length = struct.unpack_from("<HH", blob, entry.header_offset + 26)
+        data_offsets.append(info.offset + entry.header_offset + 30 + name_length + extra_length)
+    assert any(offset % direct_io.ALIGN for offset in data_offsets) != page_aligned
     loaded = _dcp_load(directory, source.specs.items())
     assert len(loaded) == len(source.specs) > 20
     for name, spec in source.specs.items():
