@@ -90,6 +90,12 @@ class Layout:
         for name, value in (("TP", self.tp), ("PP", self.pp), ("EP", self.ep), ("ETP", self.expert_tp), ("VPP", self.vpp)):
             if value < 1:
                 raise ReshardError(f"{name}={value}: parallel degrees must be positive integers")
+        if self.tp % self.expert_tp:
+            # expert weights live in the TP ranks' files, each holding one ETP part (ranks past ETP repeat them)
+            raise ReshardError(
+                f"ETP={self.expert_tp} with TP={self.tp}: expert tensor parallelism must divide TP here; "
+                f"choose --to-etp among the divisors of {self.tp}"
+            )
         checks = [
             (config.num_attention_heads, self.tp, "attention heads"),
             (config.groups, self.tp, "query groups (GQA)"),

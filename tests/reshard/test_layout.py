@@ -31,6 +31,8 @@ def test_uneven_first_and_last_stage():
         (Layout(pp=3), "layers"),
         (Layout(ep=2), "mixture-of-experts"),
         (Layout(tp=0), "positive"),
+        (Layout(tp=1, etp=2), "ETP=2 with TP=1"),  # more expert TP parts than TP rank files
+        (Layout(tp=4, etp=3), "divisors of 4"),
     ],
 )
 def test_validate_names_the_constraint(layout, message):
