@@ -332,6 +332,9 @@ def convert(
                 raise ReshardError(f"--vocab-size {vocab_size} exceeds the checkpoint's {reader.config.padded_vocab_size} embedding rows")
             reader.config = reader.config.replace(vocab_size=vocab_size)
         options = dict(writer_options or {})
+        dtype = str(options["dtype"]) if options.get("dtype") else None  # a writer that casts (HF --dtype)
+        if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ReshardError(f"dtype {dtype!r} is not a torch dtype name (float32, bfloat16, float16)")
         plan = make_plan(
             reader,
             target,
@@ -341,12 +344,8 @@ def convert(
             te_names=options.get("te_names"),
             workers=workers,
             max_memory=max_memory,
+            dtype=dtype,
         )
-        if options.get("dtype"):  # a writer that casts (HF --dtype): the plan and checksums follow what it writes
-            dtype = str(options["dtype"])
-            if not isinstance(getattr(torch, dtype, None), torch.dtype):
-                raise ReshardError(f"dtype {dtype!r} is not a torch dtype name (float32, bfloat16, float16)")
-            plan.moves = [replace(m, target=replace(m.target, dtype=dtype)) for m in plan.moves]
         if dry_run:
             return ConversionResult(plan, None, time.perf_counter() - start)
         if world()[1] > 1:

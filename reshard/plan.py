@@ -270,7 +270,10 @@ def make_plan(
     te_names: bool | None = None,
     workers: int = 1,
     max_memory: int | None = None,
+    dtype: str | None = None,
 ) -> ConversionPlan:
+    """What converting `reader` to `target` will do. `dtype` casts every tensor as it is written (a writer
+    that casts, HF `--dtype`): the plan's memory and checksums follow what is written."""
     layout.validate(reader.config)
     config = target_config(reader.config, layout)
     moves: list[TensorMove] = []
@@ -291,7 +294,8 @@ def make_plan(
             if config.padded_vocab_size < reader.config.vocab_rows:
                 raise ReshardError(f"{name}: the target vocabulary padding would cut real vocabulary rows")
             shape = (config.padded_vocab_size, *shape[1:])
-        moves.append(TensorMove(spec, spec.with_shape(shape)))
+        target_spec = spec.with_shape(shape)
+        moves.append(TensorMove(spec, target_spec if dtype is None else replace(target_spec, dtype=dtype)))
     if not moves:
         raise ReshardError(f"{reader.path} holds no model tensors")
     if target_format == "legacy" and any(m.target.is_optimizer for m in moves):

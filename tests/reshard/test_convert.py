@@ -149,6 +149,15 @@ def test_an_expert_reshard_moves_each_record_in_one_piece(tmp_path, monkeypatch)
     assert not any(m.aligned for m in retiled.plan.moves if m.target.name.endswith("linear_fc2.weight"))
 
 
+def test_a_cast_to_a_wider_dtype_is_budgeted_at_that_width(tmp_path):
+    """HF `--dtype float32` from bf16: units are held at four bytes an element, and the plan says so."""
+    write_synthetic(tmp_path / "a", TINY_LLAMA, Layout(), "torch_dist", dtype="bfloat16")
+    kept = convert(tmp_path / "a", tmp_path / "b", to_format="hf", dry_run=True).plan
+    cast = convert(tmp_path / "a", tmp_path / "c", to_format="hf", writer_options={"dtype": "float32"}, dry_run=True).plan
+    assert {m.target.dtype for m in cast.moves} == {"float32"}
+    assert cast.largest_unit_bytes == 2 * kept.largest_unit_bytes and cast.max_memory > kept.max_memory
+
+
 def test_memory_budget(tmp_path):
     write_synthetic(tmp_path / "a", MHA, Layout(tp=2), "torch_dist")
     with pytest.raises(ReshardError, match="too small: one slab .* alone takes 64.0 KiB"):
