@@ -7,6 +7,7 @@ import json
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -77,6 +78,30 @@ def args_for_layout(args: dict[str, Any], layout: Layout, config: ModelConfig, c
     return out
 
 
+class LazyObjects(Mapping[str, Any]):
+    """Objects by key, each loaded on first access: opening a checkpoint only to plan, inspect or verify it
+    reads none of them (a MoE checkpoint has one per expert and layer)."""
+
+    def __init__(self, keys: Iterable[str], load: Callable[[str], Any]):
+        self._keys = list(keys)
+        self._known = set(self._keys)
+        self._load = load
+        self._values: dict[str, Any] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._known:
+            raise KeyError(key)
+        if key not in self._values:
+            self._values[key] = self._load(key)
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 @dataclass
 class CommonState:
     """Everything in a checkpoint that is not a sharded tensor (Megatron's common.pt)."""
@@ -84,7 +109,8 @@ class CommonState:
     args: dict[str, Any] = field(default_factory=dict)
     iteration: int | str = 0  # or "release"
     extra: dict[str, Any] = field(default_factory=dict)  # checkpoint_version, opt_param_scheduler, ...
-    objects: dict[str, Any] = field(default_factory=dict)  # per-module state by layout-free key (naming.ObjectKey)
+    # per-module state by layout-free key (naming.ObjectKey); a reader may load values on access (LazyObjects)
+    objects: dict[str, Any] | LazyObjects = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)  # non-tensor state not carried, said out loud
 
 

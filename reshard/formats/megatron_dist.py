@@ -30,6 +30,7 @@ from reshard.formats.base import (
     CheckpointReader,
     CheckpointWriter,
     CommonState,
+    LazyObjects,
     Manifest,
     StoredRecord,
     args_for_layout,
@@ -94,13 +95,15 @@ class TorchDistReader(CheckpointReader):
         self._prefetched: set[tuple[str, int]] = set()
         self._closed = False
         self.unsupported_optimizer = []
+        kept = []
         for key in self.metadata.objects:
             if key.startswith("optimizer"):
                 self.unsupported_optimizer.append(key)
             elif "_extra_state" in key or is_layout_bound(key):
-                self.common.objects[key] = self._object(objects[key])
+                kept.append(key)
             else:
                 self.common.dropped.append(key)
+        self.common.objects = LazyObjects(kept, lambda key: self._object(objects[key]))
         moe = self.config.is_moe
         for key, entry in self.metadata.tensors.items():
             name = canonical(key, "dist", moe)

@@ -11,6 +11,8 @@ import torch.distributed.checkpoint as dcp
 from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import SyntheticReader, write_synthetic
 from reshard import direct_io
+from reshard.convert import convert
+from reshard.errors import ReshardError
 from reshard.formats.megatron_dist import TorchDistReader
 from reshard.layout import Layout
 from reshard.sharding import full_region
@@ -96,3 +98,25 @@ def test_prefetched_headers_are_parsed_once_and_read_the_same(tmp_path, monkeypa
             assert torch.equal(out, source.read(name, full_region(spec.shape))), name
         chunks = sum(len(reader.stored_records(name)) for name in reader.specs)
     assert len(parsed) == len(set(parsed)) == chunks
+
+
+def test_objects_are_loaded_only_when_a_conversion_needs_them(tmp_path, monkeypatch):
+    """Opening to plan, inspect or verify reads no ShardedObject; a damaged one is refused while planning,
+    before anything is written."""
+    write_synthetic(tmp_path / "ckpt", TINY_MOE, Layout(ep=2), "torch_dist")
+    loads = []
+    real = TorchDistReader._object
+    monkeypatch.setattr(TorchDistReader, "_object", lambda self, info: loads.append(info) or real(self, info))
+    with TorchDistReader(tmp_path / "ckpt") as reader:
+        keys = list(reader.common.objects)
+        assert keys and not loads
+        assert reader.common.objects[keys[0]] is reader.common.objects[keys[0]] and len(loads) == 1  # loaded once
+
+    def damaged(self, info):
+        raise ReshardError(f"{info.relative_path}: a ShardedObject is not encoded as Megatron encodes them")
+
+    monkeypatch.setattr(TorchDistReader, "_object", damaged)
+    with pytest.raises(ReshardError, match="not encoded as Megatron"):
+        convert(tmp_path / "ckpt", tmp_path / "out", layout=Layout(ep=1))
+    assert not (tmp_path / "out").exists()
+
