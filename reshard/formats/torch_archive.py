@@ -179,7 +179,7 @@ def tensor_bytes(tensor: torch.Tensor, scratch: Scratch | None = None) -> np.nda
     `scratch` (which the caller reuses: see `reshard.buffers`)."""
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
-    if tensor.is_contiguous():
+    if tensor.is_contiguous() and tensor.stride(-1) == 1:  # torch calls a strided axis of one element contiguous
         return tensor.view(torch.uint8).numpy().reshape(-1)
     staged = (scratch or Scratch()).tensor(tensor.shape, tensor.dtype)
     copy(staged, tensor)

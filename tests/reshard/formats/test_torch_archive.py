@@ -22,6 +22,7 @@ def _tensors() -> dict[str, torch.Tensor]:
         "contiguous": base,
         "row_slice": base[2:4],  # a view into a larger storage: only its own bytes may be written
         "column_slice": base[:, 3:7],  # strided: staged through the scratch buffer
+        "one_strided_element": base[0, ::20],  # "contiguous" to torch (one element), yet its stride is 20
         "scalar": torch.tensor(3.5),
         "empty": torch.zeros(0, 4),
         "int": torch.arange(7, dtype=torch.int64),
