@@ -21,7 +21,7 @@ FORMATS = ["torch_dist", "legacy", "zarr", "hf"]
 DEFAULT_WORKERS = min(8, 2 * (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
-def _progress_bar(total: int, label: str, quiet: bool) -> Any:
+def _progress_bar(total: int | None, label: str, quiet: bool) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, desc=label, disable=quiet or not sys.stderr.isatty(), leave=False)
@@ -95,7 +95,7 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
     gc.freeze()
 
     with open_checkpoint(source) as reader:
-        base, total = reader.layout, sum(s.numel for s in reader.specs.values())
+        base = reader.layout
     layout = base.retarget(
         tp=opts["to_tp"],
         pp=opts["to_pp"],
@@ -117,7 +117,7 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
     from reshard.distributed import world
 
     rank = world()[0]
-    bar = _progress_bar(total, "converting", opts["quiet"] or opts["dry_run"] or rank != 0)
+    bar = _progress_bar(None, "converting", opts["quiet"] or opts["dry_run"] or rank != 0)
     with bar:
         result = do_convert(
             source,
@@ -131,6 +131,7 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
             vocab_size=opts["vocab_size"],
             writer_options=writer_options,
             progress=lambda n: bar.update(n),
+            planned=lambda plan: setattr(bar, "total", plan.bytes_moved),  # bytes, as `progress` counts
             workers=opts["workers"],
             max_memory=parse_bytes(opts["max_memory"]) if opts["max_memory"] else None,
             reread=opts["reread"],

@@ -305,6 +305,7 @@ def convert(
     vocab_size: int | None = None,
     writer_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    planned: Callable[[ConversionPlan], None] | None = None,
     workers: int = 1,
     max_memory: int | None = None,
     reread: bool = False,
@@ -317,6 +318,9 @@ def convert(
     Where the writer can vouch for a record that the metadata on disk puts exactly where it wrote it, the
     checksum of its bytes as written counts and its values are not read back; `reread` reads back every
     value regardless (what `reshard verify` always does).
+
+    `planned`, if given, is called with the plan before any byte moves; `progress` is then called with the
+    bytes of each unit written, which add up to `plan.bytes_moved` (less what a resumed run finds done).
     """
     start = time.perf_counter()
     source, target = Path(source), Path(target)
@@ -346,6 +350,8 @@ def convert(
             max_memory=max_memory,
             dtype=dtype,
         )
+        if planned:
+            planned(plan)
         if dry_run:
             return ConversionResult(plan, None, time.perf_counter() - start)
         if world()[1] > 1:

@@ -158,6 +158,14 @@ def test_a_cast_to_a_wider_dtype_is_budgeted_at_that_width(tmp_path):
     assert cast.largest_unit_bytes == 2 * kept.largest_unit_bytes and cast.max_memory > kept.max_memory
 
 
+def test_progress_adds_up_to_the_planned_bytes(tmp_path):
+    """What a progress bar is sized by (`planned`) and what it is fed (`progress`) count the same bytes."""
+    write_synthetic(tmp_path / "a", TINY_MOE, Layout(ep=2), "torch_dist", dtype="bfloat16", optimizer=True)
+    plans, done = [], []
+    convert(tmp_path / "a", tmp_path / "b", layout=Layout(ep=4), planned=plans.append, progress=done.append, workers=2)
+    assert len(plans) == 1 and sum(done) == plans[0].bytes_moved > 0
+
+
 def test_memory_budget(tmp_path):
     write_synthetic(tmp_path / "a", MHA, Layout(tp=2), "torch_dist")
     with pytest.raises(ReshardError, match="too small: one slab .* alone takes 64.0 KiB"):
