@@ -21,10 +21,11 @@ FORMATS = ["torch_dist", "legacy", "zarr", "hf"]
 DEFAULT_WORKERS = min(8, 2 * (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
-def _progress_bar(total: int | None, label: str, quiet: bool) -> Any:
+def _progress_bar(label: str, quiet: bool) -> Any:
+    """A bar in bytes, whose total is set once the plan is known (`convert(planned=...)`)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, desc=label, disable=quiet or not sys.stderr.isatty(), leave=False)
+    return tqdm(total=None, unit="B", unit_scale=True, desc=label, disable=quiet or not sys.stderr.isatty(), leave=False)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -117,7 +118,7 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
     from reshard.distributed import world
 
     rank = world()[0]
-    bar = _progress_bar(None, "converting", opts["quiet"] or opts["dry_run"] or rank != 0)
+    bar = _progress_bar("converting", opts["quiet"] or opts["dry_run"] or rank != 0)
     with bar:
         result = do_convert(
             source,

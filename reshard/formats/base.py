@@ -5,9 +5,9 @@ from __future__ import annotations
 import abc
 import json
 import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -41,6 +41,7 @@ def cached(cache: dict, key: Any, make: Any) -> Any:
     finally:
         with _CACHE_LOCK:
             _MAKING.pop((id(cache), key), None)
+
 
 # Megatron-LM `args` fields that describe the parallel layout rather than the model.
 LAYOUT_ARGS = {
@@ -83,17 +84,14 @@ class LazyObjects(Mapping[str, Any]):
     reads none of them (a MoE checkpoint has one per expert and layer)."""
 
     def __init__(self, keys: Iterable[str], load: Callable[[str], Any]):
-        self._keys = list(keys)
-        self._known = set(self._keys)
+        self._keys = dict.fromkeys(keys)  # in order, and found at once
         self._load = load
         self._values: dict[str, Any] = {}
 
     def __getitem__(self, key: str) -> Any:
-        if key not in self._known:
+        if key not in self._keys:
             raise KeyError(key)
-        if key not in self._values:
-            self._values[key] = self._load(key)
-        return self._values[key]
+        return cached(self._values, key, lambda: self._load(key))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)

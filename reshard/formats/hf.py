@@ -108,6 +108,7 @@ def stacked_regions(spec: TensorSpec, slab: Region, shapes: list[tuple[int, ...]
         row += rows
     return regions
 
+
 @dataclass(frozen=True)
 class _Stored:
     """Where one HF tensor lives, by its file's header."""
@@ -116,6 +117,11 @@ class _Stored:
     st_dtype: str  # safetensors' name for it, e.g. "BF16"
     shape: tuple[int, ...]
     offset: int  # of its data in the file
+
+    @property
+    def record(self) -> TensorRecord:
+        """Where its values lie in its file (a safetensors tensor is one C-order run)."""
+        return TensorRecord(_ST_DTYPES[self.st_dtype], self.shape, self.offset)
 
 
 class HFReader(CheckpointReader):
@@ -177,7 +183,7 @@ class HFReader(CheckpointReader):
                         used.add(self._alias.get(hf_name, hf_name))
             if len(kinds) != 1 or next(iter(kinds)) not in ("F32", "BF16", "F16"):
                 raise ReshardError(f"{name}: HF tensors have dtypes {sorted(kinds)}; expected one floating-point dtype")
-            dtypes[name] = str(_ST_DTYPES[next(iter(kinds))]).removeprefix("torch.")
+            dtypes[name] = dtype_name(_ST_DTYPES[next(iter(kinds))])
         leftover = sorted(n for n in self._stored if n not in used)
         dropped = []
         for name in leftover:
@@ -241,7 +247,7 @@ class HFReader(CheckpointReader):
         """The file holding an HF tensor and where its values lie (a safetensors tensor is one C-order run)."""
         stored = self._stored_as(hf_name)
         file = cached(self._handles, stored.file, lambda: RecordFile(stored.file))
-        return file, TensorRecord(_ST_DTYPES[stored.st_dtype], stored.shape, stored.offset)
+        return file, stored.record
 
     def _tensor(self, hf_name: str) -> torch.Tensor:
         file, record = self._record(hf_name)
@@ -284,7 +290,7 @@ class HFReader(CheckpointReader):
             layer, expert = slab_of(spec, slab)
             stored = [self._stored_as(hf_name) for hf_name in mapping.hf_names(layer, expert)]
             for where, region in zip(stored, stacked_regions(spec, slab, [s.shape for s in stored])):
-                records.append(StoredRecord(name, region, dtype_name(_ST_DTYPES[where.st_dtype]), where.file.name, where.offset))
+                records.append(StoredRecord(name, region, dtype_name(where.record.dtype), where.file.name, where.offset))
         return records
 
     def _vocab_rows_into(self, mapping, inner: Region, out: torch.Tensor) -> None:
