@@ -78,7 +78,8 @@ def inspect(path: Path, as_json: bool) -> None:
               help="Threads reading, hashing and writing units of work (the output does not depend on it).")
 @click.option("--max-memory", "max_memory", type=str, default=None,
               help="Working-memory budget for slabs in flight, e.g. 2GiB (default: two of the largest unit of work, a "
-              "slab or the part of one the target writes at once, plus 256MiB, or an eighth of RAM if less, for reading ahead).")
+              "slab or the part of one the target writes at once, plus, for reading ahead, 64MiB per worker and at least 256MiB, "
+              "or an eighth of RAM if less).")
 @click.option("--reread", is_flag=True,
               help="Verify by reading every written value back from the disk (default: records the metadata on disk "
               "puts exactly where they were written count with the checksums of their bytes as written).")
