@@ -16,9 +16,9 @@ checkpoint moves between the two through reshard:
 Every step runs and is reported, also after an earlier one failed (a JSON summary, also written to
 out/gpu_check/summary.json); the exit status is non-zero when any check failed.
 
-On 2026-11-22 (H100, Python 3.12, torch 2.11 cu130, megatron-core 0.16.1), steps 1-2 and the first half
-of 3 passed. The second half of 3 then ran with the DistributedOptimizer, which cannot load optimizer
-state without TE or Apex; it now uses the plain optimizer. That version, and step 4, have not run yet.
+On 2026-11-23 (H100, Python 3.12, torch 2.11 cu130, megatron-core 0.16.1; megatron-core and isal carried
+as wheels) all seven checks passed in 4.9 minutes: losses within 1e-7 (step 2), 1e-5 and 1.4% (step 3;
+the latter's first iterations ran on CPU bf16 kernels) and logits within 1.8e-7 (step 4).
 """
 
 from __future__ import annotations
