@@ -90,23 +90,23 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
     Example: reshard convert ckpts/run1 ckpts/run1-tp8 --tp 4 --to-tp 8
     """
     from reshard.convert import convert as do_convert
-    from reshard.formats import open_checkpoint
+    from reshard.layout import Layout
 
     # torch's objects are long-lived: keep the collector from walking them again and again mid-stream
     # (five full collections took 0.3 s of a 3 GB conversion)
     gc.freeze()
 
-    with open_checkpoint(source) as reader:
-        base = reader.layout
-    layout = base.retarget(
-        tp=opts["to_tp"],
-        pp=opts["to_pp"],
-        ep=opts["to_ep"],
-        etp=opts["to_etp"],
-        vpp=opts["to_vpp"],
-        first_stage_layers=opts["first_stage_layers"],
-        last_stage_layers=opts["last_stage_layers"],
-    )
+    def layout(base: Layout) -> Layout:  # the source's layout with the --to-* changes
+        return base.retarget(
+            tp=opts["to_tp"],
+            pp=opts["to_pp"],
+            ep=opts["to_ep"],
+            etp=opts["to_etp"],
+            vpp=opts["to_vpp"],
+            first_stage_layers=opts["first_stage_layers"],
+            last_stage_layers=opts["last_stage_layers"],
+        )
+
     writer_options = {}
     if opts["naming"]:
         writer_options["te_names"] = opts["naming"] == "te"

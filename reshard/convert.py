@@ -297,7 +297,7 @@ def convert(
     target: Path | str,
     *,
     to_format: str | None = None,
-    layout: Layout | None = None,
+    layout: Layout | Callable[[Layout], Layout] | None = None,
     expect_layout: dict[str, int] | None = None,
     optimizer: bool = True,
     overwrite: bool = False,
@@ -311,6 +311,7 @@ def convert(
     reread: bool = False,
 ) -> ConversionResult:
     """Convert `source` to `target` at `layout` (default: the source's) in `to_format` (default: the source's).
+    `layout` may be a function of the source's layout, e.g. `lambda source: source.retarget(tp=8)`.
 
     `expect_layout` (e.g. {"tp": 4}) asserts the source's layout, as `--tp 4` does on the command line.
     Nothing is written at `target` unless the whole output verifies against the source's checksums: the
@@ -343,7 +344,7 @@ def convert(
             reader,
             target,
             to_format or reader.format_name,
-            layout or reader.layout,
+            layout(reader.layout) if callable(layout) else layout or reader.layout,
             optimizer=optimizer,
             te_names=options.get("te_names"),
             workers=workers,

@@ -82,6 +82,14 @@ def test_dry_run_writes_nothing_and_reports_the_plan(tmp_path):
     assert len(plan["target_files"]) == 8  # TP4 x PP2 rank files
 
 
+def test_layout_may_be_a_function_of_the_source_layout(tmp_path):
+    """What the CLI's --to-* options give: the source's layout with some degrees changed, without opening
+    the source a second time to learn it."""
+    write_synthetic(tmp_path / "a", MHA, Layout(tp=2, pp=2), "torch_dist")
+    result = convert(tmp_path / "a", tmp_path / "b", layout=lambda source: source.retarget(tp=4), dry_run=True)
+    assert result.plan.target_layout == Layout(tp=4, pp=2)
+
+
 def _file_bytes(root):
     """Every file's bytes except the manifest (which records paths and times)."""
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != "reshard_manifest.json"}
