@@ -213,17 +213,24 @@ _Value = TypeVar("_Value")
 
 
 class RegionIndex(Generic[_Value]):
-    """Regions, each with a value, found by overlap with a query by bisecting on the first axis instead of
-    testing every one: a MoE tensor of thousands of chunks is read in hundreds of units."""
+    """Regions, each with a value, found by overlap with a query by bisecting on one axis instead of
+    testing every one: a MoE tensor of thousands of chunks is read in hundreds of units. The axis is the
+    one the regions are cut most along (experts rather than layers): a query for one expert's record
+    then tests that expert's chunks, not every chunk of its layer."""
 
     def __init__(self, items: Iterable[tuple[Region, _Value]]):
-        self.items = sorted(items, key=lambda item: _first(item[0])[0])
-        self.starts = [_first(region)[0] for region, _ in self.items]
-        self.reach = max((b - a for a, b in map(_first, (r for r, _ in self.items))), default=0)
+        items = list(items)
+        self.axis = _most_cut_axis([region for region, _ in items])
+        self.items = sorted(items, key=lambda item: self._span(item[0])[0])
+        self.starts = [self._span(region)[0] for region, _ in self.items]
+        self.reach = max((b - a for a, b in (self._span(r) for r, _ in self.items)), default=0)
+
+    def _span(self, region: Region) -> tuple[int, int]:
+        return region[self.axis] if region else (0, 1)
 
     def overlapping(self, region: Region) -> Iterator[tuple[Region, Region, _Value]]:
         """(item's region, its intersection with `region`, item's value) for each item overlapping `region`."""
-        a, b = _first(region)
+        a, b = self._span(region)
         lo = bisect.bisect_left(self.starts, a - self.reach + 1)
         for item_region, value in self.items[lo : bisect.bisect_left(self.starts, b)]:
             inside = intersect(item_region, region)
@@ -231,8 +238,10 @@ class RegionIndex(Generic[_Value]):
                 yield item_region, inside, value
 
 
-def _first(region: Region) -> tuple[int, int]:
-    return region[0] if region else (0, 1)
+def _most_cut_axis(regions: list[Region]) -> int:
+    """The axis along which the regions start at the most distinct positions (0 for scalars)."""
+    ndim = len(regions[0]) if regions else 0
+    return max(range(ndim), key=lambda axis: len({r[axis][0] for r in regions}), default=0)
 
 
 def shift(region: Region, origin: Region) -> Region:
