@@ -18,7 +18,7 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -124,6 +124,23 @@ class _Stored:
         return TensorRecord(_ST_DTYPES[self.st_dtype], self.shape, self.offset)
 
 
+def hf_tensors(
+    specs: dict[str, TensorSpec], mappings: dict[str, Any], config: ModelConfig
+) -> Iterator[tuple[str, TensorSpec, int | None, str, tuple[int, ...]]]:
+    """(Megatron name, its spec, layer, HF name, HF shape) of every HF tensor of the model; a vocabulary
+    tensor has the true vocabulary's rows."""
+    for name, spec in specs.items():
+        mapping = mappings[name]
+        slab_shape = list(spec.shape[spec.prefix_axes :])
+        if spec.vocab:
+            slab_shape[0] = config.vocab_rows
+        shapes = mapping.hf_shapes(slab_shape, config)
+        for layer in range(spec.shape[0]) if spec.stacked else [None]:
+            for expert in range(spec.shape[int(spec.stacked)]) if spec.experts else [None]:
+                for hf_name, shape in zip(mapping.hf_names(layer, expert), shapes):
+                    yield name, spec, layer, hf_name, tuple(shape)
+
+
 class HFReader(CheckpointReader):
     format_name = "hf"
 
@@ -198,6 +215,13 @@ class HFReader(CheckpointReader):
             config = config.replace(params_dtype=dtypes["embedding.word_embeddings.weight"])
         self.config = config
         self.specs: dict[str, TensorSpec] = {name: describe(name, shape, dtypes[name], config) for name, shape in shapes.items()}
+        # Every tensor at the shape config.json implies: values are read at offsets computed from it.
+        for _, _, _, hf_name, shape in hf_tensors(self.specs, self._mappings, config):
+            if self._shape(hf_name) != shape:
+                raise ReshardError(
+                    f"{hf_name} has shape {list(self._shape(hf_name))} but config.json implies {list(shape)}: "
+                    "config.json does not match the weights"
+                )
         args = dict(config.megatron_args())
         args.update(extras)
         args.update(
@@ -364,20 +388,10 @@ class HFWriter(CheckpointWriter):
     def _all_tensors(self) -> list[tuple[tuple, str, tuple[int, ...], torch.dtype]]:
         """(sort key, HF name, shape, dtype) of every output tensor, in HF's usual order (by layer)."""
         out = []
-        for name, spec in self.specs.items():
-            mapping = self._mappings[name]
-            slab_shape = list(spec.shape[spec.prefix_axes :])
-            if spec.vocab:
-                slab_shape[0] = self.config.vocab_rows
-            shapes = mapping.hf_shapes(slab_shape, self.config)
-            layers = range(spec.shape[0]) if spec.stacked else [None]
-            experts = range(spec.shape[int(spec.stacked)]) if spec.experts else [None]
+        for name, spec, layer, hf_name, shape in hf_tensors(self.specs, self._mappings, self.config):
             group = 0 if name.startswith("embedding.") else (2 if not spec.stacked else 1)
-            for layer in layers:
-                for expert in experts:
-                    for hf_name, shape in zip(mapping.hf_names(layer, expert), shapes):
-                        key = (group, layer if layer is not None else -1, hf_name)
-                        out.append((key, hf_name, shape, self._out_dtype(spec)))
+            key = (group, layer if layer is not None else -1, hf_name)
+            out.append((key, hf_name, shape, self._out_dtype(spec)))
         out.sort(key=lambda t: t[0])
         return out
 

@@ -160,3 +160,19 @@ def test_config_feature_refused_at_open(models, tmp_path):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ReshardError, match="sliding_window"):
         open_checkpoint(bad)
+
+
+@pytest.mark.parametrize("hf_name,rows,cols", [("model.embed_tokens.weight", VOCAB, 32), ("lm_head.weight", VOCAB + 6, 64)])
+def test_a_tensor_of_another_shape_than_config_implies_is_refused(tmp_path, hf_name, rows, cols):
+    """Values are read at offsets computed from config.json: an embedding of half the width would be read
+    as two rows per row, and then the next tensor's bytes."""
+    from safetensors.torch import load_file, save_file
+
+    source = build("llama", tmp_path / "hf")
+    tensors = load_file(source / "model.safetensors")
+    t = tensors[hf_name]
+    tensors[hf_name] = torch.cat([t, t])[:rows, :cols].contiguous()
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ReshardError, match=f"{hf_name} has shape .* but config.json implies"):
+        open_checkpoint(source)
+
