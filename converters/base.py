@@ -380,6 +380,11 @@ class Family:
                 )
         if config.rotary_percent != 1.0:
             raise ReshardError(f"rotary_percent={config.rotary_percent} has no HF {self.model_type} equivalent")
+        if config.unmodeled:
+            raise ReshardError(
+                f"the model sets {', '.join(config.unmodeled)}, which HF {self.model_type} does not represent: "
+                "its logits would differ; keep it in a Megatron format"
+            )
         if config.vocab_size is None:
             raise ReshardError("the checkpoint does not record its true vocabulary size; pass --vocab-size so padding is not exported")
 

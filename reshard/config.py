@@ -20,6 +20,18 @@ def pad_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+# Megatron-LM options that change a model's math, with their defaults: a model that sets one otherwise
+# reshards like any other, but no HF family here computes the same logits.
+_UNMODELED: dict[str, Any] = {
+    "rotary_interleaved": False,
+    "rotary_seq_len_interpolation_factor": None,
+    "apply_layernorm_1p": False,
+    "moe_router_pre_softmax": False,
+    "moe_router_score_function": "softmax",
+    "moe_router_topk_scaling_factor": None,
+}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     num_layers: int
@@ -51,6 +63,9 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: int | None = None
     moe_layer_freq: int = 1
     params_dtype: str = "float32"
+    # Megatron options set away from their defaults that change the model's math in ways this tool does
+    # not model (`_UNMODELED`): resharding carries them in the args; an HF export refuses them.
+    unmodeled: tuple[str, ...] = ()
 
     @property
     def groups(self) -> int:
@@ -88,7 +103,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        values = {k: v for k, v in data.items() if k in names}
+        values["unmodeled"] = tuple(values.get("unmodeled", ()))  # a JSON list
+        return cls(**values)
 
     @classmethod
     def from_megatron_args(cls, args: argparse.Namespace | dict[str, Any]) -> ModelConfig:
@@ -105,6 +122,9 @@ class ModelConfig:
         if not a.get("group_query_attention", values.get("num_query_groups") is not None):
             values.pop("num_query_groups", None)
         values.setdefault("ffn_hidden_size", 4 * a["hidden_size"])
+        if "rope_scaling" not in values and a.get("use_rope_scaling") is not None:  # Megatron-LM's name for it
+            values["rope_scaling"] = bool(a["use_rope_scaling"])
+        values["unmodeled"] = tuple(k for k, default in _UNMODELED.items() if a.get(k, default) != default)
         if "padded_vocab_size" not in values:
             if a.get("vocab_size") is None:
                 raise ReshardError("checkpoint args have neither padded_vocab_size nor vocab_size")
@@ -119,4 +139,6 @@ class ModelConfig:
         out["group_query_attention"] = self.num_query_groups is not None
         out["num_query_groups"] = self.groups
         out["kv_channels"] = self.head_dim
+        out["use_rope_scaling"] = self.rope_scaling
+        del out["unmodeled"]  # the source's own values of those options travel in its args
         return out

@@ -176,3 +176,36 @@ def test_a_tensor_of_another_shape_than_config_implies_is_refused(tmp_path, hf_n
     with pytest.raises(ReshardError, match=f"{hf_name} has shape .* but config.json implies"):
         open_checkpoint(source)
 
+
+def test_megatron_lm_use_rope_scaling_reaches_the_hf_config(tmp_path):
+    """Megatron-LM stores --use-rope-scaling as `use_rope_scaling`: a Llama-3.1 export must keep its scaling."""
+    from fixtures.models import TINY_LLAMA
+    from fixtures.synthetic import write_synthetic
+    from reshard.layout import Layout
+
+    write_synthetic(tmp_path / "ckpt", TINY_LLAMA.replace(rope_scaling=True, rope_scaling_factor=32.0), Layout(), "legacy")
+    f = tmp_path / "ckpt" / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)
+    del state["args"].rope_scaling
+    state["args"].use_rope_scaling = True
+    torch.save(state, f)
+    cli("convert", tmp_path / "ckpt", tmp_path / "hf", "--to-format", "hf", "--no-optimizer", "-q")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config.get("rope_scaling") or config.get("rope_parameters") or {}).get("factor") == 32.0
+
+
+def test_an_option_no_hf_family_represents_is_refused_on_export(tmp_path):
+    """A Megatron option that changes the math (here the 1p LayerNorm) reshards, but is not exported."""
+    from fixtures.models import TINY_LLAMA
+    from fixtures.synthetic import write_synthetic
+    from reshard.layout import Layout
+
+    write_synthetic(tmp_path / "ckpt", TINY_LLAMA, Layout(), "legacy")
+    f = tmp_path / "ckpt" / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)
+    state["args"].apply_layernorm_1p = True
+    torch.save(state, f)
+    cli("convert", tmp_path / "ckpt", tmp_path / "tp2", "--to-tp", "2", "-q")
+    assert torch.load(tmp_path / "tp2" / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)["args"].apply_layernorm_1p
+    with pytest.raises(ReshardError, match="apply_layernorm_1p"):
+        cli("convert", tmp_path / "ckpt", tmp_path / "hf", "--to-format", "hf", "--no-optimizer", "-q")
