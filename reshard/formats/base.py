@@ -55,9 +55,26 @@ LAYOUT_ARGS = {
 }
 
 
+# Other ways Megatron-LM can split layers over pipeline stages, with their defaults: reshard reads stage
+# sizes only from the two LAYOUT_ARGS above, so a checkpoint split another way would be misread.
+_OTHER_PIPELINE_SPLITS = {
+    "pipeline_model_parallel_layout": None,
+    "account_for_embedding_in_pipeline_split": False,
+    "account_for_loss_in_pipeline_split": False,
+}
+
+
 def layout_from_args(args: dict[str, Any]) -> Layout:
     values = {ours: args.get(theirs) for theirs, ours in LAYOUT_ARGS.items() if args.get(theirs) is not None}
-    return Layout(**values)
+    layout = Layout(**values)
+    if layout.pp > 1:
+        for key, default in _OTHER_PIPELINE_SPLITS.items():
+            if args.get(key, default) not in (default, None):
+                raise ReshardError(
+                    f"the checkpoint's stages are split by {key}={args[key]!r}, which reshard does not read: "
+                    "save it with decoder_first/last_pipeline_num_layers instead"
+                )
+    return layout
 
 
 def args_for_layout(args: dict[str, Any], layout: Layout, config: ModelConfig, ckpt_format: str) -> dict[str, Any]:

@@ -162,6 +162,7 @@ class LegacyReader(CheckpointReader):
         config, layout, moe = self.config, self.layout, self.config.is_moe
         per_layer: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
         singles: dict[str, torch.Tensor] = {}
+        seen: set[tuple[str, int, int | None]] = set()  # (tensor, layer, local expert): each once
         for chunk, layers in enumerate(layout.stage_layers(config.num_layers)):
             for ep in range(layout.ep):
                 rank = RankCoord(pp=chunk % layout.pp, tp=0, ep=ep, vstage=chunk // layout.pp)
@@ -176,6 +177,13 @@ class LegacyReader(CheckpointReader):
                     elif local_layer is None:
                         singles[logical] = value
                     else:
+                        held = (logical, layers.start + local_layer, local_expert)
+                        if local_layer >= len(layers) or held in seen:
+                            raise ReshardError(
+                                f"{self._rank_file(rank.legacy_dirname(layout))} holds {name}, but the args give "
+                                f"its stage layers {layers.start}-{layers.stop - 1}: the stage sizes in the args are not the saved ones"
+                            )
+                        seen.add(held)
                         per_layer[logical][layers.start + local_layer] = value
         for rank in ranks(layout):
             state = self._state(rank)
@@ -190,7 +198,10 @@ class LegacyReader(CheckpointReader):
         for name, by_layer in per_layer.items():
             if len(by_layer) == config.num_layers:
                 specs[name] = self._global_spec(name, next(iter(by_layer.values())), layer_axis=True)
-            else:  # heterogeneous stack: one logical tensor per layer, as torch_dist names them
+            elif not (moe and config.moe_layer_freq != 1):
+                missing = sorted(set(range(config.num_layers)) - set(by_layer))
+                raise ReshardError(f"{name} is missing for layer(s) {missing[:8]}: the checkpoint is incomplete")
+            else:  # MoE and dense layers interleaved: one logical tensor per layer, as torch_dist names them
                 for layer, tensor in by_layer.items():
                     per_name = name.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
                     specs[per_name] = self._global_spec(per_name, tensor, layer_axis=False)

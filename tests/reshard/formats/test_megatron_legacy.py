@@ -1,9 +1,12 @@
 """Legacy rank files are checked with plain torch.load and slicing written here, independent of sharding.py."""
 
+import pytest
 import torch
 
 from fixtures.models import TINY_LLAMA, TINY_MOE, TINY_TIED
 from fixtures.synthetic import SyntheticReader, write_synthetic
+from reshard.errors import ReshardError
+from reshard.formats import open_checkpoint
 from reshard.layout import Layout
 from reshard.sharding import full_region
 
@@ -77,3 +80,37 @@ def test_reader_reads_tensor_bytes_with_pread_not_through_the_map(tmp_path):
         for name, spec in reader.specs.items():
             assert torch.equal(reader.read(name, full_region(spec.shape)), source.read(name, full_region(spec.shape))), name
         assert len(reader._files) == 4  # every rank file was read with pread (the mapped fallback opens none)
+
+
+def _edit_rank_files(root, edit):
+    for f in sorted((root / "iter_0000010").glob("mp_rank_*/model_optim_rng.pt")):
+        state = torch.load(f, weights_only=False)
+        edit(f.parent.name, state)
+        torch.save(state, f)
+
+
+@pytest.mark.parametrize("layout_string", [None, "Et*3|t*1L"])
+def test_stages_split_otherwise_than_the_args_say_are_refused(tmp_path, layout_string):
+    """Saved as 3+1 layers; the args say an even split, or state it in a form reshard does not read.
+    Read by the args, stage 1's layer would land on layer 2 and layer 3 would be gone."""
+    write_synthetic(tmp_path / "ckpt", TINY_LLAMA, Layout(pp=2, first_stage_layers=3), "legacy")
+
+    def restate(_, state):
+        state["args"].decoder_first_pipeline_num_layers = None
+        state["args"].pipeline_model_parallel_layout = layout_string
+
+    _edit_rank_files(tmp_path / "ckpt", restate)
+    with pytest.raises(ReshardError, match="pipeline_model_parallel_layout" if layout_string else "stage sizes in the args"):
+        open_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_layer_missing_from_a_rank_file_is_refused(tmp_path):
+    write_synthetic(tmp_path / "ckpt", TINY_LLAMA, Layout(pp=2), "legacy")
+
+    def drop(name, state):
+        if name == "mp_rank_00_001":
+            del state["model"]["decoder.layers.1.mlp.linear_fc2.weight"]
+
+    _edit_rank_files(tmp_path / "ckpt", drop)
+    with pytest.raises(ReshardError, match=r"linear_fc2.weight is missing for layer\(s\) \[3\]"):
+        open_checkpoint(tmp_path / "ckpt")
