@@ -244,13 +244,17 @@ def human_bytes(n: float) -> str:
     raise AssertionError
 
 
-def target_config(config: ModelConfig, layout: Layout) -> ModelConfig:
-    """The model config at the target layout: only the vocabulary padding depends on it."""
+def target_config(config: ModelConfig, layout: Layout, source_tp: int) -> ModelConfig:
+    """The model config at the target layout: only the vocabulary padding depends on it. Without the true
+    vocabulary size the padding stays, which at another TP is right only if it is what Megatron-LM would
+    pad to there, a multiple of make_vocab_size_divisible_by x TP: it pads from its tokenizer, and a
+    checkpoint with other rows does not load."""
     padded = config.padded_vocab_for(layout.tp)
-    if config.vocab_size is None and padded % layout.tp:
+    multiple = config.make_vocab_size_divisible_by * layout.tp
+    if config.vocab_size is None and layout.tp != source_tp and padded % multiple:
         raise ReshardError(
-            f"TP={layout.tp} does not divide the padded vocabulary {padded} and the true vocabulary size is "
-            "unknown: pass --vocab-size"
+            f"the true vocabulary size is unknown (the checkpoint's args lack vocab_size), and at TP={layout.tp} "
+            f"Megatron pads it to a multiple of {multiple}, which the saved {padded} rows are not: pass --vocab-size"
         )
     return config.replace(padded_vocab_size=padded)
 
@@ -278,7 +282,7 @@ def make_plan(
     """What converting `reader` to `target` will do. `dtype` casts every tensor as it is written (a writer
     that casts, HF `--dtype`): the plan's memory and checksums follow what is written."""
     layout.validate(reader.config)
-    config = target_config(reader.config, layout)
+    config = target_config(reader.config, layout, reader.layout.tp)
     moves: list[TensorMove] = []
     dropped = list(reader.common.dropped)
     unsupported = getattr(reader, "unsupported_optimizer", [])

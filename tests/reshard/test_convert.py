@@ -49,6 +49,16 @@ def test_vocabulary_is_repadded_for_the_target_tp(tmp_path):
     assert emb.shape == (512, 64) and torch.equal(emb[:256], source) and torch.count_nonzero(emb[256:]) == 0
 
 
+def test_without_the_true_vocabulary_a_tp_change_keeps_only_a_padding_megatron_would_make(tmp_path):
+    """256 saved rows, true vocabulary unknown: Megatron-LM pads to a multiple of 128 x TP from its
+    tokenizer, so at TP2 the rows stay; at TP4 (512) it needs the true size to pad."""
+    write_synthetic(tmp_path / "a", MHA.replace(vocab_size=None), Layout(tp=1), "torch_dist")
+    assert convert(tmp_path / "a", tmp_path / "tp2", layout=Layout(tp=2)).plan.config.padded_vocab_size == 256
+    with pytest.raises(ReshardError, match="pass --vocab-size"):
+        convert(tmp_path / "a", tmp_path / "tp4", layout=Layout(tp=4), dry_run=True)
+    assert convert(tmp_path / "a", tmp_path / "tp4", layout=Layout(tp=4), vocab_size=250, dry_run=True).plan.config.padded_vocab_size == 512
+
+
 def test_read_slab_zeroes_vocabulary_padding_in_a_reused_buffer(tmp_path):
     write_synthetic(tmp_path / "a", MHA, Layout(tp=1), "torch_dist")
     with open_checkpoint(tmp_path / "a") as reader:
