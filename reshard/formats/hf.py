@@ -90,9 +90,12 @@ def _read_header(path: Path) -> tuple[dict[str, Any], int]:
         (size,) = struct.unpack("<Q", raw)
         if size > 100 * 1024**2:
             raise ReshardError(f"{path} is not a safetensors file (header of {size} bytes)")
-        header = json.loads(f.read(size))
-    header.pop("__metadata__", None)
-    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+        try:
+            header = json.loads(f.read(size))
+            header.pop("__metadata__", None)
+            end = max((v["data_offsets"][1] for v in header.values()), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            raise ReshardError(f"{path} is not a safetensors file (its header does not parse)") from None
     if path.stat().st_size < 8 + size + end:
         raise ReshardError(f"{path} is truncated: the model download is incomplete")
     return header, 8 + size
@@ -150,9 +153,15 @@ class HFReader(CheckpointReader):
         self.path = Path(path)
         if not (self.path / CONFIG).is_file():
             raise ReshardError(f"{self.path} has no config.json: not a HuggingFace model directory")
-        self.hf_config = json.loads((self.path / CONFIG).read_text())
+        try:
+            self.hf_config = json.loads((self.path / CONFIG).read_text())
+        except ValueError as exc:
+            raise ReshardError(f"{self.path / CONFIG} is not valid JSON ({exc})") from None
         self.family = family_for_hf(self.hf_config)
-        config, extras = self.family.config_from_hf(self.hf_config)
+        try:
+            config, extras = self.family.config_from_hf(self.hf_config)
+        except KeyError as exc:
+            raise ReshardError(f"{self.path / CONFIG} lacks {exc.args[0]!r}, which a {self.family.model_type} config needs") from None
         self.layout = Layout()
         self.manifest = Manifest.load(self.path)
         # Where each HF tensor lives, from the index or the file headers.

@@ -209,3 +209,17 @@ def test_an_option_no_hf_family_represents_is_refused_on_export(tmp_path):
     assert torch.load(tmp_path / "tp2" / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)["args"].apply_layernorm_1p
     with pytest.raises(ReshardError, match="apply_layernorm_1p"):
         cli("convert", tmp_path / "ckpt", tmp_path / "hf", "--to-format", "hf", "--no-optimizer", "-q")
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d: (d / "config.json").write_text("{not json"), "config.json is not valid JSON"),
+    (lambda d: (d / "config.json").write_text(json.dumps({k: v for k, v in json.loads((d / "config.json").read_text()).items()
+                                                           if k != "hidden_size"})), "lacks 'hidden_size'"),
+    (lambda d: (d / "model.safetensors").write_bytes((16).to_bytes(8, "little") + b"[1, 2, 3, 4, 5, 6]"),
+     "is not a safetensors file"),
+])
+def test_a_damaged_hf_directory_is_refused_in_one_line(tmp_path, damage, message):
+    source = build("llama", tmp_path / "hf")
+    damage(source)
+    with pytest.raises(ReshardError, match=message):
+        open_checkpoint(source)
