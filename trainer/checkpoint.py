@@ -496,6 +496,12 @@ def load_checkpoint(ckpt: Path, models: list, optimizer, scheduler, layout: Layo
     keys = saved_tensor_keys(ckpt)
     saved_args = vars(common.get("args") or argparse.Namespace())
     has_optim = any(k.startswith("optimizer.state.") for k in keys)
+    saved_dtype = "bfloat16" if saved_args.get("bf16") else "float16" if saved_args.get("fp16") else "float32"
+    if saved_dtype != config.params_dtype:
+        raise CheckpointError(
+            f"{ckpt} holds {saved_dtype} weights and this run trains in {config.params_dtype}: "
+            + ("pass --bf16" if saved_dtype == "bfloat16" else "drop --bf16" if saved_dtype == "float32" else "fp16 is not supported")
+        )
     load_optim = load_optim and optimizer is not None and has_optim
     saved_layout = (saved_args.get("tensor_model_parallel_size"), saved_args.get("pipeline_model_parallel_size"),
                     saved_args.get("expert_model_parallel_size") or 1, saved_args.get("world_size"))
@@ -516,6 +522,8 @@ def load_checkpoint(ckpt: Path, models: list, optimizer, scheduler, layout: Layo
         optimizer.load_state_dict(align_optimizer_state(loaded["optimizer"], request["optimizer"], optimizer))
         if scheduler is not None and common.get("opt_param_scheduler"):
             scheduler.load_state_dict(common["opt_param_scheduler"])
+    elif optimizer is not None:  # mixed precision keeps fp32 master copies of the initial weights: refresh them
+        optimizer.reload_model_params()
     iteration = int(common.get("iteration", 0)) if str(common.get("iteration", 0)).isdigit() else 0
     if load_rng:
         state = loaded["rng_state"]

@@ -88,6 +88,10 @@ def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype =
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
+        # Batched p2p posts send_prev, recv_prev, send_next, recv_next at once; gloo matches sends and
+        # receives per peer in posting order, and at PP=2 the previous and next stage are one rank, so
+        # with VPP a gradient was received as an activation of the same shape (wrong losses, no error).
+        batch_p2p_comm=on_gpu,
     )
     if layout.first_stage_layers is not None:
         kwargs["num_layers_in_first_pipeline_stage"] = layout.first_stage_layers

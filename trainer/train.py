@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 from reshard.config import ModelConfig
+from reshard.errors import ReshardError
 from reshard.layout import Layout
 from trainer import checkpoint as ckpt
 from trainer.presets import PRESETS
@@ -125,21 +127,53 @@ def hf_to_torch_dist(src: Path, layout: Layout) -> Path:
     return Path(target)
 
 
-def resolve_load(args, layout: Layout) -> Path | None:
-    """The iteration directory to load, converting a HuggingFace directory first."""
+def resolve_load(args, layout: Layout) -> tuple[Path | None, Path | None]:
+    """The iteration directory to load, converting a HuggingFace directory first, and the temporary
+    directory of that conversion (None otherwise). `--load` equal to `--save` resumes if there is a
+    checkpoint, else starts afresh."""
     if args.load is None:
-        return None
+        return None, None
+    first_launch = args.save is not None and args.load.resolve() == args.save.resolve()
     if not args.load.exists():
+        if first_launch:
+            log(f"--load {args.load}: no checkpoint yet, starting from scratch")
+            return None, None
         raise TrainerError(f"--load {args.load} does not exist")
     from reshard.formats.hf import is_hf
 
     if is_hf(args.load):
         log(f"--load {args.load} is a HuggingFace model: converting to torch_dist with reshard")
-        return ckpt.find_checkpoint(hf_to_torch_dist(args.load, layout))
+        converted = hf_to_torch_dist(args.load, layout)
+        return ckpt.find_checkpoint(converted), converted.parent
     try:
-        return ckpt.find_checkpoint(args.load)
+        found = ckpt.find_checkpoint(args.load)
     except ckpt.CheckpointError as exc:
         raise TrainerError(str(exc)) from None
+    if found is None and not first_launch:
+        raise TrainerError(f"--load {args.load} holds no checkpoint (no {ckpt.TRACKER}, no .metadata); "
+                           "to start from scratch, drop --load")
+    if found is None:
+        log(f"--load {args.load}: no checkpoint yet, starting from scratch")
+    return found, None
+
+
+def check_launch(args, layout: Layout, world: int) -> None:
+    """Refuse in one line, before Megatron is set up, what Megatron would refuse with a traceback per rank."""
+    if layout.vpp > 1 and layout.pp == 1:
+        raise TrainerError("--vpp needs --pp 2 or more")
+    for degrees, what in ((layout.tp * layout.pp, "TP x PP"), (layout.expert_tp * layout.ep * layout.pp, "ETP x EP x PP")):
+        if world % degrees:
+            raise TrainerError(f"{world} processes do not split into {what} = {degrees}: launch a multiple of {degrees}")
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        raise TrainerError(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters} "
+                           "(default: --train-iters)")
+
+
+def saved_global_batch(load_dir: Path | None) -> int | None:
+    """The global batch a checkpoint was trained with (None for converted HF weights)."""
+    if load_dir is None:
+        return None
+    return vars(ckpt.read_common(load_dir).get("args") or argparse.Namespace()).get("global_batch_size")
 
 
 def model_config(args, ckpt_dir: Path | None, tokenizer_vocab: int) -> ModelConfig:
@@ -284,14 +318,18 @@ def run(args) -> None:
         raise TrainerError(
             "--use-distributed-optimizer needs CUDA: megatron-core 0.16's DistributedOptimizer accepts only "
             "torch.cuda.* parameter types (distrib_optimizer.py, _build_model_and_main_param_groups)")
+    check_launch(args, layout, int(os.environ.get("WORLD_SIZE", "1")))
     init_parallel(layout, seed=args.seed)
     world = torch.distributed.get_world_size()
     dp = ps.get_data_parallel_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp
 
-    load_dir = resolve_load(args, layout)
+    load_dir, temporary = resolve_load(args, layout)
+    saved_batch = saved_global_batch(load_dir)
+    if args.global_batch_size is None:  # a resumed run keeps its batch whatever its DP size: the order and schedule count in it
+        args.global_batch_size = saved_batch or args.micro_batch_size * dp
+    elif saved_batch and saved_batch != args.global_batch_size:
+        log(f"the global batch changes from the checkpoint's {saved_batch} to {args.global_batch_size}")
     tokenizer, dataset, tok_source = prepare(
         args.data, args.seq_length, args.tokenizer, PRESETS[args.model].vocab_rows, [args.load, args.save])
     config = model_config(args, load_dir, tokenizer.get_vocab_size())
@@ -319,6 +357,10 @@ def run(args) -> None:
                                           seed=args.seed)
         except ckpt.CheckpointError as exc:
             raise TrainerError(str(exc)) from None
+        if temporary is not None:  # once every rank has read the converted HF weights
+            torch.distributed.barrier()
+            if _rank() == 0:
+                shutil.rmtree(temporary, ignore_errors=True)
         data_state = report["data_state"] or {}
         if report["optimizer_loaded"]:
             iteration = report["iteration"]
@@ -330,6 +372,8 @@ def run(args) -> None:
             consumed = int(data_state.get("consumed_samples", 0)) if iteration else 0
             scheduler.num_steps = consumed
             scheduler.step(0)
+        if data_state.get("seed") not in (None, args.seed):
+            raise TrainerError(f"the checkpoint's sample order was drawn with --seed {data_state['seed']}: pass it to resume")
         if data_state and data_state.get("fingerprint") not in (None, dataset.fingerprint()):
             raise TrainerError(
                 f"the data differs from the checkpoint's (token stream {dataset.fingerprint()} vs "
@@ -411,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
     status = 0
     try:
         run(args)
-    except (TrainerError, ValueError) as exc:
+    except (TrainerError, ReshardError, ValueError) as exc:
         if not torch.distributed.is_initialized() or _rank() == 0:
             print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
         status = 1

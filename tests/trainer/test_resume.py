@@ -92,10 +92,19 @@ def assert_continues(resumed: dict[int, float], ref: dict[int, float]) -> None:
         assert loss == pytest.approx(ref[it], rel=REL), f"iteration {it}: {loss} vs uninterrupted {ref[it]}"
 
 
-@pytest.mark.parametrize("case", ["tp2pp1->tp1pp2", "tp1dp2->tp2dp1", "ep2->ep1"])
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory, corpus):
+    """TP1 DP1, bf16 with fp32 master weights."""
+    return reference(tmp_path_factory, corpus, "bf16", 1, [], ["--bf16"])
+
+
+@pytest.mark.parametrize("case", ["tp2pp1->tp1pp2", "tp2pp1->pp2vpp2", "tp1dp2->tp2dp1", "ep2->ep1"])
 def test_resume_after_reshard(case, request, tmp_path, corpus):
+    """pp2vpp2: four micro-batches on two stages reach the interleaved schedule's steady state, where each
+    rank sends and receives in both directions at once."""
     fixture, to, nproc, layout, extra = {
         "tp2pp1->tp1pp2": ("tp2", ["--to-tp", 1, "--to-pp", 2], 2, ["--pp", 2], []),
+        "tp2pp1->pp2vpp2": ("tp2", ["--to-tp", 1, "--to-pp", 2, "--to-vpp", 2], 2, ["--pp", 2, "--vpp", 2], []),
         "tp1dp2->tp2dp1": ("dp2", ["--to-tp", 2], 2, ["--tp", 2], []),
         "ep2->ep1": ("ep2", ["--to-ep", 1], 1, [], ["--model", "tiny-moe"]),
     }[case]
@@ -116,6 +125,63 @@ def test_fresh_optimizer_breaks_continuity(tp2, tmp_path, corpus):
     assert worst > 100 * REL, f"losses still agree ({worst:.2e}): the continuity check would not notice"
 
 
+def test_a_resume_keeps_the_checkpoints_global_batch(dp2, tmp_path, corpus):
+    """Without --global-batch-size, DP2 -> DP1 keeps the 8 samples per step the schedule and order count in."""
+    src, ref = dp2
+    dst = converted(src, tmp_path / "converted", "--to-tp", "2")
+    metrics = tmp_path / "resumed.jsonl"
+    flags = common(corpus, metrics)
+    at = flags.index("--global-batch-size")
+    del flags[at : at + 2]
+    run("trainer", ["--tp", 2, *flags, "--load", dst], nproc=2)
+    assert_continues(losses(metrics), ref)
+
+
+def test_bf16_model_only_load_keeps_the_loaded_weights(bf16, tmp_path, corpus):
+    """Mixed precision steps fp32 master copies: without the optimizer state they must be the loaded
+    weights, not the initial ones (which put the loss back at iteration 1's). A fresh Adam's first steps
+    differ from the continued run's, but leave the model nearer the trained run than the untrained one."""
+    src, ref = bf16
+    resumed = resume(tmp_path, corpus, src / f"iter_{K:07d}", 1, ["--bf16"], ["--no-load-optim"])
+    assert resumed[K + 1] == pytest.approx(ref[K + 1], rel=REL)  # the same weights on the same data
+    for it in range(K + 2, TOTAL + 1):
+        assert abs(resumed[it] - ref[it]) < 0.5 * abs(ref[1] - ref[it]), (it, resumed[it], ref[it], ref[1])
+
+
+@pytest.mark.parametrize("flags,message", [
+    ([], "holds bfloat16 weights and this run trains in float32: pass --bf16"),
+    (["--bf16", "--seed", 8], "drawn with --seed 7: pass it to resume"),
+])
+def test_a_resume_that_would_not_continue_the_run_is_refused(bf16, tmp_path, corpus, flags, message):
+    src, _ = bf16
+    with pytest.raises(RuntimeError, match=message) as info:
+        resume(tmp_path, corpus, src / f"iter_{K:07d}", 1, [], flags)
+    assert_one_line(str(info.value))
+
+
+@pytest.mark.parametrize("nproc,flags,message", [
+    (1, ["--tp", 3], "1 processes do not split into TP x PP = 3: launch a multiple of 3"),
+    (1, ["--ep", 2, "--model", "tiny-moe"], "1 processes do not split into ETP x EP x PP = 2"),
+    (1, ["--vpp", 2], "--vpp needs --pp 2 or more"),
+    (1, ["--lr-warmup-iters", TOTAL], f"--lr-warmup-iters {TOTAL} must be below --lr-decay-iters {TOTAL}"),
+    (2, ["--ep", 2], "EP=2 needs a mixture-of-experts model"),
+])
+def test_a_launch_megatron_would_refuse_is_refused_in_one_line(tmp_path, corpus, nproc, flags, message):
+    with pytest.raises(RuntimeError, match=message) as info:
+        run("trainer", [*common(corpus, tmp_path / "m.jsonl"), *flags], nproc=nproc)
+    assert_one_line(str(info.value))
+
+
+def test_load_needs_a_checkpoint_unless_it_is_the_save_directory(tmp_path, corpus):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(RuntimeError, match="holds no checkpoint"):
+        run("trainer", [*common(corpus, tmp_path / "a.jsonl"), "--load", empty], nproc=1)
+    fresh = tmp_path / "fresh"  # `--save X --load X`: the first launch starts from scratch
+    run("trainer", [*common(corpus, tmp_path / "b.jsonl"), "--train-iters", 2, "--load", fresh, "--save", fresh], nproc=1)
+    assert sorted(losses(tmp_path / "b.jsonl")) == [1, 2]
+
+
 def test_trainer_checkpoints_verify(tp2):
     src, _ = tp2
     assert (src / "latest_checkpointed_iteration.txt").read_text().strip() == str(TOTAL)
@@ -132,6 +198,13 @@ def test_trainer_checkpoints_verify(tp2):
     assert common_pt["opt_param_scheduler"]["num_steps"] == 8 * K
     assert any((src.parent.parent / "tb").rglob("events.out.tfevents.*"))
     assert (src / "tokenizer.json").is_file()
+
+
+def assert_one_line(out: str) -> None:
+    """A refused launch: one error line, printed by rank 0, and no rank's traceback (torchrun's own report
+    of the failed child follows it)."""
+    assert out.count("trainer: error:") == 1, "the error should be printed once, by rank 0"
+    assert "[rank1]: Traceback" not in out and "[rank0]: Traceback" not in out
 
 
 def _flip_bit_in_tensor(iter_dir: Path, key: str) -> None:
@@ -164,8 +237,7 @@ def test_corrupted_tensor_refuses_to_resume(dp2, tmp_path, corpus):
         resume(tmp_path, corpus, bad, 2, [])
     out = str(info.value)
     assert f"tensor {key} does not match the checksum recorded at save" in out
-    assert out.count("trainer: error:") == 1, "the error should be printed once, by rank 0"
-    assert "[rank1]: Traceback" not in out and "[rank0]: Traceback" not in out
+    assert_one_line(out)
     trained = tmp_path / "resumed.jsonl"
     assert not trained.exists() or not losses(trained), "it trained on a corrupted checkpoint"
 
