@@ -25,15 +25,29 @@ from reshard.plan import ConversionPlan
 LOG_NAME = "reshard_worklog.jsonl"
 
 
+def _source_files(root: Path) -> list[tuple[str, str, int, int]]:
+    """(name under `root`, real path, size, mtime) of every file under it. Linked folders are followed,
+    each real folder once: runs often link iteration directories, and relinking one to another run must
+    change the fingerprint."""
+    out, seen = [], set()
+    for top, dirs, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        for name in files:
+            path = os.path.join(top, name)
+            st = os.stat(path)
+            out.append((os.path.relpath(path, root), os.path.realpath(path), st.st_size, st.st_mtime_ns))
+    return sorted(out)
+
+
 def fingerprint(plan: ConversionPlan, options: dict[str, Any]) -> str:
-    """Identifies a conversion: the source files (names, sizes, times), the target and every move."""
-    source = sorted(
-        (str(p.relative_to(plan.source)), p.stat().st_size, p.stat().st_mtime_ns)
-        for p in plan.source.rglob("*")
-        if p.is_file()
-    ) if plan.source.is_dir() else []
+    """Identifies a conversion: the source files (names, where they really are, sizes, times), the target
+    and every move."""
     payload = {
-        "source": source,
+        "source": _source_files(plan.source) if plan.source.is_dir() else [],
         "format": plan.target_format,
         "layout": str(plan.target_layout),
         "moves": [(m.source.name, m.target.name, m.target.shape, m.target.dtype) for m in plan.moves],

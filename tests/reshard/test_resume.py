@@ -69,3 +69,25 @@ def test_a_changed_source_starts_over(tmp_path):
     fresh_calls = []
     convert(tmp_path / "src", tmp_path / "fresh", layout=Layout(ep=1), progress=lambda _: fresh_calls.append(1))
     assert len(calls) == len(fresh_calls)
+
+
+def test_a_source_relinked_between_runs_starts_afresh(tmp_path):
+    """An iteration directory linked to another run between an interrupted conversion and its rerun: the
+    rerun must not keep tensors converted from the first run."""
+    import shutil
+
+    for seed in (0, 1):
+        write_synthetic(tmp_path / f"run{seed}", TINY_MOE, Layout(ep=2), "torch_dist", seed=seed)
+        (tmp_path / f"run{seed}" / "iter_0000010" / "reshard_manifest.json").unlink()  # as Megatron saves it
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(tmp_path / "run0" / "latest_checkpointed_iteration.txt", src)
+    (src / "iter_0000010").symlink_to(tmp_path / "run0" / "iter_0000010")
+    progress, _ = _bomb(after_slabs=30)
+    with pytest.raises(Stop):
+        convert(src, tmp_path / "out", layout=Layout(ep=1), progress=progress)
+    (src / "iter_0000010").unlink()
+    (src / "iter_0000010").symlink_to(tmp_path / "run1" / "iter_0000010")
+    convert(src, tmp_path / "out", layout=Layout(ep=1))
+    convert(tmp_path / "run1", tmp_path / "fresh", layout=Layout(ep=1))
+    assert _files(tmp_path / "out") == _files(tmp_path / "fresh")
