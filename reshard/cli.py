@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import os
@@ -212,6 +213,11 @@ def summarize(names: list[str]) -> str:
     return ", ".join(f"{count} x {kind}" for kind, count in groups.items())
 
 
+# The disk refusing a write: the user's to fix, not a bug.
+_DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM}
+_AGAIN = "run the same command again: a torch_dist or zarr output resumes where it stopped"
+
+
 def run() -> None:
     """Entry point: one-line errors, never a traceback (RESHARD_DEBUG=1 shows it)."""
     try:
@@ -230,10 +236,21 @@ def run() -> None:
         click.echo(f"reshard: error: {exc}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
-        click.echo("reshard: interrupted; nothing was written at the destination (run the same command again to resume)", err=True)
+        click.echo(f"reshard: interrupted; nothing was written at the destination ({_AGAIN})", err=True)
         sys.exit(130)
-    except Exception as exc:  # a bug: still one line, with the way to get details
-        if os.environ.get("RESHARD_DEBUG"):
-            raise
-        click.echo(f"reshard: internal error: {exc.__class__.__name__}: {exc} (rerun with RESHARD_DEBUG=1 for details)", err=True)
-        sys.exit(2)
+    except OSError as exc:
+        if exc.errno not in _DISK_ERRORS or os.environ.get("RESHARD_DEBUG"):
+            _internal_error(exc)
+        click.echo(f"reshard: error: {exc.strerror}: {exc.filename or ''}; nothing was written at the destination "
+                   f"(free space or fix the permissions, then {_AGAIN})", err=True)
+        sys.exit(1)
+    except Exception as exc:
+        _internal_error(exc)
+
+
+def _internal_error(exc: Exception) -> None:
+    """A bug: still one line, with the way to get details."""
+    if os.environ.get("RESHARD_DEBUG"):
+        raise exc
+    click.echo(f"reshard: internal error: {exc.__class__.__name__}: {exc} (rerun with RESHARD_DEBUG=1 for details)", err=True)
+    sys.exit(2)

@@ -327,12 +327,20 @@ def convert(
     source, target = Path(source), Path(target)
     if source.resolve() == target.resolve():
         raise ReshardError("source and destination are the same directory; choose another destination")
+    # Replacing a destination that holds the source would delete it; writing into the source changes it.
+    if source.resolve().is_relative_to(target.resolve()):
+        raise ReshardError(f"{target} contains the source {source}; choose a destination outside it")
+    if target.resolve().is_relative_to(source.resolve()):
+        raise ReshardError(f"{target} is inside the source {source}; choose a destination outside it")
     with open_checkpoint(source) as reader:
         for key, value in (expect_layout or {}).items():
             actual = getattr(reader.layout, key)
             if value is not None and actual != value:
                 raise ReshardError(f"{source} is saved at {key.upper()}={actual}, not {value}; fix --{key} or drop it")
         if vocab_size is not None:
+            if reader.config.vocab_size not in (None, vocab_size):
+                raise ReshardError(f"{source} records a vocabulary of {reader.config.vocab_size}; --vocab-size {vocab_size} "
+                                   "contradicts it: drop --vocab-size")
             if vocab_size > reader.config.padded_vocab_size:
                 raise ReshardError(f"--vocab-size {vocab_size} exceeds the checkpoint's {reader.config.padded_vocab_size} embedding rows")
             reader.config = reader.config.replace(vocab_size=vocab_size)

@@ -74,12 +74,16 @@ def test_convert_then_verify(ckpt, tmp_path, reread):
         (["convert", "{src}", "{out}", "--tp", "4"], ["TP=2, not 4"]),
         (["convert", "{src}", "{out}", "--to-format", "legacy"], ["--no-optimizer"]),
         (["convert", "{src}", "{src}"], ["same directory"]),
+        (["convert", "{src}", "{src}/out"], ["inside the source"]),
+        (["convert", "{src}", "{out}", "--vocab-size", "200"], ["records a vocabulary of 250", "drop --vocab-size"]),
+        (["convert", "{src}", "{parent}", "--overwrite"], ["contains the source"]),  # replacing it would delete the source
         (["verify", "{empty}"], ["not a checkpoint"]),
     ],
 )
 def test_bad_input_gets_one_line_and_nothing_written(ckpt, tmp_path, args, words):
     (tmp_path / "empty").mkdir()
-    names = {"src": ckpt, "out": tmp_path / "out", "missing": tmp_path / "nope", "empty": tmp_path / "empty"}
+    names = {"src": ckpt, "out": tmp_path / "out", "missing": tmp_path / "nope", "empty": tmp_path / "empty",
+             "parent": ckpt.parent}
     before = _digest(ckpt)
     result = reshard(*[a.format(**names) for a in args])
     _one_line_error(result, *words)
@@ -131,3 +135,21 @@ def test_missing_legacy_rank_file_is_reported(tmp_path):
     write_synthetic(tmp_path / "leg", TINY_LLAMA, Layout(tp=2), "legacy")
     (tmp_path / "leg" / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt").unlink()
     _one_line_error(reshard("inspect", tmp_path / "leg"), "mp_rank_01", "missing")
+
+
+def test_a_full_disk_is_the_users_to_fix_not_an_internal_error(ckpt, tmp_path, monkeypatch, capsys):
+    import errno
+    import sys
+
+    from reshard import cli
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / ".out.reshard-partial" / "__0_0.distcp"))
+
+    monkeypatch.setattr("reshard.convert.convert", full)
+    monkeypatch.setattr(sys, "argv", ["reshard", "convert", str(ckpt), str(tmp_path / "out"), "-q"])
+    with pytest.raises(SystemExit) as exit_:
+        cli.run()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("reshard: error: No space left on device:") and "free space" in lines[0]
