@@ -87,12 +87,18 @@ def upload(
     endpoint: str | None = None,
     commit_message: str | None = None,
 ) -> UploadResult:
-    """Verify `path`, add a model card, create `repo_id` if needed and upload the folder."""
+    """Verify `path`, create `repo_id` if needed and upload the folder, with a model card for `repo_id`
+    unless the folder has its own (the card is written for the upload only: the export stays as it was)."""
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+    from huggingface_hub.utils import validate_repo_id
 
     from reshard.verify import verify
 
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise ReshardError(f"{repo_id!r} is not a Hub repository id (user/name): {str(exc).splitlines()[0]}") from None
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ReshardError(f"{path} is not an HF model directory (no config.json); export with `reshard convert ... --to-format hf` first")
@@ -101,10 +107,12 @@ def upload(
     report = verify(path)
     if not report.comparison.ok:
         raise ReshardError(f"{path} does not match its recorded checksums ({report.comparison.summary()}); refusing to upload")
-    if not (path / CARD).exists():
-        (path / CARD).write_text(model_card(path, repo_id))
+    card = None if (path / CARD).exists() else path / CARD
+    if card is not None:
+        card.write_text(model_card(path, repo_id))
 
-    api = HfApi(endpoint=endpoint or os.environ.get("HF_ENDPOINT"), token=token)  # token None: HF_TOKEN or the saved login
+    endpoint = endpoint or os.environ.get("HF_ENDPOINT")
+    api = HfApi(endpoint=endpoint, token=token)  # token None: HF_TOKEN or the saved login
     try:
         url = api.create_repo(repo_id, private=private or None, repo_type="model", exist_ok=True)
         if revision:
@@ -121,4 +129,18 @@ def upload(
         status = getattr(getattr(exc, "response", None), "status_code", None)
         hint = " (check the token: HF_TOKEN, --token or `hf auth login`)" if status in (401, 403) else ""
         raise ReshardError(f"upload to {repo_id} failed: {str(exc).splitlines()[0]}{hint}") from None
+    except Exception as exc:
+        if not _is_network_error(exc):
+            raise
+        raise ReshardError(f"cannot reach the Hub at {endpoint or 'huggingface.co'} ({exc.__class__.__name__}: {exc}); "
+                           "check --endpoint / HF_ENDPOINT and the network") from None
+    finally:
+        if card is not None:
+            card.unlink(missing_ok=True)
     return UploadResult(repo_id, str(url), len(files), getattr(commit, "oid", None))
+
+
+def _is_network_error(exc: Exception) -> bool:
+    """A transport error of the Hub client's HTTP stack (httpx or requests, by huggingface_hub release)."""
+    stacks = {"httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3"}
+    return isinstance(exc, ConnectionError) or any(c.__module__.split(".")[0] in stacks for c in type(exc).__mro__)

@@ -34,9 +34,12 @@ def test_upload_verifies_writes_card_and_commits(export, monkeypatch):
         assert files["model.safetensors"] == (export / "model.safetensors").read_bytes()
         card = files["README.md"].decode()
         assert "source layout" in card and "Qwen2ForCausalLM" in card and "checksums" in card.lower()
-        # exist_ok: a second upload to the same repo works
+        assert not (export / "README.md").exists()  # the card was written for the upload only
+        # exist_ok: a second upload to the same repo works; another repo gets a card of its own
         upload(export, "user/tiny", endpoint=hub.url, token=hub.token)
         assert "model.safetensors" in hub.repos["user/tiny"]["branches"]["main"]
+        upload(export, "user/other", endpoint=hub.url, token=hub.token)
+        assert "# other\n" in hub.repos["user/other"]["branches"]["main"]["README.md"].decode()
 
 
 def test_upload_refuses_a_corrupted_export(export):
@@ -59,3 +62,13 @@ def test_upload_needs_a_reshard_export(tmp_path):
     source = build("gpt2", tmp_path / "src")
     with pytest.raises(ReshardError, match="reshard_manifest"):
         upload(source, "user/x", endpoint="http://127.0.0.1:9", token="t")
+
+
+@pytest.mark.parametrize("repo_id,endpoint,message", [
+    ("not a repo/../x", "http://127.0.0.1:9", "is not a Hub repository id"),
+    ("user/x", "http://127.0.0.1:9", "cannot reach the Hub at http://127.0.0.1:9"),
+])
+def test_upload_refuses_what_cannot_work_in_one_line(export, repo_id, endpoint, message):
+    with pytest.raises(ReshardError, match=message):
+        upload(export, repo_id, endpoint=endpoint, token="t")
+    assert not (export / "README.md").exists()
