@@ -97,9 +97,9 @@ def convert_distributed(
     if plan.target_format not in MULTI_RANK_FORMATS:
         raise ReshardError(f"several ranks can write {' or '.join(MULTI_RANK_FORMATS)}, not {plan.target_format}; run one process")
     rank, size = dist.get_rank(), dist.get_world_size()
-    names: list[Any] = [f".{target.name}.reshard-tmp-{os.getpid()}"]
-    dist.broadcast_object_list(names, src=0)  # one temporary sibling, named by rank 0
-    tmp = target.with_name(names[0])
+    # One temporary sibling, by a fixed name: a rerun after a kill clears what the killed run left (a
+    # multi-rank conversion does not resume; it starts over).
+    tmp = target.with_name(f".{target.name}.reshard-tmp")
 
     def prepare() -> None:
         if rank == 0:
