@@ -8,7 +8,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -248,7 +248,7 @@ def run() -> None:
         _internal_error(exc)
 
 
-def _internal_error(exc: Exception) -> None:
+def _internal_error(exc: Exception) -> NoReturn:
     """A bug: still one line, with the way to get details."""
     if os.environ.get("RESHARD_DEBUG"):
         raise exc

@@ -325,12 +325,13 @@ def convert(
     """
     start = time.perf_counter()
     source, target = Path(source), Path(target)
-    if source.resolve() == target.resolve():
+    src, dst = source.resolve(), target.resolve()
+    if src == dst:
         raise ReshardError("source and destination are the same directory; choose another destination")
     # Replacing a destination that holds the source would delete it; writing into the source changes it.
-    if source.resolve().is_relative_to(target.resolve()):
+    if src.is_relative_to(dst):
         raise ReshardError(f"{target} contains the source {source}; choose a destination outside it")
-    if target.resolve().is_relative_to(source.resolve()):
+    if dst.is_relative_to(src):
         raise ReshardError(f"{target} is inside the source {source}; choose a destination outside it")
     with open_checkpoint(source) as reader:
         for key, value in (expect_layout or {}).items():

@@ -134,23 +134,19 @@ def resolve_load(args, layout: Layout) -> tuple[Path | None, Path | None]:
     if args.load is None:
         return None, None
     first_launch = args.save is not None and args.load.resolve() == args.save.resolve()
-    if not args.load.exists():
-        if first_launch:
-            log(f"--load {args.load}: no checkpoint yet, starting from scratch")
-            return None, None
-        raise TrainerError(f"--load {args.load} does not exist")
     from reshard.formats.hf import is_hf
 
-    if is_hf(args.load):
+    if args.load.exists() and is_hf(args.load):
         log(f"--load {args.load} is a HuggingFace model: converting to torch_dist with reshard")
         converted = hf_to_torch_dist(args.load, layout)
         return ckpt.find_checkpoint(converted), converted.parent
     try:
-        found = ckpt.find_checkpoint(args.load)
+        found = ckpt.find_checkpoint(args.load) if args.load.exists() else None
     except ckpt.CheckpointError as exc:
         raise TrainerError(str(exc)) from None
     if found is None and not first_launch:
-        raise TrainerError(f"--load {args.load} holds no checkpoint (no {ckpt.TRACKER}, no .metadata); "
+        raise TrainerError(f"--load {args.load} does not exist" if not args.load.exists() else
+                           f"--load {args.load} holds no checkpoint (no {ckpt.TRACKER}, no .metadata); "
                            "to start from scratch, drop --load")
     if found is None:
         log(f"--load {args.load}: no checkpoint yet, starting from scratch")
@@ -169,16 +165,10 @@ def check_launch(args, layout: Layout, world: int) -> None:
                            "(default: --train-iters)")
 
 
-def saved_global_batch(load_dir: Path | None) -> int | None:
-    """The global batch a checkpoint was trained with (None for converted HF weights)."""
-    if load_dir is None:
-        return None
-    return vars(ckpt.read_common(load_dir).get("args") or argparse.Namespace()).get("global_batch_size")
-
-
-def model_config(args, ckpt_dir: Path | None, tokenizer_vocab: int) -> ModelConfig:
-    if ckpt_dir is not None:
-        config = ModelConfig.from_megatron_args(ckpt.read_common(ckpt_dir)["args"])
+def model_config(args, saved_args: dict | None, tokenizer_vocab: int) -> ModelConfig:
+    """The checkpoint's architecture (`saved_args`: its Megatron args; None when starting afresh), else the preset's."""
+    if saved_args is not None:
+        config = ModelConfig.from_megatron_args(saved_args)
     else:
         config = PRESETS[args.model]
         if tokenizer_vocab > config.vocab_rows:
@@ -325,14 +315,15 @@ def run(args) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     load_dir, temporary = resolve_load(args, layout)
-    saved_batch = saved_global_batch(load_dir)
+    saved_args = vars(ckpt.read_common(load_dir).get("args") or argparse.Namespace()) if load_dir is not None else None
+    saved_batch = (saved_args or {}).get("global_batch_size")  # None for converted HF weights
     if args.global_batch_size is None:  # a resumed run keeps its batch whatever its DP size: the order and schedule count in it
         args.global_batch_size = saved_batch or args.micro_batch_size * dp
     elif saved_batch and saved_batch != args.global_batch_size:
         log(f"the global batch changes from the checkpoint's {saved_batch} to {args.global_batch_size}")
     tokenizer, dataset, tok_source = prepare(
         args.data, args.seq_length, args.tokenizer, PRESETS[args.model].vocab_rows, [args.load, args.save])
-    config = model_config(args, load_dir, tokenizer.get_vocab_size())
+    config = model_config(args, saved_args, tokenizer.get_vocab_size())
     layout.validate(config)
     if args.save is not None and _rank() == 0:
         args.save.mkdir(parents=True, exist_ok=True)

@@ -226,9 +226,9 @@ class HFReader(CheckpointReader):
         self.specs: dict[str, TensorSpec] = {name: describe(name, shape, dtypes[name], config) for name, shape in shapes.items()}
         # Every tensor at the shape config.json implies: values are read at offsets computed from it.
         for _, _, _, hf_name, shape in hf_tensors(self.specs, self._mappings, config):
-            if self._shape(hf_name) != shape:
+            if (stored := self._shape(hf_name)) != shape:
                 raise ReshardError(
-                    f"{hf_name} has shape {list(self._shape(hf_name))} but config.json implies {list(shape)}: "
+                    f"{hf_name} has shape {list(stored)} but config.json implies {list(shape)}: "
                     "config.json does not match the weights"
                 )
         args = dict(config.megatron_args())
