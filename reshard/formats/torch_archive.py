@@ -160,18 +160,24 @@ class _TensorStub:
         for d in reversed(self.shape):
             stride.append(step)
             step *= d
-        return (
-            torch._utils._rebuild_tensor_v2,
-            (self.ref, 0, torch.Size(self.shape), tuple(reversed(stride)), False, OrderedDict()),
-        )
+        args = (self.ref, 0, torch.Size(self.shape), tuple(reversed(stride)), False, OrderedDict())
+        if self.ref.dtype in LEGACY_STORAGE_TYPES:
+            return torch._utils._rebuild_tensor_v2, args
+        return torch._utils._rebuild_tensor_v3, (*args, self.ref.dtype)  # torch's own pickle for these
+
+
+# torch pickles a storage by the name of its legacy typed class ("BFloat16Storage") where the dtype has
+# one; newer dtypes (float8, unsigned ints) as an UntypedStorage of bytes, the dtype in `_rebuild_tensor_v3`.
+LEGACY_STORAGE_TYPES: dict[torch.dtype, str] = torch.storage._dtype_to_storage_type_map()
 
 
 class _StubPickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, StorageRef):
-            storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
-            return ("storage", storage_type, obj.key, "cpu", obj.numel)
-        return None
+        if not isinstance(obj, StorageRef):
+            return None
+        if obj.dtype in LEGACY_STORAGE_TYPES:
+            return ("storage", getattr(torch, LEGACY_STORAGE_TYPES[obj.dtype]), obj.key, "cpu", obj.numel)
+        return ("storage", torch.storage.UntypedStorage, obj.key, "cpu", obj.numel * obj.dtype.itemsize)
 
 
 def tensor_bytes(tensor: torch.Tensor, scratch: Scratch | None = None) -> np.ndarray:

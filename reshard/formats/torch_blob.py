@@ -22,7 +22,7 @@ import torch
 from reshard.buffers import PerThread, copy
 from reshard.direct_io import DirectFile
 from reshard.errors import ReshardError
-from reshard.formats.torch_archive import StorageRef
+from reshard.formats.torch_archive import LEGACY_STORAGE_TYPES, StorageRef
 from reshard.sharding import Region, cut, long_axis, shift, to_slices
 
 
@@ -45,12 +45,17 @@ class TensorHeader:
         return True
 
 
-# torch pickles a storage by the name of its legacy typed class, e.g. "BFloat16Storage".
-_STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+_STORAGE_DTYPES = {name: dtype for dtype, name in LEGACY_STORAGE_TYPES.items()}
+_BYTES = object()  # an UntypedStorage: its size is in bytes, the dtype comes with the tensor
 
 
 def _rebuild_stub(storage: StorageRef, offset: int, size: Any, stride: Any, *rest: Any) -> TensorHeader:
     return TensorHeader(storage.dtype, storage.key, int(offset), tuple(size), tuple(stride))
+
+
+def _rebuild_stub_v3(storage: StorageRef, offset: int, size: Any, stride: Any, grad: Any, hooks: Any, dtype: torch.dtype,
+                     *rest: Any) -> TensorHeader:
+    return TensorHeader(dtype, storage.key, int(offset), tuple(size), tuple(stride))
 
 
 class _HeaderUnpickler(pickle.Unpickler):
@@ -59,8 +64,14 @@ class _HeaderUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
             return _rebuild_stub
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _rebuild_stub_v3
         if module == "torch" and name in _STORAGE_DTYPES:
             return _STORAGE_DTYPES[name]
+        if module == "torch.storage" and name == "UntypedStorage":
+            return _BYTES
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
         if module == "torch" and name == "Size":
             return tuple
         if module == "collections" and name == "OrderedDict":
@@ -69,7 +80,7 @@ class _HeaderUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> StorageRef:
         _, dtype, key, _location, numel = pid
-        return StorageRef(dtype, str(key), int(numel))
+        return StorageRef(torch.uint8 if dtype is _BYTES else dtype, str(key), int(numel))
 
 
 class _FileWindow(io.RawIOBase):

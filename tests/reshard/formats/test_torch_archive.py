@@ -26,6 +26,10 @@ def _tensors() -> dict[str, torch.Tensor]:
         "scalar": torch.tensor(3.5),
         "empty": torch.zeros(0, 4),
         "int": torch.arange(7, dtype=torch.int64),
+        # no legacy storage class: torch pickles these through `_rebuild_tensor_v3` and an UntypedStorage
+        "float8_e4m3fn": torch.randn(3, 5, generator=g).to(torch.float8_e4m3fn),
+        "float8_e5m2_slice": torch.randn(4, 6, generator=g).to(torch.float8_e5m2)[:, 1:4],
+        "uint16": torch.arange(9, dtype=torch.int32).to(torch.uint16),
     }
 
 

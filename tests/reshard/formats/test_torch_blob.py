@@ -39,6 +39,25 @@ def test_regions_read_back_as_saved(tmp_path, monkeypatch, block, window):
         f.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16])
+def test_records_of_dtypes_without_a_legacy_storage_read_back(tmp_path, dtype):
+    """torch.save pickles these through `_rebuild_tensor_v3` over an UntypedStorage of bytes."""
+    saved = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6).to(dtype)
+    path = tmp_path / "records"
+    with open(path, "wb") as f:
+        f.write(b"x" * 100)
+        torch.save(saved, f)
+        length = f.tell() - 100
+    _read_back(path, 100, length, saved)
+    f = RecordFile(path)
+    try:
+        out = torch.zeros(2, 3, dtype=dtype)
+        f.read_into(f.record(100, length), ((1, 3), (2, 5)), out)
+        assert torch.equal(out, saved[1:3, 2:5])
+    finally:
+        f.close()
+
+
 def _zips() -> dict[str, bytes]:
     """Archives written by torch.save, by our own writer (Zip32 and Zip64) and by `zipfile` (Zip64 entries)."""
     out = {}
