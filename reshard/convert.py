@@ -21,7 +21,7 @@ from reshard.formats import WRITERS, open_checkpoint
 from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
 from reshard.layout import Layout
 from reshard.pipeline import ordered_map
-from reshard.plan import BAND_BYTES, ConversionPlan, TensorMove, Unit, itemsize, make_plan
+from reshard.plan import BAND_BYTES, ConversionPlan, TensorMove, Unit, human_bytes, itemsize, make_plan
 from reshard.sharding import Piece, Region, bands, region_size, shift, to_slices
 from reshard.verify import compare, compute_checksums
 from reshard.worklog import Done, Recorder, WorkLog, fingerprint
@@ -219,6 +219,18 @@ def _check_destination(target: Path, overwrite: bool) -> None:
         raise ReshardError(f"{target} exists and is not empty; pass --overwrite to replace it or choose another destination")
 
 
+def _check_free_space(partial: Path, target: Path, needed: int) -> None:
+    """Refuse up front what cannot fit, instead of failing with a full disk after writing most of it. The
+    tensors' bytes alone are counted (archive headers and metadata add little), so nothing that fits is
+    refused; an old destination given to --overwrite is removed only after, so it still takes its space."""
+    free = shutil.disk_usage(partial).free
+    if needed > free:
+        raise ReshardError(
+            f"not enough free space for {target}: the conversion writes {human_bytes(needed)} more and "
+            f"{human_bytes(free)} is free there; free space or choose another destination"
+        )
+
+
 def _replace(tmp: Path, target: Path) -> None:
     """Move the verified output into place; an old destination is removed only after the rename."""
     old = None
@@ -258,6 +270,7 @@ def _convert_here(
             log.start()
         finished = {d.name for d in done}
         remaining = replace(full, moves=[m for m in plan.moves if m.target.name not in finished])
+        _check_free_space(tmp, target, remaining.bytes_moved)
         recorder = Recorder(log, writer) if resumable else None
         pool = Pool()  # slab buffers, reused by the verification pass
         try:

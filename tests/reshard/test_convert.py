@@ -196,3 +196,23 @@ def test_memory_budget(tmp_path):
     sequential = convert(tmp_path / "a", tmp_path / "c", max_memory=1600 << 10, workers=4)  # no room to read ahead
     assert sequential.plan.read_ahead() == 0 and sequential.plan.peak_memory <= 1600 << 10
     assert sequential.plan.hash_workers() == 1
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "legacy", "zarr"])
+def test_a_conversion_that_cannot_fit_is_refused_before_it_writes(tmp_path, monkeypatch, fmt):
+    """Against the disk's own measure: a disk with room for exactly what a conversion wrote lets it run;
+    one short of the tensors' bytes refuses it in one line, leaving nothing behind."""
+    import collections
+
+    write_synthetic(tmp_path / "a", TINY_MOE, Layout(tp=2, ep=2), "torch_dist")
+    convert(tmp_path / "a", tmp_path / "measured", layout=Layout(ep=4), to_format=fmt)
+    written = sum(f.stat().st_size for f in (tmp_path / "measured").rglob("*") if f.is_file())
+    usage = collections.namedtuple("usage", "total used free")
+
+    monkeypatch.setattr("reshard.convert.shutil.disk_usage", lambda path: usage(written, 0, written))
+    convert(tmp_path / "a", tmp_path / "fits", layout=Layout(ep=4), to_format=fmt)
+
+    monkeypatch.setattr("reshard.convert.shutil.disk_usage", lambda path: usage(written, 0, written // 2))
+    with pytest.raises(ReshardError, match=r"^not enough free space for .*too-big: .* is free there; free space"):
+        convert(tmp_path / "a", tmp_path / "too-big", layout=Layout(ep=4), to_format=fmt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "fits", "measured"]
