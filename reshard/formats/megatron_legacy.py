@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -106,11 +106,11 @@ class LegacyReader(CheckpointReader):
         self._states: dict[RankCoord, dict[str, Any]] = {}
         self._mappings: dict[RankCoord, list[Mapping]] = {}
         self._files: dict[RankCoord, RecordFile] = {}
+        self._present = {rank for rank in ranks(self.layout) if self._rank_file(rank.legacy_dirname(self.layout)).is_file()}
         for rank in ranks(self.layout):
-            if not (tree.iteration_dir / rank.legacy_dirname(self.layout) / RANK_FILE).is_file():
-                raise ReshardError(
-                    f"{tree.iteration_dir / rank.legacy_dirname(self.layout) / RANK_FILE} is missing but args say {self.layout}: the checkpoint is incomplete"
-                )
+            self._holder(rank, experts=False)
+            if self.config.is_moe:
+                self._holder(rank, experts=True)
         extra = {k: v for k, v in first.items() if k not in _NOT_COMMON and not k.startswith("model")}
         self.common = CommonState(args=args, iteration=first.get("iteration", tree.iteration), extra=extra)
         # Legacy optimizer state is keyed by parameter index within each rank: tied to its layout.
@@ -118,6 +118,26 @@ class LegacyReader(CheckpointReader):
         self.manifest = Manifest.load(tree.iteration_dir)
         self.specs = self._discover()
         self._pieces: dict[str, list[Piece]] = {}
+
+    def _holder(self, rank: RankCoord, experts: bool) -> RankCoord:
+        """The rank file holding `rank`'s dense (or expert) tensors. Megatron names a file by its writer's
+        TP and EP ranks, and with ETP < TP not every pair is a rank: TP2 EP2 ETP1 on 4 GPUs writes only
+        mp_rank_00_000 and mp_rank_01_001. Another file then holds the same values: the same TP rank's
+        for dense tensors, the same EP rank's with the same expert-TP part for experts."""
+        plain = RankCoord(pp=rank.pp, tp=rank.tp, ep=rank.ep)
+        if plain not in self._present:
+            etp = self.layout.expert_tp
+            same = [
+                other for other in sorted(self._present, key=lambda r: (r.tp, r.ep))
+                if other.pp == rank.pp
+                and ((other.ep == rank.ep and other.tp % etp == rank.tp % etp) if experts else other.tp == rank.tp)
+            ]
+            if not same:
+                raise ReshardError(
+                    f"{self._rank_file(rank.legacy_dirname(self.layout))} is missing but args say {self.layout}: the checkpoint is incomplete"
+                )
+            plain = same[0]
+        return RankCoord(pp=plain.pp, tp=plain.tp, ep=plain.ep, vstage=rank.vstage)
 
     def _rank_file(self, dirname: str) -> Path:
         return self.tree.iteration_dir / dirname / RANK_FILE
@@ -166,7 +186,8 @@ class LegacyReader(CheckpointReader):
         for chunk, layers in enumerate(layout.stage_layers(config.num_layers)):
             for ep in range(layout.ep):
                 rank = RankCoord(pp=chunk % layout.pp, tp=0, ep=ep, vstage=chunk // layout.pp)
-                for name, value in self._model(rank).items():
+                dense, experts = self._holder(rank, experts=False), self._holder(rank, experts=moe)
+                for name, value in self._entries(dense, experts):
                     logical, local_layer, local_expert = _globalize(name, moe)
                     if name.endswith("_extra_state"):
                         self._add_object(logical, layers.start, local_layer, local_expert, ep, value)
@@ -185,7 +206,7 @@ class LegacyReader(CheckpointReader):
                             )
                         seen.add(held)
                         per_layer[logical][layers.start + local_layer] = value
-        for rank in ranks(layout):
+        for rank in sorted(self._present, key=lambda r: (r.pp, r.tp, r.ep)):  # one per rank that saved
             state = self._state(rank)
             if "rng_state" in state:
                 offsets, shape = (rank.pp, rank.tp), (layout.pp, layout.tp)
@@ -206,6 +227,13 @@ class LegacyReader(CheckpointReader):
                     per_name = name.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
                     specs[per_name] = self._global_spec(per_name, tensor, layer_axis=False)
         return specs
+
+    def _entries(self, dense: RankCoord, experts: RankCoord) -> Iterator[tuple[str, Any]]:
+        """A model chunk's entries, the dense ones from `dense`'s file and the experts' from `experts`'s."""
+        for holder in dict.fromkeys((dense, experts)):
+            for name, value in self._model(holder).items():
+                if holder == (experts if _LOCAL_EXPERT.search(name) else dense):
+                    yield name, value
 
     def _add_object(self, module: str, first_layer: int, local_layer: int | None, local_expert: int | None, ep: int, value: Any) -> None:
         if local_layer is None:
@@ -234,12 +262,16 @@ class LegacyReader(CheckpointReader):
             self._pieces[name] = [p for p in pieces(self.specs[name], self.config, self.layout) if p.primary]
         return self._pieces[name]
 
+    def _piece_holder(self, name: str, piece: Piece) -> RankCoord:
+        return self._holder(piece.rank, experts=self.specs[name].experts)
+
     def _local(self, name: str, piece: Piece) -> torch.Tensor:
         """The rank's (memory-mapped) tensor that holds `piece`."""
         local_key = local_name(name, piece, self.te_names, self.config.is_moe)
-        model = self._model(piece.rank)
+        holder = self._piece_holder(name, piece)
+        model = self._model(holder)
         if local_key not in model:
-            raise ReshardError(f"{self._rank_file(piece.rank.legacy_dirname(self.layout))} lacks {local_key}: the checkpoint is incomplete")
+            raise ReshardError(f"{self._rank_file(holder.legacy_dirname(self.layout))} lacks {local_key}: the checkpoint is incomplete")
         local = model[local_key]
         if tuple(local.shape) != piece.local_shape:
             raise ReshardError(f"{local_key} has shape {tuple(local.shape)} on rank {piece.rank}, expected {piece.local_shape}")
@@ -258,7 +290,7 @@ class LegacyReader(CheckpointReader):
                 (l0 + a, l0 + b) for (a, b), (l0, _) in zip(within_piece[len(within_piece) - len(piece.local_region) :], piece.local_region)
             )
             dest = out[to_slices(shift(inside, region))].view([b - a for a, b in local_region])
-            file_rank = RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)
+            file_rank = replace(self._piece_holder(name, piece), vstage=0)
             offset = self._file_offset(file_rank, local)
             if offset is None:
                 copy(dest, local[to_slices(local_region)])
@@ -275,7 +307,7 @@ class LegacyReader(CheckpointReader):
         records = []
         for piece in self._primary(name):
             local = self._local(name, piece)
-            file_rank = RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)
+            file_rank = replace(self._piece_holder(name, piece), vstage=0)
             start, within = self._file_offset(file_rank, local), contiguous_offset(piece.local_shape, piece.local_region)
             offset = -1 if start is None or within is None else start + within * local.element_size()
             records.append(StoredRecord(name, piece.region, dtype_name(local.dtype), f"{file_rank.legacy_dirname(self.layout)}/{RANK_FILE}", offset))

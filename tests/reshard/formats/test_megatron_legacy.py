@@ -5,6 +5,7 @@ import torch
 
 from fixtures.models import TINY_LLAMA, TINY_MOE, TINY_TIED
 from fixtures.synthetic import SyntheticReader, write_synthetic
+from reshard.convert import convert
 from reshard.errors import ReshardError
 from reshard.formats import open_checkpoint
 from reshard.layout import Layout
@@ -113,4 +114,31 @@ def test_a_layer_missing_from_a_rank_file_is_refused(tmp_path):
 
     _edit_rank_files(tmp_path / "ckpt", drop)
     with pytest.raises(ReshardError, match=r"linear_fc2.weight is missing for layer\(s\) \[3\]"):
+        open_checkpoint(tmp_path / "ckpt")
+
+
+def test_expert_tp_below_tp_reads_the_files_megatron_writes(tmp_path):
+    """Megatron names a legacy rank file by its writer's TP and EP ranks (megatron/training/checkpointing.py,
+    get_checkpoint_name), and only expert-data-parallel rank 0 writes: with ETP < TP not every pair is a
+    rank. TP2 EP2 ETP1 on 4 GPUs writes mp_rank_00_000 and mp_rank_01_001 only; those two read as the
+    whole model, and without either some weights are in no file."""
+    import shutil
+
+    layout = Layout(tp=2, ep=2, etp=1)
+    write_synthetic(tmp_path / "ckpt", TINY_MOE, layout, "legacy")  # every pair: a superset of Megatron's
+    iteration = tmp_path / "ckpt" / "iter_0000010"
+    for name in ("mp_rank_00_001", "mp_rank_01_000"):
+        shutil.rmtree(iteration / name)
+    src = SyntheticReader(TINY_MOE, layout)
+    with open_checkpoint(tmp_path / "ckpt") as reader:
+        assert reader.specs.keys() == src.specs.keys()
+        for name in src.specs:
+            assert torch.equal(_global(reader, name), _global(src, name)), name
+        assert {r.file.split("/")[0] for name in reader.specs for r in reader.stored_records(name)} == {"mp_rank_00_000", "mp_rank_01_001"}
+    convert(tmp_path / "ckpt", tmp_path / "dist", to_format="torch_dist", layout=Layout(tp=1, ep=4, etp=1))
+    with open_checkpoint(tmp_path / "dist") as converted:
+        for name in src.specs:
+            assert torch.equal(_global(converted, name), _global(src, name)), name
+    shutil.rmtree(iteration / "mp_rank_01_001")
+    with pytest.raises(ReshardError, match=r"mp_rank_0\d_00\d/model_optim_rng.pt is missing but args say TP2PP1EP2ETP1"):
         open_checkpoint(tmp_path / "ckpt")
