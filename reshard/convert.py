@@ -212,6 +212,12 @@ def stream(
     return manifest
 
 
+def partial_path(target: Path) -> Path:
+    """Where a conversion writes until its output verifies: a hidden sibling of the target, by a fixed
+    name, so that running the same command again finds it (and resumes or clears it)."""
+    return target.with_name(f".{target.name}.reshard-partial")
+
+
 def _check_destination(target: Path, overwrite: bool) -> None:
     if target.exists() and not target.is_dir():
         raise ReshardError(f"{target} exists and is a file; choose another destination")
@@ -219,7 +225,7 @@ def _check_destination(target: Path, overwrite: bool) -> None:
         raise ReshardError(f"{target} exists and is not empty; pass --overwrite to replace it or choose another destination")
 
 
-def _check_free_space(partial: Path, target: Path, needed: int) -> None:
+def check_free_space(partial: Path, target: Path, needed: int) -> None:
     """Refuse up front what cannot fit, instead of failing with a full disk after writing most of it. The
     tensors' bytes alone are counted (archive headers and metadata add little), so nothing that fits is
     refused; an old destination given to --overwrite is removed only after, so it still takes its space."""
@@ -254,7 +260,7 @@ def _convert_here(
     """Write into a partial sibling directory, resuming a previous interrupted run of the same conversion,
     verify everything written against the source, then move it into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.reshard-partial")
+    tmp = partial_path(target)
     full = replace(plan, target=tmp)
     log = WorkLog(tmp, fingerprint(plan, options))
     resumable = WRITERS[plan.target_format].resumable
@@ -270,7 +276,7 @@ def _convert_here(
             log.start()
         finished = {d.name for d in done}
         remaining = replace(full, moves=[m for m in plan.moves if m.target.name not in finished])
-        _check_free_space(tmp, target, remaining.bytes_moved)
+        check_free_space(tmp, target, remaining.bytes_moved)
         recorder = Recorder(log, writer) if resumable else None
         pool = Pool()  # slab buffers, reused by the verification pass
         try:

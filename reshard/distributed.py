@@ -4,8 +4,9 @@ RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), over a filesystem every rank see
 Each rank converts a disjoint share of the tensors, balanced by bytes, into files of its own. Rank 0
 writes the metadata last, only after every rank has reported its pieces and checksums; then every
 rank re-reads its share of the output, and rank 0 moves the output into place only if every checksum
-agrees. A failure on any rank fails all of them with its message. torch.distributed (gloo) is the
-engine; there is no cluster manager of our own.
+agrees. A failure on any rank fails all of them with its message. Each rank logs its finished
+tensors in the partial output, so a killed run resumes like a single process does. torch.distributed
+(gloo) is the engine; there is no cluster manager of our own.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from reshard.formats.base import CheckpointReader, Manifest
 from reshard.plan import ConversionPlan, TensorMove
 from reshard.buffers import Pool
 from reshard.verify import compare, compute_checksums
+from reshard.worklog import Recorder, WorkLog, fingerprint
 
 T = TypeVar("T")
 MULTI_RANK_FORMATS = ("torch_dist", "zarr")
@@ -48,19 +50,24 @@ def shares(moves: list[TensorMove], size: int) -> list[list[TensorMove]]:
     return [sorted(share, key=lambda m: order[m.target.name]) for share in out]
 
 
+class RankCrashed(ReshardError):
+    """A rank failed otherwise than by a refusal (a bug, a full disk): like an interrupted run, its partial
+    output is kept for the same command to resume."""
+
+
 def _together(step: Callable[[], T]) -> list[T]:
     """Run `step` on every rank and gather the results; if any rank failed, every rank raises its message."""
     try:
-        outcome: tuple[bool, Any] = (True, step())
+        outcome: tuple[str, Any] = ("ok", step())
     except ReshardError as exc:
-        outcome = (False, str(exc))
+        outcome = ("refused", str(exc))
     except Exception as exc:  # a bug on one rank must not leave the others waiting
-        outcome = (False, f"{exc.__class__.__name__}: {exc}")
-    gathered: list[tuple[bool, Any]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        outcome = ("crashed", f"{exc.__class__.__name__}: {exc}")
+    gathered: list[tuple[str, Any]] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(gathered, outcome)
-    for rank, (ok, value) in enumerate(gathered):
-        if not ok:
-            raise ReshardError(f"rank {rank}: {value}")
+    for rank, (how, value) in enumerate(gathered):
+        if how != "ok":
+            raise (RankCrashed if how == "crashed" else ReshardError)(f"rank {rank}: {value}")
     return [value for _, value in gathered]
 
 
@@ -91,33 +98,44 @@ def convert_distributed(
     workers: int,
     reread: bool = False,
 ) -> Manifest:
-    """Each rank writes its share of the plan (inside `process_group()`); see the module docstring."""
-    from reshard.convert import manifest_for, write_moves
+    """Each rank writes its share of the plan (inside `process_group()`); see the module docstring. Each
+    rank logs its finished tensors, so the same command run again with as many ranks resumes where a
+    killed or crashed run stopped; anything else about the partial output starts it over."""
+    from reshard.convert import check_free_space, manifest_for, partial_path, write_moves
 
     if plan.target_format not in MULTI_RANK_FORMATS:
         raise ReshardError(f"several ranks can write {' or '.join(MULTI_RANK_FORMATS)}, not {plan.target_format}; run one process")
     rank, size = dist.get_rank(), dist.get_world_size()
-    # One temporary sibling, by a fixed name: a rerun after a kill clears what the killed run left (a
-    # multi-rank conversion does not resume; it starts over).
-    tmp = target.with_name(f".{target.name}.reshard-tmp")
+    tmp = partial_path(target)
+    log = WorkLog(tmp, fingerprint(plan, writer_options), rank, size)
 
-    def prepare() -> None:
-        if rank == 0:
-            prepare_destination()
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-
+    _together(lambda: prepare_destination() if rank == 0 else None)  # a refusal here leaves a partial output be
     try:
-        _together(prepare)
-        mine = replace(plan, target=tmp, moves=shares(plan.moves, size)[rank])
+        resuming = all(_together(lambda: tmp.is_dir() and log.matches()))  # every rank's log, or none
+        if not resuming:
+            _together(lambda: _start_over(tmp) if rank == 0 else None)
+            log.start()
+        done, state = log.resume() if resuming else ([], None)
         writer = WRITERS[plan.target_format](
             tmp, plan.config, plan.target_layout, {m.target.name: m.target for m in plan.moves}, plan.common, rank=rank, **writer_options
         )
+        if resuming:  # back to this rank's last logged tensor (before its first: none of its files)
+            writer.restore(state if done else writer.state())
+        finished = {d.name for d in done}
+        mine = replace(plan, target=tmp, moves=[m for m in shares(plan.moves, size)[rank] if m.target.name not in finished])
+        needed = sum(_together(lambda: mine.bytes_moved))
+        _together(lambda: check_free_space(tmp, target, needed) if rank == 0 else None)
 
         pool = Pool()  # slab buffers, reused by the verification pass
 
         def write() -> tuple[Any, dict[str, Checksum], dict[str, Checksum]]:
-            written, as_read = write_moves(reader, mine, writer, progress if rank == 0 else None, workers, pool=pool)
+            recorder = Recorder(log, writer)
+            try:
+                written, as_read = write_moves(reader, mine, writer, progress if rank == 0 else None, workers, finished=recorder, pool=pool)
+            finally:
+                recorder.close()
+            written.update({d.name: d.written for d in done})
+            as_read.update({d.name: d.read for d in done})
             if rank == 0:
                 writer.before_finish()
             return writer.part(), written, as_read
@@ -137,14 +155,15 @@ def convert_distributed(
             writer.finish(manifest, [part for part, _, _ in results])
 
         _together(finish)
+        _together(log.remove)  # the metadata is written: a rerun would find nothing left to resume
 
         hash_workers = plan.hash_workers()
         pool.shrink(hash_workers)
 
         def check() -> dict[str, Checksum]:
             with open_checkpoint(tmp, plan.target_format) as written_back:
-                names = [m.target.name for m in mine.moves]
-                records = None if reread else writer.written_records()
+                names = [m.target.name for m in shares(plan.moves, size)[rank]]
+                records = None if reread else writer.written_records()  # an earlier run's tensors are read back
                 return compute_checksums(written_back, workers=hash_workers, names=names, pool=pool, written=records)
 
         rechecked = {k: v for part in _together(check) for k, v in part.items()}
@@ -155,8 +174,15 @@ def convert_distributed(
                 replace_destination(tmp, target)
 
         _together(move_into_place)
-    except BaseException:
-        if rank == 0:
+    except RankCrashed:
+        raise  # as an interrupted run: the partial output stays, and the same command resumes it
+    except ReshardError:
+        if rank == 0:  # a refusal: nothing worth resuming
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _start_over(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)

@@ -64,20 +64,32 @@ class Done:
 
 
 class WorkLog:
-    def __init__(self, directory: Path, fingerprint: str):
-        self.path = directory / LOG_NAME
-        self.fingerprint = fingerprint
+    """One process's log; in a multi-rank conversion each rank keeps its own (`rank`, of `world` ranks),
+    since each writes its own files from its own share of the plan."""
 
-    def resume(self) -> tuple[list[Done], Any]:
-        """Tensors already done and the writer state after the last of them; nothing if the log is foreign."""
+    def __init__(self, directory: Path, fingerprint: str, rank: int = 0, world: int = 1):
+        self.path = directory / (LOG_NAME if world == 1 else LOG_NAME.replace(".jsonl", f".rank{rank}.jsonl"))
+        self.fingerprint = fingerprint if world == 1 else f"{fingerprint} rank {rank} of {world}"
+
+    def _lines(self) -> list[str] | None:
+        """The log's lines if it was started by this conversion, else None."""
         if not self.path.is_file():
-            return [], None
+            return None
         lines = self.path.read_text().splitlines()
         try:
             header = json.loads(lines[0]) if lines else {}
         except ValueError:
-            return [], None
-        if header.get("fingerprint") != self.fingerprint:
+            return None
+        return lines if header.get("fingerprint") == self.fingerprint else None
+
+    def matches(self) -> bool:
+        """Whether the log was started by this conversion (finished tensors or not)."""
+        return self._lines() is not None
+
+    def resume(self) -> tuple[list[Done], Any]:
+        """Tensors already done and the writer state after the last of them; nothing if the log is foreign."""
+        lines = self._lines()
+        if lines is None:
             return [], None
         done, state = [], None
         for line in lines[1:]:

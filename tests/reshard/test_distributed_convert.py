@@ -1,5 +1,7 @@
 """`reshard convert` under torchrun: ranks split the tensors, rank 0 writes the metadata last."""
 
+import json
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -12,6 +14,7 @@ from reshard.distributed import shares
 from reshard.formats import open_checkpoint
 from reshard.layout import Layout
 from reshard.sharding import full_region
+from tests.reshard.test_resume import _files
 
 
 def _tensors(path):
@@ -32,7 +35,37 @@ def test_two_ranks_write_what_one_process_writes(tmp_path, fmt):
         state = {n: torch.empty_like(t) for n, t in multi.items()}
         dcp.load(state, checkpoint_id=str(directory), no_dist=True)  # PyTorch's own reader agrees
         assert all(torch.equal(state[n], multi[n]) for n in multi)
-    assert not list(tmp_path.glob(".multi.reshard-tmp*"))
+    assert not list(tmp_path.glob(".multi.reshard-*"))
+
+
+def test_a_killed_multi_rank_conversion_resumes_where_each_rank_stopped(tmp_path):
+    write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist", optimizer=True)
+    convert_args = ["convert", tmp_path / "src", tmp_path / "out", "--to-ep", 4, "--to-pp", 2]
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    with pytest.raises(RuntimeError):
+        run("fixtures.killed_convert", ["--kill-rank", 1, "--kill-after", 5, "--moves-log", first, "--", *convert_args], nproc=2)
+    partial = tmp_path / ".out.reshard-partial"
+    assert not (tmp_path / "out").exists()
+    logs = {r: (partial / f"reshard_worklog.rank{r}.jsonl").read_text().splitlines()[1:] for r in range(2)}
+    logged = {r: {json.loads(line)["name"] for line in lines} for r, lines in logs.items()}
+    assert len(logged[1]) == 5 and logged[0], "each rank had finished some tensors"
+    with open(next(partial.glob("iter_*/__0_1.distcp")), "ab") as f:  # a kill mid-write leaves half a chunk
+        f.write(b"half a chunk")
+
+    run("fixtures.killed_convert", ["--moves-log", second, "--", *convert_args], nproc=2)
+    for r in range(2):  # each rank converted only what its log lacked
+        given = set((first / f"rank{r}.txt").read_text().split())
+        again = set((second / f"rank{r}.txt").read_text().split())
+        assert given - again == logged[r] and again < given, r
+    assert (second / "rank1.txt").read_text(), "rank 1 had tensors left"
+    assert not partial.exists()
+    run("reshard", [*convert_args[:2], tmp_path / "fresh", *convert_args[3:]], nproc=2)
+    assert _files(tmp_path / "out") == _files(tmp_path / "fresh")  # byte for byte what an uninterrupted run writes
+    state = {n: torch.empty_like(t) for n, t in _tensors(tmp_path / "out").items()}
+    dcp.load(state, checkpoint_id=str(tmp_path / "out" / "iter_0000010"), no_dist=True)  # PyTorch's own reader
+    single = _tensors(tmp_path / "src")
+    assert state.keys() == single.keys() and all(torch.equal(state[n], single[n]) for n in single)
 
 
 def test_multi_rank_refuses_formats_it_cannot_split(tmp_path):
