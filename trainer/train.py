@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", type=Path, default=None)
     g.add_argument("--save-interval", type=int, default=None, help="also saves at the last iteration")
-    g.add_argument("--load", type=Path, default=None, help="Megatron checkpoint dir (torch_dist) or a HuggingFace dir")
+    g.add_argument("--load", type=Path, default=None,
+                   help="Megatron checkpoint dir (torch_dist) or a HuggingFace dir (weights cast to the run's precision)")
     g.add_argument("--no-load-optim", action="store_true", help="load the model only: fresh optimizer and scheduler")
     g.add_argument("--no-load-rng", action="store_true")
     g = p.add_argument_group("logging")
@@ -110,17 +111,43 @@ def _broadcast(obj):
     return box[0]
 
 
-def hf_to_torch_dist(src: Path, layout: Layout) -> Path:
-    """Rank 0 converts a HuggingFace model into a temporary torch_dist checkpoint with `reshard convert`."""
+def hf_dtypes(src: Path) -> set[str]:
+    """The dtypes of a HuggingFace model's weights and of its config (what a torch_dist conversion records)."""
+    from reshard.formats import open_checkpoint
+
+    with open_checkpoint(src, "hf") as reader:
+        return {spec.dtype for spec in reader.specs.values()} | {reader.config.params_dtype}
+
+
+def hf_to_torch_dist(src: Path, layout: Layout, dtype: str) -> Path:
+    """Rank 0 converts a HuggingFace model into a temporary torch_dist checkpoint with `reshard convert`,
+    its weights cast to the run's `dtype` where they differ, as transformers' `dtype=` would."""
     target = None
     if _rank() == 0:
-        target = Path(tempfile.mkdtemp(prefix="trainer-hf-")) / "ckpt"
-        cmd = [sys.executable, "-m", "reshard", "convert", str(src), str(target), "--to-format", "torch_dist",
-               "--to-tp", str(layout.tp), "--to-pp", str(layout.pp), "--to-ep", str(layout.ep),
-               "--naming", "local", "-q"]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode:
-            target = f"ERROR: reshard convert failed: {proc.stdout.strip()[-2000:]}"
+        work = Path(tempfile.mkdtemp(prefix="trainer-hf-"))
+        target = work / "ckpt"
+        steps = []
+        try:
+            if hf_dtypes(src) != {dtype}:
+                log(f"casting the HuggingFace weights to {dtype}")
+                # reshard casts only into HF output: a cast copy first, then that copy to torch_dist
+                steps.append([str(src), str(work / "cast"), "--to-format", "hf", "--dtype", dtype])
+                src = work / "cast"
+            steps.append([str(src), str(target), "--to-format", "torch_dist", "--to-tp", str(layout.tp),
+                          "--to-pp", str(layout.pp), "--to-ep", str(layout.ep), "--naming", "local"])
+        except ReshardError as exc:
+            target = f"ERROR: {exc}"
+        # torchrun's RANK and WORLD_SIZE would make the child a rank of a multi-rank conversion that
+        # no other rank joins: it converts alone
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+        for step in steps:
+            proc = subprocess.run([sys.executable, "-m", "reshard", "convert", *step, "-q"], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if proc.returncode:
+                target = f"ERROR: reshard convert failed: {proc.stdout.strip()[-2000:]}"
+                break
+        if str(target).startswith("ERROR:"):
+            shutil.rmtree(work, ignore_errors=True)
     target = _broadcast(str(target))
     if target.startswith("ERROR:"):
         raise TrainerError(target[7:])
@@ -138,7 +165,7 @@ def resolve_load(args, layout: Layout) -> tuple[Path | None, Path | None]:
 
     if args.load.exists() and is_hf(args.load):
         log(f"--load {args.load} is a HuggingFace model: converting to torch_dist with reshard")
-        converted = hf_to_torch_dist(args.load, layout)
+        converted = hf_to_torch_dist(args.load, layout, "bfloat16" if args.bf16 else "float32")
         return ckpt.find_checkpoint(converted), converted.parent
     try:
         found = ckpt.find_checkpoint(args.load) if args.load.exists() else None
@@ -176,6 +203,17 @@ def model_config(args, saved_args: dict | None, tokenizer_vocab: int) -> ModelCo
     if tokenizer_vocab > config.vocab_rows:
         raise TrainerError(f"the tokenizer has {tokenizer_vocab} tokens, the model's vocabulary only {config.vocab_rows}")
     return config.replace(params_dtype="bfloat16" if args.bf16 else "float32")
+
+
+def data_position(data_state: dict, saved_args: dict, iteration: int, global_batch_size: int) -> int:
+    """Samples a checkpoint of `iteration` has consumed: the trainer records them in `data_state`;
+    Megatron-LM in `args.consumed_train_samples`, which a batch-size rampup makes smaller than
+    iteration x global batch (its default 0 is no record)."""
+    if "consumed_samples" in data_state:
+        return int(data_state["consumed_samples"])
+    if saved_args.get("consumed_train_samples"):
+        return int(saved_args["consumed_train_samples"])
+    return iteration * global_batch_size
 
 
 # ------------------------------------------------------------------------------------ one iteration
@@ -355,12 +393,12 @@ def run(args) -> None:
         data_state = report["data_state"] or {}
         if report["optimizer_loaded"]:
             iteration = report["iteration"]
-            consumed = int(data_state.get("consumed_samples", iteration * args.global_batch_size))
+            consumed = data_position(data_state, saved_args, iteration, args.global_batch_size)
         else:
             # Model only (--no-load-optim, a checkpoint without optimizer state, HF weights): Megatron-LM's
             # --finetune-like start would reset the iteration; we keep the position so the run continues.
             iteration = report["iteration"] if report["has_optimizer"] or data_state else 0
-            consumed = int(data_state.get("consumed_samples", 0)) if iteration else 0
+            consumed = data_position(data_state, saved_args, iteration, args.global_batch_size) if iteration else 0
             scheduler.num_steps = consumed
             scheduler.step(0)
         if data_state.get("seed") not in (None, args.seed):
@@ -369,8 +407,9 @@ def run(args) -> None:
             raise TrainerError(
                 f"the data differs from the checkpoint's (token stream {dataset.fingerprint()} vs "
                 f"{data_state['fingerprint']}): same --data, --seq-length and tokenizer are needed to resume")
-        logger.event({"event": "checkpoint_load", "iteration": iteration, "seconds": report["seconds"],
-                      "verified_tensors": report["verified"], "optimizer_loaded": report["optimizer_loaded"]})
+        logger.event({"event": "checkpoint_load", "iteration": iteration, "consumed_samples": consumed,
+                      "seconds": report["seconds"], "verified_tensors": report["verified"],
+                      "optimizer_loaded": report["optimizer_loaded"]})
         log(f"loaded {load_dir} (iteration {iteration}, {consumed} samples consumed; optimizer "
             f"{'loaded' if report['optimizer_loaded'] else 'NOT loaded (fresh)'}; rng "
             f"{'loaded' if report['rng_loaded'] else 'reseeded'}; {report['verified']} tensors verified against "

@@ -148,6 +148,45 @@ def test_bf16_model_only_load_keeps_the_loaded_weights(bf16, tmp_path, corpus):
         assert abs(resumed[it] - ref[it]) < 0.5 * abs(ref[1] - ref[it]), (it, resumed[it], ref[it], ref[1])
 
 
+def test_a_checkpoint_without_data_state_resumes_at_megatron_lms_consumed_train_samples(bf16, tmp_path, corpus):
+    """Megatron-LM saves no data_state: its position is args.consumed_train_samples, which a batch-size
+    rampup (4 samples at the first step, 8 after) leaves below iteration x global batch. The resume must
+    start there: report it, save from it, and train on the batches a resume told that position by a
+    data_state does, not on the uninterrupted run's (whose batch K+1 starts at 8 x K)."""
+    src, ref = bf16
+    position = 8 * K - 4
+
+    def edited(name: str, edit) -> Path:
+        root = tmp_path / name
+        shutil.copytree(src / f"iter_{K:07d}", root / f"iter_{K:07d}")
+        (root / "latest_checkpointed_iteration.txt").write_text(str(K))
+        path = root / f"iter_{K:07d}" / "common.pt"
+        common_pt = torch.load(path, weights_only=False)
+        edit(common_pt)
+        torch.save(common_pt, path)
+        return root
+
+    def as_megatron_lm(common_pt):
+        del common_pt["data_state"]
+        common_pt["args"].consumed_train_samples = position
+
+    megatron_lm = edited("megatron_lm", as_megatron_lm)
+    told = edited("told", lambda common_pt: common_pt["data_state"].update(consumed_samples=position))
+    save = tmp_path / "next"
+    resumed = resume(tmp_path / "a", corpus, megatron_lm, 1, ["--bf16"], ["--save", save])
+    expected = resume(tmp_path / "b", corpus, told, 1, ["--bf16"])
+
+    records = [json.loads(line) for line in (tmp_path / "a" / "resumed.jsonl").read_text().splitlines()]
+    assert records[0]["event"] == "checkpoint_load" and records[0]["consumed_samples"] == position
+    assert [r["consumed_samples"] for r in records if "loss" in r] == [position + 8 * i for i in range(1, TOTAL - K + 1)]
+    saved = torch.load(save / f"iter_{TOTAL:07d}" / "common.pt", weights_only=False)
+    assert saved["data_state"]["consumed_samples"] == saved["args"].consumed_train_samples == position + 8 * (TOTAL - K)
+    assert sorted(resumed) == sorted(expected) == list(range(K + 1, TOTAL + 1))
+    for it in resumed:
+        assert resumed[it] == pytest.approx(expected[it], rel=REL), f"iteration {it}: {resumed[it]} vs {expected[it]}"
+    assert resumed[K + 1] != pytest.approx(ref[K + 1], rel=100 * REL), "batch K+1 is the uninterrupted run's"
+
+
 @pytest.mark.parametrize("flags,message", [
     ([], "holds bfloat16 weights and this run trains in float32: pass --bf16"),
     (["--bf16", "--seed", 8], "drawn with --seed 7: pass it to resume"),
