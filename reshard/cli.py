@@ -70,7 +70,8 @@ def inspect(path: Path, as_json: bool) -> None:
 @click.option(
     "--dtype",
     type=click.Choice(["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]),
-    help="HF output only: store the weights in this dtype (default: the source's).",
+    help="store the model's weights in this dtype and record it as the model's precision (default: the "
+    "source's); optimizer state is not cast: a change of precision needs --no-optimizer.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty destination (only after the new one verifies).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes, peak memory) and write nothing.")
@@ -111,12 +112,11 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
     writer_options = {}
     if opts["naming"]:
         writer_options["te_names"] = opts["naming"] == "te"
+    dtype = None
     if opts["dtype"]:
         from reshard.formats.hf import normalize_dtype
 
-        if opts["to_format"] != "hf":
-            raise ReshardError("--dtype applies to HF output only; add --to-format hf")
-        writer_options["dtype"] = normalize_dtype(opts["dtype"])
+        dtype = normalize_dtype(opts["dtype"])
     from reshard.distributed import world
 
     rank = world()[0]
@@ -132,6 +132,7 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
             overwrite=opts["overwrite"],
             dry_run=opts["dry_run"],
             vocab_size=opts["vocab_size"],
+            dtype=dtype,
             writer_options=writer_options,
             progress=lambda n: bar.update(n),
             planned=lambda plan: setattr(bar, "total", plan.bytes_moved),  # bytes, as `progress` counts

@@ -322,6 +322,7 @@ def convert(
     overwrite: bool = False,
     dry_run: bool = False,
     vocab_size: int | None = None,
+    dtype: str | None = None,
     writer_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
     planned: Callable[[ConversionPlan], None] | None = None,
@@ -333,6 +334,8 @@ def convert(
     `layout` may be a function of the source's layout, e.g. `lambda source: source.retarget(tp=8)`.
 
     `expect_layout` (e.g. {"tp": 4}) asserts the source's layout, as `--tp 4` does on the command line.
+    `dtype` (e.g. "bfloat16") casts the model's weights and makes it the output's precision; optimizer
+    state is not cast, and a change of precision with optimizer state is refused.
     Nothing is written at `target` unless the whole output verifies against the source's checksums: the
     output is opened as any checkpoint is, and each tensor's checksum is recomputed from what it holds.
     Where the writer can vouch for a record that the metadata on disk puts exactly where it wrote it, the
@@ -365,9 +368,10 @@ def convert(
                 raise ReshardError(f"--vocab-size {vocab_size} exceeds the checkpoint's {reader.config.padded_vocab_size} embedding rows")
             reader.config = reader.config.replace(vocab_size=vocab_size)
         options = dict(writer_options or {})
-        dtype = str(options["dtype"]) if options.get("dtype") else None  # a writer that casts (HF --dtype)
         if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ReshardError(f"dtype {dtype!r} is not a torch dtype name (float32, bfloat16, float16)")
+        if dtype is not None and (to_format or reader.format_name) == "hf":
+            options["dtype"] = dtype  # also config.json's dtype
         plan = make_plan(
             reader,
             target,

@@ -15,7 +15,7 @@ from reshard.checksum import CHECKSUM_BLOCK_BYTES
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.formats import WRITERS
-from reshard.formats.base import CheckpointReader, CommonState
+from reshard.formats.base import CheckpointReader, CommonState, precision_args
 from reshard.formats.torch_blob import READ_BLOCK
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
@@ -279,10 +279,13 @@ def make_plan(
     max_memory: int | None = None,
     dtype: str | None = None,
 ) -> ConversionPlan:
-    """What converting `reader` to `target` will do. `dtype` casts every tensor as it is written (a writer
-    that casts, HF `--dtype`): the plan's memory and checksums follow what is written."""
+    """What converting `reader` to `target` will do. `dtype` casts the model's tensors as they are written
+    and makes it the target's precision (its args, an HF config's dtype); the plan's memory and checksums
+    follow what is written."""
     layout.validate(reader.config)
     config = target_config(reader.config, layout, reader.layout.tp)
+    if dtype is not None:
+        config = config.replace(params_dtype=dtype)
     moves: list[TensorMove] = []
     dropped = list(reader.common.dropped)
     unsupported = getattr(reader, "unsupported_optimizer", [])
@@ -302,7 +305,15 @@ def make_plan(
                 raise ReshardError(f"{name}: the target vocabulary padding would cut real vocabulary rows")
             shape = (config.padded_vocab_size, *shape[1:])
         target_spec = spec.with_shape(shape)
-        moves.append(TensorMove(spec, target_spec if dtype is None else replace(target_spec, dtype=dtype)))
+        if dtype is not None and not spec.is_optimizer:  # optimizer state keeps its (fp32) precision
+            target_spec = replace(target_spec, dtype=dtype)
+        moves.append(TensorMove(spec, target_spec))
+    recast = [m for m in moves if m.source.dtype != m.target.dtype]
+    if recast and any(m.target.is_optimizer for m in moves):
+        raise ReshardError(
+            f"--dtype {dtype} changes the model's precision ({recast[0].source.name} is {recast[0].source.dtype}), and "
+            "the optimizer state was saved for the old one: pass --no-optimizer"
+        )
     if not moves:
         raise ReshardError(f"{reader.path} holds no model tensors")
     if target_format == "legacy" and any(m.target.is_optimizer for m in moves):
@@ -311,6 +322,8 @@ def make_plan(
             "pass --no-optimizer or convert to torch_dist"
         )
     common = _target_common(reader, layout, target_format, optimizer, te_names, dropped)
+    if dtype is not None:
+        common.args.update(precision_args(dtype))
     plan = ConversionPlan(
         source=reader.path,
         source_format=reader.format_name,

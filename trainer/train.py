@@ -111,14 +111,6 @@ def _broadcast(obj):
     return box[0]
 
 
-def hf_dtypes(src: Path) -> set[str]:
-    """The dtypes of a HuggingFace model's weights and of its config (what a torch_dist conversion records)."""
-    from reshard.formats import open_checkpoint
-
-    with open_checkpoint(src, "hf") as reader:
-        return {spec.dtype for spec in reader.specs.values()} | {reader.config.params_dtype}
-
-
 def hf_to_torch_dist(src: Path, layout: Layout, dtype: str) -> Path:
     """Rank 0 converts a HuggingFace model into a temporary torch_dist checkpoint with `reshard convert`,
     its weights cast to the run's `dtype` where they differ, as transformers' `dtype=` would."""
@@ -126,27 +118,15 @@ def hf_to_torch_dist(src: Path, layout: Layout, dtype: str) -> Path:
     if _rank() == 0:
         work = Path(tempfile.mkdtemp(prefix="trainer-hf-"))
         target = work / "ckpt"
-        steps = []
-        try:
-            if hf_dtypes(src) != {dtype}:
-                log(f"casting the HuggingFace weights to {dtype}")
-                # reshard casts only into HF output: a cast copy first, then that copy to torch_dist
-                steps.append([str(src), str(work / "cast"), "--to-format", "hf", "--dtype", dtype])
-                src = work / "cast"
-            steps.append([str(src), str(target), "--to-format", "torch_dist", "--to-tp", str(layout.tp),
-                          "--to-pp", str(layout.pp), "--to-ep", str(layout.ep), "--naming", "local"])
-        except ReshardError as exc:
-            target = f"ERROR: {exc}"
+        cmd = [sys.executable, "-m", "reshard", "convert", str(src), str(target), "--to-format", "torch_dist",
+               "--to-tp", str(layout.tp), "--to-pp", str(layout.pp), "--to-ep", str(layout.ep),
+               "--naming", "local", "--dtype", dtype, "-q"]
         # torchrun's RANK and WORLD_SIZE would make the child a rank of a multi-rank conversion that
         # no other rank joins: it converts alone
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-        for step in steps:
-            proc = subprocess.run([sys.executable, "-m", "reshard", "convert", *step, "-q"], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            if proc.returncode:
-                target = f"ERROR: reshard convert failed: {proc.stdout.strip()[-2000:]}"
-                break
-        if str(target).startswith("ERROR:"):
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode:
+            target = f"ERROR: reshard convert failed: {proc.stdout.strip()[-2000:]}"
             shutil.rmtree(work, ignore_errors=True)
     target = _broadcast(str(target))
     if target.startswith("ERROR:"):

@@ -77,6 +77,11 @@ def layout_from_args(args: dict[str, Any]) -> Layout:
     return layout
 
 
+def precision_args(dtype: str) -> dict[str, Any]:
+    """The Megatron-LM arguments that say a model's parameters are in `dtype`."""
+    return {"params_dtype": getattr(torch, dtype), "bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
+
+
 def args_for_layout(args: dict[str, Any], layout: Layout, config: ModelConfig, ckpt_format: str) -> dict[str, Any]:
     """A copy of Megatron args rewritten for the target layout (sizes, padded vocab, format)."""
     out = dict(args)

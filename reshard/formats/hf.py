@@ -27,7 +27,7 @@ from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
 from reshard.direct_io import ALIGN, DirectFile
 from reshard.errors import ReshardError
-from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, StoredRecord, args_for_layout, cached
+from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, StoredRecord, args_for_layout, cached, precision_args
 from reshard.formats.dcp_metadata import dtype_name
 from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import Layout
@@ -237,9 +237,7 @@ class HFReader(CheckpointReader):
             vocab_size=config.vocab_size,
             padded_vocab_size=config.padded_vocab_size,
             make_vocab_size_divisible_by=128,
-            params_dtype=getattr(torch, config.params_dtype),
-            bf16=config.params_dtype == "bfloat16",
-            fp16=config.params_dtype == "float16",
+            **precision_args(config.params_dtype),
             use_rotary_position_embeddings=config.position_embedding_type == "rope",
             tokenizer_type="HuggingFaceTokenizer",
             tokenizer_model=str(self.path.resolve()),

@@ -103,7 +103,7 @@ def test_sharded_input_and_output_bf16(tmp_path):
 
     source = build("mistral", tmp_path / "src", max_shard_size="40KB")
     assert (source / "model.safetensors.index.json").is_file()
-    convert(source, tmp_path / "bf16", to_format="hf", writer_options={"dtype": "bfloat16", "max_shard_size": 60_000})
+    convert(source, tmp_path / "bf16", to_format="hf", dtype="bfloat16", writer_options={"max_shard_size": 60_000})
     out = tmp_path / "bf16"
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
@@ -116,11 +116,19 @@ def test_sharded_input_and_output_bf16(tmp_path):
     assert_loads_cleanly(out)
 
 
-def test_cli_dtype_needs_hf_output(models, tmp_path):
-    with pytest.raises(ReshardError, match="--dtype"):
-        cli("convert", models["qwen2"], tmp_path / "x", "--to-format", "torch_dist", "--dtype", "bf16")
+def test_cli_dtype_casts_into_any_format(models, tmp_path):
+    """HF fp32 -> torch_dist bf16 -> HF holds torch's bf16 cast of every original tensor; and straight to HF."""
+    source = hf_tensors(models["qwen2"])
+    assert {t.dtype for t in source.values()} == {torch.float32}
+    cli("convert", models["qwen2"], tmp_path / "x", "--to-format", "torch_dist", "--dtype", "bf16", "-q")
+    cli("convert", tmp_path / "x", tmp_path / "x-hf", "--to-format", "hf", "-q")
     cli("convert", models["qwen2"], tmp_path / "y", "--to-format", "hf", "--dtype", "bf16", "-q")
-    assert all(t.dtype == torch.bfloat16 for t in hf_tensors(tmp_path / "y").values())
+    for out in (tmp_path / "x-hf", tmp_path / "y"):
+        back = hf_tensors(out)
+        assert back.keys() == source.keys()
+        assert all(back[n].dtype == torch.bfloat16 and torch.equal(back[n], t.to(torch.bfloat16)) for n, t in source.items())
+    config = json.loads((tmp_path / "x-hf" / "config.json").read_text())
+    assert (config.get("dtype") or config.get("torch_dtype")) == "bfloat16"  # the precision the args recorded
 
 
 def test_megatron_model_without_hf_origin_exports_as_llama(tmp_path):

@@ -171,7 +171,7 @@ def test_a_cast_to_a_wider_dtype_is_budgeted_at_that_width(tmp_path):
     """HF `--dtype float32` from bf16: units are held at four bytes an element, and the plan says so."""
     write_synthetic(tmp_path / "a", TINY_LLAMA, Layout(), "torch_dist", dtype="bfloat16")
     kept = convert(tmp_path / "a", tmp_path / "b", to_format="hf", dry_run=True).plan
-    cast = convert(tmp_path / "a", tmp_path / "c", to_format="hf", writer_options={"dtype": "float32"}, dry_run=True).plan
+    cast = convert(tmp_path / "a", tmp_path / "c", to_format="hf", dtype="float32", dry_run=True).plan
     assert {m.target.dtype for m in cast.moves} == {"float32"}
     assert cast.largest_unit_bytes == 2 * kept.largest_unit_bytes and cast.max_memory > kept.max_memory
 
@@ -216,3 +216,31 @@ def test_a_conversion_that_cannot_fit_is_refused_before_it_writes(tmp_path, monk
     with pytest.raises(ReshardError, match=r"^not enough free space for .*too-big: .* is free there; free space"):
         convert(tmp_path / "a", tmp_path / "too-big", layout=Layout(ep=4), to_format=fmt)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "fits", "measured"]
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "legacy", "zarr"])
+def test_dtype_casts_the_model_and_makes_it_the_recorded_precision(tmp_path, fmt):
+    """Against torch's own cast and torch.load of the written args."""
+    write_synthetic(tmp_path / "a", MHA, Layout(tp=2), "torch_dist")
+    convert(tmp_path / "a", tmp_path / "b", to_format=fmt, layout=Layout(tp=2, pp=2), dtype="bfloat16")
+    source, cast = _tensors(tmp_path / "a"), _tensors(tmp_path / "b")
+    assert cast.keys() == source.keys()
+    for name, tensor in source.items():
+        assert cast[name].dtype == torch.bfloat16 and torch.equal(cast[name], tensor.to(torch.bfloat16)), name
+    with open_checkpoint(tmp_path / "b") as reader:
+        assert reader.config.params_dtype == "bfloat16"
+    if fmt == "torch_dist":
+        args = torch.load(tmp_path / "b" / "iter_0000010" / "common.pt", weights_only=False)["args"]
+        assert (args.params_dtype, args.bf16, args.fp16) == (torch.bfloat16, True, False)
+
+
+def test_a_change_of_precision_with_optimizer_state_is_refused(tmp_path):
+    write_synthetic(tmp_path / "a", MHA, Layout(), "torch_dist", dtype="bfloat16", optimizer=True)
+    with pytest.raises(ReshardError, match=r"--dtype float32 changes the model's precision .* pass --no-optimizer"):
+        convert(tmp_path / "a", tmp_path / "b", dtype="float32")
+    assert not (tmp_path / "b").exists()
+    # the optimizer's fp32 state is not the model's precision: bf16 onto a bf16 model changes nothing
+    convert(tmp_path / "a", tmp_path / "c", dtype="bfloat16", layout=Layout(tp=2))
+    assert _tensors(tmp_path / "c").keys() == _tensors(tmp_path / "a").keys()
+    convert(tmp_path / "a", tmp_path / "d", dtype="float32", optimizer=False)
+    assert all(t.dtype == torch.float32 for t in _tensors(tmp_path / "d").values())
