@@ -114,7 +114,7 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
         writer_options["te_names"] = opts["naming"] == "te"
     dtype = None
     if opts["dtype"]:
-        from reshard.formats.hf import normalize_dtype
+        from reshard.logical import normalize_dtype
 
         dtype = normalize_dtype(opts["dtype"])
     from reshard.distributed import world

@@ -20,6 +20,7 @@ from reshard.errors import ReshardError
 from reshard.formats import WRITERS, open_checkpoint
 from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
 from reshard.layout import Layout
+from reshard.logical import normalize_dtype
 from reshard.pipeline import ordered_map
 from reshard.plan import BAND_BYTES, ConversionPlan, TensorMove, Unit, human_bytes, itemsize, make_plan
 from reshard.sharding import Piece, Region, bands, region_size, shift, to_slices
@@ -368,8 +369,7 @@ def convert(
                 raise ReshardError(f"--vocab-size {vocab_size} exceeds the checkpoint's {reader.config.padded_vocab_size} embedding rows")
             reader.config = reader.config.replace(vocab_size=vocab_size)
         options = dict(writer_options or {})
-        if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise ReshardError(f"dtype {dtype!r} is not a torch dtype name (float32, bfloat16, float16)")
+        dtype = normalize_dtype(dtype) if dtype is not None else None
         if dtype is not None and (to_format or reader.format_name) == "hf":
             options["dtype"] = dtype  # also config.json's dtype
         plan = make_plan(

@@ -31,7 +31,7 @@ from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState
 from reshard.formats.dcp_metadata import dtype_name
 from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import Layout
-from reshard.logical import TensorSpec, describe
+from reshard.logical import TensorSpec, describe, normalize_dtype
 from reshard.sharding import Piece, Region, full_region, slab_of, slabs
 
 CONFIG = "config.json"
@@ -67,18 +67,10 @@ _ST_DTYPES = {
     "BOOL": torch.bool,
 }
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
-_DTYPE_OPTIONS = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 
 
 def is_hf(path: Path) -> bool:
     return (path / CONFIG).is_file() and (any(path.glob("*.safetensors")) or (path / INDEX).is_file())
-
-
-def normalize_dtype(value: str) -> str:
-    key = str(value).lower().removeprefix("torch.")
-    if key not in _DTYPE_OPTIONS:
-        raise ReshardError(f"dtype {value!r} is not one of {', '.join(sorted(_DTYPE_OPTIONS))}")
-    return _DTYPE_OPTIONS[key]
 
 
 def _read_header(path: Path) -> tuple[dict[str, Any], int]:
