@@ -356,6 +356,7 @@ class HFWriter(CheckpointWriter):
         max_shard_size: int = DEFAULT_SHARD_BYTES,
         architecture: str | None = None,
         te_names: bool | None = None,  # Megatron naming option: meaningless for HF, accepted so --naming never breaks an export
+        rank: int = 0,  # of a multi-rank export: every rank writes the same headers, and its tensors where they go
     ):
         from converters import family_by_name, family_for_model
 
@@ -416,7 +417,9 @@ class HFWriter(CheckpointWriter):
             raw = json.dumps(header, separators=(",", ":")).encode()
             raw += b" " * (-(8 + len(raw)) % ALIGN)  # data starts on a page (safetensors pads to 8 with spaces too)
             start = 8 + len(raw)
-            f = DirectFile(self.path / file_name, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+            # Not truncated on opening: every rank of a multi-rank export, and a resumed one, writes the same
+            # header and sets the same length, around tensors other ranks or the earlier run may have written.
+            f = DirectFile(self.path / file_name, os.O_RDWR | os.O_CREAT)
             f.pwrite(struct.pack("<Q", len(raw)) + raw, 0)
             os.ftruncate(f.fd, start + offset)
             self._files.append(f)
@@ -457,10 +460,34 @@ class HFWriter(CheckpointWriter):
         for hf_name in self._mappings[spec.name].hf_names(layer, expert):
             self._entries[hf_name].written = True
 
-    def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
+    # Every tensor has its place from the start, so a tensor is done once its bytes are durable: the state
+    # to resume from, or to hand to rank 0, is the list of tensors written.
+    resumable = True
+
+    def state(self) -> list[str]:
+        return sorted(name for name, entry in self._entries.items() if entry.written)
+
+    def sync(self) -> None:
+        for f in self._files:
+            os.fsync(f.fd)
+
+    def restore(self, state: list[str]) -> None:
+        for name in state:
+            self._entries[name].written = True
+
+    def part(self) -> list[str]:
+        self._close_files()
+        return self.state()
+
+    def _close_files(self) -> None:
         for f in self._files:
             os.fsync(f.fd)
             f.close()
+        self._files = []
+
+    def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
+        self._close_files()
+        self.restore([name for part in parts or [] for name in part])  # what the other ranks wrote
         missing = [e.name for e in self._entries.values() if not e.written]
         if missing:
             raise ReshardError(f"internal: {len(missing)} HF tensors were never written (first: {missing[0]})")

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fixtures.models import TINY_MOE
+from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import write_synthetic
 from fixtures.torchrun import run
 from reshard.convert import convert
@@ -68,9 +68,22 @@ def test_a_killed_multi_rank_conversion_resumes_where_each_rank_stopped(tmp_path
     assert state.keys() == single.keys() and all(torch.equal(state[n], single[n]) for n in single)
 
 
+def test_two_ranks_export_to_hf_what_one_process_exports(tmp_path):
+    """Both ranks write their tensors into the one safetensors file, each at its own place; safetensors
+    reads every tensor of it."""
+    from safetensors.torch import load_file
+
+    write_synthetic(tmp_path / "src", TINY_LLAMA, Layout(tp=2), "torch_dist")
+    run("reshard", ["convert", tmp_path / "src", tmp_path / "multi", "--to-format", "hf", "--to-tp", 1], nproc=2)
+    convert(tmp_path / "src", tmp_path / "single", to_format="hf", layout=Layout())
+    assert _files(tmp_path / "multi") == _files(tmp_path / "single")
+    multi = load_file(tmp_path / "multi" / "model.safetensors")
+    assert len(multi) > 2 and all(torch.isfinite(t).all() for t in multi.values())
+
+
 def test_multi_rank_refuses_formats_it_cannot_split(tmp_path):
     write_synthetic(tmp_path / "src", TINY_MOE, Layout(), "torch_dist")
-    with pytest.raises(RuntimeError, match="several ranks can write torch_dist or zarr, not legacy"):
+    with pytest.raises(RuntimeError, match="several ranks can write torch_dist, zarr, hf, not legacy"):
         run("reshard", ["convert", tmp_path / "src", tmp_path / "out", "--to-format", "legacy"], nproc=2)
     assert not (tmp_path / "out").exists()
 

@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 
-from fixtures.models import TINY_MOE
+from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import write_synthetic
 from reshard.convert import convert
 from reshard.layout import Layout
@@ -55,6 +55,25 @@ def test_interrupted_conversion_resumes_and_matches_a_fresh_one(tmp_path, fmt):
     assert not partial.exists()
     if fmt == "torch_dist":
         assert _files(tmp_path / "out") == _files(tmp_path / "fresh")
+
+
+def test_an_interrupted_hf_export_resumes_and_matches_a_fresh_one(tmp_path):
+    write_synthetic(tmp_path / "src", TINY_LLAMA, Layout(tp=2), "torch_dist")
+    total = []
+    convert(tmp_path / "src", tmp_path / "fresh", to_format="hf", progress=lambda _: total.append(1))
+    bomb, _ = _bomb(after_slabs=len(total) // 2)
+    with pytest.raises(Stop):
+        convert(tmp_path / "src", tmp_path / "out", to_format="hf", progress=bomb)
+    partial = tmp_path / ".out.reshard-partial"
+    assert len((partial / LOG_NAME).read_text().splitlines()) > 1, "some tensors were logged"
+    assert (partial / "model.safetensors").is_file()
+    with open(partial / "model.safetensors", "ab") as f:  # bytes past the end, as a file of another run may hold
+        f.write(b"stale")
+    counted, calls = _bomb(after_slabs=0)
+    convert(tmp_path / "src", tmp_path / "out", to_format="hf", progress=counted)
+    assert 0 < len(calls) < len(total)  # the resumed run skipped what was done
+    assert not partial.exists()
+    assert _files(tmp_path / "out") == _files(tmp_path / "fresh")
 
 
 def test_a_changed_source_starts_over(tmp_path):
