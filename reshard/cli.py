@@ -85,6 +85,9 @@ def inspect(path: Path, as_json: bool) -> None:
 @click.option("--reread", is_flag=True,
               help="Verify by reading every written value back from the disk (default: records the metadata on disk "
               "puts exactly where they were written count with the checksums of their bytes as written).")
+@click.option("--no-space-check", is_flag=True,
+              help="Do not refuse a conversion whose tensors exceed the destination's free space (for filesystems "
+              "that misreport it).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def convert(source: Path, destination: Path, **opts: Any) -> None:
     """Convert SOURCE into DESTINATION at another layout and/or format.
@@ -139,6 +142,7 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
             workers=opts["workers"],
             max_memory=parse_bytes(opts["max_memory"]) if opts["max_memory"] else None,
             reread=opts["reread"],
+            check_space=not opts["no_space_check"],
         )
     plan = result.plan
     if rank != 0:

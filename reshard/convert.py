@@ -16,7 +16,7 @@ from reshard import __version__
 from reshard.buffers import Pool
 from reshard.checksum import Checksum, HashedParts, TensorChecksum
 from reshard.distributed import convert_distributed, process_group, world
-from reshard.errors import ReshardError
+from reshard.errors import KeepsPartial, ReshardError
 from reshard.formats import WRITERS, open_checkpoint
 from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
 from reshard.layout import Layout
@@ -226,15 +226,19 @@ def _check_destination(target: Path, overwrite: bool) -> None:
         raise ReshardError(f"{target} exists and is not empty; pass --overwrite to replace it or choose another destination")
 
 
-def check_free_space(partial: Path, target: Path, needed: int) -> None:
+def check_free_space(partial: Path, target: Path, needed: int, resuming: bool) -> None:
     """Refuse up front what cannot fit, instead of failing with a full disk after writing most of it. The
     tensors' bytes alone are counted (archive headers and metadata add little), so nothing that fits is
-    refused; an old destination given to --overwrite is removed only after, so it still takes its space."""
-    free = shutil.disk_usage(partial).free
+    refused; an old destination given to --overwrite is removed only after, so it still takes its space.
+    A resumed run's refusal keeps what it had converted."""
+    stats = os.statvfs(partial)
+    free = stats.f_frsize * (stats.f_bfree if os.geteuid() == 0 else stats.f_bavail)  # root may use the reserve
     if needed > free:
-        raise ReshardError(
+        again = "run the same command again (it resumes)" if resuming else "run the same command again"
+        raise (KeepsPartial if resuming else ReshardError)(
             f"not enough free space for {target}: the conversion writes {human_bytes(needed)} more and "
-            f"{human_bytes(free)} is free there; free space or choose another destination"
+            f"{human_bytes(free)} is free there; free space and {again}, choose another destination, or pass "
+            "--no-space-check if this filesystem misreports its free space"
         )
 
 
@@ -257,6 +261,7 @@ def _convert_here(
     progress: Progress | None,
     workers: int,
     reread: bool,
+    check_space: bool,
 ) -> Manifest:
     """Write into a partial sibling directory, resuming a previous interrupted run of the same conversion,
     verify everything written against the source, then move it into place."""
@@ -277,7 +282,8 @@ def _convert_here(
             log.start()
         finished = {d.name for d in done}
         remaining = replace(full, moves=[m for m in plan.moves if m.target.name not in finished])
-        check_free_space(tmp, target, remaining.bytes_moved)
+        if check_space:
+            check_free_space(tmp, target, remaining.bytes_moved, resuming=bool(done))
         recorder = Recorder(log, writer) if resumable else None
         pool = Pool()  # slab buffers, reused by the verification pass
         try:
@@ -296,14 +302,15 @@ def _convert_here(
             )
         manifest = manifest_for(plan, written)
         writer.finish(manifest)
-        log.remove()
         with open_checkpoint(tmp, plan.target_format) as written_back:
             records = None if reread else writer.written_records()
             checked = compute_checksums(written_back, workers=hash_workers, pool=pool, written=records)
             compare(checked, written, "written", "source").raise_if_bad("the written checkpoint does not match the source")
+        log.remove()  # only now: a run stopped while verifying resumes at `finish`, not from the start
         _replace(tmp, target)
-    except ReshardError:
-        shutil.rmtree(tmp, ignore_errors=True)  # a refusal: nothing worth resuming
+    except ReshardError as exc:
+        if not isinstance(exc, KeepsPartial):
+            shutil.rmtree(tmp, ignore_errors=True)  # a refusal: nothing worth resuming
         raise
     except BaseException:
         if not resumable:
@@ -330,6 +337,7 @@ def convert(
     workers: int = 1,
     max_memory: int | None = None,
     reread: bool = False,
+    check_space: bool = True,
 ) -> ConversionResult:
     """Convert `source` to `target` at `layout` (default: the source's) in `to_format` (default: the source's).
     `layout` may be a function of the source's layout, e.g. `lambda source: source.retarget(tp=8)`.
@@ -341,7 +349,8 @@ def convert(
     output is opened as any checkpoint is, and each tensor's checksum is recomputed from what it holds.
     Where the writer can vouch for a record that the metadata on disk puts exactly where it wrote it, the
     checksum of its bytes as written counts and its values are not read back; `reread` reads back every
-    value regardless (what `reshard verify` always does).
+    value regardless (what `reshard verify` always does). `check_space=False` skips the refusal of a
+    conversion that does not fit in the destination's free space (for filesystems that misreport it).
 
     `planned`, if given, is called with the plan before any byte moves; `progress` is then called with the
     bytes of each unit written, which add up to `plan.bytes_moved` (less what a resumed run finds done).
@@ -390,9 +399,10 @@ def convert(
         if world()[1] > 1:
             with process_group():
                 manifest = convert_distributed(
-                    reader, plan, target, options, lambda: _check_destination(target, overwrite), _replace, progress, workers, reread
+                    reader, plan, target, options, lambda: _check_destination(target, overwrite), _replace, progress, workers, reread,
+                    check_space,
                 )
             return ConversionResult(plan, manifest, time.perf_counter() - start)
         _check_destination(target, overwrite)
-        manifest = _convert_here(reader, plan, target, options, progress, workers, reread)
+        manifest = _convert_here(reader, plan, target, options, progress, workers, reread, check_space)
     return ConversionResult(plan, manifest, time.perf_counter() - start)

@@ -22,13 +22,13 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch.distributed as dist
 
 from reshard.checksum import Checksum
-from reshard.errors import ReshardError
+from reshard.errors import KeepsPartial, ReshardError
 from reshard.formats import WRITERS, open_checkpoint
-from reshard.formats.base import CheckpointReader, Manifest
+from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
 from reshard.plan import ConversionPlan, TensorMove
 from reshard.buffers import Pool
 from reshard.verify import compare, compute_checksums
-from reshard.worklog import Recorder, WorkLog, fingerprint
+from reshard.worklog import Done, Recorder, WorkLog, fingerprint
 
 T = TypeVar("T")
 MULTI_RANK_FORMATS = ("torch_dist", "zarr", "hf")
@@ -50,24 +50,23 @@ def shares(moves: list[TensorMove], size: int) -> list[list[TensorMove]]:
     return [sorted(share, key=lambda m: order[m.target.name]) for share in out]
 
 
-class RankCrashed(ReshardError):
-    """A rank failed otherwise than by a refusal (a bug, a full disk): like an interrupted run, its partial
-    output is kept for the same command to resume."""
-
-
 def _together(step: Callable[[], T]) -> list[T]:
-    """Run `step` on every rank and gather the results; if any rank failed, every rank raises its message."""
+    """Run `step` on every rank and gather the results; if any rank failed, every rank raises its message.
+    A rank that crashed (not a refusal) or stopped keeping its partial output makes it a `KeepsPartial`:
+    like a killed run, the same command resumes it."""
     try:
         outcome: tuple[str, Any] = ("ok", step())
+    except KeepsPartial as exc:
+        outcome = ("kept", str(exc))
     except ReshardError as exc:
         outcome = ("refused", str(exc))
     except Exception as exc:  # a bug on one rank must not leave the others waiting
-        outcome = ("crashed", f"{exc.__class__.__name__}: {exc}")
+        outcome = ("kept", f"{exc.__class__.__name__}: {exc}")
     gathered: list[tuple[str, Any]] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(gathered, outcome)
     for rank, (how, value) in enumerate(gathered):
         if how != "ok":
-            raise (RankCrashed if how == "crashed" else ReshardError)(f"rank {rank}: {value}")
+            raise (ReshardError if how == "refused" else KeepsPartial)(f"rank {rank}: {value}")
     return [value for _, value in gathered]
 
 
@@ -97,6 +96,7 @@ def convert_distributed(
     progress: Callable[[int], None] | None,
     workers: int,
     reread: bool = False,
+    check_space: bool = True,
 ) -> Manifest:
     """Each rank writes its share of the plan (inside `process_group()`); see the module docstring. Each
     rank logs its finished tensors, so the same command run again with as many ranks resumes where a
@@ -114,17 +114,27 @@ def convert_distributed(
         resuming = all(_together(lambda: tmp.is_dir() and log.matches()))  # every rank's log, or none
         if not resuming:
             _together(lambda: _start_over(tmp) if rank == 0 else None)
-            log.start()
-        done, state = log.resume() if resuming else ([], None)
-        writer = WRITERS[plan.target_format](
-            tmp, plan.config, plan.target_layout, {m.target.name: m.target for m in plan.moves}, plan.common, rank=rank, **writer_options
-        )
-        if resuming:  # back to this rank's last logged tensor (before its first: none of its files)
-            writer.restore(state if done else writer.state())
+
+        opened: list[tuple[CheckpointWriter, list[Done]]] = []  # this rank's, kept here: a writer is not gathered
+
+        def open_writer() -> None:
+            done, state = log.resume() if resuming else ([], None)
+            if not resuming:
+                log.start()
+            writer = WRITERS[plan.target_format](
+                tmp, plan.config, plan.target_layout, {m.target.name: m.target for m in plan.moves}, plan.common, rank=rank,
+                **writer_options,
+            )
+            if resuming:  # back to this rank's last logged tensor (before its first: none of its files)
+                writer.restore(state if done else writer.state())
+            opened.append((writer, done))
+
+        _together(open_writer)
+        writer, done = opened[0]
         finished = {d.name for d in done}
         mine = replace(plan, target=tmp, moves=[m for m in shares(plan.moves, size)[rank] if m.target.name not in finished])
         needed = sum(_together(lambda: mine.bytes_moved))
-        _together(lambda: check_free_space(tmp, target, needed) if rank == 0 else None)
+        _together(lambda: check_free_space(tmp, target, needed, resuming) if rank == 0 and check_space else None)
 
         pool = Pool()  # slab buffers, reused by the verification pass
 
@@ -155,7 +165,6 @@ def convert_distributed(
             writer.finish(manifest, [part for part, _, _ in results])
 
         _together(finish)
-        _together(log.remove)  # the metadata is written: a rerun would find nothing left to resume
 
         hash_workers = plan.hash_workers()
         pool.shrink(hash_workers)
@@ -168,16 +177,11 @@ def convert_distributed(
 
         rechecked = {k: v for part in _together(check) for k, v in part.items()}
 
-        def move_into_place() -> None:
-            if rank == 0:
-                compare(rechecked, written).raise_if_bad("the written checkpoint does not match the source")
-                replace_destination(tmp, target)
-
-        _together(move_into_place)
-    except RankCrashed:
-        raise  # as an interrupted run: the partial output stays, and the same command resumes it
-    except ReshardError:
-        if rank == 0:  # a refusal: nothing worth resuming
+        _together(lambda: compare(rechecked, written).raise_if_bad("the written checkpoint does not match the source"))
+        _together(log.remove)  # only now: a run stopped while verifying resumes at `finish`, not from the start
+        _together(lambda: replace_destination(tmp, target) if rank == 0 else None)
+    except ReshardError as exc:
+        if rank == 0 and not isinstance(exc, KeepsPartial):  # a refusal: nothing worth resuming
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest

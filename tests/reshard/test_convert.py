@@ -198,24 +198,50 @@ def test_memory_budget(tmp_path):
     assert sequential.plan.hash_workers() == 1
 
 
+def _disk(monkeypatch, free: int) -> None:
+    """The destination's filesystem, as os.statvfs reports it, with `free` bytes free (for root and others)."""
+    import collections
+
+    stats = collections.namedtuple("statvfs", "f_frsize f_bfree f_bavail")
+    monkeypatch.setattr("reshard.convert.os.statvfs", lambda path: stats(1, free, free))
+
+
 @pytest.mark.parametrize("fmt", ["torch_dist", "legacy", "zarr"])
 def test_a_conversion_that_cannot_fit_is_refused_before_it_writes(tmp_path, monkeypatch, fmt):
     """Against the disk's own measure: a disk with room for exactly what a conversion wrote lets it run;
     one short of the tensors' bytes refuses it in one line, leaving nothing behind."""
-    import collections
-
     write_synthetic(tmp_path / "a", TINY_MOE, Layout(tp=2, ep=2), "torch_dist")
     convert(tmp_path / "a", tmp_path / "measured", layout=Layout(ep=4), to_format=fmt)
     written = sum(f.stat().st_size for f in (tmp_path / "measured").rglob("*") if f.is_file())
-    usage = collections.namedtuple("usage", "total used free")
-
-    monkeypatch.setattr("reshard.convert.shutil.disk_usage", lambda path: usage(written, 0, written))
+    _disk(monkeypatch, written)
     convert(tmp_path / "a", tmp_path / "fits", layout=Layout(ep=4), to_format=fmt)
-
-    monkeypatch.setattr("reshard.convert.shutil.disk_usage", lambda path: usage(written, 0, written // 2))
+    _disk(monkeypatch, written // 2)
     with pytest.raises(ReshardError, match=r"^not enough free space for .*too-big: .* is free there; free space"):
         convert(tmp_path / "a", tmp_path / "too-big", layout=Layout(ep=4), to_format=fmt)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "fits", "measured"]
+    monkeypatch.undo()
+    convert(tmp_path / "a", tmp_path / "unchecked", layout=Layout(ep=4), to_format=fmt, check_space=False)
+
+
+def test_a_resumed_conversion_counts_what_is_left_and_a_refusal_keeps_what_was_done(tmp_path, monkeypatch):
+    write_synthetic(tmp_path / "a", TINY_MOE, Layout(tp=2, ep=2), "torch_dist")
+    total = convert(tmp_path / "a", tmp_path / "b", layout=Layout(ep=4), dry_run=True).plan.bytes_moved
+
+    def stop_halfway(_, calls=[]):
+        calls.append(1)
+        if len(calls) == 40:
+            raise KeyboardInterrupt  # as a kill: the partial output stays
+
+    with pytest.raises(KeyboardInterrupt):
+        convert(tmp_path / "a", tmp_path / "b", layout=Layout(ep=4), progress=stop_halfway)
+    partial = tmp_path / ".b.reshard-partial"
+    _disk(monkeypatch, 1000)
+    with pytest.raises(ReshardError, match="run the same command again \\(it resumes\\)"):
+        convert(tmp_path / "a", tmp_path / "b", layout=Layout(ep=4))
+    assert partial.is_dir()  # kept for the rerun
+    _disk(monkeypatch, total - 1)  # less than the whole conversion, more than what is left of it
+    convert(tmp_path / "a", tmp_path / "b", layout=Layout(ep=4))
+    assert not partial.exists() and (tmp_path / "b").is_dir()
 
 
 @pytest.mark.parametrize("fmt", ["torch_dist", "legacy", "zarr"])

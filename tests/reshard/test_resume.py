@@ -76,6 +76,28 @@ def test_an_interrupted_hf_export_resumes_and_matches_a_fresh_one(tmp_path):
     assert _files(tmp_path / "out") == _files(tmp_path / "fresh")
 
 
+@pytest.mark.parametrize("fmt", ["torch_dist", "hf"])
+def test_a_run_stopped_while_verifying_resumes_at_the_metadata(tmp_path, monkeypatch, fmt):
+    """Everything was written and logged: the rerun converts nothing, writes the metadata again and verifies."""
+    import reshard.convert
+
+    write_synthetic(tmp_path / "src", TINY_LLAMA, Layout(tp=2), "torch_dist")
+    verify = reshard.convert.compute_checksums
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(reshard.convert, "compute_checksums", stop)
+    with pytest.raises(Stop):
+        convert(tmp_path / "src", tmp_path / "out", to_format=fmt)
+    monkeypatch.setattr(reshard.convert, "compute_checksums", verify)
+    counted, calls = _bomb(after_slabs=0)
+    convert(tmp_path / "src", tmp_path / "out", to_format=fmt, progress=counted)
+    assert calls == []
+    convert(tmp_path / "src", tmp_path / "fresh", to_format=fmt)
+    assert _files(tmp_path / "out") == _files(tmp_path / "fresh")
+
+
 def test_a_changed_source_starts_over(tmp_path):
     write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist")
     bomb, _ = _bomb(after_slabs=50)
