@@ -20,6 +20,7 @@ import itertools
 import json
 import math
 import os
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -229,25 +230,27 @@ class ZarrWriter(CheckpointWriter):
         self._arrays: dict[str, ts.TensorStore] = {}
         self._scratch = PerThread()  # stages chunks that are not one run of their slab
         self._made: set[Path] = set()  # chunk directories known to exist
+        self._unsynced: deque[Path] = deque()  # files written since the last `sync` (appended by reader threads)
 
     def _array(self, spec: TensorSpec) -> ts.TensorStore:
         """Created on first write, so that in a multi-rank run each array is created by its one writer."""
-        return cached(
-            self._arrays,
-            spec.name,
-            lambda: _open(
-                self.path / spec.name,
-                create=True,
-                delete_existing=True,  # an array left half-written by an interrupted run
-                metadata={
-                    "shape": list(spec.shape) or [1],
-                    "data_type": _stored_dtype(spec.dtype),
-                    "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk_shape(spec)}},
-                    "codecs": PLAIN_CODECS,  # tensorstore would shard large chunks otherwise; we write them as files
-                    "attributes": {"reshard_dtype": spec.dtype, "reshard_shape": list(spec.shape)},
-                },
-            ),
+        return cached(self._arrays, spec.name, lambda: self._create(spec))
+
+    def _create(self, spec: TensorSpec) -> ts.TensorStore:
+        array = _open(
+            self.path / spec.name,
+            create=True,
+            delete_existing=True,  # an array left half-written by an interrupted run
+            metadata={
+                "shape": list(spec.shape) or [1],
+                "data_type": _stored_dtype(spec.dtype),
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk_shape(spec)}},
+                "codecs": PLAIN_CODECS,  # tensorstore would shard large chunks otherwise; we write them as files
+                "attributes": {"reshard_dtype": spec.dtype, "reshard_shape": list(spec.shape)},
+            },
         )
+        self._unsynced.append(self.path / spec.name / "zarr.json")
+        return array
 
     @classmethod
     def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:
@@ -282,6 +285,7 @@ class ZarrWriter(CheckpointWriter):
                 file.pwrite(part.view(-1).view(torch.uint8).numpy(), 0)
             finally:
                 file.close()
+            self._unsynced.append(self.path / key)
             start = contiguous_offset(chunks, shift(inside, whole))
             if start is not None and spec.shape:  # the bytes as they went to the file (a staged chunk's too)
                 written = part.view(chunks)[to_slices(shift(inside, whole))]
@@ -294,6 +298,17 @@ class ZarrWriter(CheckpointWriter):
 
     def state(self) -> dict:
         return {}  # a finished tensor's array is complete; an unfinished one is recreated
+
+    def sync(self) -> None:
+        """The chunk files written so far, and the directories naming them, made durable: a tensor is
+        logged as done only after (a crashed node would otherwise lose chunks the log vouches for)."""
+        files = [self._unsynced.popleft() for _ in range(len(self._unsynced))]
+        for path in [*files, *dict.fromkeys(p.parent for p in files)]:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def restore(self, state: Any) -> None:
         pass

@@ -7,7 +7,7 @@ import tensorstore as ts
 import torch
 import zarr
 
-from fixtures.models import TINY_LLAMA
+from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import SyntheticReader, write_synthetic
 from reshard.convert import convert
 from reshard.formats.zarr_store import chunk_shape
@@ -81,3 +81,32 @@ def test_chunks_reaching_past_the_array_hold_the_fill_value(tmp_path, monkeypatc
     group = zarr.open_group(str(store), mode="r")
     for name, spec in source.specs.items():
         assert torch.equal(_as_torch(group[name][...], spec.dtype), source.read(name, full_region(spec.shape))), name
+
+
+def test_a_tensor_is_logged_only_once_its_files_are_durable(tmp_path, monkeypatch):
+    """The work log vouches for a tensor only after every file of its array was fsynced (and the folders
+    naming them): a crashed node must not leave a logged tensor without its chunks."""
+    import os
+
+    from reshard.worklog import WorkLog
+
+    synced, at_record = set(), {}
+    real_fsync, real_record = os.fsync, WorkLog.record
+
+    def fsync(fd):
+        synced.add(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def record(self, done, state):
+        at_record[done.name] = set(synced)
+        real_record(self, done, state)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(WorkLog, "record", record)
+    write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist")
+    convert(tmp_path / "src", tmp_path / "out", to_format="zarr")
+    out, partial = str(tmp_path / "out"), str(tmp_path / ".out.reshard-partial")
+    assert at_record
+    for name, seen in at_record.items():
+        files = [str(p).replace(out, partial) for p in (tmp_path / "out" / name).rglob("*") if p.is_file()]
+        assert files and all(f in seen for f in files), name
