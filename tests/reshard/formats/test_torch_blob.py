@@ -49,6 +49,11 @@ def test_records_of_dtypes_without_a_legacy_storage_read_back(tmp_path, dtype):
         torch.save(saved, f)
         length = f.tell() - 100
     _read_back(path, 100, length, saved)
+    with open(path, "ab") as f:  # a view: torch saves its whole storage and the view's offset, in elements
+        start = f.tell()
+        torch.save(saved[1:], f)
+        view_length = f.tell() - start
+    _read_back(path, start, view_length, saved[1:])
     f = RecordFile(path)
     try:
         out = torch.zeros(2, 3, dtype=dtype)
