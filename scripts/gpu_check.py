@@ -155,9 +155,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check needs a CUDA device (CI and the demo cover the CPU)")
     steps = {step.__name__: step for step in (cpu_to_gpu, distributed_optimizer_to_cpu, cpu_to_gpu_bf16, hf_logits)}
-    chosen = sys.argv[1:] or list(steps)  # a subset by name; hf_logits needs cpu_to_gpu's checkpoint
-    if unknown := set(chosen) - set(steps):
+    if unknown := set(sys.argv[1:]) - set(steps):
         raise SystemExit(f"unknown step(s) {sorted(unknown)}; steps: {', '.join(steps)}")
+    wanted = set(sys.argv[1:]) or set(steps)
+    if "hf_logits" in wanted:
+        wanted.add("cpu_to_gpu")  # whose checkpoint it exports
+    chosen = [name for name in steps if name in wanted]
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     subprocess.run([sys.executable, "-m", "fixtures.corpus", WORK / "corpus.txt"], check=True, cwd=REPO)

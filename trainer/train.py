@@ -124,9 +124,13 @@ def hf_to_torch_dist(src: Path, layout: Layout, dtype: str) -> Path:
         # torchrun's RANK and WORLD_SIZE would make the child a rank of a multi-rank conversion that
         # no other rank joins: it converts alone
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode:
-            target = f"ERROR: reshard convert failed: {proc.stdout.strip()[-2000:]}"
+        try:  # whatever happens, the other ranks hear of it (they wait in the broadcast)
+            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            failure = proc.stdout.strip()[-2000:] if proc.returncode else None
+        except OSError as exc:
+            failure = str(exc)
+        if failure is not None:
+            target = f"ERROR: reshard convert failed: {failure}"
             shutil.rmtree(work, ignore_errors=True)
     target = _broadcast(str(target))
     if target.startswith("ERROR:"):
