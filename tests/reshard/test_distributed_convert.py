@@ -38,9 +38,10 @@ def test_two_ranks_write_what_one_process_writes(tmp_path, fmt):
     assert not list(tmp_path.glob(".multi.reshard-*"))
 
 
-def test_a_killed_multi_rank_conversion_resumes_where_each_rank_stopped(tmp_path):
+@pytest.mark.parametrize("fmt", ["torch_dist", "zarr"])
+def test_a_killed_multi_rank_conversion_resumes_where_each_rank_stopped(tmp_path, fmt):
     write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist", optimizer=True)
-    convert_args = ["convert", tmp_path / "src", tmp_path / "out", "--to-ep", 4, "--to-pp", 2]
+    convert_args = ["convert", tmp_path / "src", tmp_path / "out", "--to-ep", 4, "--to-pp", 2, "--to-format", fmt]
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir(), second.mkdir()
     with pytest.raises(RuntimeError):
@@ -50,8 +51,9 @@ def test_a_killed_multi_rank_conversion_resumes_where_each_rank_stopped(tmp_path
     logs = {r: (partial / f"reshard_worklog.rank{r}.jsonl").read_text().splitlines()[1:] for r in range(2)}
     logged = {r: {json.loads(line)["name"] for line in lines} for r, lines in logs.items()}
     assert len(logged[1]) == 5 and logged[0], "each rank had finished some tensors"
-    with open(next(partial.glob("iter_*/__0_1.distcp")), "ab") as f:  # a kill mid-write leaves half a chunk
-        f.write(b"half a chunk")
+    if fmt == "torch_dist":
+        with open(next(partial.glob("iter_*/__0_1.distcp")), "ab") as f:  # a kill mid-write leaves half a chunk
+            f.write(b"half a chunk")
 
     run("fixtures.killed_convert", ["--moves-log", second, "--", *convert_args], nproc=2)
     for r in range(2):  # each rank converted only what its log lacked
@@ -60,12 +62,13 @@ def test_a_killed_multi_rank_conversion_resumes_where_each_rank_stopped(tmp_path
         assert given - again == logged[r] and again < given, r
     assert (second / "rank1.txt").read_text(), "rank 1 had tensors left"
     assert not partial.exists()
-    run("reshard", [*convert_args[:2], tmp_path / "fresh", *convert_args[3:]], nproc=2)
-    assert _files(tmp_path / "out") == _files(tmp_path / "fresh")  # byte for byte what an uninterrupted run writes
-    state = {n: torch.empty_like(t) for n, t in _tensors(tmp_path / "out").items()}
-    dcp.load(state, checkpoint_id=str(tmp_path / "out" / "iter_0000010"), no_dist=True)  # PyTorch's own reader
-    single = _tensors(tmp_path / "src")
-    assert state.keys() == single.keys() and all(torch.equal(state[n], single[n]) for n in single)
+    single, out = _tensors(tmp_path / "src"), _tensors(tmp_path / "out")
+    if fmt == "torch_dist":
+        run("reshard", [*convert_args[:2], tmp_path / "fresh", *convert_args[3:]], nproc=2)
+        assert _files(tmp_path / "out") == _files(tmp_path / "fresh")  # byte for byte what an uninterrupted run writes
+        out = {n: torch.empty_like(t) for n, t in out.items()}
+        dcp.load(out, checkpoint_id=str(tmp_path / "out" / "iter_0000010"), no_dist=True)  # PyTorch's own reader
+    assert out.keys() == single.keys() and all(torch.equal(out[n], single[n]) for n in single)
 
 
 def test_two_ranks_export_to_hf_what_one_process_exports(tmp_path):
