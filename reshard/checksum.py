@@ -128,7 +128,8 @@ class TensorChecksum:
         # Inner sums y[row, k] = sum_col W * b_k(col): exact in float64 within one column block; added
         # up across column blocks in int64, reduced mod p once at the end. Column weights are made per
         # block, so a long row (a large 1-D tensor) needs no weight array of its own length.
-        y = np.zeros((len(rows), 2), dtype=np.int64)
+        y = np.zeros((2, len(rows)), dtype=np.int64)
+        block_sums = np.empty((2, len(rows)), dtype=np.float64)  # one column block's, written in place
         width = min(ncols, _COLUMN_BLOCK)
         rows_per_block = max(1, _BLOCK_WORDS // width)
         for c0 in range(0, ncols, width):
@@ -139,7 +140,9 @@ class TensorChecksum:
                 converted = _scratch.take(part.size, np.float64).reshape(part.shape)
                 np.copyto(converted, part, casting="unsafe")
                 for k in range(2):  # np.dot, not `@`: numpy's matmul holds the GIL through the BLAS call
-                    y[r0 : r0 + rows_per_block, k] += np.dot(converted, weights[k]).astype(np.int64)
+                    np.dot(converted, weights[k], out=block_sums[k, r0 : r0 + len(part)])
+            y += block_sums.astype(np.int64)  # exact: each sum < 2^52
+        y = y.T
         primes = np.array(PRIMES, dtype=np.int64)
         y %= primes
         partial = ((y * a) % primes).sum(axis=0) % primes
