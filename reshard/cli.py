@@ -220,7 +220,7 @@ def summarize(names: list[str]) -> str:
 
 # The disk refusing a write: the user's to fix, not a bug.
 _DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM}
-_AGAIN = "run the same command again: a torch_dist, zarr or hf output resumes where it stopped"
+_AGAIN = "run the same command again: it resumes where it stopped"
 
 
 def run() -> None:

@@ -31,7 +31,6 @@ from reshard.verify import compare, compute_checksums
 from reshard.worklog import Done, Recorder, WorkLog, fingerprint
 
 T = TypeVar("T")
-MULTI_RANK_FORMATS = ("torch_dist", "zarr", "hf")
 
 
 def world() -> tuple[int, int]:
@@ -103,8 +102,6 @@ def convert_distributed(
     killed or crashed run stopped; anything else about the partial output starts it over."""
     from reshard.convert import check_free_space, manifest_for, partial_path, write_moves
 
-    if plan.target_format not in MULTI_RANK_FORMATS:
-        raise ReshardError(f"several ranks can write {', '.join(MULTI_RANK_FORMATS)}, not {plan.target_format}; run one process")
     rank, size = dist.get_rank(), dist.get_world_size()
     tmp = partial_path(target)
     log = WorkLog(tmp, fingerprint(plan, writer_options), rank, size)

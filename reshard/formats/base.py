@@ -284,7 +284,7 @@ class CheckpointWriter(abc.ABC):
     def part(self) -> Any:
         """Close this process's files and return what rank 0's `finish` needs of them (multi-rank runs)."""
         raise ReshardError(
-            f"{self.format_name} output cannot be written by several ranks; run one process or write torch_dist, zarr or hf"
+            f"{self.format_name} output cannot be written by several ranks; run one process"
         )
 
     def written_records(self) -> dict[StoredRecord, TensorChecksum]:

@@ -3,8 +3,8 @@
 `iter_N/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt`, each holding `args`, `iteration`
 and `model` (or `model0..N` with virtual pipeline stages). Read with `torch.load(mmap=True)` for the
 structure, then the bytes a region needs with `pread` (faulting mapped pages in ran at a quarter of
-the speed here); written with `StreamingTorchSave`, each local tensor's record placed in plan order and
-written by the reader threads.
+the speed here); written with `StreamingTorchSave`, every local tensor's record placed when the writer
+opens and written by the reader threads (of any rank of a multi-rank conversion).
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import ObjectKey, canonical, spell, uses_te_names
-from reshard.sharding import Piece, Region, contiguous_offset, full_region, intersect, pieces, region_size, shift, to_slices
+from reshard.sharding import (
+    Piece, Region, contiguous_offset, full_region, intersect, pieces, pieces_by_slab, region_size, shift, slab_of, slabs, to_slices,
+)
 
 RANK_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -333,23 +335,38 @@ class _Local:
 
 class LegacyWriter(CheckpointWriter):
     """Each rank file is one `torch.save` archive. A local tensor's record size follows from its shape, so
-    `reserve` places them in plan order and reader threads write them at once (`StreamingTorchSave.fill`);
-    `finish` pickles each rank's state dict after its last record."""
+    every record is placed when the writer opens (in the order of the specs, their slabs and ranks) and
+    reader threads write them at once (`StreamingTorchSave.fill`); `finish` pickles each rank's state dict
+    after its last record. The placement does not depend on which tensors this process writes: the ranks
+    of a multi-rank conversion, or a resumed run, fill the same files, and the state to resume from or to
+    hand to rank 0 is the records written (with their CRC-32s) and the local tensors they hold."""
 
     format_name = "legacy"
 
-    def __init__(self, *args: Any, te_names: bool | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, te_names: bool | None = None, rank: int = 0, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.te_names = uses_te_names(self.common.args) if te_names is None else te_names
         self.directory = self.path / iteration_dirname(self.common.iteration)
+        self.rank = rank
         self._streams: dict[RankCoord, StreamingTorchSave] = {}
         self._models: dict[RankCoord, list[dict[str, Any]]] = {}
         self._scratch = PerThread()  # where a local tensor of several pieces is assembled, in each reader thread
-        for rank in ranks(self.layout):
-            rank_dir = self.directory / rank.legacy_dirname(self.layout)
+        for file_rank in ranks(self.layout):
+            rank_dir = self.directory / file_rank.legacy_dirname(self.layout)
             rank_dir.mkdir(parents=True, exist_ok=True)
-            self._streams[rank] = StreamingTorchSave(rank_dir / RANK_FILE)
-            self._models[rank] = [OrderedDict() for _ in range(self.layout.vpp)]
+            self._streams[file_rank] = StreamingTorchSave(rank_dir / RANK_FILE)
+            self._models[file_rank] = [OrderedDict() for _ in range(self.layout.vpp)]
+        self._slots: dict[tuple[RankCoord, int, str], Slot] = {}  # (file, model chunk, local key) -> its record
+        for spec in self.specs.values():
+            by_slab = pieces_by_slab(pieces(spec, self.config, self.layout), spec)
+            for slab in slabs(spec):
+                for group in _local_groups(by_slab.get(slab_of(spec, slab), [])):
+                    file_rank, vstage, key = self._local_key(spec, group)
+                    self._slots[(file_rank, vstage, key)] = self._streams[file_rank].reserve(group[0].local_shape, getattr(torch, spec.dtype))
+
+    def _local_key(self, spec: TensorSpec, group: list[Piece]) -> tuple[RankCoord, int, str]:
+        rank = group[0].rank
+        return RankCoord(pp=rank.pp, tp=rank.tp, ep=rank.ep), rank.vstage, local_name(spec.name, group[0], self.te_names, self.config.is_moe)
 
     @classmethod
     def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:
@@ -360,14 +377,11 @@ class LegacyWriter(CheckpointWriter):
         ]
 
     def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Local]:
-        """Place each rank's local tensor of this slab (several pieces share one: a fused gated MLP)."""
-        dtype = getattr(torch, spec.dtype)
+        """Each rank's local tensor of this slab (several pieces share one: a fused gated MLP), with its record."""
         locals_ = []
         for group in _local_groups(pieces):
-            rank = group[0].rank
-            file_rank = RankCoord(pp=rank.pp, tp=rank.tp, ep=rank.ep)
-            key = local_name(spec.name, group[0], self.te_names, self.config.is_moe)
-            locals_.append(_Local(file_rank, rank.vstage, key, tuple(group), self._streams[file_rank].reserve(group[0].local_shape, dtype)))
+            file_rank, vstage, key = self._local_key(spec, group)
+            locals_.append(_Local(file_rank, vstage, key, tuple(group), self._slots[(file_rank, vstage, key)]))
         return locals_
 
     def prepare(
@@ -432,7 +446,38 @@ class LegacyWriter(CheckpointWriter):
                     self._models[RankCoord(pp=pp, tp=tp, ep=ep)][vstage][name] = value
         return rng
 
+    resumable = True
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "filled": {f.legacy_dirname(self.layout): stream.filled() for f, stream in self._streams.items()},
+            "locals": [[f.legacy_dirname(self.layout), vstage, key] for f, chunks in self._models.items()
+                       for vstage, model in enumerate(chunks) for key in model],
+        }
+
+    def sync(self) -> None:
+        for stream in self._streams.values():
+            stream.sync()
+
+    def restore(self, state: dict[str, Any]) -> None:
+        by_name = {f.legacy_dirname(self.layout): f for f in self._streams}
+        for name, filled in state["filled"].items():
+            self._streams[by_name[name]].restore(filled)
+        for name, vstage, key in state["locals"]:
+            file_rank = by_name[name]
+            self._models[file_rank][vstage][key] = self._slots[(file_rank, vstage, key)].stub
+
+    def part(self) -> dict[str, Any]:
+        """Rank 0 finishes every file; the others hand it what they wrote and close theirs."""
+        self.sync()
+        if self.rank != 0:
+            for stream in self._streams.values():
+                stream.close()
+        return self.state()
+
     def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
+        for part in parts or []:
+            self.restore(part)
         rng = self._place_objects()
         args = args_namespace(
             args_for_layout(self.common.args, self.layout, self.config, "torch")

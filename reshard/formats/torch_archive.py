@@ -352,10 +352,13 @@ class Slot:
 class StreamingTorchSave:
     """Builds a `torch.save` file tensor by tensor. `reserve` places each storage record in order (a large
     one on a page), `fill` writes one from any thread (`pwrite`, its page-aligned middle past the page
-    cache), `finish(obj)` pickles `obj` with its stubs after the last record."""
+    cache), `finish(obj)` pickles `obj` with its stubs after the last record.
+
+    Records are placed before any is written, so several processes that reserve alike can fill one file
+    (none truncates it on opening) and one of them finish it, given the others' `filled` records."""
 
     def __init__(self, path: Path, zip64_from: int = _ZIP32_MAX):
-        self._file = direct_io.DirectFile(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        self._file = direct_io.DirectFile(path, os.O_RDWR | os.O_CREAT)
         self._end = At(self._file, 0)  # where `finish` appends
         self._archive = _Archive(self._end, path.stem, zip64_from)
 
@@ -375,8 +378,27 @@ class StreamingTorchSave:
         self._file.pwrite(data, entry.data_offset)
         return data
 
+    def filled(self) -> dict[int, int]:
+        """The records written so far, by index, with their CRC-32s (what the zip's directory needs)."""
+        return {i: e.crc for i, e in enumerate(self._archive.zip.entries) if e.crc is not None}
+
+    def restore(self, filled: dict[int, int]) -> None:
+        """Take records written by another process, or an earlier run, as written."""
+        entries = self._archive.zip.entries
+        for index, crc in filled.items():
+            entries[int(index)] = replace(entries[int(index)], crc=crc)
+
+    def sync(self) -> None:
+        os.fsync(self._file.fd)
+
+    def close(self) -> None:
+        """Stop writing without finishing (another process finishes the file)."""
+        os.fsync(self._file.fd)
+        self._file.close()
+
     def finish(self, obj: Any) -> None:
         self._end.offset = self._archive.zip.size  # after every reserved record
         self._archive.finish(obj)
+        os.ftruncate(self._file.fd, self._end.offset)  # nothing of an earlier, longer file after the end
         os.fsync(self._file.fd)
         self._file.close()

@@ -57,20 +57,22 @@ def test_interrupted_conversion_resumes_and_matches_a_fresh_one(tmp_path, fmt):
         assert _files(tmp_path / "out") == _files(tmp_path / "fresh")
 
 
-def test_an_interrupted_hf_export_resumes_and_matches_a_fresh_one(tmp_path):
+@pytest.mark.parametrize("fmt,file", [("hf", "model.safetensors"), ("legacy", "iter_0000010/mp_rank_01/model_optim_rng.pt")])
+def test_an_interrupted_export_resumes_and_matches_a_fresh_one(tmp_path, fmt, file):
+    """Outputs whose records all have their place before the first is written (HF, legacy)."""
     write_synthetic(tmp_path / "src", TINY_LLAMA, Layout(tp=2), "torch_dist")
     total = []
-    convert(tmp_path / "src", tmp_path / "fresh", to_format="hf", progress=lambda _: total.append(1))
+    convert(tmp_path / "src", tmp_path / "fresh", to_format=fmt, progress=lambda _: total.append(1))
     bomb, _ = _bomb(after_slabs=len(total) // 2)
     with pytest.raises(Stop):
-        convert(tmp_path / "src", tmp_path / "out", to_format="hf", progress=bomb)
+        convert(tmp_path / "src", tmp_path / "out", to_format=fmt, progress=bomb)
     partial = tmp_path / ".out.reshard-partial"
     assert len((partial / LOG_NAME).read_text().splitlines()) > 1, "some tensors were logged"
-    assert (partial / "model.safetensors").is_file()
-    with open(partial / "model.safetensors", "ab") as f:  # bytes past the end, as a file of another run may hold
+    assert (partial / file).is_file()
+    with open(partial / file, "ab") as f:  # bytes past the end, as a file of another run may hold
         f.write(b"stale")
     counted, calls = _bomb(after_slabs=0)
-    convert(tmp_path / "src", tmp_path / "out", to_format="hf", progress=counted)
+    convert(tmp_path / "src", tmp_path / "out", to_format=fmt, progress=counted)
     assert 0 < len(calls) < len(total)  # the resumed run skipped what was done
     assert not partial.exists()
     assert _files(tmp_path / "out") == _files(tmp_path / "fresh")
