@@ -129,7 +129,8 @@ def convert_distributed(
         _together(open_writer)
         writer, done = opened[0]
         finished = {d.name for d in done}
-        mine = replace(plan, target=tmp, moves=[m for m in shares(plan.moves, size)[rank] if m.target.name not in finished])
+        share = shares(plan.moves, size)[rank]
+        mine = replace(plan, target=tmp, moves=[m for m in share if m.target.name not in finished])
         needed = sum(_together(lambda: mine.bytes_moved))
         _together(lambda: check_free_space(tmp, target, needed, resuming) if rank == 0 and check_space else None)
 
@@ -168,7 +169,7 @@ def convert_distributed(
 
         def check() -> dict[str, Checksum]:
             with open_checkpoint(tmp, plan.target_format) as written_back:
-                names = [m.target.name for m in shares(plan.moves, size)[rank]]
+                names = [m.target.name for m in share]
                 records = None if reread else writer.written_records()  # an earlier run's tensors are read back
                 return compute_checksums(written_back, workers=hash_workers, names=names, pool=pool, written=records)
 
