@@ -270,13 +270,14 @@ def _convert_here(
     full = replace(plan, target=tmp)
     log = WorkLog(tmp, fingerprint(plan, options))
     resumable = WRITERS[plan.target_format].resumable
-    done, state = log.resume() if resumable and tmp.is_dir() else ([], None)
+    resumed = log.resume() if resumable and tmp.is_dir() else None
+    done = resumed.done if resumed else []
     if not done:
         shutil.rmtree(tmp, ignore_errors=True)
     try:
         writer = new_writer(full, options)
-        if done:
-            writer.restore(state)
+        if resumed and done:
+            writer.restore(resumed.facts)
         else:
             tmp.mkdir(parents=True, exist_ok=True)
             log.start()

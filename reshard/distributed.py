@@ -28,7 +28,7 @@ from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
 from reshard.plan import ConversionPlan, TensorMove
 from reshard.buffers import Pool
 from reshard.verify import compare, compute_checksums
-from reshard.worklog import Done, Recorder, WorkLog, fingerprint
+from reshard.worklog import Done, Recorder, Resumed, WorkLog, fingerprint
 
 T = TypeVar("T")
 
@@ -108,23 +108,29 @@ def convert_distributed(
 
     _together(lambda: prepare_destination() if rank == 0 else None)  # a refusal here leaves a partial output be
     try:
-        resuming = all(_together(lambda: tmp.is_dir() and log.matches()))  # every rank's log, or none
+        logs: list[Resumed | None] = []  # this rank's, read once and kept here (not gathered)
+
+        def read_log() -> bool:
+            logs.append(log.resume() if tmp.is_dir() else None)
+            return logs[0] is not None
+
+        resuming = all(_together(read_log))  # every rank's log, or none
+        found = logs[0] if resuming else None
         if not resuming:
             _together(lambda: _start_over(tmp) if rank == 0 else None)
 
         opened: list[tuple[CheckpointWriter, list[Done]]] = []  # this rank's, kept here: a writer is not gathered
 
         def open_writer() -> None:
-            done, state = log.resume() if resuming else ([], None)
             if not resuming:
                 log.start()
             writer = WRITERS[plan.target_format](
                 tmp, plan.config, plan.target_layout, {m.target.name: m.target for m in plan.moves}, plan.common, rank=rank,
                 **writer_options,
             )
-            if resuming:  # back to this rank's last logged tensor (before its first: none of its files)
-                writer.restore(state if done else writer.state())
-            opened.append((writer, done))
+            if found:  # back to this rank's last logged tensor (before its first: none of its files)
+                writer.restore(found.facts)
+            opened.append((writer, found.done if found else []))
 
         _together(open_writer)
         writer, done = opened[0]

@@ -1,7 +1,8 @@
 """Resumable conversions: a work log of finished tensors in the partial output directory.
 
-After each tensor the log gets one JSON line, written once the writer's bytes so far are on disk: its checksums (as written and as read) and the writer's
-state at that point (for torch_dist: every file's length and the chunks written). A re-run of the same
+After each tensor the log gets one JSON line, written once the writer's bytes so far are on disk: its
+checksums (as written and as read) and the facts of the writer's state learnt since the line before (for
+torch_dist: the records written, with their files and offsets). A re-run of the same
 conversion finds the partial directory, checks that the log was made by the same plan from the same
 source files, truncates the files to the last logged state (a half-written chunk is never trusted)
 and converts only the tensors the log lacks. The final verification covers every tensor; those of an
@@ -52,6 +53,7 @@ def fingerprint(plan: ConversionPlan, options: dict[str, Any]) -> str:
         "layout": str(plan.target_layout),
         "moves": [(m.source.name, m.target.name, m.target.shape, m.target.dtype) for m in plan.moves],
         "options": sorted((k, repr(v)) for k, v in options.items()),
+        "log": 2,  # lines carry new facts, not whole states: an older log is not resumed
     }
     return hashlib.sha256(json.dumps(payload, default=str).encode()).hexdigest()
 
@@ -61,6 +63,14 @@ class Done:
     name: str
     written: Checksum
     read: Checksum
+
+
+@dataclass
+class Resumed:
+    """What a log of this conversion holds: the tensors done and the writer's facts after the last of them."""
+
+    done: list[Done]
+    facts: list[Any]
 
 
 class WorkLog:
@@ -82,30 +92,26 @@ class WorkLog:
             return None
         return lines if header.get("fingerprint") == self.fingerprint else None
 
-    def matches(self) -> bool:
-        """Whether the log was started by this conversion (finished tensors or not)."""
-        return self._lines() is not None
-
-    def resume(self) -> tuple[list[Done], Any]:
-        """Tensors already done and the writer state after the last of them; nothing if the log is foreign."""
+    def resume(self) -> Resumed | None:
+        """What the log holds, if it was started by this conversion (finished tensors or not)."""
         lines = self._lines()
         if lines is None:
-            return [], None
-        done, state = [], None
+            return None
+        resumed = Resumed([], [])
         for line in lines[1:]:
             try:
                 entry = json.loads(line)
             except ValueError:
                 break  # the line being written when the run stopped
-            done.append(Done(entry["name"], Checksum.from_json(entry["written"]), Checksum.from_json(entry["read"])))
-            state = entry["state"]
-        return done, state
+            resumed.done.append(Done(entry["name"], Checksum.from_json(entry["written"]), Checksum.from_json(entry["read"])))
+            resumed.facts.extend(entry["facts"])
+        return resumed
 
     def start(self) -> None:
         self.path.write_text(json.dumps({"fingerprint": self.fingerprint}) + "\n")
 
-    def record(self, done: Done, state: Any) -> None:
-        line = {"name": done.name, "written": done.written.to_json(), "read": done.read.to_json(), "state": state}
+    def record(self, done: Done, facts: list[Any]) -> None:
+        line = {"name": done.name, "written": done.written.to_json(), "read": done.read.to_json(), "facts": facts}
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
             f.flush()
@@ -116,22 +122,24 @@ class WorkLog:
 
 
 class Recorder:
-    """Logs finished tensors off the writing thread: the writer's state is taken at once, then a
+    """Logs finished tensors off the writing thread: the writer's new facts are taken at once, then a
     background thread waits for its bytes to reach the disk (`sync`) and appends the entry. The disk
     writes back while the next tensors stream, instead of the conversion stopping at every fsync."""
 
     def __init__(self, log: WorkLog, writer: CheckpointWriter):
         self.log, self.writer = log, writer
+        self._logged = len(writer.facts())  # those restored from the log are in it
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-log")
         self._pending: list[Future[None]] = []
 
     def __call__(self, done: Done) -> None:
-        state = self.writer.state()
-        self._pending.append(self._thread.submit(self._record, done, state))
+        facts = self.writer.facts(self._logged)
+        self._logged += len(facts)
+        self._pending.append(self._thread.submit(self._record, done, facts))
 
-    def _record(self, done: Done, state: Any) -> None:
+    def _record(self, done: Done, facts: list[Any]) -> None:
         self.writer.sync()
-        self.log.record(done, state)
+        self.log.record(done, facts)
 
     def close(self) -> None:
         """Wait for every entry (before the writer closes its files); raise the first failure."""

@@ -243,6 +243,7 @@ class CheckpointWriter(abc.ABC):
         self.specs = specs
         self.common = common
         self._written: dict[StoredRecord, TensorChecksum] = {}
+        self._facts: list[Any] = []  # see `facts`
 
     @classmethod
     def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:
@@ -270,15 +271,19 @@ class CheckpointWriter(abc.ABC):
 
     resumable: ClassVar[bool] = False  # can continue a partial output (see reshard.worklog)
 
-    def state(self) -> Any:
-        """What `restore` needs to continue after the last finished tensor (resumable writers); taken
-        between writes, with everything written so far handed to the OS."""
-        return None
+    def facts(self, start: int = 0) -> list[Any]:
+        """The writer's state (what `restore` needs to continue after the last finished tensor) as a list
+        of JSON-able facts, in the order `write` learnt them, from the `start`th on. Facts are only ever
+        added, so the work log keeps each tensor's new ones, not the whole state again per tensor (which
+        grew as tensors x records). Taken between writes, with everything written so far handed to the OS."""
+        return self._facts[start:]
 
     def sync(self) -> None:
         """Make the bytes handed to the OS durable. Called from another thread while writing goes on."""
 
-    def restore(self, state: Any) -> None:
+    def restore(self, facts: list[Any]) -> None:
+        """Continue after `facts` (an earlier run's, or another rank's at `finish`): a resumable writer
+        takes them as its own."""
         raise ReshardError(f"{self.format_name} output cannot be resumed")
 
     def part(self) -> Any:

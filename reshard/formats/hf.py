@@ -457,27 +457,27 @@ class HFWriter(CheckpointWriter):
 
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
         layer, expert = slab_of(spec, slab)
-        for hf_name in self._mappings[spec.name].hf_names(layer, expert):
+        names = self._mappings[spec.name].hf_names(layer, expert)
+        for hf_name in names:
             self._entries[hf_name].written = True
+        self._facts.extend(names)
 
     # Every tensor has its place from the start, so a tensor is done once its bytes are durable: the state
-    # to resume from, or to hand to rank 0, is the list of tensors written.
+    # to resume from, or to hand to rank 0, is the names of the tensors written.
     resumable = True
-
-    def state(self) -> list[str]:
-        return sorted(name for name, entry in self._entries.items() if entry.written)
 
     def sync(self) -> None:
         for f in self._files:
             os.fsync(f.fd)
 
-    def restore(self, state: list[str]) -> None:
-        for name in state:
+    def restore(self, facts: list[str]) -> None:
+        for name in facts:
             self._entries[name].written = True
+        self._facts.extend(facts)
 
     def part(self) -> list[str]:
         self._close_files()
-        return self.state()
+        return self.facts()
 
     def _close_files(self) -> None:
         for f in self._files:

@@ -281,12 +281,16 @@ class TorchDistWriter(CheckpointWriter):
         return reserved
 
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
-        """Record the slab's written records (in plan order: what `state` and `.metadata` list)."""
+        """Record the slab's written records (in plan order: what `facts` and `.metadata` list)."""
         key = self._key(spec.name)
         for record in prepared:
-            self._chunks[key].append(record.chunk)
-            self._storage[(key, record.chunk.offsets)] = record.storage
-            self._sizes[record.index] = record.storage.offset + record.storage.length
+            self._add(key, record)
+            self._facts.append([key, list(record.chunk.offsets), list(record.chunk.sizes), record.index, record.storage.offset, record.storage.length])
+
+    def _add(self, key: str, record: _Record) -> None:
+        self._chunks[key].append(record.chunk)
+        self._storage[(key, record.chunk.offsets)] = record.storage
+        self._sizes[record.index] = record.storage.offset + record.storage.length
 
     def _key(self, name: str) -> str:
         return spell(name, "dist", self.te_names, self.config.is_moe)
@@ -309,31 +313,26 @@ class TorchDistWriter(CheckpointWriter):
 
     resumable = True
 
-    def state(self) -> dict[str, Any]:
-        return {
-            "files": {str(i): self._sizes[i] for i in self._files},
-            "chunks": {k: [[list(c.offsets), list(c.sizes)] for c in v] for k, v in self._chunks.items()},
-            "storage": [[fqn, list(offsets), s.relative_path, s.offset, s.length] for (fqn, offsets), s in self._storage.items()],
-        }
-
     def sync(self) -> None:
         for file in list(self._files.values()):
             os.fsync(file.fd)
 
-    def restore(self, state: dict[str, Any]) -> None:
-        """Continue after the logged state: files cut back to their logged length (records of later
-        tensors may have been written past it), later files removed."""
-        kept = {self._name(int(i)): (int(i), size) for i, size in state["files"].items()}
+    def restore(self, facts: list[Any]) -> None:
+        """Continue after the logged records (each `[key, offsets, sizes, file index, offset, length]`):
+        files cut back to their last one's end (records of later tensors may have been written past it),
+        files of none removed."""
+        records = [(key, _Record(i, Storage(self._name(i), at, n), Chunk(tuple(o), tuple(z)))) for key, o, z, i, at, n in facts]
+        ends = {r.index: r.storage.offset + r.storage.length for _, r in records}  # plan order: the last is the end
+        kept = {self._name(i) for i in ends}
         for path in self.directory.glob(f"__*_{self.rank}.distcp"):
             if path.name not in kept:
                 path.unlink()
-        for name, (index, size) in kept.items():
-            self._open(index, size)
-            os.ftruncate(self._files[index].fd, size)
-        self._chunks = defaultdict(list)
-        for key, chunks in state["chunks"].items():
-            self._chunks[key] = [Chunk(tuple(o), tuple(z)) for o, z in chunks]
-        self._storage = {(fqn, tuple(o)): Storage(path, at, n) for fqn, o, path, at, n in state["storage"]}
+        for index, end in ends.items():
+            self._open(index, end)
+            os.ftruncate(self._files[index].fd, end)
+        for key, record in records:
+            self._add(key, record)
+        self._facts.extend(facts)
 
     def part(self) -> tuple[dict[str, list[Chunk]], dict[StorageKey, Storage]]:
         self._close_files()

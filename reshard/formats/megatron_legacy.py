@@ -339,7 +339,7 @@ class LegacyWriter(CheckpointWriter):
     reader threads write them at once (`StreamingTorchSave.fill`); `finish` pickles each rank's state dict
     after its last record. The placement does not depend on which tensors this process writes: the ranks
     of a multi-rank conversion, or a resumed run, fill the same files, and the state to resume from or to
-    hand to rank 0 is the records written (with their CRC-32s) and the local tensors they hold."""
+    hand to rank 0 is the local tensors written, with their records' CRC-32s."""
 
     format_name = "legacy"
 
@@ -412,6 +412,7 @@ class LegacyWriter(CheckpointWriter):
     def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
         for local in prepared:
             self._models[local.rank][local.vstage][local.key] = local.slot.stub
+            self._facts.append([local.rank.legacy_dirname(self.layout), local.vstage, local.key, self._streams[local.rank].crc(local.slot)])
 
     def _place_objects(self) -> dict[RankCoord, Any]:
         """Put per-module objects into the model dicts of every rank holding the module; return RNG states."""
@@ -448,32 +449,27 @@ class LegacyWriter(CheckpointWriter):
 
     resumable = True
 
-    def state(self) -> dict[str, Any]:
-        return {
-            "filled": {f.legacy_dirname(self.layout): stream.filled() for f, stream in self._streams.items()},
-            "locals": [[f.legacy_dirname(self.layout), vstage, key] for f, chunks in self._models.items()
-                       for vstage, model in enumerate(chunks) for key in model],
-        }
-
     def sync(self) -> None:
         for stream in self._streams.values():
             stream.sync()
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, facts: list[Any]) -> None:
+        """Take the local tensors of `facts` (each `[rank file, model chunk, key, CRC-32 of its record]`) as written."""
         by_name = {f.legacy_dirname(self.layout): f for f in self._streams}
-        for name, filled in state["filled"].items():
-            self._streams[by_name[name]].restore(filled)
-        for name, vstage, key in state["locals"]:
+        for name, vstage, key, crc in facts:
             file_rank = by_name[name]
-            self._models[file_rank][vstage][key] = self._slots[(file_rank, vstage, key)].stub
+            slot = self._slots[(file_rank, vstage, key)]
+            self._streams[file_rank].restore(slot, crc)
+            self._models[file_rank][vstage][key] = slot.stub
+        self._facts.extend(facts)
 
-    def part(self) -> dict[str, Any]:
+    def part(self) -> list[Any]:
         """Rank 0 finishes every file; the others hand it what they wrote and close theirs."""
         self.sync()
         if self.rank != 0:
             for stream in self._streams.values():
                 stream.close()
-        return self.state()
+        return self.facts()
 
     def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
         for part in parts or []:

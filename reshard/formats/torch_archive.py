@@ -355,7 +355,7 @@ class StreamingTorchSave:
     cache), `finish(obj)` pickles `obj` with its stubs after the last record.
 
     Records are placed before any is written, so several processes that reserve alike can fill one file
-    (none truncates it on opening) and one of them finish it, given the others' `filled` records."""
+    (none truncates it on opening) and one of them finish it, given the CRC-32s of the others' records."""
 
     def __init__(self, path: Path, zip64_from: int = _ZIP32_MAX):
         self._file = direct_io.DirectFile(path, os.O_RDWR | os.O_CREAT)
@@ -378,15 +378,14 @@ class StreamingTorchSave:
         self._file.pwrite(data, entry.data_offset)
         return data
 
-    def filled(self) -> dict[int, int]:
-        """The records written so far, by index, with their CRC-32s (what the zip's directory needs)."""
-        return {i: e.crc for i, e in enumerate(self._archive.zip.entries) if e.crc is not None}
+    def crc(self, slot: Slot) -> int | None:
+        """The CRC-32 of a filled record (what the zip's directory needs); None before `fill`."""
+        return self._archive.zip.entries[slot.index].crc
 
-    def restore(self, filled: dict[int, int]) -> None:
-        """Take records written by another process, or an earlier run, as written."""
+    def restore(self, slot: Slot, crc: int) -> None:
+        """Take a record written by another process, or an earlier run, as written."""
         entries = self._archive.zip.entries
-        for index, crc in filled.items():
-            entries[int(index)] = replace(entries[int(index)], crc=crc)
+        entries[slot.index] = replace(entries[slot.index], crc=crc)
 
     def sync(self) -> None:
         os.fsync(self._file.fd)

@@ -296,9 +296,6 @@ class ZarrWriter(CheckpointWriter):
 
     resumable = True
 
-    def state(self) -> dict:
-        return {}  # a finished tensor's array is complete; an unfinished one is recreated
-
     def sync(self) -> None:
         """The chunk files written so far, and the directories naming them, made durable: a tensor is
         logged as done only after (a crashed node would otherwise lose chunks the log vouches for)."""
@@ -310,8 +307,8 @@ class ZarrWriter(CheckpointWriter):
             finally:
                 os.close(fd)
 
-    def restore(self, state: Any) -> None:
-        pass
+    def restore(self, facts: list[Any]) -> None:
+        """Nothing to take: a finished tensor's array is complete (and has no facts); an unfinished one is recreated."""
 
     def part(self) -> None:
         return None  # arrays are complete once written; the root attributes list every spec
