@@ -270,3 +270,26 @@ def test_a_change_of_precision_with_optimizer_state_is_refused(tmp_path):
     assert _tensors(tmp_path / "c").keys() == _tensors(tmp_path / "a").keys()
     convert(tmp_path / "a", tmp_path / "d", dtype="float32", optimizer=False)
     assert all(t.dtype == torch.float32 for t in _tensors(tmp_path / "d").values())
+
+
+def test_a_resume_counts_the_unfinished_tensors_records_as_free(tmp_path, monkeypatch):
+    """The partial output holds records of tensors the log lacks (a zarr array half written when the run
+    stopped); the resume removes and writes them again, so a disk with room for what the finished output
+    holds beyond the partial one lets it run."""
+    write_synthetic(tmp_path / "a", TINY_MOE, Layout(tp=2, ep=2), "torch_dist")
+    convert(tmp_path / "a", tmp_path / "measured", layout=Layout(ep=4), to_format="zarr")
+
+    def stop(_, calls=[]):
+        calls.append(1)
+        if len(calls) == 20:
+            raise KeyboardInterrupt  # as a kill: the partial output stays
+
+    with pytest.raises(KeyboardInterrupt):
+        convert(tmp_path / "a", tmp_path / "b", layout=Layout(ep=4), to_format="zarr", progress=stop)
+
+    def size(root):
+        return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+    _disk(monkeypatch, size(tmp_path / "measured") - size(tmp_path / ".b.reshard-partial"))
+    convert(tmp_path / "a", tmp_path / "b", layout=Layout(ep=4), to_format="zarr")
+    assert (tmp_path / "b").is_dir() and not (tmp_path / ".b.reshard-partial").exists()
