@@ -1,6 +1,7 @@
 """`reshard convert` under torchrun: ranks split the tensors, rank 0 writes the metadata last."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ def test_a_killed_multi_rank_conversion_resumes_where_each_rank_stopped(tmp_path
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir(), second.mkdir()
     with pytest.raises(RuntimeError):
-        run("fixtures.killed_convert", ["--kill-rank", 1, "--kill-after", 5, "--moves-log", first, "--", *convert_args], nproc=2)
+        run("fixtures.faulty_convert", ["--kill-rank", 1, "--kill-after", 5, "--moves-log", first, "--", *convert_args], nproc=2)
     partial = tmp_path / ".out.reshard-partial"
     assert not (tmp_path / "out").exists()
     logs = {r: (partial / f"reshard_worklog.rank{r}.jsonl").read_text().splitlines()[1:] for r in range(2)}
@@ -57,7 +58,7 @@ def test_a_killed_multi_rank_conversion_resumes_where_each_rank_stopped(tmp_path
         with open(next(partial.glob("iter_*/__0_1.distcp")), "ab") as f:  # a kill mid-write leaves half a chunk
             f.write(b"half a chunk")
 
-    run("fixtures.killed_convert", ["--moves-log", second, "--", *convert_args], nproc=2)
+    run("fixtures.faulty_convert", ["--moves-log", second, "--", *convert_args], nproc=2)
     for r in range(2):  # each rank converted only what its log lacked
         given = set((first / f"rank{r}.txt").read_text().split())
         again = set((second / f"rank{r}.txt").read_text().split())
@@ -72,6 +73,40 @@ def test_a_killed_multi_rank_conversion_resumes_where_each_rank_stopped(tmp_path
         out = {n: torch.empty_like(t) for n, t in out.items()}
         dcp.load(out, checkpoint_id=str(tmp_path / "out" / "iter_0000010"), no_dist=True)  # PyTorch's own reader
     assert out.keys() == single.keys() and all(torch.equal(out[n], single[n]) for n in single)
+
+
+def test_multi_rank_free_space_is_checked_for_every_ranks_share(tmp_path):
+    """Under torchrun rank 0 measures the disk against every rank's share: too little refuses the
+    conversion on every rank in one line, before writing; after a kill, a refusal keeps the partial
+    output and a disk with room for what is left lets the same command resume."""
+    write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist", optimizer=True)
+    convert_args = ["convert", tmp_path / "src", tmp_path / "out", "--to-ep", 4, "--to-pp", 2]
+    convert(tmp_path / "src", tmp_path / "measured", layout=Layout(ep=4, pp=2))
+    written = sum(f.stat().st_size for f in (tmp_path / "measured").rglob("*") if f.is_file())
+    logs = tmp_path / "moves"
+    logs.mkdir()
+
+    def faulty(*args):
+        run("fixtures.faulty_convert", ["--moves-log", logs, *args, "--", *convert_args], nproc=2)
+
+    with pytest.raises(RuntimeError) as refused:
+        faulty("--free", written // 2)
+    errors = [line for line in str(refused.value).splitlines() if "not enough free space" in line]
+    assert len(errors) == 2 and all(e.startswith("reshard: error: rank 0: not enough free space") for e in errors), errors
+    assert not re.search(r'File ".*/(reshard|fixtures)/', str(refused.value)), "no rank printed a traceback (torchrun's own may follow)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["measured", "moves", "src"]
+    assert not (logs / "rank0.txt").exists(), "refused before any tensor was converted"
+
+    with pytest.raises(RuntimeError):
+        faulty("--kill-rank", 1, "--kill-after", 5)
+    partial = tmp_path / ".out.reshard-partial"
+    with pytest.raises(RuntimeError, match="run the same command again \\(it resumes\\)"):
+        faulty("--free", 1000)
+    assert (partial / "reshard_worklog.rank1.jsonl").is_file(), "the refusal kept the partial output"
+    faulty("--free", written)
+    assert not partial.exists()
+    out, source = _tensors(tmp_path / "out"), _tensors(tmp_path / "src")
+    assert out.keys() == source.keys() and all(torch.equal(out[n], source[n]) for n in source)
 
 
 def test_two_ranks_export_to_hf_what_one_process_exports(tmp_path):
