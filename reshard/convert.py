@@ -226,18 +226,14 @@ def _check_destination(target: Path, overwrite: bool) -> None:
         raise ReshardError(f"{target} exists and is not empty; pass --overwrite to replace it or choose another destination")
 
 
-def check_free_space(partial: Path, target: Path, needed: int, total: int, resuming: bool) -> None:
+def check_free_space(partial: Path, target: Path, needed: int, resuming: bool, freed: int = 0) -> None:
     """Refuse up front what cannot fit, instead of failing with a full disk after writing most of it. The
     tensors' bytes alone are counted (archive headers and metadata add little), so nothing that fits is
     refused; an old destination given to --overwrite is removed only after, so it still takes its space.
-    `needed` of the conversion's `total` bytes are left to write. On a resumed run, what the partial output
-    holds beyond its finished tensors (records of unfinished ones, which are written again in place or
-    removed) counts as free, and a refusal keeps what was converted."""
+    `freed`: what a resumed run's partial output holds that writing the rest removes first (see
+    `CheckpointWriter.held_for`). A resumed run's refusal keeps what it had converted."""
     stats = os.statvfs(partial)
-    free = stats.f_frsize * (stats.f_bfree if os.geteuid() == 0 else stats.f_bavail)  # root may use the reserve
-    if resuming:
-        held = sum(f.stat().st_blocks * 512 for f in partial.rglob("*") if f.is_file())
-        free += max(0, held - (total - needed))
+    free = stats.f_frsize * (stats.f_bfree if os.geteuid() == 0 else stats.f_bavail) + freed  # root may use the reserve
     if needed > free:
         again = "run the same command again (it resumes)" if resuming else "run the same command again"
         raise (KeepsPartial if resuming else ReshardError)(
@@ -289,7 +285,8 @@ def _convert_here(
         finished = {d.name for d in done}
         remaining = replace(full, moves=[m for m in plan.moves if m.target.name not in finished])
         if check_space:
-            check_free_space(tmp, target, remaining.bytes_moved, plan.bytes_moved, resuming=bool(done))
+            freed = writer.held_for([m.target.name for m in remaining.moves]) if done else 0
+            check_free_space(tmp, target, remaining.bytes_moved, bool(done), freed)
         recorder = Recorder(log, writer) if resumable else None
         pool = Pool()  # slab buffers, reused by the verification pass
         try:

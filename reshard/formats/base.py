@@ -281,6 +281,12 @@ class CheckpointWriter(abc.ABC):
     def sync(self) -> None:
         """Make the bytes handed to the OS durable. Called from another thread while writing goes on."""
 
+    def held_for(self, names: list[str]) -> int:
+        """Bytes a restored partial output holds for tensors `names`, which writing them again removes
+        first (a resumed run's free-space check counts them as free). None here: records past the last
+        finished tensor are cut away by `restore`, or written again in place."""
+        return 0
+
     def restore(self, facts: list[Any]) -> None:
         """Continue after `facts` (an earlier run's, or another rank's at `finish`): a resumable writer
         takes them as its own."""

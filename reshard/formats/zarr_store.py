@@ -307,6 +307,10 @@ class ZarrWriter(CheckpointWriter):
             finally:
                 os.close(fd)
 
+    def held_for(self, names: list[str]) -> int:
+        """An unfinished tensor's array, as an interrupted run left it: recreated (emptied) when written."""
+        return sum(f.stat().st_blocks * 512 for name in names for f in (self.path / name).rglob("*") if f.is_file())
+
     def restore(self, facts: list[Any]) -> None:
         """Nothing to take: a finished tensor's array is complete (and has no facts); an unfinished one is recreated."""
 

@@ -223,24 +223,30 @@ def test_a_conversion_that_cannot_fit_is_refused_before_it_writes(tmp_path, monk
     convert(tmp_path / "a", tmp_path / "unchecked", layout=Layout(ep=4), to_format=fmt, check_space=False)
 
 
-def test_a_resumed_conversion_counts_what_is_left_and_a_refusal_keeps_what_was_done(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fmt", ["torch_dist", "legacy"])
+def test_a_resumed_conversion_counts_what_is_left_and_a_refusal_keeps_what_was_done(tmp_path, monkeypatch, fmt):
+    """Legacy output repeats tensors in every rank file that holds them: what a resumed run keeps is more
+    than its finished tensors' bytes, and none of it is free."""
     write_synthetic(tmp_path / "a", TINY_MOE, Layout(tp=2, ep=2), "torch_dist")
-    total = convert(tmp_path / "a", tmp_path / "b", layout=Layout(ep=4), dry_run=True).plan.bytes_moved
+    target = Layout(tp=2, ep=4)
+    total = convert(tmp_path / "a", tmp_path / "b", layout=target, to_format=fmt, dry_run=True).plan.bytes_moved
+    slabs = []
+    convert(tmp_path / "a", tmp_path / "counted", layout=target, to_format=fmt, progress=lambda _: slabs.append(1))
 
-    def stop_halfway(_, calls=[]):
+    def stop_late(_, calls=[]):
         calls.append(1)
-        if len(calls) == 40:
+        if len(calls) == len(slabs) * 9 // 10:
             raise KeyboardInterrupt  # as a kill: the partial output stays
 
     with pytest.raises(KeyboardInterrupt):
-        convert(tmp_path / "a", tmp_path / "b", layout=Layout(ep=4), progress=stop_halfway)
+        convert(tmp_path / "a", tmp_path / "b", layout=target, to_format=fmt, progress=stop_late)
     partial = tmp_path / ".b.reshard-partial"
-    _disk(monkeypatch, 1000)
+    _disk(monkeypatch, 0)
     with pytest.raises(ReshardError, match="run the same command again \\(it resumes\\)"):
-        convert(tmp_path / "a", tmp_path / "b", layout=Layout(ep=4))
+        convert(tmp_path / "a", tmp_path / "b", layout=target, to_format=fmt)
     assert partial.is_dir()  # kept for the rerun
     _disk(monkeypatch, total - 1)  # less than the whole conversion, more than what is left of it
-    convert(tmp_path / "a", tmp_path / "b", layout=Layout(ep=4))
+    convert(tmp_path / "a", tmp_path / "b", layout=target, to_format=fmt)
     assert not partial.exists() and (tmp_path / "b").is_dir()
 
 
