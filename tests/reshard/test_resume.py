@@ -8,7 +8,9 @@ import pytest
 from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import write_synthetic
 from reshard.convert import convert
+from reshard.formats import open_checkpoint
 from reshard.layout import Layout
+from reshard.sharding import full_region
 from reshard.worklog import LOG_NAME
 
 
@@ -173,3 +175,44 @@ def test_the_work_log_names_each_record_once(tmp_path, monkeypatch, fmt):
     lines = [json.loads(line) for line in kept.read_text().splitlines()[1:]]
     facts = [json.dumps(fact) for line in lines for fact in line["facts"]]
     assert len(set(facts)) == len(facts) == len(_stored_records(tmp_path / "out", fmt)) > len(lines) > 1
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "legacy", "hf"])
+def test_a_tensor_whose_log_line_failed_is_converted_again(tmp_path, monkeypatch, fmt):
+    """A log line lost (the disk failed writing it) while later ones were written: that tensor is not
+    done, and its records are not the writer's to keep, so the rerun converts it again and matches a
+    fresh run's bytes (legacy and torch_dist at PP2 EP4, HF)."""
+    from reshard.worklog import WorkLog
+
+    write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist", optimizer=fmt == "torch_dist")
+    layout = Layout(ep=4, pp=2) if fmt != "hf" else None
+    record, calls = WorkLog.record, []
+
+    def failing_third(self, done, facts):
+        calls.append(done.name)
+        if len(calls) == 3:
+            raise OSError(5, "Input/output error")
+        record(self, done, facts)
+
+    monkeypatch.setattr(WorkLog, "record", failing_third)
+    with pytest.raises(OSError):
+        convert(tmp_path / "src", tmp_path / "out", to_format=fmt, layout=layout)
+    monkeypatch.undo()
+    logged = [json.loads(line)["name"] for line in (tmp_path / ".out.reshard-partial" / LOG_NAME).read_text().splitlines()[1:]]
+    assert calls[2] not in logged and set(calls[3:]) <= set(logged), "later lines were written"
+    counted, converted = _bomb(after_slabs=0)
+    convert(tmp_path / "src", tmp_path / "out", to_format=fmt, layout=layout, progress=counted)
+    assert converted, "the lost tensor was converted again"
+    convert(tmp_path / "src", tmp_path / "fresh", to_format=fmt, layout=layout)
+    if fmt != "torch_dist":
+        assert _files(tmp_path / "out") == _files(tmp_path / "fresh")
+        return
+    # the lost tensor's records go after the last kept one: its values, as torch's DCP reader finds them, match
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    with open_checkpoint(tmp_path / "fresh") as fresh:
+        expected = {name: fresh.read(name, full_region(spec.shape)) for name, spec in fresh.specs.items()}
+    state = {name: torch.empty_like(t) for name, t in expected.items()}
+    dcp.load(state, checkpoint_id=str(tmp_path / "out" / "iter_0000010"), no_dist=True)
+    assert all(torch.equal(state[name], expected[name]) for name in expected)
