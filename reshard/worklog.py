@@ -81,30 +81,30 @@ class WorkLog:
         self.path = directory / (LOG_NAME if world == 1 else LOG_NAME.replace(".jsonl", f".rank{rank}.jsonl"))
         self.fingerprint = fingerprint if world == 1 else f"{fingerprint} rank {rank} of {world}"
 
-    def _lines(self) -> list[str] | None:
-        """The log's lines if it was started by this conversion, else None."""
+    def resume(self) -> Resumed | None:
+        """What the log holds, if it was started by this conversion (finished tensors or not). A line torn
+        by the stop is cut away: this run's first line, appended to it, would be lost to the next resume."""
         if not self.path.is_file():
             return None
-        lines = self.path.read_text().splitlines()
+        text = self.path.read_bytes()
+        lines = text.split(b"\n")  # the last is what follows the last newline: nothing, or a torn line
         try:
-            header = json.loads(lines[0]) if lines else {}
+            header = json.loads(lines[0]) if len(lines) > 1 else {}
         except ValueError:
             return None
-        return lines if header.get("fingerprint") == self.fingerprint else None
-
-    def resume(self) -> Resumed | None:
-        """What the log holds, if it was started by this conversion (finished tensors or not)."""
-        lines = self._lines()
-        if lines is None:
+        if header.get("fingerprint") != self.fingerprint:
             return None
-        resumed = Resumed([], [])
-        for line in lines[1:]:
+        resumed, kept = Resumed([], []), len(lines[0]) + 1
+        for line in lines[1:-1]:
             try:
                 entry = json.loads(line)
             except ValueError:
                 break  # the line being written when the run stopped
             resumed.done.append(Done(entry["name"], Checksum.from_json(entry["written"]), Checksum.from_json(entry["read"])))
             resumed.facts.extend(entry["facts"])
+            kept += len(line) + 1
+        if kept < len(text):
+            os.truncate(self.path, kept)
         return resumed
 
     def start(self) -> None:

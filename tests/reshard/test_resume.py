@@ -216,3 +216,24 @@ def test_a_tensor_whose_log_line_failed_is_converted_again(tmp_path, monkeypatch
     state = {name: torch.empty_like(t) for name, t in expected.items()}
     dcp.load(state, checkpoint_id=str(tmp_path / "out" / "iter_0000010"), no_dist=True)
     assert all(torch.equal(state[name], expected[name]) for name in expected)
+
+
+def test_a_torn_log_line_is_cut_away_before_the_rerun_appends(tmp_path):
+    """A kill mid-line leaves a torn last line; the rerun's lines must follow the last whole one, or the
+    first of them, glued to the torn bytes, would be lost to the resume after."""
+    write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist")
+    log = tmp_path / ".out.reshard-partial" / LOG_NAME
+    total = []
+    convert(tmp_path / "src", tmp_path / "fresh", layout=Layout(ep=4), progress=lambda _: total.append(1))
+    bomb, _ = _bomb(after_slabs=len(total) // 3)
+    with pytest.raises(Stop):
+        convert(tmp_path / "src", tmp_path / "out", layout=Layout(ep=4), progress=bomb)
+    whole = log.read_text().splitlines()
+    with open(log, "a") as f:
+        f.write('{"name": "decoder.layers.mlp.linear_fc1.weight", "wri')  # as a kill mid-write leaves it
+    bomb, _ = _bomb(after_slabs=len(total) // 3)
+    with pytest.raises(Stop):
+        convert(tmp_path / "src", tmp_path / "out", layout=Layout(ep=4), progress=bomb)
+    lines = log.read_text().splitlines()
+    assert lines[: len(whole)] == whole and len(lines) > len(whole)
+    assert all(json.loads(line)["name"] for line in lines[1:]), "every line of both runs is whole"
