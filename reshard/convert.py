@@ -286,7 +286,7 @@ def _convert_here(
         remaining = replace(full, moves=[m for m in plan.moves if m.target.name not in finished])
         if check_space:
             freed = writer.held_for([m.target.name for m in remaining.moves]) if done else 0
-            check_free_space(tmp, target, remaining.bytes_moved, bool(done), freed)
+            check_free_space(tmp, target, remaining.bytes_stored, bool(done), freed)
         recorder = Recorder(log, writer) if resumable else None
         pool = Pool()  # slab buffers, reused by the verification pass
         try:

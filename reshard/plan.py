@@ -137,6 +137,12 @@ class ConversionPlan:
     def bytes_moved(self) -> int:
         return sum(m.bytes for m in self.moves)
 
+    @property
+    def bytes_stored(self) -> int:
+        """What the target's files hold of these tensors: `bytes_moved`, and the copies legacy keeps (a
+        dense tensor in every EP rank's file, a norm in every TP rank's)."""
+        return sum(self.target_files().values())
+
     def units(self, move: TensorMove, first_slab_only: bool = False) -> Iterator[Unit]:
         """The move's units of work in order: its slabs, a large one cut where the target's writer allows
         (every piece it writes lies in one of its whole regions)."""
