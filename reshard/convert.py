@@ -228,8 +228,9 @@ def _check_destination(target: Path, overwrite: bool) -> None:
 
 def check_free_space(partial: Path, target: Path, needed: int, resuming: bool, freed: int = 0) -> None:
     """Refuse up front what cannot fit, instead of failing with a full disk after writing most of it. The
-    tensors' bytes alone are counted (archive headers and metadata add little), so nothing that fits is
-    refused; an old destination given to --overwrite is removed only after, so it still takes its space.
+    tensors' bytes alone (as the files hold them, legacy's copies included) are counted: headers and
+    metadata add little, so nothing that fits is refused; an old destination given to --overwrite is
+    removed only after, so it still takes its space.
     `freed`: what a resumed run's partial output holds that writing the rest removes first (see
     `CheckpointWriter.held_for`). A resumed run's refusal keeps what it had converted."""
     stats = os.statvfs(partial)
