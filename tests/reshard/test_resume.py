@@ -181,7 +181,7 @@ def test_the_work_log_names_each_record_once(tmp_path, monkeypatch, fmt):
 def test_a_tensor_whose_log_line_failed_is_converted_again(tmp_path, monkeypatch, fmt):
     """A log line lost (the disk failed writing it) while later ones were written: that tensor is not
     done, and its records are not the writer's to keep, so the rerun converts it again and matches a
-    fresh run's bytes (legacy and torch_dist at PP2 EP4, HF)."""
+    fresh run (legacy at PP2 EP4 and HF byte for byte; torch_dist at PP2 EP4 in values)."""
     from reshard.worklog import WorkLog
 
     write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist", optimizer=fmt == "torch_dist")
