@@ -25,7 +25,7 @@ from reshard.pipeline import ordered_map
 from reshard.plan import BAND_BYTES, ConversionPlan, TensorMove, Unit, human_bytes, itemsize, make_plan
 from reshard.sharding import Piece, Region, bands, region_size, shift, to_slices
 from reshard.verify import compare, compute_checksums
-from reshard.worklog import Done, Recorder, WorkLog, fingerprint
+from reshard.worklog import Done, Recorder, Resumed, WorkLog, fingerprint
 
 Progress = Callable[[int], None]  # called with the bytes just processed
 
@@ -272,13 +272,13 @@ def _convert_here(
     full = replace(plan, target=tmp)
     log = WorkLog(tmp, fingerprint(plan, options))
     resumable = WRITERS[plan.target_format].resumable
-    resumed = log.resume() if resumable and tmp.is_dir() else None
-    done = resumed.done if resumed else []
+    resumed = (log.resume() if resumable and tmp.is_dir() else None) or Resumed([], [])
+    done = resumed.done
     if not done:
         shutil.rmtree(tmp, ignore_errors=True)
     try:
         writer = new_writer(full, options)
-        if resumed and done:
+        if done:
             writer.restore(resumed.facts)
         else:
             tmp.mkdir(parents=True, exist_ok=True)

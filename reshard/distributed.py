@@ -137,8 +137,8 @@ def convert_distributed(
         finished = {d.name for d in done}
         share = shares(plan.moves, size)[rank]
         mine = replace(plan, target=tmp, moves=[m for m in share if m.target.name not in finished])
-        needed = sum(_together(lambda: mine.bytes_stored))
-        freed = sum(_together(lambda: writer.held_for([m.target.name for m in mine.moves]) if resuming else 0))
+        sizes = _together(lambda: (mine.bytes_stored, writer.held_for([m.target.name for m in mine.moves]) if resuming else 0))
+        needed, freed = (sum(column) for column in zip(*sizes))
         _together(lambda: check_free_space(tmp, target, needed, resuming, freed) if rank == 0 and check_space else None)
 
         pool = Pool()  # slab buffers, reused by the verification pass

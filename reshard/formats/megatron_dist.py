@@ -321,17 +321,15 @@ class TorchDistWriter(CheckpointWriter):
         """Continue after the logged records (each `[key, offsets, sizes, file index, offset, length]`):
         files cut back to their last one's end (records of later tensors may have been written past it),
         files of none removed."""
-        records = [(key, _Record(i, Storage(self._name(i), at, n), Chunk(tuple(o), tuple(z)))) for key, o, z, i, at, n in facts]
-        ends = {r.index: r.storage.offset + r.storage.length for _, r in records}  # plan order: the last is the end
-        kept = {self._name(i) for i in ends}
+        for key, o, z, i, at, n in facts:
+            self._add(key, _Record(i, Storage(self._name(i), at, n), Chunk(tuple(o), tuple(z))))
+        kept = {self._name(i) for i in self._sizes}
         for path in self.directory.glob(f"__*_{self.rank}.distcp"):
             if path.name not in kept:
                 path.unlink()
-        for index, end in ends.items():
+        for index, end in list(self._sizes.items()):
             self._open(index, end)
             os.ftruncate(self._files[index].fd, end)
-        for key, record in records:
-            self._add(key, record)
         self._facts.extend(facts)
 
     def part(self) -> tuple[dict[str, list[Chunk]], dict[StorageKey, Storage]]:
