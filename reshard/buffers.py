@@ -13,21 +13,18 @@ import math
 import threading
 
 import numpy as np
-import torch
 
 from reshard.direct_io import ALIGN
+from reshard.dtypes import bits
 
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-
-def copy(dest: torch.Tensor, src: torch.Tensor) -> None:
-    """`dest[...] = src` for strided slices of the same dtype: numpy's strided copy ran 1.6x faster
-    than torch's here (4.1 against 2.6 GB/s for bf16 column slices)."""
-    if dest.dtype != src.dtype or dest.shape != src.shape or dest.element_size() not in _SAME_SIZE_INT:
-        dest.copy_(src)
+def copy(dest: np.ndarray, src: np.ndarray) -> None:
+    """`dest[...] = src` for strided slices of the same dtype, copied as bits (numpy copies unsigned
+    integers without the GIL, and ran 1.6x faster than torch's copy here for bf16 column slices)."""
+    if dest.dtype != src.dtype:
+        dest[...] = src
         return
-    as_int = _SAME_SIZE_INT[dest.element_size()]
-    np.copyto(dest.view(as_int).numpy(), src.view(as_int).numpy())
+    np.copyto(bits(dest), bits(src))
 
 
 def empty(nbytes: int) -> np.ndarray:
@@ -37,9 +34,9 @@ def empty(nbytes: int) -> np.ndarray:
     return raw[start : start + nbytes]
 
 
-def _view(buffer: np.ndarray, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+def _view(buffer: np.ndarray, shape: tuple[int, ...] | list[int], dtype: np.dtype) -> np.ndarray:
     nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(buffer[:nbytes]).view(dtype).view(tuple(shape))
+    return buffer[:nbytes].view(dtype).reshape(tuple(shape))
 
 
 class Scratch:
@@ -55,12 +52,12 @@ class Scratch:
             self.buffer = empty(nbytes)
         return self.buffer[:nbytes].view(dtype)
 
-    def tensor(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
-        """A tensor over the buffer, valid until the next `take` or `tensor`."""
+    def array(self, shape: tuple[int, ...] | list[int], dtype: np.dtype) -> np.ndarray:
+        """An array over the buffer, valid until the next `take` or `array`."""
         return _view(self.take(math.prod(shape) * dtype.itemsize), shape, dtype)
 
-    def tensor_for(self, offset: int, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
-        """A tensor over the buffer whose address lies as far past a page as file offset `offset` does:
+    def array_for(self, offset: int, shape: tuple[int, ...] | list[int], dtype: np.dtype) -> np.ndarray:
+        """An array over the buffer whose address lies as far past a page as file offset `offset` does:
         written there, its page-aligned middle can go to the disk directly (`reshard.direct_io`)."""
         phase = offset % ALIGN
         return _view(self.take(math.prod(shape) * dtype.itemsize + ALIGN)[phase:], shape, dtype)
@@ -75,8 +72,8 @@ class PerThread(threading.local):
     def take(self, size: int, dtype: type = np.uint8) -> np.ndarray:
         return self.scratch.take(size, dtype)
 
-    def tensor(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
-        return self.scratch.tensor(shape, dtype)
+    def array(self, shape: tuple[int, ...] | list[int], dtype: np.dtype) -> np.ndarray:
+        return self.scratch.array(shape, dtype)
 
 
 class Pool:
@@ -88,7 +85,7 @@ class Pool:
         self._lent: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
 
-    def tensor(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+    def array(self, shape: tuple[int, ...] | list[int], dtype: np.dtype) -> np.ndarray:
         nbytes = math.prod(shape) * dtype.itemsize
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if b.size >= nbytes]
@@ -99,13 +96,13 @@ class Pool:
                     self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].size))
                 buffer = empty(max(nbytes, 1))
             out = _view(buffer, shape, dtype)
-            self._lent[out.data_ptr()] = buffer
+            self._lent[out.ctypes.data] = buffer
         return out
 
-    def give(self, tensor: torch.Tensor) -> None:
-        """Take back a tensor `tensor()` lent; its memory is reused from now on."""
+    def give(self, array: np.ndarray) -> None:
+        """Take back an array `array()` lent; its memory is reused from now on."""
         with self._lock:
-            buffer = self._lent.pop(tensor.data_ptr(), None)
+            buffer = self._lent.pop(array.ctypes.data, None)
             if buffer is not None:
                 self._free.append(buffer)
 

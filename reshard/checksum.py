@@ -27,9 +27,9 @@ import copy
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from reshard.buffers import PerThread
+from reshard.dtypes import bits, dtype_name
 from reshard.sharding import Region, intersect, region_size, shift, to_slices
 
 PRIMES = (2_147_483_647, 2_147_483_629)
@@ -60,16 +60,15 @@ def _col_weights(cols: np.ndarray, k: int) -> np.ndarray:
     return ((_mix(cols.astype(np.uint64) ^ np.uint64(_SEEDS[k][1])) & np.uint64(0xFFFFF)) + np.uint64(1)).astype(np.float64)
 
 
-def words(t: torch.Tensor) -> np.ndarray:
-    """The tensor's bits as uint16 words: shape (*t.shape[:-1], last * itemsize/2)."""
-    t = t.detach()
-    if t.dim() == 0:
-        t = t.reshape(1)
-    if t.element_size() == 1:
-        return t.view(torch.uint8).numpy().astype(np.uint16)
-    if t.stride(-1) != 1:  # a strided view is hashed where it lies, unless its last axis is strided too
-        t = t.contiguous()
-    return t.view(torch.int16).numpy().view(np.uint16)
+def words(a: np.ndarray) -> np.ndarray:
+    """The array's bits as uint16 words: shape (*a.shape[:-1], last * itemsize/2)."""
+    if a.ndim == 0:
+        a = a.reshape(1)
+    if a.itemsize == 1:
+        return bits(a).astype(np.uint16)
+    if a.strides[-1] != a.itemsize:  # a strided view is hashed where it lies, unless its last axis is strided too
+        a = np.ascontiguousarray(a)
+    return a.view(np.uint16)
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ class TensorChecksum:
         self.covered = 0
         self.sums = [0, 0]
 
-    def add(self, region: Region, data: torch.Tensor) -> None:
+    def add(self, region: Region, data: np.ndarray) -> None:
         """Add a piece: `data` holds the values of `region` of the global tensor."""
         if not region:
             region = ((0, 1),)
@@ -167,23 +166,23 @@ class HashedParts:
     from exactly one part's memory counts with that part's checksum instead of being hashed a second time:
     its bytes are the ones hashed as read, and nothing was cut between the two."""
 
-    parts: dict[Region, tuple[torch.Tensor, TensorChecksum]]
+    parts: dict[Region, tuple[np.ndarray, TensorChecksum]]
 
-    def checksum_of(self, region: Region, values: torch.Tensor) -> TensorChecksum | None:
+    def checksum_of(self, region: Region, values: np.ndarray) -> TensorChecksum | None:
         """The checksum of `values` (given as the values of `region`) if they are the memory of that part:
         the same elements at the same addresses, strided or not."""
         data, checksum = self.parts.get(region, (None, None))
         return copy.copy(checksum) if data is not None and _placement(values) == _placement(data) else None
 
 
-def _placement(t: torch.Tensor) -> tuple:
-    """Where a tensor's elements lie: its dtype, shape, address and strides (but for size-1 axes, where a
+def _placement(a: np.ndarray) -> tuple:
+    """Where an array's elements lie: its dtype, shape, address and strides (but for size-1 axes, where a
     stride means nothing)."""
-    return t.dtype, tuple(t.shape), t.data_ptr(), tuple(st for size, st in zip(t.shape, t.stride()) if size != 1)
+    return a.dtype, a.shape, a.ctypes.data, tuple(st for size, st in zip(a.shape, a.strides) if size != 1)
 
 
-def checksum_tensor(t: torch.Tensor, content_rows: int | None = None) -> Checksum:
+def checksum_tensor(t: np.ndarray, content_rows: int | None = None) -> Checksum:
     """Checksum of a whole in-memory tensor (tests and small tensors)."""
-    acc = TensorChecksum(tuple(t.shape), str(t.dtype).removeprefix("torch."), content_rows)
+    acc = TensorChecksum(tuple(t.shape), dtype_name(t.dtype), content_rows)
     acc.add(tuple((0, d) for d in t.shape), t)
     return acc.result()

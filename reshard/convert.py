@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import torch
+import numpy as np
 
 from reshard import __version__
 from reshard.buffers import Pool
@@ -22,7 +22,8 @@ from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
 from reshard.layout import Layout
 from reshard.logical import normalize_dtype
 from reshard.pipeline import ordered_map
-from reshard.plan import BAND_BYTES, ConversionPlan, TensorMove, Unit, human_bytes, itemsize, make_plan
+from reshard.dtypes import itemsize, numpy_dtype
+from reshard.plan import BAND_BYTES, ConversionPlan, TensorMove, Unit, human_bytes, make_plan
 from reshard.sharding import Piece, Region, bands, region_size, shift, to_slices
 from reshard.verify import compare, compute_checksums
 from reshard.worklog import Done, Recorder, Resumed, WorkLog, fingerprint
@@ -37,7 +38,7 @@ class ConversionResult:
     seconds: float
 
 
-def read_slab(reader: CheckpointReader, move: TensorMove, slab: Region, out: torch.Tensor) -> None:
+def read_slab(reader: CheckpointReader, move: TensorMove, slab: Region, out: np.ndarray) -> None:
     """Fill `out` with the target slab's values: the source region, zero-padded where the target
     vocabulary is larger."""
     source_rows = move.source.shape[0] if move.source.shape else 1
@@ -46,7 +47,7 @@ def read_slab(reader: CheckpointReader, move: TensorMove, slab: Region, out: tor
         return
     inside = ((slab[0][0], min(slab[0][1], source_rows)), *slab[1:])
     rows = max(0, inside[0][1] - inside[0][0])
-    out[rows:].zero_()
+    out[rows:] = 0
     if rows:
         reader.read_into(move.source.name, inside, out[:rows])
 
@@ -58,8 +59,8 @@ class _Prepared:
     move: TensorMove
     slab: Region
     pieces: list[Piece]  # the target pieces in this slab
-    data: torch.Tensor
-    buffer: torch.Tensor  # the pool's slab buffer, given back once written (`data` unless cast)
+    data: np.ndarray
+    buffer: np.ndarray  # the pool's slab buffer, given back once written (`data` unless cast)
     prepared: Any  # the writer's `prepare` result
     as_read: TensorChecksum  # of the source values
     as_written: TensorChecksum  # of the values after a dtype cast (the same object when there is none)
@@ -88,7 +89,7 @@ def write_moves(
     pool = pool or Pool()
     helpers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard-band") if workers > 1 else None
 
-    def read_and_hash(move: TensorMove, slab: Region, out: torch.Tensor) -> TensorChecksum:
+    def read_and_hash(move: TensorMove, slab: Region, out: np.ndarray) -> TensorChecksum:
         """Read `slab` into `out` and hash it, in bands on the helper threads when it is large."""
 
         def band(region: Region) -> TensorChecksum:
@@ -98,7 +99,7 @@ def write_moves(
             part.add(region, view)
             return part
 
-        size = out.numel() * out.element_size()
+        size = out.nbytes
         if helpers is None or size < 2 * BAND_BYTES:
             return band(slab)
         parts = list(helpers.map(band, bands(slab, min(workers, size // BAND_BYTES))))
@@ -106,11 +107,11 @@ def write_moves(
             parts[0].merge(part)
         return parts[0]
 
-    def read_and_hash_parts(move: TensorMove, unit: Unit, out: torch.Tensor) -> tuple[TensorChecksum, HashedParts]:
+    def read_and_hash_parts(move: TensorMove, unit: Unit, out: np.ndarray) -> tuple[TensorChecksum, HashedParts]:
         """Read `unit` into `out` and hash it: by the writer's records where they tile it (`Unit.runs`: hashing
         by them spares hashing each record again as written), else whole (in bands on the helper threads
         when it is large)."""
-        parts = unit.runs() if out.numel() * out.element_size() < 2 * BAND_BYTES else None
+        parts = unit.runs() if out.nbytes < 2 * BAND_BYTES else None
         if parts is None:
             whole = read_and_hash(move, unit.region, out)
             return whole, HashedParts({unit.region: (out, whole)})
@@ -128,11 +129,11 @@ def write_moves(
     def prepare(job: tuple[TensorMove, Unit, Any]) -> _Prepared:
         move, unit, reserved = job
         slab = unit.region
-        data = buffer = pool.tensor([b - a for a, b in slab], getattr(torch, move.source.dtype))
+        data = buffer = pool.array([b - a for a, b in slab], numpy_dtype(move.source.dtype))
         as_read, hashed = read_and_hash_parts(move, unit, data)
         as_written, written_parts = as_read, hashed
         if move.target.dtype != move.source.dtype:
-            data = data.to(getattr(torch, move.target.dtype))
+            data = data.astype(numpy_dtype(move.target.dtype))
             as_written, written_parts = TensorChecksum(move.target.shape, move.target.dtype, content[move.target.name]), None
             as_written.add(slab, data)
         prepared = writer.prepare(move.target, slab, data, unit.pieces, reserved, written_parts)
@@ -167,7 +168,7 @@ def write_moves(
             read_sums[name].merge(item.as_read)
             written_sums[name].merge(item.as_written)
             if progress:
-                progress(item.data.numel() * item.data.element_size())
+                progress(item.data.nbytes)
     finally:
         if helpers is not None:
             helpers.shutdown(cancel_futures=True)

@@ -19,8 +19,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
-import torch.distributed as dist
-
 from reshard.checksum import Checksum
 from reshard.errors import KeepsPartial, ReshardError
 from reshard.formats import WRITERS, open_checkpoint
@@ -61,6 +59,8 @@ def _together(step: Callable[[], T]) -> list[T]:
         outcome = ("refused", str(exc))
     except Exception as exc:  # a bug on one rank must not leave the others waiting
         outcome = ("kept", f"{exc.__class__.__name__}: {exc}")
+    import torch.distributed as dist  # here and below: a single-process conversion never imports torch
+
     gathered: list[tuple[str, Any]] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(gathered, outcome)
     for rank, (how, value) in enumerate(gathered):
@@ -73,6 +73,8 @@ def _together(step: Callable[[], T]) -> list[T]:
 def process_group() -> Iterator[None]:
     """A gloo group for the conversion, unless the caller made one; gloo's threads must be stopped
     before the interpreter exits, or it aborts."""
+    import torch.distributed as dist
+
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo", timeout=timedelta(hours=4))
@@ -100,6 +102,8 @@ def convert_distributed(
     """Each rank writes its share of the plan (inside `process_group()`); see the module docstring. Each
     rank logs its finished tensors, so the same command run again with as many ranks resumes where a
     killed or crashed run stopped; anything else about the partial output starts it over."""
+    import torch.distributed as dist
+
     from reshard.convert import check_free_space, manifest_for, partial_path, write_moves
 
     rank, size = dist.get_rank(), dist.get_world_size()

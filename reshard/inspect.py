@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from reshard.formats import open_checkpoint
-from reshard.plan import human_bytes, itemsize
+from reshard.dtypes import itemsize
+from reshard.plan import human_bytes
 
 
 @dataclass(frozen=True)

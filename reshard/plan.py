@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
 import psutil
-import torch
 
 from reshard.checksum import CHECKSUM_BLOCK_BYTES
 from reshard.config import ModelConfig
+from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.formats import WRITERS
 from reshard.formats.base import CheckpointReader, CommonState, precision_args
@@ -54,11 +53,6 @@ def default_budget(largest_unit_bytes: int, workers: int) -> int:
     with 1 GiB or 16 GiB); on 2 cores 1 GiB ran no faster than none and only added memory."""
     read_ahead = max(256 << 20, workers * UNIT_BYTES)
     return 2 * largest_unit_bytes + min(read_ahead, psutil.virtual_memory().total // 8)
-
-
-@functools.cache
-def itemsize(dtype: str) -> int:
-    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
 @dataclass(frozen=True)

@@ -5,15 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
-import torch
-
 from reshard.buffers import Pool
 from reshard.checksum import Checksum, TensorChecksum
+from reshard.dtypes import itemsize, numpy_dtype
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, StoredRecord
 from reshard.logical import TensorSpec
 from reshard.pipeline import ordered_map
-from reshard.plan import UNIT_BYTES, itemsize
+from reshard.plan import UNIT_BYTES
 from reshard.sharding import Region, bands, region_size, split_by_slab
 
 
@@ -40,14 +39,14 @@ def compute_checksums(
 
     def hash_region(job: tuple[TensorSpec, Region]) -> tuple[str, TensorChecksum, int]:
         spec, region = job
-        data = pool.tensor([b - a for a, b in region], getattr(torch, spec.dtype))
+        data = pool.array([b - a for a, b in region], numpy_dtype(spec.dtype))
         try:
             reader.read_into(spec.name, region, data)
             part = TensorChecksum(spec.shape, spec.dtype, content(spec))
             part.add(region, data)
         finally:
             pool.give(data)
-        return spec.name, part, data.numel() * data.element_size()
+        return spec.name, part, data.nbytes
 
     wanted = sorted(reader.specs if names is None else names)
     sums = {name: TensorChecksum(reader.specs[name].shape, reader.specs[name].dtype, content(reader.specs[name])) for name in wanted}

@@ -34,6 +34,7 @@ import torch
 
 from reshard.checksum import PRIMES, TensorChecksum
 from reshard.config import ModelConfig
+from reshard.dtypes import from_torch
 from reshard.errors import ReshardError
 from reshard.formats.base import Manifest
 from reshard.layout import Layout
@@ -318,7 +319,7 @@ def local_checksums(sharded_state_dict: dict, config: ModelConfig) -> dict[str, 
         region = tuple((o, o + 1) for o in st.global_offset[:p]) + tuple(
             (o, o + s) for o, s in zip(st.global_offset[p:], st.local_shape))
         data = st.data.detach().to("cpu").reshape([1] * p + list(st.local_shape))
-        accs[name].add(region, data)
+        accs[name].add(region, from_torch(data))
     return {n: {"shape": a.shape, "dtype": a.dtype, "sums": a.sums, "covered": a.covered,
                 "expected": a.expected} for n, a in accs.items()}
 

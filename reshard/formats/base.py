@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
+import numpy as np
 
 from reshard.checksum import Checksum, HashedParts, TensorChecksum
 from reshard.config import ModelConfig
+from reshard.dtypes import numpy_dtype
 from reshard.errors import ReshardError
+from reshard.formats.pickles import named
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
 from reshard.sharding import Piece, Region, slabs
@@ -79,7 +81,7 @@ def layout_from_args(args: dict[str, Any]) -> Layout:
 
 def precision_args(dtype: str) -> dict[str, Any]:
     """The Megatron-LM arguments that say a model's parameters are in `dtype`."""
-    return {"params_dtype": getattr(torch, dtype), "bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
+    return {"params_dtype": named("torch", dtype), "bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
 
 
 def args_for_layout(args: dict[str, Any], layout: Layout, config: ModelConfig, ckpt_format: str) -> dict[str, Any]:
@@ -196,16 +198,17 @@ class CheckpointReader(abc.ABC):
     manifest: Manifest | None  # checksums recorded when it was written, if any
     unsupported_optimizer: list[str] = []  # optimizer state in a form that cannot be resharded
 
-    def read(self, name: str, region: Region) -> torch.Tensor:
-        """The values of `region` of logical tensor `name`, as a new CPU tensor."""
-        out = torch.empty([b - a for a, b in region], dtype=getattr(torch, self.specs[name].dtype))
+    def read(self, name: str, region: Region) -> np.ndarray:
+        """The values of `region` of logical tensor `name`, as a new array (`reshard.dtypes.to_torch` makes
+        it a tensor)."""
+        out = np.empty([b - a for a, b in region], dtype=numpy_dtype(self.specs[name].dtype))
         self.read_into(name, region, out)
         return out
 
-    def read_into(self, name: str, region: Region, out: torch.Tensor) -> None:
+    def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
         """Fill `out` (shaped like `region`) with its values. Readers implement this or `read`; those that
         can place bytes straight into `out` implement this, which saves the conversion a copy."""
-        out.copy_(self.read(name, region))
+        out[...] = self.read(name, region)
 
     def prefetch(self, name: str, region: Region) -> None:
         """A hint that `region` of tensor `name` is read next (after the regions hinted before it): a reader
@@ -258,7 +261,7 @@ class CheckpointWriter(abc.ABC):
         return None
 
     def prepare(
-        self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
+        self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
     ) -> Any:
         """Work on a slab that a reader thread can do before `write` gets it (it receives the result), so
         that the one thread writing does only the writing. `reserved` is what `reserve` returned; `hashed`,
@@ -266,7 +269,7 @@ class CheckpointWriter(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
+    def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
         """Store `data` (the values of `slab`); `pieces` are the target pieces that lie in that slab."""
 
     resumable: ClassVar[bool] = False  # can continue a partial output (see reshard.worklog)
@@ -305,7 +308,7 @@ class CheckpointWriter(abc.ABC):
         return dict(self._written)
 
     def vouch(
-        self, spec: TensorSpec, region: Region, file: str, offset: int, values: torch.Tensor, hashed: HashedParts | None = None
+        self, spec: TensorSpec, region: Region, file: str, offset: int, values: np.ndarray, hashed: HashedParts | None = None
     ) -> None:
         """Keep the checksum of region `region` of `spec` as written: `values` are its bytes as they went
         to `file` (relative to the iteration directory), starting at `offset`; when they are the memory of

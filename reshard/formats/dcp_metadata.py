@@ -10,16 +10,15 @@ them ahead in a background thread raced the conversion's own imports).
 
 from __future__ import annotations
 
-import functools
 import pickle
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from reshard.dtypes import DTYPE_NAMES
 from reshard.errors import ReshardError
+from reshard.formats.pickles import Call, Named, Pickler, named
 
 _DCP = "torch.distributed.checkpoint"
 
@@ -42,7 +41,7 @@ class Storage:
 
 @dataclass
 class TensorEntry:
-    dtype: torch.dtype
+    dtype: str
     size: tuple[int, ...]
     chunks: list[Chunk] = field(default_factory=list)
 
@@ -97,8 +96,8 @@ class _Unpickler(pickle.Unpickler):
             return lambda layout: layout
         if module == "torch" and name == "Size":
             return tuple
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if module == "torch" and name in DTYPE_NAMES:
+            return name
         if module == "collections" and name == "OrderedDict":
             return OrderedDict
         raise pickle.UnpicklingError(f"unexpected {module}.{name}")
@@ -130,104 +129,54 @@ def load(path: Path) -> DcpMetadata:
         raise ReshardError(f"{path} cannot be read ({exc.__class__.__name__}): the checkpoint is damaged") from None
 
 
-class _Global:
-    """A class or function of another package, named in a pickle without importing that package."""
-
-    def __init__(self, module: str, name: str):
-        self.module, self.name = module, name
-
-
-class _New:
-    """An instance of a `_Global` class with `state`: what pickle writes for a DCP dataclass."""
-
-    def __init__(self, cls: _Global, state: Any):
-        self.cls, self.state = cls, state
-
-
-class _Call:
-    """`function(*args)` on loading (torch.Size, the layout and memory-format encodings)."""
-
-    def __init__(self, function: _Global, *args: Any):
-        self.function, self.args = function, args
-
-
-class _Pickler(pickle._Pickler):  # the Python pickler: its dispatch table can take our stand-ins
-    dispatch = dict(pickle._Pickler.dispatch)
-
-    def _save_global(self, obj: _Global) -> None:
-        self.save(obj.module)
-        self.save(obj.name)
-        self.write(pickle.STACK_GLOBAL)
-        self.memoize(obj)
-
-    def _save_new(self, obj: _New) -> None:
-        self.save(obj.cls)
-        self.save(())
-        self.write(pickle.NEWOBJ)
-        self.memoize(obj)
-        self.save(obj.state)
-        self.write(pickle.BUILD)
-
-    def _save_call(self, obj: _Call) -> None:
-        self.save(obj.function)
-        self.save(obj.args)
-        self.write(pickle.REDUCE)
-        self.memoize(obj)
-
-    dispatch[_Global] = _save_global
-    dispatch[_New] = _save_new
-    dispatch[_Call] = _save_call
-
-
 _METADATA, _FILESYSTEM = f"{_DCP}.metadata", f"{_DCP}.filesystem"
-_SIZE = _Global("torch", "Size")
-_TENSOR_STORAGE = _Global(_METADATA, "TensorStorageMetadata")
-_PROPERTIES = _Global(_METADATA, "TensorProperties")
-_CHUNK = _Global(_METADATA, "ChunkStorageMetadata")
-_BYTES = _Global(_METADATA, "BytesStorageMetadata")
-_INDEX = _Global(_METADATA, "MetadataIndex")
-_STORAGE_INFO = _Global(_FILESYSTEM, "_StorageInfo")
-_STRIDED = _Call(_Global("torch.serialization", "_get_layout"), "torch.strided")
-_CONTIGUOUS = _Call(_Global(_METADATA, "_MEM_FORMAT_ENCODING"), 0)
+_SIZE = named("torch", "Size")
+_TENSOR_STORAGE = named(_METADATA, "TensorStorageMetadata")
+_PROPERTIES = named(_METADATA, "TensorProperties")
+_CHUNK = named(_METADATA, "ChunkStorageMetadata")
+_BYTES = named(_METADATA, "BytesStorageMetadata")
+_INDEX = named(_METADATA, "MetadataIndex")
+_STORAGE_INFO = named(_FILESYSTEM, "_StorageInfo")
+_STRIDED = named("torch.serialization", "_get_layout")("torch.strided")
+_CONTIGUOUS = named(_METADATA, "_MEM_FORMAT_ENCODING")(0)
 
 
-def _size(values: tuple[int, ...]) -> _Call:
-    return _Call(_SIZE, tuple(values))
+def _new(cls: Named, state: Any) -> Call:
+    """An instance of DCP class `cls` with `state`, as pickle writes a dataclass."""
+    obj = cls.__new__(cls)
+    obj.__setstate__(state)
+    return obj
 
 
-@functools.cache
-def _dtype(dtype: torch.dtype) -> _Global:  # one object per dtype: the pickle refers back to it
-    return _Global("torch", dtype_name(dtype))
+def _size(values: tuple[int, ...]) -> Call:
+    return _SIZE(tuple(values))
 
 
 def save(path: Path, metadata: DcpMetadata) -> None:
     """Write `.metadata` as DCP pickles its `Metadata` (torch 2.x: dataclass states, `TensorProperties`
     as its tuple, `_StorageInfo` without its unset fields), naming DCP's classes without importing them."""
     state: dict[str, Any] = {
-        fqn: _New(
+        fqn: _new(
             _TENSOR_STORAGE,
             {
-                "properties": _New(_PROPERTIES, (_dtype(entry.dtype), _STRIDED, False, _CONTIGUOUS, False)),
+                "properties": _new(_PROPERTIES, (named("torch", entry.dtype), _STRIDED, False, _CONTIGUOUS, False)),
                 "size": _size(entry.size),
-                "chunks": [_New(_CHUNK, {"offsets": _size(c.offsets), "sizes": _size(c.sizes)}) for c in entry.chunks],
+                "chunks": [_new(_CHUNK, {"offsets": _size(c.offsets), "sizes": _size(c.sizes)}) for c in entry.chunks],
             },
         )
         for fqn, entry in metadata.tensors.items()
     }
-    state.update({fqn: _New(_BYTES, {}) for fqn in metadata.objects})
+    state.update({fqn: _new(_BYTES, {}) for fqn in metadata.objects})
     storage = {
-        _New(_INDEX, {"fqn": fqn, "offset": None if offsets is None else _size(offsets), "index": None}): _New(
+        _new(_INDEX, {"fqn": fqn, "offset": None if offsets is None else _size(offsets), "index": None}): _new(
             _STORAGE_INFO, {"relative_path": s.relative_path, "offset": s.offset, "length": s.length}
         )
         for (fqn, offsets), s in metadata.storage.items()
     }
-    root = _New(
-        _Global(_METADATA, "Metadata"),
+    root = _new(
+        named(_METADATA, "Metadata"),
         {"state_dict_metadata": state, "planner_data": None, "storage_data": storage, "storage_meta": None, "version": None},
     )
     with open(path, "wb") as f:
-        _Pickler(f, protocol=4).dump(root)
+        Pickler(f, protocol=4).dump(root)
 
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -13,28 +13,32 @@ from the HF directory the model came from when it can be found.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-import torch
+import numpy as np
 
 from reshard.buffers import PerThread, copy
 from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
 from reshard.direct_io import ALIGN, DirectFile
+from reshard.dtypes import from_torch, itemsize, numpy_dtype, to_torch
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, StoredRecord, args_for_layout, cached, precision_args
-from reshard.formats.dcp_metadata import dtype_name
 from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe, normalize_dtype
 from reshard.sharding import Piece, Region, full_region, slab_of, slabs
 
 CONFIG = "config.json"
+if TYPE_CHECKING:
+    import torch
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 GENERATION_CONFIG = "generation_config.json"
@@ -55,16 +59,16 @@ DEFAULT_SHARD_BYTES = 5 * 1024**3
 STAGE_BYTES = 64 << 20  # a larger tensor not placed for direct I/O goes through the page cache instead of a copy
 
 _ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
 }
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
@@ -201,7 +205,7 @@ class HFReader(CheckpointReader):
                         used.add(self._alias.get(hf_name, hf_name))
             if len(kinds) != 1 or next(iter(kinds)) not in ("F32", "BF16", "F16"):
                 raise ReshardError(f"{name}: HF tensors have dtypes {sorted(kinds)}; expected one floating-point dtype")
-            dtypes[name] = dtype_name(_ST_DTYPES[next(iter(kinds))])
+            dtypes[name] = _ST_DTYPES[next(iter(kinds))]
         leftover = sorted(n for n in self._stored if n not in used)
         dropped = []
         for name in leftover:
@@ -273,10 +277,11 @@ class HFReader(CheckpointReader):
         return file, stored.record
 
     def _tensor(self, hf_name: str) -> torch.Tensor:
+        """An HF tensor, as the converters' transforms take it."""
         file, record = self._record(hf_name)
-        out = torch.empty(record.shape, dtype=record.dtype)
+        out = np.empty(record.shape, dtype=numpy_dtype(record.dtype))
         file.read_into(record, full_region(record.shape), out)
-        return out
+        return to_torch(out)
 
     def close(self) -> None:
         for file in self._handles.values():
@@ -284,7 +289,7 @@ class HFReader(CheckpointReader):
         self._handles.clear()
 
     # -- logical reads ----------------------------------------------------------------------------
-    def read_into(self, name: str, region: Region, out: torch.Tensor) -> None:
+    def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
         spec = self.specs[name]
         mapping = self._mappings[name]
         prefix = spec.prefix_axes
@@ -300,7 +305,7 @@ class HFReader(CheckpointReader):
                 value = mapping.to_megatron([self._tensor(n) for n in mapping.hf_names(layer, expert)], self.config)
                 if tuple(value.shape) != spec.shape[prefix:]:
                     raise ReshardError(f"{name}: HF tensors give shape {tuple(value.shape)}, expected {spec.shape[prefix:]}")
-                out[index] = value[tuple(slice(a, b) for a, b in inner)]
+                copy(out[index], from_torch(value[tuple(slice(a, b) for a, b in inner)]))
 
     def stored_records(self, name: str) -> list[StoredRecord] | None:
         """Where each HF tensor of a row-stacking mapping (`stacks_rows`) lies, by the safetensors headers;
@@ -313,10 +318,10 @@ class HFReader(CheckpointReader):
             layer, expert = slab_of(spec, slab)
             stored = [self._stored_as(hf_name) for hf_name in mapping.hf_names(layer, expert)]
             for where, region in zip(stored, stacked_regions(spec, slab, [s.shape for s in stored])):
-                records.append(StoredRecord(name, region, dtype_name(where.record.dtype), where.file.name, where.offset))
+                records.append(StoredRecord(name, region, where.record.dtype, where.file.name, where.offset))
         return records
 
-    def _vocab_rows_into(self, mapping, inner: Region, out: torch.Tensor) -> None:
+    def _vocab_rows_into(self, mapping, inner: Region, out: np.ndarray) -> None:
         """Rows of an embedding/output layer region, read from the file straight into `out`;
         rows past the HF vocabulary are padding (zeros)."""
         (r0, r1), cols = inner[0], inner[1:]
@@ -325,7 +330,7 @@ class HFReader(CheckpointReader):
         if rows:
             file, record = self._record(hf_name)
             file.read_into(record, ((r0, r0 + rows), *cols), out[:rows])
-        out[rows:].zero_()
+        out[rows:] = 0
 
 
 @dataclass
@@ -334,7 +339,7 @@ class _Entry:
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: str
     file: int
     offset: int  # absolute, in the file
     nbytes: int
@@ -382,10 +387,10 @@ class HFWriter(CheckpointWriter):
         self._plan_files(max_shard_size)
 
     # -- planning ---------------------------------------------------------------------------------
-    def _out_dtype(self, spec: TensorSpec) -> torch.dtype:
-        return getattr(torch, self.dtype or spec.dtype)
+    def _out_dtype(self, spec: TensorSpec) -> str:
+        return self.dtype or spec.dtype
 
-    def _all_tensors(self) -> list[tuple[tuple, str, tuple[int, ...], torch.dtype]]:
+    def _all_tensors(self) -> list[tuple[tuple, str, tuple[int, ...], str]]:
         """(sort key, HF name, shape, dtype) of every output tensor, in HF's usual order (by layer)."""
         out = []
         for name, spec, layer, hf_name, shape in hf_tensors(self.specs, self._mappings, self.config):
@@ -396,10 +401,10 @@ class HFWriter(CheckpointWriter):
         return out
 
     def _plan_files(self, max_shard_size: int) -> None:
-        shards: list[list[tuple[str, tuple[int, ...], torch.dtype, int]]] = [[]]
+        shards: list[list[tuple[str, tuple[int, ...], str, int]]] = [[]]
         size = 0
         for _, name, shape, dtype in self._all_tensors():
-            nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+            nbytes = math.prod(shape) * itemsize(dtype)
             if shards[-1] and size + nbytes > max_shard_size:
                 shards.append([])
                 size = 0
@@ -429,7 +434,7 @@ class HFWriter(CheckpointWriter):
 
     # -- streaming --------------------------------------------------------------------------------
     def prepare(
-        self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
+        self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
     ) -> None:
         """Write the slab's HF tensors at their offsets from this reader thread: a tensor that is strided,
         cast, or (up to STAGE_BYTES) not as far past a page as its offset is staged first, so that its
@@ -442,20 +447,21 @@ class HFWriter(CheckpointWriter):
             value = value[: self.config.vocab_rows]  # the padding never reaches HF
         hf_names = mapping.hf_names(layer, expert)
         regions = stacked_regions(spec, slab, [self._entries[hf_name].shape for hf_name in hf_names])
-        for hf_name, tensor, region in zip(hf_names, mapping.to_hf(value, self.config), regions):
+        for hf_name, transformed, region in zip(hf_names, mapping.to_hf(to_torch(value), self.config), regions):
             entry = self._entries[hf_name]
-            if tuple(tensor.shape) != entry.shape:
-                raise ReshardError(f"{hf_name}: got shape {tuple(tensor.shape)}, expected {entry.shape}")
+            tensor = from_torch(transformed)
+            if tensor.shape != entry.shape:
+                raise ReshardError(f"{hf_name}: got shape {tensor.shape}, expected {entry.shape}")
             out = tensor
-            aligned = tensor.data_ptr() % ALIGN == entry.offset % ALIGN
-            if tensor.dtype != entry.dtype or not tensor.is_contiguous() or (not aligned and entry.nbytes <= STAGE_BYTES):
-                out = self._scratch.scratch.tensor_for(entry.offset, entry.shape, entry.dtype)
+            aligned = tensor.ctypes.data % ALIGN == entry.offset % ALIGN
+            if tensor.dtype != numpy_dtype(entry.dtype) or not tensor.flags.c_contiguous or (not aligned and entry.nbytes <= STAGE_BYTES):
+                out = self._scratch.scratch.array_for(entry.offset, entry.shape, numpy_dtype(entry.dtype))
                 copy(out, tensor)
-            self._files[entry.file].pwrite(out.reshape(-1).view(torch.uint8).numpy(), entry.offset)
+            self._files[entry.file].pwrite(out.reshape(-1).view(np.uint8), entry.offset)
             if mapping.stacks_rows:
                 self.vouch(spec, region, self._file_names[entry.file], entry.offset, out.reshape([b - a for a, b in region]), hashed)
 
-    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
+    def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
         layer, expert = slab_of(spec, slab)
         names = self._mappings[spec.name].hf_names(layer, expert)
         for hf_name in names:

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from reshard.buffers import PerThread
 from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
 from reshard.direct_io import DirectFile, round_up
+from reshard.dtypes import itemsize, numpy_dtype
 from reshard.errors import ReshardError
 from reshard.formats import dcp_metadata
 from reshard.formats.base import (
@@ -37,10 +38,10 @@ from reshard.formats.base import (
     cached,
     layout_from_args,
 )
-from reshard.formats.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry, dtype_name
+from reshard.formats.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
-from reshard.formats.torch_archive import At, archive_size, save_tensor, storage_alignment
-from reshard.formats.torch_blob import RecordFile, TensorRecord
+from reshard.formats.torch_archive import At, archive_size, save_archive, save_tensor, storage_alignment
+from reshard.formats.torch_blob import RecordFile, TensorRecord, load_archive
 from reshard.layout import RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, spell, uses_te_names
@@ -69,10 +70,9 @@ class TorchDistReader(CheckpointReader):
         common_path = directory / "common.pt"
         if not common_path.is_file():
             raise ReshardError(f"{common_path} is missing: not a complete Megatron torch_dist checkpoint")
-        try:
-            common = torch.load(common_path, map_location="cpu", weights_only=False)
-        except Exception as exc:
-            raise ReshardError(f"{common_path} cannot be loaded ({exc.__class__.__name__}): the checkpoint is damaged") from None
+        common = load_archive(common_path, str(common_path))
+        if not isinstance(common, dict):
+            raise ReshardError(f"{common_path} does not hold Megatron's common state: the checkpoint is damaged")
         args = args_dict(common.pop("args", None))
         iteration = common.pop("iteration", tree.iteration)
         self.config = ModelConfig.from_megatron_args(args)
@@ -110,7 +110,7 @@ class TorchDistReader(CheckpointReader):
             if name != key:  # the MoE pre-MLP norm gives the spec away
                 self.common.args.setdefault("transformer_impl", "local")
             try:
-                self.specs[name] = describe(name, entry.size, dtype_name(entry.dtype), self.config)
+                self.specs[name] = describe(name, entry.size, entry.dtype, self.config)
             except ReshardError:
                 if not key.startswith("optimizer."):
                     raise
@@ -130,16 +130,16 @@ class TorchDistReader(CheckpointReader):
         if len(data) != info.length:
             raise ReshardError(f"{path} is truncated: the checkpoint is damaged")
         # Megatron serializes a ShardedObject as the list of its data on the saving rank.
-        values = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        values = load_archive(io.BytesIO(data), f"an object in {path}")
         if not (isinstance(values, list) and len(values) == 1):
             raise ReshardError(f"{path}: a ShardedObject is not encoded as Megatron encodes them; the file is foreign or damaged")
         return values[0]
 
-    def read_into(self, name: str, region: Region, out: torch.Tensor) -> None:
+    def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
         filled = 0
         for chunk_region, inside, info in self._index[name].overlapping(region):
             file, record = self._record(info)
-            if record.shape != tuple(b - a for a, b in chunk_region) or record.dtype != out.dtype:
+            if record.shape != tuple(b - a for a, b in chunk_region) or numpy_dtype(record.dtype) != out.dtype:
                 raise ReshardError(f"{file.path}: chunk of {name} has the wrong shape or dtype; the file is damaged")
             file.read_into(record, shift(inside, chunk_region), out[to_slices(shift(inside, region))])
             filled += region_size(inside)
@@ -171,7 +171,7 @@ class TorchDistReader(CheckpointReader):
             file, record = self._record(info)
             if record.shape != tuple(b - a for a, b in region):
                 raise ReshardError(f"{file.path}: chunk of {name} has the wrong shape; the file is damaged")
-            records.append(StoredRecord(name, region, dtype_name(record.dtype), info.relative_path, record.offset))
+            records.append(StoredRecord(name, region, record.dtype, info.relative_path, record.offset))
         return records
 
     def _record(self, info: Storage) -> tuple[RecordFile, TensorRecord]:
@@ -255,17 +255,16 @@ class TorchDistWriter(CheckpointWriter):
             if index not in self._files:
                 self._open(index)
             shape = tuple(b - a for a, b in piece.region)
-            dtype = getattr(torch, spec.dtype)
             # a page-aligned storage needs its archive on a page; the gap before it is read by no one
-            offset = round_up(self._planned[index], storage_alignment(math.prod(shape) * dtype.itemsize))
-            length = archive_size(shape, dtype)
+            offset = round_up(self._planned[index], storage_alignment(math.prod(shape) * itemsize(spec.dtype)))
+            length = archive_size(shape, spec.dtype)
             self._planned[index] = offset + length
             offsets = tuple(a for a, _ in piece.region)
             records.append(_Record(index, Storage(self._name(index), offset, length), Chunk(offsets, shape)))
         return records
 
     def prepare(
-        self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
+        self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
     ) -> list[_Record]:
         """Write the slab's records where `reserve` placed them: staging a strided piece, its CRC-32 and
         the copy into the file all run in this reader thread."""
@@ -276,11 +275,11 @@ class TorchDistWriter(CheckpointWriter):
             if saved.size != record.storage.length:
                 raise AssertionError(f"{spec.name}: archive of {saved.size} bytes where {record.storage.length} were planned")
             # the checksum of the bytes as they went to the file (staged ones included)
-            values = torch.from_numpy(saved.data).view(data.dtype).reshape([b - a for a, b in piece.region])
+            values = saved.data.view(data.dtype).reshape([b - a for a, b in piece.region])
             self.vouch(spec, piece.region, record.storage.relative_path, record.storage.offset + saved.data_offset, values, hashed)
         return reserved
 
-    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
+    def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
         """Record the slab's written records (in plan order: what `facts` and `.metadata` list)."""
         key = self._key(spec.name)
         for record in prepared:
@@ -304,7 +303,7 @@ class TorchDistWriter(CheckpointWriter):
             self._open(0, path.stat().st_size if path.exists() else 0)
         for key, value in sorted(self.common.objects.items()):
             buffer = io.BytesIO()
-            torch.save([value], buffer)
+            save_archive([value], buffer)
             offset = self._sizes[0]
             At(self._files[0], offset).write(buffer.getbuffer())
             self._sizes[0] = self._planned[0] = offset + len(buffer.getbuffer())
@@ -351,7 +350,7 @@ class TorchDistWriter(CheckpointWriter):
                     self._chunks[key].extend(found)
                 self._storage.update(storage)
         tensors = {  # chunks by position: the same list however the slabs were cut into units or shared by ranks
-            self._key(name): TensorEntry(getattr(torch, spec.dtype), spec.shape, sorted(self._chunks[self._key(name)], key=lambda c: c.offsets))
+            self._key(name): TensorEntry(spec.dtype, spec.shape, sorted(self._chunks[self._key(name)], key=lambda c: c.offsets))
             for name, spec in self.specs.items()
         }
         objects = self._write_objects()
@@ -362,7 +361,8 @@ class TorchDistWriter(CheckpointWriter):
         args["transformer_impl"] = "transformer_engine" if self.te_names else "local"
         common["args"] = args_namespace(args)
         common["iteration"] = self.common.iteration
-        torch.save(common, self.directory / "common.pt")
+        with open(self.directory / "common.pt", "wb") as f:
+            save_archive(common, f)
         (self.directory / "metadata.json").write_text(json.dumps(METADATA_JSON))
         manifest.save(self.directory)
         write_tracker(self.path, self.common.iteration)

@@ -9,17 +9,19 @@ opens and written by the reader threads (of any rank of a multi-rank conversion)
 
 from __future__ import annotations
 
+import io
 import re
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-import torch
+import numpy as np
 
 from reshard.buffers import PerThread, copy
 from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
+from reshard.dtypes import from_torch
 from reshard.errors import ReshardError
 from reshard.formats.base import (
     CheckpointReader,
@@ -31,17 +33,19 @@ from reshard.formats.base import (
     cached,
     layout_from_args,
 )
-from reshard.formats.dcp_metadata import dtype_name
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
 from reshard.formats.pages import Mapping, file_mappings, release_tensor
 from reshard.formats.torch_archive import Slot, StreamingTorchSave
-from reshard.formats.torch_blob import RecordFile, TensorRecord
+from reshard.formats.torch_blob import RecordFile, TensorRecord, load_archive
 from reshard.layout import RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import ObjectKey, canonical, spell, uses_te_names
 from reshard.sharding import (
     Piece, Region, contiguous_offset, full_region, intersect, pieces, pieces_by_slab, region_size, shift, slab_of, slabs, to_slices,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 RANK_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -88,6 +92,26 @@ def _globalize(name: str, moe: bool) -> tuple[str, int | None, int | None]:
     return canonical(f"{match.group('head')}{tail}", "legacy", moe), int(match.group("index")), expert
 
 
+def _standins(value: Any) -> Any:
+    """Objects torch loaded, as `torch_blob.load_archive` gives them: what every writer pickles without torch."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return load_archive(buffer, "a legacy checkpoint's state")
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def _dtype(local: torch.Tensor) -> str:
+    return str(local.dtype).removeprefix("torch.")
+
+
 def _model_keys(vpp: int) -> list[str]:
     return ["model"] if vpp == 1 else [f"model{i}" for i in range(vpp)]
 
@@ -101,7 +125,7 @@ class LegacyReader(CheckpointReader):
             raise ReshardError(f"{path} is not a legacy Megatron checkpoint (no mp_rank_* directories)")
         self.path, self.tree = path, tree
         first = self._load_path(self._rank_file(sorted(p.name for p in tree.iteration_dir.iterdir() if _RANK_DIR.match(p.name))[0]))
-        args = args_dict(first.get("args"))
+        args = args_dict(_standins(first.get("args")))
         self.config = ModelConfig.from_megatron_args(args)
         self.layout = layout_from_args(args)
         self.te_names = uses_te_names(args)
@@ -113,7 +137,7 @@ class LegacyReader(CheckpointReader):
             self._holder(rank, experts=False)
             if self.config.is_moe:
                 self._holder(rank, experts=True)
-        extra = {k: v for k, v in first.items() if k not in _NOT_COMMON and not k.startswith("model")}
+        extra = _standins({k: v for k, v in first.items() if k not in _NOT_COMMON and not k.startswith("model")})
         self.common = CommonState(args=args, iteration=first.get("iteration", tree.iteration), extra=extra)
         # Legacy optimizer state is keyed by parameter index within each rank: tied to its layout.
         self.unsupported_optimizer = ["optimizer (legacy per-rank state)"] if "optimizer" in first else []
@@ -146,6 +170,8 @@ class LegacyReader(CheckpointReader):
 
     @staticmethod
     def _load_path(path: Path) -> dict[str, Any]:
+        import torch  # a rank file is torch's pickle of tensors and objects: torch reads it
+
         try:
             return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         except Exception as exc:
@@ -193,7 +219,7 @@ class LegacyReader(CheckpointReader):
                     logical, local_layer, local_expert = _globalize(name, moe)
                     if name.endswith("_extra_state"):
                         self._add_object(logical, layers.start, local_layer, local_expert, ep, value)
-                    elif ep > 0 or not isinstance(value, torch.Tensor):
+                    elif ep > 0 or not _is_tensor(value):
                         continue  # other EP ranks repeat the dense tensors
                     elif name == "output_layer.weight" and config.tied_embeddings:
                         continue  # the last stage's copy of the tied embedding
@@ -214,7 +240,7 @@ class LegacyReader(CheckpointReader):
                 offsets, shape = (rank.pp, rank.tp), (layout.pp, layout.tp)
                 if layout.ep > 1:
                     offsets, shape = offsets + (rank.ep,), shape + (layout.ep,)
-                self.common.objects[str(ObjectKey("rng_state", offsets, shape))] = state["rng_state"]
+                self.common.objects[str(ObjectKey("rng_state", offsets, shape))] = _standins(state["rng_state"])
         specs: dict[str, TensorSpec] = {}
         for name, tensor in singles.items():
             specs[name] = self._global_spec(name, tensor, layer_axis=False)
@@ -247,11 +273,11 @@ class LegacyReader(CheckpointReader):
             assert self.config.num_experts is not None
             offsets += (ep * (self.config.num_experts // self.layout.ep) + local_expert,)
             shape += (self.config.num_experts,)
-        self.common.objects[str(ObjectKey(module, offsets, shape))] = value
+        self.common.objects[str(ObjectKey(module, offsets, shape))] = _standins(value)
 
     def _global_spec(self, name: str, local: torch.Tensor, layer_axis: bool) -> TensorSpec:
         """The logical spec of a per-rank tensor: undo the TP split and put back layer/expert axes."""
-        dtype = str(local.dtype).removeprefix("torch.")
+        dtype = _dtype(local)
         probe = describe(name, (1,) * (int(layer_axis) + 1 + local.dim()), dtype, self.config)
         dims = list(local.shape)
         if probe.tp_axis is not None and probe.tp_axis - probe.prefix_axes < len(dims):
@@ -279,7 +305,7 @@ class LegacyReader(CheckpointReader):
             raise ReshardError(f"{local_key} has shape {tuple(local.shape)} on rank {piece.rank}, expected {piece.local_shape}")
         return local
 
-    def read_into(self, name: str, region: Region, out: torch.Tensor) -> None:
+    def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
         filled = 0
         for piece in self._primary(name):
             inside = intersect(piece.region, region)
@@ -291,14 +317,14 @@ class LegacyReader(CheckpointReader):
             local_region = tuple(
                 (l0 + a, l0 + b) for (a, b), (l0, _) in zip(within_piece[len(within_piece) - len(piece.local_region) :], piece.local_region)
             )
-            dest = out[to_slices(shift(inside, region))].view([b - a for a, b in local_region])
+            dest = out[to_slices(shift(inside, region))].reshape([b - a for a, b in local_region])  # size-1 axes only: a view
             file_rank = replace(self._piece_holder(name, piece), vstage=0)
             offset = self._file_offset(file_rank, local)
             if offset is None:
-                copy(dest, local[to_slices(local_region)])
+                copy(dest, from_torch(local[to_slices(local_region)]))
                 release_tensor(local, self._mappings.get(file_rank, []))
             else:  # read the bytes with pread instead of faulting the mapped pages in
-                self._file(file_rank).read_into(TensorRecord(local.dtype, tuple(local.shape), offset), local_region, dest)
+                self._file(file_rank).read_into(TensorRecord(_dtype(local), tuple(local.shape), offset), local_region, dest)
             filled += region_size(inside)
         if filled != region_size(region):
             raise ReshardError(f"{name}: the rank files do not cover the tensor; the checkpoint is incomplete")
@@ -312,7 +338,7 @@ class LegacyReader(CheckpointReader):
             file_rank = replace(self._piece_holder(name, piece), vstage=0)
             start, within = self._file_offset(file_rank, local), contiguous_offset(piece.local_shape, piece.local_region)
             offset = -1 if start is None or within is None else start + within * local.element_size()
-            records.append(StoredRecord(name, piece.region, dtype_name(local.dtype), f"{file_rank.legacy_dirname(self.layout)}/{RANK_FILE}", offset))
+            records.append(StoredRecord(name, piece.region, _dtype(local), f"{file_rank.legacy_dirname(self.layout)}/{RANK_FILE}", offset))
         return records
 
     def close(self) -> None:
@@ -362,7 +388,7 @@ class LegacyWriter(CheckpointWriter):
             for slab in slabs(spec):
                 for group in _local_groups(by_slab.get(slab_of(spec, slab), [])):
                     file_rank, vstage, key = self._local_key(spec, group)
-                    self._slots[(file_rank, vstage, key)] = self._streams[file_rank].reserve(group[0].local_shape, getattr(torch, spec.dtype))
+                    self._slots[(file_rank, vstage, key)] = self._streams[file_rank].reserve(group[0].local_shape, spec.dtype)
 
     def _local_key(self, spec: TensorSpec, group: list[Piece]) -> tuple[RankCoord, int, str]:
         rank = group[0].rank
@@ -385,31 +411,31 @@ class LegacyWriter(CheckpointWriter):
         return locals_
 
     def prepare(
-        self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
+        self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
     ) -> list[_Local]:
         """Write the slab's local tensors where `reserve` placed them, and keep the checksums of their
         primary pieces as written."""
         for local in reserved:
             first = local.pieces[0]
             if len(local.pieces) == 1 and first.local_region == full_region(first.local_shape):  # layer/expert axes dropped
-                values = data[to_slices(shift(first.region, slab))].view(first.local_shape)
+                values = data[to_slices(shift(first.region, slab))].reshape(first.local_shape)
             else:
-                values = self._scratch.tensor(first.local_shape, data.dtype)
+                values = self._scratch.array(first.local_shape, data.dtype)
                 for piece in local.pieces:
                     part = data[to_slices(shift(piece.region, slab))]
-                    copy(values[to_slices(piece.local_region)], part.view([b - a for a, b in piece.local_region]))
+                    copy(values[to_slices(piece.local_region)], part.reshape([b - a for a, b in piece.local_region]))
             written = self._streams[local.rank].fill(local.slot, values, self._scratch.scratch)
-            as_written = torch.from_numpy(written).view(data.dtype).view(first.local_shape)
+            as_written = written.view(data.dtype).reshape(first.local_shape)
             file = f"{local.rank.legacy_dirname(self.layout)}/{RANK_FILE}"
             for piece in local.pieces:
                 start = contiguous_offset(first.local_shape, piece.local_region)
                 if piece.primary and start is not None:
-                    offset = local.slot.data_offset + start * data.element_size()
+                    offset = local.slot.data_offset + start * data.itemsize
                     shape = [b - a for a, b in piece.region]
                     self.vouch(spec, piece.region, file, offset, as_written[to_slices(piece.local_region)].reshape(shape), hashed)
         return reserved
 
-    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
+    def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
         for local in prepared:
             self._models[local.rank][local.vstage][local.key] = local.slot.stub
             self._facts.append([local.rank.legacy_dirname(self.layout), local.vstage, local.key, self._streams[local.rank].crc(local.slot)])

@@ -20,7 +20,6 @@ import functools
 import io
 import math
 import os
-import pickle
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -28,11 +27,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
-import torch
 from isal.isal_zlib import crc32 as _crc32  # zlib's CRC-32, 3.4x faster than the system zlib's here
 
 from reshard import direct_io
 from reshard.buffers import Scratch, copy
+from reshard.dtypes import dtype_name, itemsize
+from reshard.formats.pickles import Call, Named, Pickler, named
 
 _ALIGNMENT = 64
 _ZIP32_MAX = 0xFFFFFFFF
@@ -143,53 +143,88 @@ class ZipWriter:
 class StorageRef:
     """A storage record of the archive, as its pickle refers to it."""
 
-    dtype: torch.dtype
+    dtype: str
     key: str
     numel: int
 
 
-class _TensorStub:
-    """Pickles as a tensor over a storage already written to the archive."""
+@dataclass(eq=False)
+class Stored:
+    """A storage read whole from another archive (a tensor in Megatron's common state or a per-module
+    object): `save_archive` writes its bytes as a record of its own."""
 
-    def __init__(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]):
-        self.ref = StorageRef(dtype, key, int(np.prod(shape, dtype=np.int64)))
-        self.shape = shape
+    storage_type: Named  # torch's class for it, as the pickle names it
+    location: str
+    numel: int
+    data: bytes
 
-    def __reduce__(self) -> tuple:
-        stride, step = [], 1
-        for d in reversed(self.shape):
-            stride.append(step)
-            step *= d
-        args = (self.ref, 0, torch.Size(self.shape), tuple(reversed(stride)), False, OrderedDict())
-        if self.ref.dtype in LEGACY_STORAGE_TYPES:
-            return torch._utils._rebuild_tensor_v2, args
-        return torch._utils._rebuild_tensor_v3, (*args, self.ref.dtype)  # torch's own pickle for these
+
+def tensor_call(key: str, dtype: str, shape: tuple[int, ...]) -> Call:
+    """What `torch.save` pickles for a dense tensor over storage record `key`, built with stand-ins."""
+    stride, step = [], 1
+    for d in reversed(shape):
+        stride.append(step)
+        step *= d
+    args = (StorageRef(dtype, key, math.prod(shape)), 0, named("torch", "Size")(tuple(shape)), tuple(reversed(stride)), False, OrderedDict())
+    if dtype in LEGACY_STORAGE_TYPES:
+        return named("torch._utils", "_rebuild_tensor_v2")(*args)
+    return named("torch._utils", "_rebuild_tensor_v3")(*args, named("torch", dtype))  # torch's own pickle for these
 
 
 # torch pickles a storage by the name of its legacy typed class ("BFloat16Storage") where the dtype has
-# one; newer dtypes (float8, unsigned ints) as an UntypedStorage of bytes, the dtype in `_rebuild_tensor_v3`.
-LEGACY_STORAGE_TYPES: dict[torch.dtype, str] = torch.storage._dtype_to_storage_type_map()
+# one; newer dtypes (float8, unsigned ints) as an UntypedStorage of bytes, the dtype in `_rebuild_tensor_v3`
+# (a test checks this table against torch's `_dtype_to_storage_type_map`).
+LEGACY_STORAGE_TYPES: dict[str, str] = {
+    "float64": "DoubleStorage",
+    "float32": "FloatStorage",
+    "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage",
+    "int64": "LongStorage",
+    "int32": "IntStorage",
+    "int16": "ShortStorage",
+    "int8": "CharStorage",
+    "uint8": "ByteStorage",
+    "bool": "BoolStorage",
+    "complex64": "ComplexFloatStorage",
+    "complex128": "ComplexDoubleStorage",
+    "qint8": "QInt8Storage",
+    "qint32": "QInt32Storage",
+    "quint8": "QUInt8Storage",
+    "quint4x2": "QUInt4x2Storage",
+    "quint2x4": "QUInt2x4Storage",
+}
 
 
-class _StubPickler(pickle.Pickler):
+class _ArchivePickler(Pickler):
+    """Pickles storages as persistent ids: those placed in the archive, and `Stored` ones, which it
+    numbers from `next_key` and collects for the archive to write after the pickle."""
+
+    def __init__(self, f: BinaryIO, next_key: int):
+        super().__init__(f, protocol=2)
+        self.next_key = next_key
+        self.stored: dict[int, tuple[str, Stored]] = {}
+
     def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, Stored):
+            if id(obj) not in self.stored:
+                self.stored[id(obj)] = (str(self.next_key), obj)
+                self.next_key += 1
+            return ("storage", obj.storage_type, self.stored[id(obj)][0], obj.location, obj.numel)
         if not isinstance(obj, StorageRef):
             return None
         if obj.dtype in LEGACY_STORAGE_TYPES:
-            return ("storage", getattr(torch, LEGACY_STORAGE_TYPES[obj.dtype]), obj.key, "cpu", obj.numel)
-        return ("storage", torch.storage.UntypedStorage, obj.key, "cpu", obj.numel * obj.dtype.itemsize)
+            return ("storage", named("torch", LEGACY_STORAGE_TYPES[obj.dtype]), obj.key, "cpu", obj.numel)
+        return ("storage", named("torch.storage", "UntypedStorage"), obj.key, "cpu", obj.numel * itemsize(obj.dtype))
 
 
-def tensor_bytes(tensor: torch.Tensor, scratch: Scratch | None = None) -> np.ndarray:
-    """The tensor's values as contiguous bytes: its own memory when it is contiguous, else a copy into
+def tensor_bytes(array: np.ndarray, scratch: Scratch | None = None) -> np.ndarray:
+    """The array's values as contiguous bytes: its own memory when it is C-contiguous, else a copy into
     `scratch` (which the caller reuses: see `reshard.buffers`)."""
-    if tensor.dim() == 0:
-        tensor = tensor.reshape(1)
-    if tensor.is_contiguous() and tensor.stride(-1) == 1:  # torch calls a strided axis of one element contiguous
-        return tensor.view(torch.uint8).numpy().reshape(-1)
-    staged = (scratch or Scratch()).tensor(tensor.shape, tensor.dtype)
-    copy(staged, tensor)
-    return staged.view(torch.uint8).numpy().reshape(-1)
+    if not array.flags.c_contiguous:
+        staged = (scratch or Scratch()).array(array.shape, array.dtype)
+        copy(staged, array)
+        array = staged
+    return array.reshape(-1).view(np.uint8)
 
 
 class _Archive:
@@ -201,16 +236,17 @@ class _Archive:
         self.alignment = alignment  # of the storages
         self.count = 0
 
-    def place(self, tensor: torch.Tensor | TensorShape) -> tuple[int, _TensorStub]:
-        """The next storage record, for `tensor`, placed but not written: its zip index, and its stub. A
-        large one starts on a page, which is also a multiple of the archive's alignment."""
+    def place(self, tensor: TensorShape) -> tuple[int, Call]:
+        """The next storage record, for `tensor`, placed but not written: its zip index, and what the pickle
+        holds in the tensor's place. A large one starts on a page, which is also a multiple of the
+        archive's alignment."""
         key = str(self.count)
         self.count += 1
         alignment = max(self.alignment, storage_alignment(tensor.nbytes))
         index = self.zip.place(f"{self.prefix}/data/{key}", tensor.nbytes, alignment)
-        return index, _TensorStub(key, tensor.dtype, tuple(tensor.shape))
+        return index, tensor_call(key, tensor.dtype, tensor.shape)
 
-    def storage(self, tensor: torch.Tensor | TensorShape, data: np.ndarray | int) -> _TensorStub:
+    def storage(self, tensor: TensorShape, data: np.ndarray | int) -> Call:
         """A storage record for `tensor` written now, holding `data` (its `tensor_bytes`); for a
         `TensorShape`, `data` is its size, which is only counted."""
         index, stub = self.place(tensor)
@@ -219,7 +255,10 @@ class _Archive:
 
     def finish(self, obj: Any) -> None:
         buf = io.BytesIO()
-        _StubPickler(buf, protocol=2).dump(obj)
+        pickler = _ArchivePickler(buf, self.count)
+        pickler.dump(obj)
+        for key, stored in pickler.stored.values():
+            self.zip.add(f"{self.prefix}/data/{key}", stored.data)
         records = (  # the small records torch writes after the pickle
             (".format_version", b"1"),
             (".storage_alignment", str(self.alignment).encode()),
@@ -249,11 +288,11 @@ class _Recording:
 @dataclass(frozen=True)
 class TensorShape:
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: str
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -277,12 +316,12 @@ class _Template:
         return head, self.tail[: self.tail_crc_at] + value + self.tail[self.tail_crc_at + 4 :]
 
 
-def _template(shape: tuple[int, ...], dtype: torch.dtype, zip64_from: int) -> _Template:
-    return _built_template(shape, dtype, zip64_from, storage_alignment(math.prod(shape) * dtype.itemsize))
+def _template(shape: tuple[int, ...], dtype: str, zip64_from: int) -> _Template:
+    return _built_template(shape, dtype, zip64_from, storage_alignment(math.prod(shape) * itemsize(dtype)))
 
 
 @functools.lru_cache(maxsize=1024)
-def _built_template(shape: tuple[int, ...], dtype: torch.dtype, zip64_from: int, alignment: int) -> _Template:
+def _built_template(shape: tuple[int, ...], dtype: str, zip64_from: int, alignment: int) -> _Template:
     """The template, cached with the alignment it was built for (`direct_io.DIRECT_FROM` decides it)."""
     tensor = TensorShape(shape, dtype)
     recording = _Recording()
@@ -307,12 +346,12 @@ class SavedTensor:
     data: np.ndarray
 
 
-def save_tensor(tensor: torch.Tensor, f: BinaryIO, scratch: Scratch | None = None, zip64_from: int = _ZIP32_MAX) -> SavedTensor:
+def save_tensor(tensor: np.ndarray, f: BinaryIO, scratch: Scratch | None = None, zip64_from: int = _ZIP32_MAX) -> SavedTensor:
     """`torch.save(tensor, f)` without the clone: the tensor's bytes are written from where they are (a
     strided one staged in `scratch`), at its `storage_alignment` from the archive's start, between the
     parts of the archive that its shape alone decides (`_Template`)."""
     data = tensor_bytes(tensor, scratch)
-    template = _template(tuple(tensor.shape), tensor.dtype, zip64_from)
+    template = _template(tuple(tensor.shape), dtype_name(tensor.dtype), zip64_from)
     if data.nbytes != template.nbytes:
         raise AssertionError(f"{data.nbytes} bytes for a tensor of {template.nbytes}")
     head, tail = template.filled(_crc32(memoryview(data)))
@@ -321,7 +360,7 @@ def save_tensor(tensor: torch.Tensor, f: BinaryIO, scratch: Scratch | None = Non
     return SavedTensor(template.size, len(head), data)
 
 
-def archive_size(shape: tuple[int, ...], dtype: torch.dtype, zip64_from: int = _ZIP32_MAX) -> int:
+def archive_size(shape: tuple[int, ...], dtype: str, zip64_from: int = _ZIP32_MAX) -> int:
     """The bytes `save_tensor` writes for a tensor of this shape and dtype, known before its values: a
     file's records can be placed at planned offsets and written in any order."""
     return _template(tuple(shape), dtype, zip64_from).size
@@ -345,7 +384,7 @@ class Slot:
     """A storage record placed in a `StreamingTorchSave` file, written later by `fill`."""
 
     index: int  # in the zip
-    stub: _TensorStub  # what the pickle holds in the tensor's place
+    stub: Call  # what the pickle holds in the tensor's place
     data_offset: int  # of its values in the file
 
 
@@ -362,11 +401,11 @@ class StreamingTorchSave:
         self._end = At(self._file, 0)  # where `finish` appends
         self._archive = _Archive(self._end, path.stem, zip64_from)
 
-    def reserve(self, shape: tuple[int, ...], dtype: torch.dtype) -> Slot:
+    def reserve(self, shape: tuple[int, ...], dtype: str) -> Slot:
         index, stub = self._archive.place(TensorShape(tuple(shape), dtype))
         return Slot(index, stub, self._archive.zip.entries[index].data_offset)
 
-    def fill(self, slot: Slot, tensor: torch.Tensor, scratch: Scratch | None = None) -> np.ndarray:
+    def fill(self, slot: Slot, tensor: np.ndarray, scratch: Scratch | None = None) -> np.ndarray:
         """Write a reserved record: its header and `tensor`'s bytes. Returns those bytes as they were handed
         to the file (staged in `scratch` when the tensor is strided)."""
         data = tensor_bytes(tensor, scratch)
@@ -401,3 +440,9 @@ class StreamingTorchSave:
         os.ftruncate(self._file.fd, self._end.offset)  # nothing of an earlier, longer file after the end
         os.fsync(self._file.fd)
         self._file.close()
+
+
+def save_archive(obj: Any, f: BinaryIO) -> None:
+    """`torch.save(obj, f)` for plain values and what `torch_blob.load_archive` read (stand-ins, `Stored`
+    storages), without torch."""
+    _Archive(f, "archive", _ZIP32_MAX).finish(obj)

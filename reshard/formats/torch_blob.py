@@ -17,18 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
+import numpy as np
 
 from reshard.buffers import PerThread, copy
 from reshard.direct_io import DirectFile
+from reshard.dtypes import DTYPE_NAMES, bits, from_torch, itemsize, numpy_dtype
 from reshard.errors import ReshardError
-from reshard.formats.torch_archive import LEGACY_STORAGE_TYPES, StorageRef
+from reshard.formats.pickles import Unpickler
+from reshard.formats.torch_archive import LEGACY_STORAGE_TYPES, StorageRef, Stored
 from reshard.sharding import Region, cut, long_axis, shift, to_slices
 
 
 @dataclass(frozen=True)
 class TensorHeader:
-    dtype: torch.dtype
+    dtype: str
     key: str
     storage_offset: int
     shape: tuple[int, ...]
@@ -53,7 +55,7 @@ def _rebuild_stub(storage: StorageRef, offset: int, size: Any, stride: Any, *res
     return TensorHeader(storage.dtype, storage.key, int(offset), tuple(size), tuple(stride))
 
 
-def _rebuild_stub_v3(storage: StorageRef, offset: int, size: Any, stride: Any, grad: Any, hooks: Any, dtype: torch.dtype,
+def _rebuild_stub_v3(storage: StorageRef, offset: int, size: Any, stride: Any, grad: Any, hooks: Any, dtype: str,
                      *rest: Any) -> TensorHeader:
     return TensorHeader(dtype, storage.key, int(offset), tuple(size), tuple(stride))
 
@@ -70,8 +72,8 @@ class _HeaderUnpickler(pickle.Unpickler):
             return _STORAGE_DTYPES[name]
         if module == "torch.storage" and name == "UntypedStorage":
             return _BYTES
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if module == "torch" and name in DTYPE_NAMES:
+            return name
         if module == "torch" and name == "Size":
             return tuple
         if module == "collections" and name == "OrderedDict":
@@ -80,7 +82,7 @@ class _HeaderUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> StorageRef:
         _, dtype, key, _location, numel = pid
-        return StorageRef(torch.uint8 if dtype is _BYTES else dtype, str(key), int(numel))
+        return StorageRef("uint8" if dtype is _BYTES else dtype, str(key), int(numel))
 
 
 class _FileWindow(io.RawIOBase):
@@ -230,14 +232,14 @@ def _zipfile_entries(window: _FileWindow) -> dict[str, tuple[int, int]]:
 class TensorRecord:
     """Where a saved tensor's elements lie in its file: row-major from `offset`."""
 
-    dtype: torch.dtype
+    dtype: str
     shape: tuple[int, ...]
     offset: int
-    loaded: torch.Tensor | None = None  # a record torch.load had to decode (not a plain dense one)
+    loaded: np.ndarray | None = None  # a record torch.load had to decode (not a plain dense one)
 
     @property
     def itemsize(self) -> int:
-        return self.dtype.itemsize
+        return itemsize(self.dtype)
 
 
 _scratch = PerThread()
@@ -281,20 +283,22 @@ class RecordFile:
         if not isinstance(header, TensorHeader):
             raise ReshardError(f"{self.path}: expected a tensor record at offset {start}")
         data_offset, data_size = records[f"data/{header.key}"]
-        itemsize = header.dtype.itemsize
-        if not header.contiguous or data_size < (header.storage_offset + _numel(header.shape)) * itemsize:
+        size = itemsize(header.dtype)
+        if not header.contiguous or data_size < (header.storage_offset + _numel(header.shape)) * size:
+            import torch  # only torch knows every way it lays a tensor out (rare: Megatron saves dense chunks)
+
             blob = bytearray(length)
             self.read_exact(memoryview(blob), start)
-            loaded = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-            return TensorRecord(loaded.dtype, tuple(loaded.shape), -1, loaded)
-        return TensorRecord(header.dtype, header.shape, data_offset + header.storage_offset * itemsize)
+            loaded = from_torch(torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True).contiguous())
+            return TensorRecord(header.dtype, tuple(loaded.shape), -1, loaded)
+        return TensorRecord(header.dtype, header.shape, data_offset + header.storage_offset * size)
 
-    def read_into(self, record: TensorRecord, region: Region, dest: torch.Tensor) -> None:
+    def read_into(self, record: TensorRecord, region: Region, dest: np.ndarray) -> None:
         """Copy `region` (in the record's own coordinates) of the record's tensor into `dest`."""
-        if dest.numel() == 0:
+        if dest.size == 0:
             return
         if record.loaded is not None:
-            dest.copy_(record.loaded[tuple(slice(a, b) for a, b in region)])
+            copy(dest, record.loaded[tuple(slice(a, b) for a, b in region)])
             return
         if not region:
             region, dest = ((0, 1),), dest.reshape(1)
@@ -303,20 +307,22 @@ class RecordFile:
         for d in range(len(shape) - 2, -1, -1):
             strides[d] = strides[d + 1] * shape[d + 1]
         first, count = _span(region, strides)
-        if dest.is_contiguous() and count == dest.numel():
-            self.read_exact(memoryview(dest.view(torch.uint8).numpy()).cast("B"), record.offset + first * record.itemsize)
+        if dest.flags.c_contiguous and count == dest.size:
+            self.read_exact(memoryview(dest.reshape(-1).view(np.uint8)), record.offset + first * record.itemsize)
             return
         # strided: through the scratch buffer, a block of at most READ_BLOCK bytes at a time
         for block in _blocks(region, strides, record.itemsize):
             first, count = _span(block, strides)
-            flat = _scratch.tensor([count], record.dtype)
-            self.read_exact(memoryview(flat.view(torch.uint8).numpy()), record.offset + first * record.itemsize)
-            copy(dest[to_slices(shift(block, region))], flat.as_strided([b - a for a, b in block], strides))
+            flat = _scratch.array([count], numpy_dtype(record.dtype))
+            self.read_exact(memoryview(flat.view(np.uint8)), record.offset + first * record.itemsize)
+            # as bits: as_strided goes through the array interface, which cannot name ml_dtypes' float8
+            laid = np.lib.stride_tricks.as_strided(bits(flat), [b - a for a, b in block], [s * record.itemsize for s in strides])
+            copy(bits(dest[to_slices(shift(block, region))]), laid)
 
-    def tensor(self, start: int, length: int) -> torch.Tensor:
+    def tensor(self, start: int, length: int) -> np.ndarray:
         """The whole tensor saved at [start, start+length), read into memory."""
         record = self.record(start, length)
-        out = torch.empty(record.shape, dtype=record.dtype)
+        out = np.empty(record.shape, dtype=numpy_dtype(record.dtype))
         self.read_into(record, tuple((0, d) for d in record.shape), out)
         return out
 
@@ -337,7 +343,7 @@ def _blocks(region: Region, strides: list[int], itemsize: int) -> list[Region]:
     return cut(region, axis, [*range(a, b, step), b])
 
 
-def tensor_in_blob(path: Path, start: int, length: int) -> torch.Tensor:
+def tensor_in_blob(path: Path, start: int, length: int) -> np.ndarray:
     """The tensor saved by `torch.save` at [start, start+length) of `path`."""
     f = RecordFile(path)
     try:
@@ -351,3 +357,34 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+class _ArchiveUnpickler(Unpickler):
+    """Stand-ins for every object (`pickles`); each storage read whole from the archive (`Stored`)."""
+
+    def __init__(self, data: bytes, archive: zipfile.ZipFile, prefix: str):
+        super().__init__(io.BytesIO(data))
+        self.archive, self.prefix = archive, prefix
+        self.storages: dict[str, Stored] = {}  # one per key: views of one storage stay views of one storage
+
+    def persistent_load(self, pid: Any) -> Stored:
+        _, storage_type, key, location, numel = pid
+        if key not in self.storages:
+            self.storages[key] = Stored(storage_type, location, numel, self.archive.read(f"{self.prefix}/data/{key}"))
+        return self.storages[key]
+
+
+def load_archive(f: Any, what: str) -> Any:
+    """What `torch.save` wrote to `f` (a path or a binary file), as stand-ins: without torch, and without
+    running anything in it. `what` names it in the error for a damaged or foreign file."""
+    try:
+        with zipfile.ZipFile(f) as archive:
+            pickled = [name for name in archive.namelist() if name.endswith("/data.pkl") and name.count("/") == 1]
+            if len(pickled) != 1:
+                raise ReshardError(f"{what} is not a torch.save archive: the checkpoint is damaged")
+            prefix = pickled[0].split("/")[0]
+            return _ArchiveUnpickler(archive.read(pickled[0]), archive, prefix).load()
+    except ReshardError:
+        raise
+    except Exception as exc:  # a truncated, foreign or damaged file
+        raise ReshardError(f"{what} cannot be loaded ({exc.__class__.__name__}): the checkpoint is damaged") from None

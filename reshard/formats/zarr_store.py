@@ -25,15 +25,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
-import torch
 
 from reshard.buffers import PerThread, copy
 from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
 from reshard.direct_io import DirectFile
+from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, StoredRecord, cached
-from reshard.formats.torch_blob import RecordFile, TensorRecord
+from reshard.formats.torch_archive import save_archive
+from reshard.formats.torch_blob import RecordFile, TensorRecord, load_archive
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe
 from reshard.sharding import Piece, Region, contiguous_offset, full_region, intersect, shift, to_slices
@@ -45,7 +46,7 @@ PLAIN_CODECS = [{"configuration": {"endian": "little"}, "name": "bytes"}]  # a c
 TP_CHUNKS = 8  # chunk the TP axis so that TP = 1, 2, 4, 8 read whole chunks
 MAX_CHUNK_BYTES = 64 << 20
 COMMON_FILE = "common.pt"
-_BITS = {"bfloat16": ("uint16", torch.int16)}  # dtypes zarr-python cannot name, stored as raw bits
+_BITS = {"bfloat16": "uint16"}  # dtypes zarr-python cannot name, stored as raw bits
 _ZARR_DTYPES = {
     "float32": "float32",
     "float16": "float16",
@@ -78,10 +79,10 @@ def chunk_shape(spec: TensorSpec) -> list[int]:
         while parts > 1 and shape[axis] % parts:
             parts //= 2
         chunks[axis] = shape[axis] // parts
-    itemsize = torch.empty(0, dtype=getattr(torch, spec.dtype)).element_size()
+    size = itemsize(spec.dtype)
     # Keep chunks bounded for huge embeddings: halve the first splittable axis.
     first = spec.prefix_axes
-    while first < len(chunks) and np.prod(chunks) * itemsize > MAX_CHUNK_BYTES and chunks[first] % 2 == 0:
+    while first < len(chunks) and np.prod(chunks) * size > MAX_CHUNK_BYTES and chunks[first] % 2 == 0:
         chunks[first] //= 2
     return chunks
 
@@ -102,7 +103,7 @@ def chunk_key(index: tuple[int, ...]) -> str:
 
 def _stored_dtype(dtype: str) -> str:
     if dtype in _BITS:
-        return _BITS[dtype][0]
+        return _BITS[dtype]
     if dtype not in _ZARR_DTYPES:
         raise ReshardError(f"dtype {dtype} cannot be stored in zarr by reshard")
     return _ZARR_DTYPES[dtype]
@@ -120,10 +121,9 @@ def _open(path: Path, **spec: Any) -> ts.TensorStore:
     return _tensorstore().open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}, **spec}).result()
 
 
-def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
-    if dtype in _BITS:
-        return t.contiguous().view(_BITS[dtype][1]).numpy().view(np.uint16)
-    return t.contiguous().numpy()
+def _stored(a: np.ndarray, dtype: str) -> np.ndarray:
+    """An array's values as its zarr array stores them (a dtype zarr cannot name as its bits)."""
+    return a.view(_BITS[dtype]) if dtype in _BITS else a
 
 
 class ZarrReader(CheckpointReader):
@@ -137,7 +137,7 @@ class ZarrReader(CheckpointReader):
         self.config = ModelConfig.from_dict(attrs["config"])
         self.layout = Layout(**attrs["layout"])
         self.manifest = Manifest.from_json(attrs["manifest"]) if "manifest" in attrs else None
-        common = torch.load(path / COMMON_FILE, weights_only=False) if (path / COMMON_FILE).is_file() else {}
+        common = load_archive(path / COMMON_FILE, str(path / COMMON_FILE)) if (path / COMMON_FILE).is_file() else {}
         self.common = CommonState(
             args=common.get("args", {}), iteration=common.get("iteration", 0), extra=common.get("extra", {}), objects=common.get("objects", {})
         )
@@ -171,7 +171,7 @@ class ZarrReader(CheckpointReader):
 
         return cached(self._layouts, name, check)
 
-    def read_into(self, name: str, region: Region, out: torch.Tensor) -> None:
+    def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
         """A plain array's chunk files are read with `pread`, straight into `out` where a chunk is one run
         there (`RecordFile`); tensorstore decodes any other array straight into `out`."""
         spec, plain = self.specs[name], self._plain(name)
@@ -184,18 +184,18 @@ class ZarrReader(CheckpointReader):
                 try:
                     file = RecordFile(self.path / name / chunk_key(index))
                 except FileNotFoundError:  # never written: the fill value
-                    dest.zero_()
+                    dest[...] = 0
                     continue
                 try:
-                    file.read_into(TensorRecord(out.dtype, tuple(chunks), 0), shift(part, whole), dest)
+                    file.read_into(TensorRecord(spec.dtype, tuple(chunks), 0), shift(part, whole), dest)
                 finally:
                     file.close()
             return
-        if not out.is_contiguous():
-            out.copy_(self.read(name, region))
+        if not out.flags.c_contiguous:
+            out[...] = self.read(name, region)
             return
         index = to_slices(region) if spec.shape else ()
-        dest = _tensorstore().array(_to_numpy(out.reshape([b - a for a, b in region] or [1]), spec.dtype), copy=False)
+        dest = _tensorstore().array(_stored(out.reshape([b - a for a, b in region] or [1]), spec.dtype), copy=False)
         try:
             dest.write(self._array(name)[index]).result()
         except ValueError as exc:
@@ -209,14 +209,14 @@ class ZarrReader(CheckpointReader):
         if plain is None:
             return None
         shape, chunks = plain
-        itemsize = getattr(torch, spec.dtype).itemsize
+        size = itemsize(spec.dtype)
         records = []
         for index, whole, inside in chunk_grid(full_region(tuple(shape)), chunks, shape):
             key = f"{name}/{chunk_key(index)}"
             start = contiguous_offset(chunks, shift(inside, whole))
             path = self.path / key
-            stored = path.is_file() and path.stat().st_size == math.prod(chunks) * itemsize
-            offset = start * itemsize if stored and start is not None and spec.shape else -1
+            stored = path.is_file() and path.stat().st_size == math.prod(chunks) * size
+            offset = start * size if stored and start is not None and spec.shape else -1
             records.append(StoredRecord(name, inside if spec.shape else (), spec.dtype, key, offset))
         return records
 
@@ -259,7 +259,7 @@ class ZarrWriter(CheckpointWriter):
         return [inside for _, _, inside in chunk_grid(slab, chunk_shape(spec), list(spec.shape))]  # each is one file
 
     def prepare(
-        self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
+        self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
     ) -> None:
         """Write the slab's chunks, each a file of its values in C order (the `bytes` codec), from this reader
         thread; a chunk that is not one run of the slab, or that reaches past the array, is staged."""
@@ -269,10 +269,10 @@ class ZarrWriter(CheckpointWriter):
         values = data.reshape([b - a for a, b in region])
         for index, whole, inside in chunk_grid(region, chunks, shape):
             part = values[to_slices(shift(inside, region))]
-            if inside != whole or not part.is_contiguous():
-                staged = self._scratch.tensor(chunks, data.dtype)
+            if inside != whole or not part.flags.c_contiguous:
+                staged = self._scratch.array(chunks, data.dtype)
                 if inside != whole:
-                    staged.zero_()  # the fill value, where the chunk reaches past the array
+                    staged[...] = 0  # the fill value, where the chunk reaches past the array
                 copy(staged[to_slices(shift(inside, whole))], part)
                 part = staged
             key = f"{spec.name}/{chunk_key(index)}"
@@ -282,16 +282,16 @@ class ZarrWriter(CheckpointWriter):
                 self._made.add(folder)
             file = DirectFile(self.path / key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
-                file.pwrite(part.view(-1).view(torch.uint8).numpy(), 0)
+                file.pwrite(part.reshape(-1).view(np.uint8), 0)
             finally:
                 file.close()
             self._unsynced.append(self.path / key)
             start = contiguous_offset(chunks, shift(inside, whole))
             if start is not None and spec.shape:  # the bytes as they went to the file (a staged chunk's too)
-                written = part.view(chunks)[to_slices(shift(inside, whole))]
-                self.vouch(spec, inside, key, start * data.element_size(), written, hashed)
+                written = part.reshape(chunks)[to_slices(shift(inside, whole))]
+                self.vouch(spec, inside, key, start * data.itemsize, written, hashed)
 
-    def write(self, spec: TensorSpec, slab: Region, data: torch.Tensor, pieces: list[Piece], prepared: Any = None) -> None:
+    def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
         """Nothing is left to do: the reader thread wrote the chunks."""
 
     resumable = True
@@ -318,10 +318,10 @@ class ZarrWriter(CheckpointWriter):
         return None  # arrays are complete once written; the root attributes list every spec
 
     def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
-        torch.save(
-            {"args": self.common.args, "iteration": self.common.iteration, "extra": self.common.extra, "objects": self.common.objects},
-            self.path / COMMON_FILE,
-        )
+        with open(self.path / COMMON_FILE, "wb") as f:
+            save_archive(
+                {"args": self.common.args, "iteration": self.common.iteration, "extra": self.common.extra, "objects": self.common.objects}, f
+            )
         attrs = {
             "reshard": {
                 "version": 1,

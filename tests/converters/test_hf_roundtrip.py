@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from hf_models import MOE, NAMES, VOCAB, build
+from tests.arrays import same
 from reshard.cli import main
 from reshard.errors import ReshardError
 from reshard.formats import open_checkpoint
@@ -70,7 +71,7 @@ def test_round_trip_is_bit_identical(models, tmp_path, name, layout):
     original, exported = hf_tensors(source), hf_tensors(back)
     assert exported.keys() == original.keys()
     for key, value in original.items():
-        assert exported[key].dtype == value.dtype and torch.equal(exported[key], value), key
+        assert exported[key].dtype == value.dtype and same(exported[key], value), key
     assert_loads_cleanly(back)
     assert (back / "tokenizer_config.json").read_text() == (source / "tokenizer_config.json").read_text()
     assert json.loads((back / "config.json").read_text())["vocab_size"] == VOCAB
@@ -110,7 +111,7 @@ def test_sharded_input_and_output_bf16(tmp_path):
     original, exported = hf_tensors(source), hf_tensors(out)
     assert exported.keys() == original.keys()
     for key, value in original.items():
-        assert exported[key].dtype == torch.bfloat16 and torch.equal(exported[key], value.to(torch.bfloat16)), key
+        assert exported[key].dtype == torch.bfloat16 and same(exported[key], value.to(torch.bfloat16)), key
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert verify(out).comparison.ok
     assert_loads_cleanly(out)
@@ -126,7 +127,7 @@ def test_cli_dtype_casts_into_any_format(models, tmp_path):
     for out in (tmp_path / "x-hf", tmp_path / "y"):
         back = hf_tensors(out)
         assert back.keys() == source.keys()
-        assert all(back[n].dtype == torch.bfloat16 and torch.equal(back[n], t.to(torch.bfloat16)) for n, t in source.items())
+        assert all(back[n].dtype == torch.bfloat16 and same(back[n], t.to(torch.bfloat16)) for n, t in source.items())
     config = json.loads((tmp_path / "x-hf" / "config.json").read_text())
     assert (config.get("dtype") or config.get("torch_dtype")) == "bfloat16"  # the precision the args recorded
 

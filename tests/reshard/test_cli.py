@@ -105,7 +105,7 @@ def test_existing_destination_needs_overwrite(ckpt, tmp_path):
 def _flip_a_bit_in_data(path: Path, values) -> None:
     """Flip one bit inside the stored bytes of `values` (found by content, not by our own offsets)."""
     data = bytearray(path.read_bytes())
-    at = data.find(values.contiguous().numpy().tobytes())
+    at = data.find(values.tobytes())
     assert at >= 0
     data[at + 5] ^= 0x10
     path.write_bytes(bytes(data))

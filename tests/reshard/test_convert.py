@@ -1,11 +1,13 @@
 """Conversions between formats and layouts: bit-identical tensors, atomic output, dry runs."""
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import SyntheticReader, write_synthetic
+from tests.arrays import same, tensors
 from reshard.buffers import Pool
 from reshard.convert import convert, read_slab
 from reshard.errors import ReshardError
@@ -17,36 +19,31 @@ from reshard.sharding import full_region
 MHA = TINY_LLAMA.replace(num_query_groups=4)  # four query groups, so TP=4 is possible
 
 
-def _tensors(path):
-    with open_checkpoint(path) as reader:
-        return {name: reader.read(name, full_region(spec.shape)) for name, spec in reader.specs.items()}
-
-
 def test_round_trip_dist_zarr_legacy_dist_is_bit_identical(tmp_path):
     write_synthetic(tmp_path / "a", MHA, Layout(tp=2, pp=2), "torch_dist", dtype="bfloat16")
     convert(tmp_path / "a", tmp_path / "b.zarr", to_format="zarr")
     convert(tmp_path / "b.zarr", tmp_path / "c", to_format="legacy", layout=Layout(tp=4, pp=1))
     convert(tmp_path / "c", tmp_path / "d", to_format="torch_dist", layout=Layout(tp=1, pp=4))
     source = SyntheticReader(MHA, dtype="bfloat16")
-    final = _tensors(tmp_path / "d")
+    final = tensors(tmp_path / "d")
     assert set(final) == set(source.specs)
     for name, spec in source.specs.items():
         expected = source.read(name, full_region(spec.shape))
         rows = MHA.vocab_size if spec.vocab else None  # TP4 padded the vocabulary to 512 and back
-        assert torch.equal(final[name][:rows], expected[:rows]), name
+        assert same(final[name][:rows], expected[:rows]), name
     # and PyTorch's own DCP loader agrees
     state = {n: torch.empty_like(t) for n, t in final.items()}
     dcp.load(state, checkpoint_id=str(tmp_path / "d" / "iter_0000010"), no_dist=True)
-    assert all(torch.equal(state[n], final[n]) for n in final)
+    assert all(same(state[n], final[n]) for n in final)
 
 
 def test_vocabulary_is_repadded_for_the_target_tp(tmp_path):
     write_synthetic(tmp_path / "a", MHA, Layout(tp=1), "torch_dist")
     result = convert(tmp_path / "a", tmp_path / "b", layout=Layout(tp=4))
     assert result.plan.config.padded_vocab_size == 512  # 250 rounded up to 128 * 4
-    emb = _tensors(tmp_path / "b")["embedding.word_embeddings.weight"]
-    source = _tensors(tmp_path / "a")["embedding.word_embeddings.weight"]
-    assert emb.shape == (512, 64) and torch.equal(emb[:256], source) and torch.count_nonzero(emb[256:]) == 0
+    emb = tensors(tmp_path / "b")["embedding.word_embeddings.weight"]
+    source = tensors(tmp_path / "a")["embedding.word_embeddings.weight"]
+    assert emb.shape == (512, 64) and same(emb[:256], source) and torch.count_nonzero(emb[256:]) == 0
 
 
 def test_without_the_true_vocabulary_a_tp_change_keeps_only_a_padding_megatron_would_make(tmp_path):
@@ -65,22 +62,24 @@ def test_read_slab_zeroes_vocabulary_padding_in_a_reused_buffer(tmp_path):
         plan = make_plan(reader, tmp_path / "b", "torch_dist", Layout(tp=4))
         move = next(m for m in plan.moves if m.target.vocab)
         pool = Pool()
-        pool.give(pool.tensor([move.target.numel], torch.float32).fill_(7.0))  # a dirty buffer to reuse
+        dirty = pool.array([move.target.numel], np.dtype(np.float32))
+        dirty[...] = 7.0
+        pool.give(dirty)  # a dirty buffer to reuse
         slab = full_region(move.target.shape)
-        out = pool.tensor([b - a for a, b in slab], torch.float32)
+        out = pool.array([b - a for a, b in slab], np.dtype(np.float32))
         read_slab(reader, move, slab, out)
         rows = move.source.shape[0]
-        assert torch.equal(out[:rows], reader.read(move.source.name, full_region(move.source.shape)))
-        assert out.shape[0] == 512 and torch.count_nonzero(out[rows:]) == 0
+        assert same(out[:rows], reader.read(move.source.name, full_region(move.source.shape)))
+        assert out.shape[0] == 512 and np.count_nonzero(out[rows:]) == 0
 
 
 def test_moe_expert_parallel_round_trip_with_optimizer(tmp_path):
     write_synthetic(tmp_path / "a", TINY_MOE, Layout(ep=2), "torch_dist", optimizer=True)
     convert(tmp_path / "a", tmp_path / "b", layout=Layout(ep=4))
     convert(tmp_path / "b", tmp_path / "c", layout=Layout(ep=1, pp=2))
-    first, last = _tensors(tmp_path / "a"), _tensors(tmp_path / "c")
+    first, last = tensors(tmp_path / "a"), tensors(tmp_path / "c")
     assert set(first) == set(last) and any(n.startswith("optimizer.state.exp_avg.") for n in last)
-    assert all(torch.equal(first[n], last[n]) for n in first)
+    assert all(same(first[n], last[n]) for n in first)
 
 
 def test_dry_run_writes_nothing_and_reports_the_plan(tmp_path):
@@ -134,7 +133,7 @@ def test_large_slabs_read_in_bands_give_the_same_output(tmp_path, monkeypatch):
     monkeypatch.setattr("reshard.convert.BAND_BYTES", 1 << 10)  # every slab over 2 KiB is read in bands
     convert(tmp_path / "a", tmp_path / "bands", layout=Layout(tp=4), workers=3)
     assert _file_bytes(tmp_path / "whole") == _file_bytes(tmp_path / "bands")
-    emb = _tensors(tmp_path / "bands")["embedding.word_embeddings.weight"]
+    emb = tensors(tmp_path / "bands")["embedding.word_embeddings.weight"]
     assert emb.shape[0] == 512 and torch.count_nonzero(emb[256:]) == 0  # padding added for TP4 is zero
 
 
@@ -262,10 +261,10 @@ def test_dtype_casts_the_model_and_makes_it_the_recorded_precision(tmp_path, fmt
     """Against torch's own cast and torch.load of the written args."""
     write_synthetic(tmp_path / "a", MHA, Layout(tp=2), "torch_dist")
     convert(tmp_path / "a", tmp_path / "b", to_format=fmt, layout=Layout(tp=2, pp=2), dtype="bfloat16")
-    source, cast = _tensors(tmp_path / "a"), _tensors(tmp_path / "b")
+    source, cast = tensors(tmp_path / "a"), tensors(tmp_path / "b")
     assert cast.keys() == source.keys()
     for name, tensor in source.items():
-        assert cast[name].dtype == torch.bfloat16 and torch.equal(cast[name], tensor.to(torch.bfloat16)), name
+        assert cast[name].dtype == torch.bfloat16 and same(cast[name], tensor.to(torch.bfloat16)), name
     with open_checkpoint(tmp_path / "b") as reader:
         assert reader.config.params_dtype == "bfloat16"
     if fmt == "torch_dist":
@@ -280,9 +279,9 @@ def test_a_change_of_precision_with_optimizer_state_is_refused(tmp_path):
     assert not (tmp_path / "b").exists()
     # the optimizer's fp32 state is not the model's precision: bf16 onto a bf16 model changes nothing
     convert(tmp_path / "a", tmp_path / "c", dtype="bfloat16", layout=Layout(tp=2))
-    assert _tensors(tmp_path / "c").keys() == _tensors(tmp_path / "a").keys()
+    assert tensors(tmp_path / "c").keys() == tensors(tmp_path / "a").keys()
     convert(tmp_path / "a", tmp_path / "d", dtype="float32", optimizer=False)
-    assert all(t.dtype == torch.float32 for t in _tensors(tmp_path / "d").values())
+    assert all(t.dtype == torch.float32 for t in tensors(tmp_path / "d").values())
 
 
 def test_a_resume_counts_the_unfinished_tensors_records_as_free(tmp_path, monkeypatch):

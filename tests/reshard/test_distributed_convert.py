@@ -10,17 +10,11 @@ import torch.distributed.checkpoint as dcp
 from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import write_synthetic
 from fixtures.torchrun import run
+from tests.arrays import same, tensors
 from reshard.convert import convert
 from reshard.distributed import shares
-from reshard.formats import open_checkpoint
 from reshard.layout import Layout
-from reshard.sharding import full_region
 from tests.reshard.test_resume import _files
-
-
-def _tensors(path):
-    with open_checkpoint(path) as reader:
-        return {name: reader.read(name, full_region(spec.shape)) for name, spec in reader.specs.items()}
 
 
 @pytest.mark.parametrize("fmt", ["torch_dist", "zarr", "legacy"])
@@ -28,8 +22,8 @@ def test_two_ranks_write_what_one_process_writes(tmp_path, fmt):
     write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist", optimizer=fmt != "legacy")
     run("reshard", ["convert", tmp_path / "src", tmp_path / "multi", "--to-ep", 4, "--to-pp", 2, "--to-format", fmt], nproc=2)
     convert(tmp_path / "src", tmp_path / "single", to_format=fmt, layout=Layout(ep=4, pp=2))
-    multi, single = _tensors(tmp_path / "multi"), _tensors(tmp_path / "single")
-    assert multi.keys() == single.keys() and all(torch.equal(multi[n], single[n]) for n in single)
+    multi, single = tensors(tmp_path / "multi"), tensors(tmp_path / "single")
+    assert multi.keys() == single.keys() and all(same(multi[n], single[n]) for n in single)
     if fmt == "legacy":  # every rank file filled by both ranks, finished by rank 0: the bytes one process writes
         assert _files(tmp_path / "multi") == _files(tmp_path / "single")
     if fmt == "torch_dist":
@@ -37,7 +31,7 @@ def test_two_ranks_write_what_one_process_writes(tmp_path, fmt):
         assert list(directory.glob("__*_1.distcp")), "rank 1 wrote no files"
         state = {n: torch.empty_like(t) for n, t in multi.items()}
         dcp.load(state, checkpoint_id=str(directory), no_dist=True)  # PyTorch's own reader agrees
-        assert all(torch.equal(state[n], multi[n]) for n in multi)
+        assert all(same(state[n], multi[n]) for n in multi)
     assert not list(tmp_path.glob(".multi.reshard-*"))
 
 
@@ -66,7 +60,7 @@ def test_a_killed_multi_rank_conversion_resumes_where_each_rank_stopped(tmp_path
         assert given - again == logged[r] and again < given, r
     assert (second / "rank1.txt").read_text(), "rank 1 had tensors left"
     assert not partial.exists()
-    single, out = _tensors(tmp_path / "src"), _tensors(tmp_path / "out")
+    single, out = tensors(tmp_path / "src"), tensors(tmp_path / "out")
     if fmt != "zarr":  # byte for byte what an uninterrupted run writes
         run("reshard", [*convert_args[:2], tmp_path / "fresh", *convert_args[3:]], nproc=2)
         assert _files(tmp_path / "out") == _files(tmp_path / "fresh")
@@ -78,7 +72,7 @@ def test_a_killed_multi_rank_conversion_resumes_where_each_rank_stopped(tmp_path
     if fmt == "torch_dist":
         out = {n: torch.empty_like(t) for n, t in out.items()}
         dcp.load(out, checkpoint_id=str(tmp_path / "out" / "iter_0000010"), no_dist=True)  # PyTorch's own reader
-    assert out.keys() == single.keys() and all(torch.equal(out[n], single[n]) for n in single)
+    assert out.keys() == single.keys() and all(same(out[n], single[n]) for n in single)
 
 
 def test_multi_rank_free_space_is_checked_for_every_ranks_share(tmp_path):
@@ -111,8 +105,8 @@ def test_multi_rank_free_space_is_checked_for_every_ranks_share(tmp_path):
     assert (partial / "reshard_worklog.rank1.jsonl").is_file(), "the refusal kept the partial output"
     faulty("--free", written)
     assert not partial.exists()
-    out, source = _tensors(tmp_path / "out"), _tensors(tmp_path / "src")
-    assert out.keys() == source.keys() and all(torch.equal(out[n], source[n]) for n in source)
+    out, source = tensors(tmp_path / "out"), tensors(tmp_path / "src")
+    assert out.keys() == source.keys() and all(same(out[n], source[n]) for n in source)
 
 
 def test_two_ranks_export_to_hf_what_one_process_exports(tmp_path):

@@ -254,7 +254,7 @@ def _flip_bit_in_tensor(iter_dir: Path, key: str) -> None:
     md = FileSystemReader(str(iter_dir)).read_metadata()
     index, info = next((i, s) for i, s in md.storage_data.items() if i.fqn == key)
     value = tensor_in_blob(iter_dir / info.relative_path, info.offset, info.length)
-    needle = value.contiguous().view(torch.uint8).numpy().tobytes()
+    needle = value.tobytes()
     for path in sorted(iter_dir.glob("*.distcp")):
         blob = bytearray(path.read_bytes())
         at = blob.find(needle)

@@ -19,7 +19,7 @@ def _same_as_pytorch(directory):
     assert set(ours.tensors) == set(tensors)
     for fqn, md in tensors.items():
         entry = ours.tensors[fqn]
-        assert entry.dtype == md.properties.dtype and entry.size == tuple(md.size)
+        assert entry.dtype == str(md.properties.dtype).removeprefix("torch.") and entry.size == tuple(md.size)
         assert [(c.offsets, c.sizes) for c in entry.chunks] == [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
     assert len(ours.storage) == len(theirs.storage_data)
     for index, info in theirs.storage_data.items():
@@ -51,12 +51,13 @@ def test_pytorch_reads_what_save_writes(dense, tmp_path):
             assert theirs.state_dict_metadata[fqn].properties == md.properties
 
 
-def test_save_needs_no_import_of_dcp(dense, tmp_path):
-    """Importing DCP took a second of every conversion's end; `save` names its classes instead."""
+def test_save_needs_no_import_of_torch(dense, tmp_path):
+    """Importing DCP took a second of every conversion's end, importing torch more; `load` and `save`
+    name their classes instead."""
     script = (
         "import sys; from pathlib import Path; from reshard.formats import dcp_metadata as m; "
         f"m.save(Path({str(tmp_path / '.metadata')!r}), m.load(Path({str(next(dense['base'].glob('iter_*')) / '.metadata')!r}))); "
-        "assert 'torch.distributed.checkpoint' not in sys.modules, 'DCP was imported'"
+        "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", script], check=True)
     assert (tmp_path / ".metadata").stat().st_size > 0

@@ -5,7 +5,9 @@ import torch
 
 from fixtures.models import TINY_LLAMA, TINY_MOE, TINY_TIED
 from fixtures.synthetic import SyntheticReader, write_synthetic
+from tests.arrays import same
 from reshard.convert import convert
+from reshard.dtypes import to_torch
 from reshard.errors import ReshardError
 from reshard.formats import open_checkpoint
 from reshard.layout import Layout
@@ -13,7 +15,7 @@ from reshard.sharding import full_region
 
 
 def _global(source, name):
-    return source.read(name, full_region(source.specs[name].shape))
+    return to_torch(source.read(name, full_region(source.specs[name].shape)))
 
 
 def _rank(path, tp, pp=None, ep=None):
@@ -32,15 +34,15 @@ def test_dense_rank_files_hold_megatron_shards(tmp_path, dtype):
     for tp in range(2):
         first, second = _rank(tmp_path / "ckpt", tp, 0), _rank(tmp_path / "ckpt", tp, 1)
         assert first["args"].tensor_model_parallel_size == 2 and first["args"].pipeline_model_parallel_size == 2
-        assert torch.equal(first["model"]["embedding.word_embeddings.weight"], emb.chunk(2)[tp])
+        assert same(first["model"]["embedding.word_embeddings.weight"], emb.chunk(2)[tp])
         # stage 1 holds global layers 2 and 3 as local layers 0 and 1
         m = second["model"]
-        assert torch.equal(m["decoder.layers.1.self_attention.linear_qkv.weight"], qkv[3].chunk(2)[tp])
-        assert torch.equal(m["decoder.layers.0.self_attention.linear_proj.weight"], proj[2].chunk(2, dim=1)[tp])
+        assert same(m["decoder.layers.1.self_attention.linear_qkv.weight"], qkv[3].chunk(2)[tp])
+        assert same(m["decoder.layers.0.self_attention.linear_proj.weight"], proj[2].chunk(2, dim=1)[tp])
         gate, up = fc1[2].chunk(2)
-        assert torch.equal(m["decoder.layers.0.mlp.linear_fc1.weight"], torch.cat([gate.chunk(2)[tp], up.chunk(2)[tp]]))
+        assert same(m["decoder.layers.0.mlp.linear_fc1.weight"], torch.cat([gate.chunk(2)[tp], up.chunk(2)[tp]]))
         # Transformer Engine naming (Megatron-LM's default) fuses the norm into linear_qkv
-        assert torch.equal(m["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"], norm[2])
+        assert same(m["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"], norm[2])
         assert "output_layer.weight" in m and "output_layer.weight" not in first["model"]
         assert m["decoder.layers.0.self_attention.linear_qkv._extra_state"] is None
 
@@ -55,7 +57,7 @@ def test_local_spec_names_and_tied_embedding_copy(tmp_path):
     first, last = _rank(tmp_path / "local", 0, 0)["model"], _rank(tmp_path / "local", 0, 1)["model"]
     assert "decoder.layers.0.input_layernorm.weight" in first and "decoder.layers.0.pre_mlp_layernorm.weight" in first
     # tied embeddings: the last stage keeps its own copy as output_layer.weight, as Megatron does
-    assert torch.equal(last["output_layer.weight"], emb)
+    assert same(last["output_layer.weight"], emb)
     assert _rank(tmp_path / "local", 0, 0)["args"].transformer_impl == "local"
 
 
@@ -67,8 +69,8 @@ def test_experts_are_numbered_per_rank(tmp_path):
     for ep in range(2):
         m = _rank(tmp_path / "ckpt", 0, None, ep)["model"]
         for j in range(2):
-            assert torch.equal(m[f"decoder.layers.1.mlp.experts.local_experts.{j}.linear_fc2.weight"], fc2[1, ep * 2 + j])
-        assert torch.equal(m["decoder.layers.1.mlp.router.weight"], router[1])
+            assert same(m[f"decoder.layers.1.mlp.experts.local_experts.{j}.linear_fc2.weight"], fc2[1, ep * 2 + j])
+        assert same(m["decoder.layers.1.mlp.router.weight"], router[1])
 
 
 def test_reader_reads_tensor_bytes_with_pread_not_through_the_map(tmp_path):
@@ -79,7 +81,7 @@ def test_reader_reads_tensor_bytes_with_pread_not_through_the_map(tmp_path):
     source = SyntheticReader(TINY_LLAMA, layout)
     with LegacyReader(tmp_path / "ckpt") as reader:
         for name, spec in reader.specs.items():
-            assert torch.equal(reader.read(name, full_region(spec.shape)), source.read(name, full_region(spec.shape))), name
+            assert same(reader.read(name, full_region(spec.shape)), source.read(name, full_region(spec.shape))), name
         assert len(reader._files) == 4  # every rank file was read with pread (the mapped fallback opens none)
 
 
@@ -133,12 +135,12 @@ def test_expert_tp_below_tp_reads_the_files_megatron_writes(tmp_path):
     with open_checkpoint(tmp_path / "ckpt") as reader:
         assert reader.specs.keys() == src.specs.keys()
         for name in src.specs:
-            assert torch.equal(_global(reader, name), _global(src, name)), name
+            assert same(_global(reader, name), _global(src, name)), name
         assert {r.file.split("/")[0] for name in reader.specs for r in reader.stored_records(name)} == {"mp_rank_00_000", "mp_rank_01_001"}
     convert(tmp_path / "ckpt", tmp_path / "dist", to_format="torch_dist", layout=Layout(tp=1, ep=4, etp=1))
     with open_checkpoint(tmp_path / "dist") as converted:
         for name in src.specs:
-            assert torch.equal(_global(converted, name), _global(src, name)), name
+            assert same(_global(converted, name), _global(src, name)), name
     shutil.rmtree(iteration / "mp_rank_01_001")
     with pytest.raises(ReshardError, match=r"mp_rank_0\d_00\d/model_optim_rng.pt is missing but args say TP2PP1EP2ETP1"):
         open_checkpoint(tmp_path / "ckpt")

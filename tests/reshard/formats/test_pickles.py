@@ -1,0 +1,109 @@
+"""Other packages' pickles read and written back without them, against `torch.load` of what `torch.save` wrote."""
+
+import argparse
+import collections
+import fractions
+import http
+import io
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+from reshard.formats.pickles import Call, named
+from reshard.formats.torch_archive import LEGACY_STORAGE_TYPES, save_archive
+from reshard.formats.torch_blob import load_archive
+
+
+def _megatron_like_state():
+    """What Megatron keeps in common.pt and per-module objects: args with torch dtypes and enums, RNG states
+    (numpy and torch), nested containers, a tensor and a view sharing its storage."""
+    weights = torch.arange(12, dtype=torch.float32).to(torch.bfloat16)
+    args = argparse.Namespace(params_dtype=torch.bfloat16, status=http.HTTPStatus.OK, lr=3e-4, layers=[2, 2], name="gpt")
+    return {
+        "args": args,
+        "iteration": 10,
+        "rng_state": [{"random_rng_state": (3, tuple(range(5)), None), "np_rng_state": np.random.RandomState(0).get_state(),
+                       "torch_rng_state": torch.ByteTensor([1, 2, 3])}],
+        "extra": {"weights": weights, "tail": weights[4:], "empty": torch.zeros(0, dtype=torch.int64)},
+        "containers": (collections.OrderedDict(a=1), collections.defaultdict(list, b=[1]), collections.deque([1, 2]), {3, 4},
+                       frozenset({5}), fractions.Fraction(1, 3), b"\x00\xff", 2 + 3j),
+    }
+
+
+def _round_trip(value):
+    saved = io.BytesIO()
+    torch.save(value, saved)
+    saved.seek(0)
+    again = io.BytesIO()
+    save_archive(load_archive(saved, "test"), again)
+    again.seek(0)
+    return torch.load(again, weights_only=False)
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, argparse.Namespace):
+        return type(b) is argparse.Namespace and _equal(vars(a), vars(b))
+    if isinstance(a, dict):
+        return type(a) is type(b) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple, collections.deque)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def test_torch_loads_what_we_write_back_as_what_torch_saved():
+    state = _megatron_like_state()
+    back = _round_trip(state)
+    assert _equal(back, state)
+    assert back["args"].params_dtype is torch.bfloat16 and back["args"].status is http.HTTPStatus.OK
+    assert back["extra"]["tail"].untyped_storage().data_ptr() == back["extra"]["weights"].untyped_storage().data_ptr()
+
+
+def test_loading_builds_stand_ins_that_name_the_originals():
+    saved = io.BytesIO()
+    torch.save(_megatron_like_state(), saved)
+    saved.seek(0)
+    state = load_archive(saved, "test")
+    args = state["args"]
+    assert isinstance(args, argparse.Namespace) and str(args.params_dtype) == "torch.bfloat16"
+    assert args.params_dtype is named("torch", "bfloat16")
+    assert args.status == Call(named("http", "HTTPStatus"), (200,), {}, new=False)
+    assert args.lr == 3e-4 and args.layers == [2, 2]
+
+
+def test_nothing_in_the_pickle_runs_and_nothing_is_imported(tmp_path):
+    """A pickle that calls `os.system` when torch loads it: loaded and written back, the call is kept, not made."""
+    marker = tmp_path / "ran"
+    script = f"""
+import io, os, sys, pickle, zipfile
+class Evil:
+    def __reduce__(self):
+        return os.system, ("touch {marker}",)
+data = io.BytesIO()
+with zipfile.ZipFile(data, "w") as zf:
+    zf.writestr("archive/data.pkl", pickle.dumps({{"x": Evil()}}, protocol=2))
+data.seek(0)
+from reshard.formats.torch_blob import load_archive
+from reshard.formats.torch_archive import save_archive
+value = load_archive(data, "test")
+out = io.BytesIO()
+save_archive(value, out)
+assert not os.path.exists("{marker}"), "the pickle ran"
+assert "torch" not in sys.modules, "torch was imported"
+out.seek(0)
+with zipfile.ZipFile(out) as zf:
+    assert b"system" in zf.read("archive/data.pkl")
+"""
+    subprocess.run([sys.executable, "-c", script], check=True)
+    assert not marker.exists()
+
+
+def test_storage_names_match_torch():
+    """Our table of torch's legacy storage classes, against torch's own."""
+    ours = {getattr(torch, name): storage for name, storage in LEGACY_STORAGE_TYPES.items()}
+    assert ours == torch.storage._dtype_to_storage_type_map()
