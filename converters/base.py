@@ -2,9 +2,10 @@
 
 A `Mapping` ties one canonical logical tensor (`reshard.logical`, decoder layers stacked) to the one
 or more HF tensors it is made of, for ONE slab: one layer (and one expert) at a time. HF names are
-templates with `{layer}` and `{expert}`. Its `to_megatron`/`to_hf` are pure functions on torch
-tensors (they also work on `meta` tensors, which is how the HF writer learns every output shape
-before any data arrives).
+templates with `{layer}` and `{expert}`. Its `to_megatron`/`to_hf` are pure functions on numpy
+arrays, returning views where they can (callers copy or stage what they write). `to_hf` also works
+on a broadcast array that holds no values, which is how the HF writer learns every output shape
+before any data arrives.
 
 A `Family` holds the HF architecture names, the mapping table for a config, and the HF config.json
 <-> `ModelConfig` functions. Anything in an HF config we do not map is refused with a one-line,
@@ -19,12 +20,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
-import torch
+import numpy as np
 
 from reshard.config import ModelConfig, pad_vocab
 from reshard.errors import ReshardError
 
-Tensor = torch.Tensor
+Tensor = np.ndarray
 
 # --------------------------------------------------------------------------------------------------
 # Pure transforms
@@ -44,7 +45,7 @@ def group_qkv(q: Tensor, k: Tensor, v: Tensor, heads: int, groups: int, head_dim
     qg = q.reshape(groups, per * head_dim, *rest)
     kg = k.reshape(groups, head_dim, *rest)
     vg = v.reshape(groups, head_dim, *rest)
-    return torch.cat([qg, kg, vg], dim=1).reshape((heads + 2 * groups) * head_dim, *rest)
+    return np.concatenate([qg, kg, vg], axis=1).reshape((heads + 2 * groups) * head_dim, *rest)
 
 
 def split_qkv(qkv: Tensor, heads: int, groups: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -56,26 +57,26 @@ def split_qkv(qkv: Tensor, heads: int, groups: int, head_dim: int) -> tuple[Tens
     q = x[:, : per * head_dim].reshape(heads * head_dim, *rest)
     k = x[:, per * head_dim : (per + 1) * head_dim].reshape(groups * head_dim, *rest)
     v = x[:, (per + 1) * head_dim :].reshape(groups * head_dim, *rest)
-    return q.contiguous(), k.contiguous(), v.contiguous()
+    return q, k, v
 
 
 def fuse_gated(gate: Tensor, up: Tensor) -> Tensor:
     """HF gate_proj, up_proj -> Megatron linear_fc1 = [all gate rows; all up rows] (the global, layout-free form)."""
     if gate.shape != up.shape:
         raise ReshardError(f"gate and up projections differ in shape: {tuple(gate.shape)} vs {tuple(up.shape)}")
-    return torch.cat([gate, up], dim=0)
+    return np.concatenate([gate, up], axis=0)
 
 
 def split_gated(fc1: Tensor) -> tuple[Tensor, Tensor]:
     if fc1.shape[0] % 2:
         raise ReshardError(f"gated linear_fc1 has an odd number of rows ({fc1.shape[0]})")
-    gate, up = fc1.chunk(2, dim=0)
-    return gate.contiguous(), up.contiguous()
+    gate, up = np.split(fc1, 2, axis=0)
+    return gate, up
 
 
 def conv1d_to_linear(t: Tensor) -> Tensor:
     """GPT-2's Conv1D stores [in, out]; a Linear (and Megatron) stores [out, in]. Biases pass through."""
-    return t.t().contiguous() if t.dim() == 2 else t
+    return t.T if t.ndim == 2 else t
 
 
 linear_to_conv1d = conv1d_to_linear  # a transpose is its own inverse
@@ -111,8 +112,9 @@ class Mapping:
         raise NotImplementedError
 
     def hf_shapes(self, slab_shape: Sequence[int], config: ModelConfig) -> list[tuple[int, ...]]:
-        """HF shapes for a canonical slab of `slab_shape`, computed on a meta tensor."""
-        return [tuple(t.shape) for t in self.to_hf(torch.empty(tuple(slab_shape), device="meta"), config)]
+        """HF shapes for a canonical slab of `slab_shape`, computed on an array of that shape whose every
+        element is one byte (strides of 0): reshapes and slices of it allocate nothing."""
+        return [tuple(t.shape) for t in self.to_hf(np.broadcast_to(np.zeros((), np.uint8), tuple(slab_shape)), config)]
 
 
 @dataclass(frozen=True)
@@ -179,11 +181,11 @@ class FusedQKV(Mapping):
         q_rows = config.num_attention_heads * config.head_dim
         kv_rows = config.groups * config.head_dim
         _expect(t, q_rows + 2 * kv_rows, "fused qkv")
-        q, k, v = t.split([q_rows, kv_rows, kv_rows], dim=0)
+        q, k, v = np.split(t, [q_rows, q_rows + kv_rows], axis=0)
         return group_qkv(q, k, v, config.num_attention_heads, config.groups, config.head_dim)
 
     def to_hf(self, tensor, config):
-        fused = torch.cat(split_qkv(tensor, config.num_attention_heads, config.groups, config.head_dim), dim=0)
+        fused = np.concatenate(split_qkv(tensor, config.num_attention_heads, config.groups, config.head_dim), axis=0)
         return [linear_to_conv1d(fused) if self.conv1d else fused]
 
 

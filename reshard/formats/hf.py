@@ -19,7 +19,7 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from reshard.buffers import PerThread, copy
 from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
 from reshard.direct_io import ALIGN, DirectFile
-from reshard.dtypes import from_torch, itemsize, numpy_dtype, to_torch
+from reshard.dtypes import itemsize, numpy_dtype
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, StoredRecord, args_for_layout, cached, precision_args
 from reshard.formats.torch_blob import RecordFile, TensorRecord
@@ -36,9 +36,6 @@ from reshard.logical import TensorSpec, describe, normalize_dtype
 from reshard.sharding import Piece, Region, full_region, slab_of, slabs
 
 CONFIG = "config.json"
-if TYPE_CHECKING:
-    import torch
-
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 GENERATION_CONFIG = "generation_config.json"
@@ -276,12 +273,11 @@ class HFReader(CheckpointReader):
         file = cached(self._handles, stored.file, lambda: RecordFile(stored.file))
         return file, stored.record
 
-    def _tensor(self, hf_name: str) -> torch.Tensor:
-        """An HF tensor, as the converters' transforms take it."""
+    def _tensor(self, hf_name: str) -> np.ndarray:
         file, record = self._record(hf_name)
         out = np.empty(record.shape, dtype=numpy_dtype(record.dtype))
         file.read_into(record, full_region(record.shape), out)
-        return to_torch(out)
+        return out
 
     def close(self) -> None:
         for file in self._handles.values():
@@ -305,7 +301,7 @@ class HFReader(CheckpointReader):
                 value = mapping.to_megatron([self._tensor(n) for n in mapping.hf_names(layer, expert)], self.config)
                 if tuple(value.shape) != spec.shape[prefix:]:
                     raise ReshardError(f"{name}: HF tensors give shape {tuple(value.shape)}, expected {spec.shape[prefix:]}")
-                copy(out[index], from_torch(value[tuple(slice(a, b) for a, b in inner)]))
+                copy(out[index], value[tuple(slice(a, b) for a, b in inner)])
 
     def stored_records(self, name: str) -> list[StoredRecord] | None:
         """Where each HF tensor of a row-stacking mapping (`stacks_rows`) lies, by the safetensors headers;
@@ -447,9 +443,8 @@ class HFWriter(CheckpointWriter):
             value = value[: self.config.vocab_rows]  # the padding never reaches HF
         hf_names = mapping.hf_names(layer, expert)
         regions = stacked_regions(spec, slab, [self._entries[hf_name].shape for hf_name in hf_names])
-        for hf_name, transformed, region in zip(hf_names, mapping.to_hf(to_torch(value), self.config), regions):
+        for hf_name, tensor, region in zip(hf_names, mapping.to_hf(value, self.config), regions):
             entry = self._entries[hf_name]
-            tensor = from_torch(transformed)
             if tensor.shape != entry.shape:
                 raise ReshardError(f"{hf_name}: got shape {tensor.shape}, expected {entry.shape}")
             out = tensor

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-import torch
 
 from converters import FAMILIES, family_for_hf
 from converters.base import (
@@ -22,6 +22,12 @@ from reshard.architecture import model_tensors
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 
+_rng = np.random.default_rng(0)
+
+
+def randn(*shape):
+    return _rng.standard_normal(shape).astype(np.float32)
+
 
 def reference_qkv(q, k, v, heads, groups, head_dim):
     """The doc's rule, with plain indexing: per KV group g, its heads/groups q heads, then k_g, then v_g."""
@@ -32,7 +38,7 @@ def reference_qkv(q, k, v, heads, groups, head_dim):
             rows.append(q[h * head_dim : (h + 1) * head_dim])
         rows.append(k[g * head_dim : (g + 1) * head_dim])
         rows.append(v[g * head_dim : (g + 1) * head_dim])
-    return torch.cat(rows, dim=0)
+    return np.concatenate(rows, axis=0)
 
 
 @pytest.mark.parametrize("heads,groups,head_dim", [(4, 2, 16), (8, 1, 4), (6, 6, 8), (8, 4, 3)])
@@ -40,41 +46,41 @@ def reference_qkv(q, k, v, heads, groups, head_dim):
 def test_group_qkv_matches_reference_and_round_trips(heads, groups, head_dim, bias):
     hidden = 10
     shape = () if bias else (hidden,)
-    q = torch.randn(heads * head_dim, *shape)
-    k = torch.randn(groups * head_dim, *shape)
-    v = torch.randn(groups * head_dim, *shape)
+    q = randn(heads * head_dim, *shape)
+    k = randn(groups * head_dim, *shape)
+    v = randn(groups * head_dim, *shape)
     fused = group_qkv(q, k, v, heads, groups, head_dim)
-    assert torch.equal(fused, reference_qkv(q, k, v, heads, groups, head_dim))
+    assert np.array_equal(fused, reference_qkv(q, k, v, heads, groups, head_dim))
     q2, k2, v2 = split_qkv(fused, heads, groups, head_dim)
-    assert torch.equal(q2, q) and torch.equal(k2, k) and torch.equal(v2, v)
+    assert np.array_equal(q2, q) and np.array_equal(k2, k) and np.array_equal(v2, v)
 
 
 def test_group_qkv_is_not_plain_concatenation_for_gqa():
-    q, k, v = torch.randn(64, 8), torch.randn(32, 8), torch.randn(32, 8)
-    assert not torch.equal(group_qkv(q, k, v, 4, 2, 16), torch.cat([q, k, v]))
+    q, k, v = randn(64, 8), randn(32, 8), randn(32, 8)
+    assert not np.array_equal(group_qkv(q, k, v, 4, 2, 16), np.concatenate([q, k, v]))
 
 
 def test_group_qkv_tp_split_takes_whole_groups():
     """A TP rank's contiguous share of linear_qkv holds exactly its own KV groups' q, k, v."""
     heads, groups, hd, tp = 8, 4, 2, 2
-    q = torch.arange(heads * hd).float().unsqueeze(1)
-    k = 100 + torch.arange(groups * hd).float().unsqueeze(1)
-    v = 200 + torch.arange(groups * hd).float().unsqueeze(1)
+    q = np.arange(heads * hd, dtype=np.float32)[:, None]
+    k = 100 + np.arange(groups * hd, dtype=np.float32)[:, None]
+    v = 200 + np.arange(groups * hd, dtype=np.float32)[:, None]
     fused = group_qkv(q, k, v, heads, groups, hd)
     share = fused.shape[0] // tp
     rank1 = fused[share:]
     q1, k1, v1 = split_qkv(rank1, heads // tp, groups // tp, hd)
-    assert torch.equal(q1, q[heads * hd // 2 :]) and torch.equal(k1, k[groups * hd // 2 :]) and torch.equal(v1, v[groups * hd // 2 :])
+    assert np.array_equal(q1, q[heads * hd // 2 :]) and np.array_equal(k1, k[groups * hd // 2 :]) and np.array_equal(v1, v[groups * hd // 2 :])
 
 
 def test_gated_round_trip_and_order():
-    gate, up = torch.randn(6, 4), torch.randn(6, 4)
+    gate, up = randn(6, 4), randn(6, 4)
     fc1 = fuse_gated(gate, up)
-    assert torch.equal(fc1[:6], gate) and torch.equal(fc1[6:], up)
+    assert np.array_equal(fc1[:6], gate) and np.array_equal(fc1[6:], up)
     g2, u2 = split_gated(fc1)
-    assert torch.equal(g2, gate) and torch.equal(u2, up)
+    assert np.array_equal(g2, gate) and np.array_equal(u2, up)
     with pytest.raises(ReshardError):
-        fuse_gated(gate, torch.randn(5, 4))
+        fuse_gated(gate, randn(5, 4))
 
 
 CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
@@ -82,30 +88,30 @@ CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query
 
 
 def test_mapping_objects_round_trip():
-    q, k, v = torch.randn(64, 64), torch.randn(32, 64), torch.randn(32, 64)
+    q, k, v = randn(64, 64), randn(32, 64), randn(32, 64)
     m = QKV("x", "q{layer}", "k{layer}", "v{layer}")
     assert m.hf_names(3) == ["q3", "k3", "v3"]
     for a, b in zip(m.to_hf(m.to_megatron([q, k, v], CFG), CFG), (q, k, v)):
-        assert torch.equal(a, b)
+        assert np.array_equal(a, b)
     assert m.hf_shapes((128, 64), CFG) == [(64, 64), (32, 64), (32, 64)]
     g = GatedMLP("x", "g", "u")
-    w = torch.randn(192, 64)
-    assert torch.equal(g.to_megatron(g.to_hf(w, CFG), CFG), w)
+    w = randn(192, 64)
+    assert np.array_equal(g.to_megatron(g.to_hf(w, CFG), CFG), w)
     t = Transposed("x", "c")
-    conv = torch.randn(64, 256)
-    assert torch.equal(t.to_megatron([conv], CFG), conv.t()) and torch.equal(t.to_hf(t.to_megatron([conv], CFG), CFG)[0], conv)
+    conv = randn(64, 256)
+    assert np.array_equal(t.to_megatron([conv], CFG), conv.T) and np.array_equal(t.to_hf(t.to_megatron([conv], CFG), CFG)[0], conv)
 
 
 def test_fused_conv1d_qkv_matches_separate_projections():
     """GPT-2 c_attn ([in, 3*out] Conv1D) gives the same linear_qkv as separate q/k/v Linear weights."""
     mha = CFG.replace(num_query_groups=None)
-    q, k, v = torch.randn(64, 64), torch.randn(64, 64), torch.randn(64, 64)
-    c_attn = torch.cat([q, k, v], dim=0).t().contiguous()
+    q, k, v = randn(64, 64), randn(64, 64), randn(64, 64)
+    c_attn = np.concatenate([q, k, v], axis=0).T.copy()
     m = FusedQKV("x", "c", conv1d=True)
-    assert torch.equal(m.to_megatron([c_attn], mha), group_qkv(q, k, v, 4, 4, 16))
-    assert torch.equal(m.to_hf(m.to_megatron([c_attn], mha), mha)[0], c_attn)
-    bias = torch.randn(192)
-    assert torch.equal(m.to_hf(m.to_megatron([bias], mha), mha)[0], bias)
+    assert np.array_equal(m.to_megatron([c_attn], mha), group_qkv(q, k, v, 4, 4, 16))
+    assert np.array_equal(m.to_hf(m.to_megatron([c_attn], mha), mha)[0], c_attn)
+    bias = randn(192)
+    assert np.array_equal(m.to_hf(m.to_megatron([bias], mha), mha)[0], bias)
 
 
 def test_rope_settings_v4_and_v5():
@@ -175,7 +181,7 @@ def test_stacks_rows_says_exactly_when_the_hf_tensors_are_the_slab_cut_in_row_ba
     shapes = model_tensors(config)
     for mapping in family.mappings(config):
         prefix = int(mapping.megatron.startswith("decoder.layers.")) + int(".experts.experts." in mapping.megatron)
-        slab = torch.randn(shapes[mapping.megatron][prefix:])
+        slab = randn(*shapes[mapping.megatron][prefix:])
         parts = [t.reshape(-1, *slab.shape[1:]) for t in mapping.to_hf(slab, config)]
-        stacked = torch.cat(parts) if all(p.shape[1:] == slab.shape[1:] for p in parts) else None
-        assert mapping.stacks_rows == (stacked is not None and stacked.shape == slab.shape and torch.equal(stacked, slab)), mapping.megatron
+        stacked = np.concatenate(parts) if all(p.shape[1:] == slab.shape[1:] for p in parts) else None
+        assert mapping.stacks_rows == (stacked is not None and stacked.shape == slab.shape and np.array_equal(stacked, slab)), mapping.megatron
