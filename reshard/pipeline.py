@@ -1,6 +1,6 @@
 """Ordered, bounded parallelism: workers prepare items ahead, the caller consumes them in order.
 
-Reading a slab (memory-mapped copies, tensorstore, safetensors) and hashing it (numpy matrix
+Reading a slab (`pread` into numpy buffers, tensorstore) and hashing it (numpy matrix
 products) release the GIL, so threads overlap them with each other and with the writer. Results
 come back in submission order, so what is written does not depend on the number of workers, and
 the items waiting in memory stay within a budget (bytes of slabs, for a conversion).

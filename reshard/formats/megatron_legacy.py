@@ -1,27 +1,25 @@
 """Megatron-LM's legacy format: one `torch.save` per model-parallel rank, stage-local layer numbers.
 
 `iter_N/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt`, each holding `args`, `iteration`
-and `model` (or `model0..N` with virtual pipeline stages). Read with `torch.load(mmap=True)` for the
-structure, then the bytes a region needs with `pread` (faulting mapped pages in ran at a quarter of
-the speed here); written with `StreamingTorchSave`, every local tensor's record placed when the writer
+and `model` (or `model0..N` with virtual pipeline stages). Read without torch: the pickle for the
+structure (`torch_blob.load_archive`: stand-ins, nothing run), then the bytes a region needs with
+`pread` where the zip's directory places its tensor's storage; written with `StreamingTorchSave`, every local tensor's record placed when the writer
 opens and written by the reader threads (of any rank of a multi-rank conversion).
 """
 
 from __future__ import annotations
 
-import io
 import re
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
 from reshard.buffers import PerThread, copy
 from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
-from reshard.dtypes import from_torch
 from reshard.errors import ReshardError
 from reshard.formats.base import (
     CheckpointReader,
@@ -34,18 +32,14 @@ from reshard.formats.base import (
     layout_from_args,
 )
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
-from reshard.formats.pages import Mapping, file_mappings, release_tensor
 from reshard.formats.torch_archive import Slot, StreamingTorchSave
-from reshard.formats.torch_blob import RecordFile, TensorRecord, load_archive
+from reshard.formats.torch_blob import RecordFile, TensorRecord, archive_tensor, load_archive
 from reshard.layout import RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import ObjectKey, canonical, spell, uses_te_names
 from reshard.sharding import (
     Piece, Region, contiguous_offset, full_region, intersect, pieces, pieces_by_slab, region_size, shift, slab_of, slabs, to_slices,
 )
-
-if TYPE_CHECKING:
-    import torch
 
 RANK_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -92,26 +86,6 @@ def _globalize(name: str, moe: bool) -> tuple[str, int | None, int | None]:
     return canonical(f"{match.group('head')}{tail}", "legacy", moe), int(match.group("index")), expert
 
 
-def _standins(value: Any) -> Any:
-    """Objects torch loaded, as `torch_blob.load_archive` gives them: what every writer pickles without torch."""
-    import torch
-
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    buffer.seek(0)
-    return load_archive(buffer, "a legacy checkpoint's state")
-
-
-def _is_tensor(value: Any) -> bool:
-    import torch
-
-    return isinstance(value, torch.Tensor)
-
-
-def _dtype(local: torch.Tensor) -> str:
-    return str(local.dtype).removeprefix("torch.")
-
-
 def _model_keys(vpp: int) -> list[str]:
     return ["model"] if vpp == 1 else [f"model{i}" for i in range(vpp)]
 
@@ -125,19 +99,18 @@ class LegacyReader(CheckpointReader):
             raise ReshardError(f"{path} is not a legacy Megatron checkpoint (no mp_rank_* directories)")
         self.path, self.tree = path, tree
         first = self._load_path(self._rank_file(sorted(p.name for p in tree.iteration_dir.iterdir() if _RANK_DIR.match(p.name))[0]))
-        args = args_dict(_standins(first.get("args")))
+        args = args_dict(first.get("args"))
         self.config = ModelConfig.from_megatron_args(args)
         self.layout = layout_from_args(args)
         self.te_names = uses_te_names(args)
         self._states: dict[RankCoord, dict[str, Any]] = {}
-        self._mappings: dict[RankCoord, list[Mapping]] = {}
         self._files: dict[RankCoord, RecordFile] = {}
         self._present = {rank for rank in ranks(self.layout) if self._rank_file(rank.legacy_dirname(self.layout)).is_file()}
         for rank in ranks(self.layout):
             self._holder(rank, experts=False)
             if self.config.is_moe:
                 self._holder(rank, experts=True)
-        extra = _standins({k: v for k, v in first.items() if k not in _NOT_COMMON and not k.startswith("model")})
+        extra = {k: v for k, v in first.items() if k not in _NOT_COMMON and not k.startswith("model")}
         self.common = CommonState(args=args, iteration=first.get("iteration", tree.iteration), extra=extra)
         # Legacy optimizer state is keyed by parameter index within each rank: tied to its layout.
         self.unsupported_optimizer = ["optimizer (legacy per-rank state)"] if "optimizer" in first else []
@@ -170,35 +143,22 @@ class LegacyReader(CheckpointReader):
 
     @staticmethod
     def _load_path(path: Path) -> dict[str, Any]:
-        import torch  # a rank file is torch's pickle of tensors and objects: torch reads it
-
-        try:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except Exception as exc:
-            raise ReshardError(f"{path} cannot be loaded ({exc.__class__.__name__}): the file is truncated or damaged") from None
+        state = load_archive(path, str(path))
+        if not isinstance(state, dict):
+            raise ReshardError(f"{path} does not hold a Megatron rank's state: the file is foreign or damaged")
+        return state
 
     def _state(self, rank: RankCoord) -> dict[str, Any]:
         key = RankCoord(pp=rank.pp, tp=rank.tp, ep=rank.ep)
         return cached(self._states, key, lambda: self._load_rank(key))
 
     def _load_rank(self, rank: RankCoord) -> dict[str, Any]:
-        path = self._rank_file(rank.legacy_dirname(self.layout))
-        state = self._load_path(path)
-        self._mappings[rank] = file_mappings(path)  # where torch mapped it: to find tensor bytes in the file
-        return state
-
-    def _file_offset(self, rank: RankCoord, local: torch.Tensor) -> int | None:
-        """Where `local`'s bytes lie in its rank file, from the mapping that holds them (None if the tensor
-        is not a dense view of a mapping of that file)."""
-        if not local.is_contiguous():
-            return None
-        first, last = local.data_ptr(), local.data_ptr() + local.numel() * local.element_size()
-        return next((first - m.start + m.offset for m in self._mappings.get(rank, []) if m.start <= first and last <= m.end), None)
+        return self._load_path(self._rank_file(rank.legacy_dirname(self.layout)))
 
     def _file(self, rank: RankCoord) -> RecordFile:
         return cached(self._files, rank, lambda: RecordFile(self._rank_file(rank.legacy_dirname(self.layout))))
 
-    def _model(self, rank: RankCoord) -> dict[str, torch.Tensor]:
+    def _model(self, rank: RankCoord) -> dict[str, Any]:
         state = self._state(rank)
         key = _model_keys(self.layout.vpp)[rank.vstage]
         if key not in state:
@@ -208,8 +168,8 @@ class LegacyReader(CheckpointReader):
     def _discover(self) -> dict[str, TensorSpec]:
         """Logical tensors and per-module objects, from the tp=0 ranks of every stage."""
         config, layout, moe = self.config, self.layout, self.config.is_moe
-        per_layer: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
-        singles: dict[str, torch.Tensor] = {}
+        per_layer: dict[str, dict[int, TensorRecord]] = defaultdict(dict)
+        singles: dict[str, TensorRecord] = {}
         seen: set[tuple[str, int, int | None]] = set()  # (tensor, layer, local expert): each once
         for chunk, layers in enumerate(layout.stage_layers(config.num_layers)):
             for ep in range(layout.ep):
@@ -219,12 +179,12 @@ class LegacyReader(CheckpointReader):
                     logical, local_layer, local_expert = _globalize(name, moe)
                     if name.endswith("_extra_state"):
                         self._add_object(logical, layers.start, local_layer, local_expert, ep, value)
-                    elif ep > 0 or not _is_tensor(value):
+                    elif ep > 0 or archive_tensor(value) is None:
                         continue  # other EP ranks repeat the dense tensors
                     elif name == "output_layer.weight" and config.tied_embeddings:
                         continue  # the last stage's copy of the tied embedding
                     elif local_layer is None:
-                        singles[logical] = value
+                        singles[logical] = archive_tensor(value)
                     else:
                         held = (logical, layers.start + local_layer, local_expert)
                         if local_layer >= len(layers) or held in seen:
@@ -233,14 +193,14 @@ class LegacyReader(CheckpointReader):
                                 f"its stage layers {layers.start}-{layers.stop - 1}: the stage sizes in the args are not the saved ones"
                             )
                         seen.add(held)
-                        per_layer[logical][layers.start + local_layer] = value
+                        per_layer[logical][layers.start + local_layer] = archive_tensor(value)
         for rank in sorted(self._present, key=lambda r: (r.pp, r.tp, r.ep)):  # one per rank that saved
             state = self._state(rank)
             if "rng_state" in state:
                 offsets, shape = (rank.pp, rank.tp), (layout.pp, layout.tp)
                 if layout.ep > 1:
                     offsets, shape = offsets + (rank.ep,), shape + (layout.ep,)
-                self.common.objects[str(ObjectKey("rng_state", offsets, shape))] = _standins(state["rng_state"])
+                self.common.objects[str(ObjectKey("rng_state", offsets, shape))] = state["rng_state"]
         specs: dict[str, TensorSpec] = {}
         for name, tensor in singles.items():
             specs[name] = self._global_spec(name, tensor, layer_axis=False)
@@ -273,12 +233,12 @@ class LegacyReader(CheckpointReader):
             assert self.config.num_experts is not None
             offsets += (ep * (self.config.num_experts // self.layout.ep) + local_expert,)
             shape += (self.config.num_experts,)
-        self.common.objects[str(ObjectKey(module, offsets, shape))] = _standins(value)
+        self.common.objects[str(ObjectKey(module, offsets, shape))] = value
 
-    def _global_spec(self, name: str, local: torch.Tensor, layer_axis: bool) -> TensorSpec:
+    def _global_spec(self, name: str, local: TensorRecord, layer_axis: bool) -> TensorSpec:
         """The logical spec of a per-rank tensor: undo the TP split and put back layer/expert axes."""
-        dtype = _dtype(local)
-        probe = describe(name, (1,) * (int(layer_axis) + 1 + local.dim()), dtype, self.config)
+        dtype = local.dtype
+        probe = describe(name, (1,) * (int(layer_axis) + 1 + len(local.shape)), dtype, self.config)
         dims = list(local.shape)
         if probe.tp_axis is not None and probe.tp_axis - probe.prefix_axes < len(dims):
             dims[probe.tp_axis - probe.prefix_axes] *= self.layout.expert_tp if probe.experts else self.layout.tp
@@ -293,14 +253,16 @@ class LegacyReader(CheckpointReader):
     def _piece_holder(self, name: str, piece: Piece) -> RankCoord:
         return self._holder(piece.rank, experts=self.specs[name].experts)
 
-    def _local(self, name: str, piece: Piece) -> torch.Tensor:
-        """The rank's (memory-mapped) tensor that holds `piece`."""
+    def _local(self, name: str, piece: Piece) -> TensorRecord:
+        """Where the rank's tensor that holds `piece` lies in its file."""
         local_key = local_name(name, piece, self.te_names, self.config.is_moe)
         holder = self._piece_holder(name, piece)
         model = self._model(holder)
         if local_key not in model:
             raise ReshardError(f"{self._rank_file(holder.legacy_dirname(self.layout))} lacks {local_key}: the checkpoint is incomplete")
-        local = model[local_key]
+        local = archive_tensor(model[local_key])
+        if local is None:
+            raise ReshardError(f"{self._rank_file(holder.legacy_dirname(self.layout))}: {local_key} is not a tensor; the file is damaged")
         if tuple(local.shape) != piece.local_shape:
             raise ReshardError(f"{local_key} has shape {tuple(local.shape)} on rank {piece.rank}, expected {piece.local_shape}")
         return local
@@ -319,26 +281,21 @@ class LegacyReader(CheckpointReader):
             )
             dest = out[to_slices(shift(inside, region))].reshape([b - a for a, b in local_region])  # size-1 axes only: a view
             file_rank = replace(self._piece_holder(name, piece), vstage=0)
-            offset = self._file_offset(file_rank, local)
-            if offset is None:
-                copy(dest, from_torch(local[to_slices(local_region)]))
-                release_tensor(local, self._mappings.get(file_rank, []))
-            else:  # read the bytes with pread instead of faulting the mapped pages in
-                self._file(file_rank).read_into(TensorRecord(_dtype(local), tuple(local.shape), offset), local_region, dest)
+            self._file(file_rank).read_into(local, local_region, dest)
             filled += region_size(inside)
         if filled != region_size(region):
             raise ReshardError(f"{name}: the rank files do not cover the tensor; the checkpoint is incomplete")
 
     def stored_records(self, name: str) -> list[StoredRecord]:
-        """Each primary piece where torch's own loader finds its values in the rank file (offset -1 where
-        they are not one run there: such a record is read back)."""
+        """Each primary piece where the rank file's zip directory places its values (offset -1 where they
+        are not one run there: such a record is read back)."""
         records = []
         for piece in self._primary(name):
             local = self._local(name, piece)
             file_rank = replace(self._piece_holder(name, piece), vstage=0)
-            start, within = self._file_offset(file_rank, local), contiguous_offset(piece.local_shape, piece.local_region)
-            offset = -1 if start is None or within is None else start + within * local.element_size()
-            records.append(StoredRecord(name, piece.region, _dtype(local), f"{file_rank.legacy_dirname(self.layout)}/{RANK_FILE}", offset))
+            within = contiguous_offset(piece.local_shape, piece.local_region)
+            offset = -1 if local.offset < 0 or within is None else local.offset + within * local.itemsize
+            records.append(StoredRecord(name, piece.region, local.dtype, f"{file_rank.legacy_dirname(self.layout)}/{RANK_FILE}", offset))
         return records
 
     def close(self) -> None:

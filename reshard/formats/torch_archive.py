@@ -24,7 +24,7 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import numpy as np
 from isal.isal_zlib import crc32 as _crc32  # zlib's CRC-32, 3.4x faster than the system zlib's here
@@ -150,13 +150,14 @@ class StorageRef:
 
 @dataclass(eq=False)
 class Stored:
-    """A storage read whole from another archive (a tensor in Megatron's common state or a per-module
-    object): `save_archive` writes its bytes as a record of its own."""
+    """A storage of an archive `torch_blob.load_archive` read (a tensor in Megatron's common state, a
+    per-module object or a legacy rank file): `save_archive` writes its bytes as a record of its own."""
 
     storage_type: Named  # torch's class for it, as the pickle names it
     location: str
     numel: int
-    data: bytes
+    read: Callable[[], bytes]  # its bytes
+    offset: int | None = None  # where they start in the archive's file, when it was read from one
 
 
 def tensor_call(key: str, dtype: str, shape: tuple[int, ...]) -> Call:
@@ -258,7 +259,7 @@ class _Archive:
         pickler = _ArchivePickler(buf, self.count)
         pickler.dump(obj)
         for key, stored in pickler.stored.values():
-            self.zip.add(f"{self.prefix}/data/{key}", stored.data)
+            self.zip.add(f"{self.prefix}/data/{key}", stored.read())
         records = (  # the small records torch writes after the pickle
             (".format_version", b"1"),
             (".storage_alignment", str(self.alignment).encode()),

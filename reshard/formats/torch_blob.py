@@ -7,6 +7,7 @@ the slice asked for, into its destination.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -15,15 +16,15 @@ import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 import numpy as np
 
 from reshard.buffers import PerThread, copy
 from reshard.direct_io import DirectFile
-from reshard.dtypes import DTYPE_NAMES, bits, from_torch, itemsize, numpy_dtype
+from reshard.dtypes import DTYPE_NAMES, bits, itemsize, numpy_dtype
 from reshard.errors import ReshardError
-from reshard.formats.pickles import Unpickler
+from reshard.formats.pickles import Call, Unpickler, named
 from reshard.formats.torch_archive import LEGACY_STORAGE_TYPES, StorageRef, Stored
 from reshard.sharding import Region, cut, long_axis, shift, to_slices
 
@@ -285,12 +286,12 @@ class RecordFile:
         data_offset, data_size = records[f"data/{header.key}"]
         size = itemsize(header.dtype)
         if not header.contiguous or data_size < (header.storage_offset + _numel(header.shape)) * size:
-            import torch  # only torch knows every way it lays a tensor out (rare: Megatron saves dense chunks)
-
-            blob = bytearray(length)
+            blob = bytearray(length)  # strided (rare: Megatron saves dense chunks): laid out from its storage
             self.read_exact(memoryview(blob), start)
-            loaded = from_torch(torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True).contiguous())
-            return TensorRecord(header.dtype, tuple(loaded.shape), -1, loaded)
+            record = archive_tensor(load_archive(io.BytesIO(blob), f"a record in {self.path}"))
+            if record is None:
+                raise ReshardError(f"{self.path}: expected a tensor record at offset {start}")
+            return record
         return TensorRecord(header.dtype, header.shape, data_offset + header.storage_offset * size)
 
     def read_into(self, record: TensorRecord, region: Region, dest: np.ndarray) -> None:
@@ -360,31 +361,89 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 class _ArchiveUnpickler(Unpickler):
-    """Stand-ins for every object (`pickles`); each storage read whole from the archive (`Stored`)."""
+    """Stand-ins for every object (`pickles`); each storage a `Stored` whose bytes `storage(key)` gives."""
 
-    def __init__(self, data: bytes, archive: zipfile.ZipFile, prefix: str):
+    def __init__(self, data: bytes, storage: Callable[[str], tuple[Callable[[], bytes], int | None]]):
         super().__init__(io.BytesIO(data))
-        self.archive, self.prefix = archive, prefix
+        self.storage = storage
         self.storages: dict[str, Stored] = {}  # one per key: views of one storage stay views of one storage
 
     def persistent_load(self, pid: Any) -> Stored:
         _, storage_type, key, location, numel = pid
         if key not in self.storages:
-            self.storages[key] = Stored(storage_type, location, numel, self.archive.read(f"{self.prefix}/data/{key}"))
+            read, offset = self.storage(str(key))
+            self.storages[key] = Stored(storage_type, location, numel, read, offset)
         return self.storages[key]
 
 
-def load_archive(f: Any, what: str) -> Any:
-    """What `torch.save` wrote to `f` (a path or a binary file), as stand-ins: without torch, and without
-    running anything in it. `what` names it in the error for a damaged or foreign file."""
+def load_archive(source: Path | BinaryIO, what: str) -> Any:
+    """What `torch.save` wrote to `source`, as stand-ins: without torch, and without running anything in
+    it. From a file object, storages are read into memory; from a path (a legacy rank file of several GB),
+    only where they lie is noted, and a storage is read when it is pickled again (`Stored.read`).
+    `what` names the source in the error for a damaged or foreign one."""
     try:
-        with zipfile.ZipFile(f) as archive:
+        if isinstance(source, Path):
+            return _load_file(source)
+        with zipfile.ZipFile(source) as archive:
             pickled = [name for name in archive.namelist() if name.endswith("/data.pkl") and name.count("/") == 1]
             if len(pickled) != 1:
                 raise ReshardError(f"{what} is not a torch.save archive: the checkpoint is damaged")
             prefix = pickled[0].split("/")[0]
-            return _ArchiveUnpickler(archive.read(pickled[0]), archive, prefix).load()
+            storages = {key: archive.read(f"{prefix}/data/{key}") for key in _keys(archive.namelist(), prefix)}
+            return _ArchiveUnpickler(archive.read(pickled[0]), lambda key: (lambda: storages[key], None)).load()
     except ReshardError:
         raise
     except Exception as exc:  # a truncated, foreign or damaged file
         raise ReshardError(f"{what} cannot be loaded ({exc.__class__.__name__}): the checkpoint is damaged") from None
+
+
+def _keys(names: list[str], prefix: str) -> list[str]:
+    return [name.split("/data/", 1)[1] for name in names if name.startswith(f"{prefix}/data/")]
+
+
+def _load_file(path: Path) -> Any:
+    file = RecordFile(path)
+    try:
+        records, ends = file._records(0, os.fstat(file.fd).st_size)
+        pkl_offset, pkl_size = records["data.pkl"]
+        pickled = ends.read(pkl_offset, pkl_size)
+    finally:
+        file.close()
+
+    def storage(key: str) -> tuple[Callable[[], bytes], int]:
+        offset, size = records[f"data/{key}"]
+        return functools.partial(_read_range, path, offset, size), offset
+
+    return _ArchiveUnpickler(pickled, storage).load()
+
+
+def _read_range(path: Path, offset: int, size: int) -> bytes:
+    with open(path, "rb") as f:
+        data = os.pread(f.fileno(), size, offset)
+    if len(data) != size:
+        raise ReshardError(f"{path} is truncated: the checkpoint is damaged")
+    return data
+
+
+_REBUILDS = {named("torch._utils", "_rebuild_tensor_v2"), named("torch._utils", "_rebuild_tensor_v3")}
+
+
+def archive_tensor(value: Any) -> TensorRecord | None:
+    """Where the values of a tensor that `load_archive` read from a path lie (None for any other value):
+    its record when it is dense in the file, else its values, laid out from its storage's bytes."""
+    if not (isinstance(value, Call) and value.function in _REBUILDS and isinstance(value.args[0], Stored)):
+        return None
+    storage, storage_offset, size, stride = value.args[:4]
+    if value.function.qualname == "_rebuild_tensor_v3":
+        dtype = value.args[6].qualname
+    else:
+        dtype = _STORAGE_DTYPES[storage.storage_type.qualname]
+    shape = tuple(int(d) for d in (size.args[0] if isinstance(size, Call) else size))
+    header = TensorHeader(dtype, "", int(storage_offset), shape, tuple(int(s) for s in stride))
+    if header.contiguous and storage.offset is not None:
+        return TensorRecord(dtype, shape, storage.offset + header.storage_offset * itemsize(dtype))
+    values = np.frombuffer(storage.read(), dtype=bits(np.empty(0, numpy_dtype(dtype))).dtype)
+    if min(shape, default=1) > 0 and header.storage_offset + sum((d - 1) * s for d, s in zip(shape, header.stride)) >= values.size:
+        raise ReshardError("a tensor reaches past its storage: the checkpoint is damaged")
+    laid = np.lib.stride_tricks.as_strided(values[header.storage_offset :], shape, [s * values.itemsize for s in header.stride])
+    return TensorRecord(dtype, shape, -1, laid.copy().view(numpy_dtype(dtype)))

@@ -148,3 +148,40 @@ def test_a_zip_whose_offsets_count_from_the_file_start_reads_through_zipfile(tmp
     blob = path.read_bytes()[5000:]
     assert _entries(blob) is None
     _read_back(path, 5000, len(blob), saved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_strided_records_are_laid_out_from_their_storage(tmp_path, dtype):
+    """torch.save of a transposed tensor or a strided view keeps the storage and its strides: read back
+    without torch, as torch.load gives them."""
+    base = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8).to(dtype)
+    path = tmp_path / "records"
+    for view in (base.t(), base[1:5, ::3], base[2:, 1:].t()[::2]):
+        with open(path, "wb") as f:
+            torch.save(view, f)
+            length = f.tell()
+        _read_back(path, 0, length, view.contiguous())
+
+
+def test_a_record_reaching_past_its_storage_is_refused(tmp_path):
+    from reshard.formats.torch_archive import save_archive, tensor_call
+
+    buffer = io.BytesIO()
+    stride_call = tensor_call("0", "float32", (4, 4))  # a dense tensor's pickle...
+    stride_call.args = (stride_call.args[0], 0, stride_call.args[2], (8, 1), *stride_call.args[4:])  # ...with rows 8 apart
+    save_archive(stride_call, buffer)  # no storage record is written for a StorageRef: add one of 16 values
+    blob = buffer.getvalue()
+    with zipfile.ZipFile(io.BytesIO(blob)) as zf:
+        entries = {name: zf.read(name) for name in zf.namelist()}
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        for name, data in entries.items():
+            zf.writestr(name, data)
+        zf.writestr("archive/data/0", bytes(16 * 4))
+    (tmp_path / "record").write_bytes(out.getvalue())
+    f = RecordFile(tmp_path / "record")
+    try:
+        with pytest.raises(ReshardError, match="reaches past its storage"):
+            f.record(0, len(out.getvalue()))
+    finally:
+        f.close()
