@@ -3,8 +3,9 @@
 `iter_N/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt`, each holding `args`, `iteration`
 and `model` (or `model0..N` with virtual pipeline stages). Read without torch: the pickle for the
 structure (`torch_blob.load_archive`: stand-ins, nothing run), then the bytes a region needs with
-`pread` where the zip's directory places its tensor's storage; written with `StreamingTorchSave`, every local tensor's record placed when the writer
-opens and written by the reader threads (of any rank of a multi-rank conversion).
+`pread` where the zip's directory places its tensor's storage; written with `StreamingTorchSave`,
+every local tensor's record placed when the writer opens and written by the reader threads (of any
+rank of a multi-rank conversion).
 """
 
 from __future__ import annotations
@@ -177,14 +178,15 @@ class LegacyReader(CheckpointReader):
                 dense, experts = self._holder(rank, experts=False), self._holder(rank, experts=moe)
                 for name, value in self._entries(dense, experts):
                     logical, local_layer, local_expert = _globalize(name, moe)
+                    local = archive_tensor(value)
                     if name.endswith("_extra_state"):
                         self._add_object(logical, layers.start, local_layer, local_expert, ep, value)
-                    elif ep > 0 or archive_tensor(value) is None:
+                    elif ep > 0 or local is None:
                         continue  # other EP ranks repeat the dense tensors
                     elif name == "output_layer.weight" and config.tied_embeddings:
                         continue  # the last stage's copy of the tied embedding
                     elif local_layer is None:
-                        singles[logical] = archive_tensor(value)
+                        singles[logical] = local
                     else:
                         held = (logical, layers.start + local_layer, local_expert)
                         if local_layer >= len(layers) or held in seen:
@@ -193,7 +195,7 @@ class LegacyReader(CheckpointReader):
                                 f"its stage layers {layers.start}-{layers.stop - 1}: the stage sizes in the args are not the saved ones"
                             )
                         seen.add(held)
-                        per_layer[logical][layers.start + local_layer] = archive_tensor(value)
+                        per_layer[logical][layers.start + local_layer] = local
         for rank in sorted(self._present, key=lambda r: (r.pp, r.tp, r.ep)):  # one per rank that saved
             state = self._state(rank)
             if "rng_state" in state:

@@ -236,7 +236,7 @@ class TensorRecord:
     dtype: str
     shape: tuple[int, ...]
     offset: int
-    loaded: np.ndarray | None = None  # a record torch.load had to decode (not a plain dense one)
+    loaded: np.ndarray | None = None  # a strided record's values, laid out from its storage (offset -1)
 
     @property
     def itemsize(self) -> int:
