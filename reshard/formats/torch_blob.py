@@ -402,6 +402,9 @@ def _keys(names: list[str], prefix: str) -> list[str]:
 
 
 def _load_file(path: Path) -> Any:
+    with open(path, "rb") as f:
+        if f.read(2) != b"PK":  # torch.save has written zip archives since torch 1.6
+            raise ReshardError(f"{path} is not a zip-format torch.save file (saved before torch 1.6?): load and save it again with a newer torch")
     file = RecordFile(path)
     try:
         records, ends = file._records(0, os.fstat(file.fd).st_size)

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +136,18 @@ def test_missing_legacy_rank_file_is_reported(tmp_path):
     write_synthetic(tmp_path / "leg", TINY_LLAMA, Layout(tp=2), "legacy")
     (tmp_path / "leg" / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt").unlink()
     _one_line_error(reshard("inspect", tmp_path / "leg"), "mp_rank_01", "missing")
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda blob: blob[: len(blob) // 2], ("model_optim_rng.pt", "cannot be loaded")),  # truncated: no zip directory
+    (lambda blob: pickle.dumps({"args": None}), ("not a zip-format torch.save file", "newer torch")),  # torch < 1.6's format
+], ids=["truncated", "pre-zip"])
+def test_a_damaged_or_old_legacy_rank_file_is_reported(tmp_path, damage, words):
+    write_synthetic(tmp_path / "leg", TINY_LLAMA, Layout(tp=2), "legacy")
+    rank_file = tmp_path / "leg" / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
+    rank_file.write_bytes(damage(rank_file.read_bytes()))
+    _one_line_error(reshard("convert", tmp_path / "leg", tmp_path / "out", "--to-tp", 1), *words)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_full_disk_is_the_users_to_fix_not_an_internal_error(ckpt, tmp_path, monkeypatch, capsys):
