@@ -51,7 +51,9 @@ def named(module: str, qualname: str) -> Named:
 
 class Call:
     """An object a pickle builds from a stand-in: `function(*args)` (or `function.__new__`), then its state
-    (BUILD) and the items appended to it or set in it."""
+    (BUILD) and the items appended to it or set in it. Compared and hashed by identity, as it is mutable
+    and used as a dict key (DCP's `MetadataIndex`: a hash of its call's arguments, the same for every
+    index, made writing a 12 GB checkpoint's `.metadata` quadratic)."""
 
     def __init__(self, function: Named, args: tuple, kwargs: dict[str, Any], new: bool):
         self.function, self.args, self.kwargs, self.new = function, args, kwargs, new
@@ -70,15 +72,6 @@ class Call:
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.entries.append((key, value))
-
-    def _key(self) -> tuple:
-        return self.function, self.args, self.kwargs, self.new, self.state, self.items, self.entries
-
-    def __eq__(self, other: object) -> bool:  # two loads of one pickle compare equal, as the real objects would
-        return isinstance(other, Call) and self._key() == other._key()
-
-    def __hash__(self) -> int:  # an enum member or a torch.Size: hashable by its call's arguments
-        return hash((self.function, self.args))
 
     def __repr__(self) -> str:
         return f"{self.function!r}{self.args!r}"
