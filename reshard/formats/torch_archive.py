@@ -157,7 +157,8 @@ class Stored:
     location: str
     numel: int
     read: Callable[[], bytes]  # its bytes
-    offset: int | None = None  # where they start in the archive's file, when it was read from one
+    offset: int | None  # where they start in the archive's file (None: read from memory)
+    nbytes: int
 
 
 def tensor_call(key: str, dtype: str, shape: tuple[int, ...]) -> Call:

@@ -10,10 +10,8 @@ from __future__ import annotations
 import functools
 import io
 import os
-import pickle
 import struct
 import zipfile
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
@@ -22,17 +20,17 @@ import numpy as np
 
 from reshard.buffers import PerThread, copy
 from reshard.direct_io import DirectFile
-from reshard.dtypes import DTYPE_NAMES, bits, itemsize, numpy_dtype
+from reshard.dtypes import bits, itemsize, numpy_dtype
 from reshard.errors import ReshardError
 from reshard.formats.pickles import Call, Unpickler, named
-from reshard.formats.torch_archive import LEGACY_STORAGE_TYPES, StorageRef, Stored
+from reshard.formats.torch_archive import LEGACY_STORAGE_TYPES, Stored
 from reshard.sharding import Region, cut, long_axis, shift, to_slices
 
 
 @dataclass(frozen=True)
-class TensorHeader:
-    dtype: str
-    key: str
+class _Layout:
+    """How a pickled tensor lies in its storage."""
+
     storage_offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -49,41 +47,6 @@ class TensorHeader:
 
 
 _STORAGE_DTYPES = {name: dtype for dtype, name in LEGACY_STORAGE_TYPES.items()}
-_BYTES = object()  # an UntypedStorage: its size is in bytes, the dtype comes with the tensor
-
-
-def _rebuild_stub(storage: StorageRef, offset: int, size: Any, stride: Any, *rest: Any) -> TensorHeader:
-    return TensorHeader(storage.dtype, storage.key, int(offset), tuple(size), tuple(stride))
-
-
-def _rebuild_stub_v3(storage: StorageRef, offset: int, size: Any, stride: Any, grad: Any, hooks: Any, dtype: str,
-                     *rest: Any) -> TensorHeader:
-    return TensorHeader(dtype, storage.key, int(offset), tuple(size), tuple(stride))
-
-
-class _HeaderUnpickler(pickle.Unpickler):
-    """Reads the structure of a tensor pickle without constructing anything but the header."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_stub
-        if module == "torch._utils" and name == "_rebuild_tensor_v3":
-            return _rebuild_stub_v3
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
-        if module == "torch.storage" and name == "UntypedStorage":
-            return _BYTES
-        if module == "torch" and name in DTYPE_NAMES:
-            return name
-        if module == "torch" and name == "Size":
-            return tuple
-        if module == "collections" and name == "OrderedDict":
-            return OrderedDict
-        raise pickle.UnpicklingError(f"unexpected object {module}.{name} in a tensor record")
-
-    def persistent_load(self, pid: Any) -> StorageRef:
-        _, dtype, key, _location, numel = pid
-        return StorageRef("uint8" if dtype is _BYTES else dtype, str(key), int(numel))
 
 
 class _FileWindow(io.RawIOBase):
@@ -278,21 +241,22 @@ class RecordFile:
 
     def record(self, start: int, length: int) -> TensorRecord:
         """The tensor that `torch.save` wrote at [start, start+length)."""
+        record = archive_tensor(self.unpickle(start, length))
+        if record is None:
+            raise ReshardError(f"{self.path}: expected a tensor record at offset {start}")
+        return record
+
+    def unpickle(self, start: int, length: int) -> Any:
+        """What `torch.save` wrote at [start, start+length), as stand-ins (`pickles`): the pickle is read
+        from the blob's ends, and each storage only noted where it lies (`Stored.read` reads it)."""
         records, ends = self._records(start, length)
         pkl_offset, pkl_size = records["data.pkl"]
-        header = _HeaderUnpickler(io.BytesIO(ends.read(pkl_offset - start, pkl_size))).load()
-        if not isinstance(header, TensorHeader):
-            raise ReshardError(f"{self.path}: expected a tensor record at offset {start}")
-        data_offset, data_size = records[f"data/{header.key}"]
-        size = itemsize(header.dtype)
-        if not header.contiguous or data_size < (header.storage_offset + _numel(header.shape)) * size:
-            blob = bytearray(length)  # strided (rare: Megatron saves dense chunks): laid out from its storage
-            self.read_exact(memoryview(blob), start)
-            record = archive_tensor(load_archive(io.BytesIO(blob), f"a record in {self.path}"))
-            if record is None:
-                raise ReshardError(f"{self.path}: expected a tensor record at offset {start}")
-            return record
-        return TensorRecord(header.dtype, header.shape, data_offset + header.storage_offset * size)
+
+        def storage(key: str) -> tuple[Callable[[], bytes], int, int]:
+            offset, size = records[f"data/{key}"]
+            return functools.partial(_read_range, self.path, offset, size), offset, size
+
+        return _ArchiveUnpickler(ends.read(pkl_offset - start, pkl_size), storage).load()
 
     def read_into(self, record: TensorRecord, region: Region, dest: np.ndarray) -> None:
         """Copy `region` (in the record's own coordinates) of the record's tensor into `dest`."""
@@ -363,7 +327,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 class _ArchiveUnpickler(Unpickler):
     """Stand-ins for every object (`pickles`); each storage a `Stored` whose bytes `storage(key)` gives."""
 
-    def __init__(self, data: bytes, storage: Callable[[str], tuple[Callable[[], bytes], int | None]]):
+    def __init__(self, data: bytes, storage: Callable[[str], tuple[Callable[[], bytes], int | None, int]]):
         super().__init__(io.BytesIO(data))
         self.storage = storage
         self.storages: dict[str, Stored] = {}  # one per key: views of one storage stay views of one storage
@@ -371,8 +335,7 @@ class _ArchiveUnpickler(Unpickler):
     def persistent_load(self, pid: Any) -> Stored:
         _, storage_type, key, location, numel = pid
         if key not in self.storages:
-            read, offset = self.storage(str(key))
-            self.storages[key] = Stored(storage_type, location, numel, read, offset)
+            self.storages[key] = Stored(storage_type, location, numel, *self.storage(str(key)))
         return self.storages[key]
 
 
@@ -389,16 +352,16 @@ def load_archive(source: Path | BinaryIO, what: str) -> Any:
             if len(pickled) != 1:
                 raise ReshardError(f"{what} is not a torch.save archive: the checkpoint is damaged")
             prefix = pickled[0].split("/")[0]
-            storages = {key: archive.read(f"{prefix}/data/{key}") for key in _keys(archive.namelist(), prefix)}
-            return _ArchiveUnpickler(archive.read(pickled[0]), lambda key: (lambda: storages[key], None)).load()
+
+            def storage(key: str) -> tuple[Callable[[], bytes], None, int]:
+                data = archive.read(f"{prefix}/data/{key}")
+                return (lambda: data), None, len(data)
+
+            return _ArchiveUnpickler(archive.read(pickled[0]), storage).load()
     except ReshardError:
         raise
     except Exception as exc:  # a truncated, foreign or damaged file
         raise ReshardError(f"{what} cannot be loaded ({exc.__class__.__name__}): the checkpoint is damaged") from None
-
-
-def _keys(names: list[str], prefix: str) -> list[str]:
-    return [name.split("/data/", 1)[1] for name in names if name.startswith(f"{prefix}/data/")]
 
 
 def _load_file(path: Path) -> Any:
@@ -407,17 +370,9 @@ def _load_file(path: Path) -> Any:
             raise ReshardError(f"{path} is not a zip-format torch.save file (saved before torch 1.6?): load and save it again with a newer torch")
     file = RecordFile(path)
     try:
-        records, ends = file._records(0, os.fstat(file.fd).st_size)
-        pkl_offset, pkl_size = records["data.pkl"]
-        pickled = ends.read(pkl_offset, pkl_size)
+        return file.unpickle(0, os.fstat(file.fd).st_size)
     finally:
         file.close()
-
-    def storage(key: str) -> tuple[Callable[[], bytes], int]:
-        offset, size = records[f"data/{key}"]
-        return functools.partial(_read_range, path, offset, size), offset
-
-    return _ArchiveUnpickler(pickled, storage).load()
 
 
 def _read_range(path: Path, offset: int, size: int) -> bytes:
@@ -432,8 +387,9 @@ _REBUILDS = {named("torch._utils", "_rebuild_tensor_v2"), named("torch._utils", 
 
 
 def archive_tensor(value: Any) -> TensorRecord | None:
-    """Where the values of a tensor that `load_archive` read from a path lie (None for any other value):
-    its record when it is dense in the file, else its values, laid out from its storage's bytes."""
+    """Where the values of a pickled tensor (as `RecordFile.unpickle` or `load_archive` give it) lie, None
+    for any other value: its record when it is dense in its file, else its values, laid out from its
+    storage's bytes (rare: Megatron saves dense tensors)."""
     if not (isinstance(value, Call) and value.function in _REBUILDS and isinstance(value.args[0], Stored)):
         return None
     storage, storage_offset, size, stride = value.args[:4]
@@ -442,8 +398,9 @@ def archive_tensor(value: Any) -> TensorRecord | None:
     else:
         dtype = _STORAGE_DTYPES[storage.storage_type.qualname]
     shape = tuple(int(d) for d in (size.args[0] if isinstance(size, Call) else size))
-    header = TensorHeader(dtype, "", int(storage_offset), shape, tuple(int(s) for s in stride))
-    if header.contiguous and storage.offset is not None:
+    header = _Layout(int(storage_offset), shape, tuple(int(s) for s in stride))
+    dense_end = (header.storage_offset + _numel(shape)) * itemsize(dtype)
+    if header.contiguous and storage.offset is not None and dense_end <= storage.nbytes:
         return TensorRecord(dtype, shape, storage.offset + header.storage_offset * itemsize(dtype))
     values = np.frombuffer(storage.read(), dtype=bits(np.empty(0, numpy_dtype(dtype))).dtype)
     if min(shape, default=1) > 0 and header.storage_offset + sum((d - 1) * s for d, s in zip(shape, header.stride)) >= values.size:
