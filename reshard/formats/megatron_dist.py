@@ -16,7 +16,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
@@ -49,6 +49,7 @@ from reshard.sharding import Piece, Region, RegionIndex, region_size, shift, spl
 
 HEADER_THREADS = 8  # small reads in flight at once: the disk answers many as fast as one
 
+T = TypeVar("T")
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 
 
@@ -123,16 +124,10 @@ class TorchDistReader(CheckpointReader):
             self._index[name] = RegionIndex(self._chunks[name])
 
     def _object(self, info: Storage) -> object:
-        path = self.tree.iteration_dir / info.relative_path
-        with open(path, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
-        if len(data) != info.length:
-            raise ReshardError(f"{path} is truncated: the checkpoint is damaged")
+        file, values = self._decode(info, "an object", RecordFile.unpickle)
         # Megatron serializes a ShardedObject as the list of its data on the saving rank.
-        values = load_archive(io.BytesIO(data), f"an object in {path}")
         if not (isinstance(values, list) and len(values) == 1):
-            raise ReshardError(f"{path}: a ShardedObject is not encoded as Megatron encodes them; the file is foreign or damaged")
+            raise ReshardError(f"{file.path}: a ShardedObject is not encoded as Megatron encodes them; the file is foreign or damaged")
         return values[0]
 
     def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
@@ -179,6 +174,11 @@ class TorchDistReader(CheckpointReader):
         return cached(self._records, (info.relative_path, info.offset), lambda: self._parse(info))
 
     def _parse(self, info: Storage) -> tuple[RecordFile, TensorRecord]:
+        return self._decode(info, "a chunk", RecordFile.record)
+
+    def _decode(self, info: Storage, what: str, how: Callable[[RecordFile, int, int], T]) -> tuple[RecordFile, T]:
+        """`how` applied to the blob `info` places in its file (each file opened once); a missing, truncated
+        or undecodable blob is refused in a line."""
         if info.transformed:
             raise ReshardError(f"{info.relative_path}: DCP stream transforms (compression) are not supported")
         path = self.tree.iteration_dir / info.relative_path
@@ -188,11 +188,11 @@ class TorchDistReader(CheckpointReader):
             raise ReshardError(f"{path} is truncated: the checkpoint is damaged")
         file = cached(self._files, path, lambda: RecordFile(path))
         try:
-            return file, file.record(info.offset, info.length)
+            return file, how(file, info.offset, info.length)
         except ReshardError:
             raise
         except Exception as exc:
-            raise ReshardError(f"{path}: a chunk cannot be decoded ({exc.__class__.__name__}); the file is damaged") from None
+            raise ReshardError(f"{path}: {what} cannot be decoded ({exc.__class__.__name__}); the file is damaged") from None
 
     def close(self) -> None:
         self._closed = True
