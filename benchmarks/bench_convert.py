@@ -308,19 +308,20 @@ def machine_info(work: Path) -> dict:
 def build_main(kind: str, path: Path, size_gb: float) -> None:
     """Write the synthetic source checkpoint (dense: TP4 local names, so Megatron's CPU model loads it)."""
     from fixtures.synthetic import SyntheticReader
-    from reshard.convert import stream
     from reshard.layout import Layout
     from reshard.plan import make_plan
+    from reshard.request import Target
+    from reshard.streaming import stream
 
     if kind == "dense":
-        config, layout, options = dense_config(size_gb), Layout(tp=4), {"te_names": False}
+        config, layout, naming = dense_config(size_gb), Layout(tp=4), "local"
     else:
-        config, layout, options = moe_config(size_gb), Layout(tp=2, ep=4), {}
+        config, layout, naming = moe_config(size_gb), Layout(tp=2, ep=4), None
     reader = SyntheticReader(config, layout, "bfloat16", seed=0)
     if kind == "dense":  # local-spec names (input_layernorm...): what trainer.model.build_model's GPTModel holds
         reader.common.args["transformer_impl"] = "local"
-    plan = make_plan(reader, path, "torch_dist", layout, te_names=options.get("te_names"))
-    stream(reader, plan, options, None)
+    plan = make_plan(reader, path, Target(format="torch_dist", layout=layout, naming=naming))
+    stream(reader, plan)
 
 
 _COLUMN = re.compile(r"(linear_qkv\.(weight|bias)|linear_fc1\.(weight|bias)|word_embeddings\.weight|output_layer\.weight)$")
@@ -571,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         return res
 
     def measure_multi_rank(source: Path, out: Path, ranks: int) -> None:
-        """reshard TP4->TP8 as one conversion over `ranks` processes (reshard.distributed: each rank writes a
+        """reshard TP4->TP8 as one conversion over `ranks` processes (reshard.collective: each rank writes a
         share, rank 0 the metadata), under torchrun; timed and measured as a whole process tree."""
         name = f"reshard TP4->TP8 torch_dist, {ranks} ranks (torchrun)"
         rmtree(out)

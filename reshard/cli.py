@@ -94,15 +94,17 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
 
     Example: reshard convert ckpts/run1 ckpts/run1-tp8 --tp 4 --to-tp 8
     """
+    from reshard.collective import world
     from reshard.convert import convert as do_convert
-    from reshard.layout import Layout
+    from reshard.request import LayoutChange, Run, SourceHints, Target
 
     # torch's objects are long-lived: keep the collector from walking them again and again mid-stream
     # (five full collections took 0.3 s of a 3 GB conversion)
     gc.freeze()
 
-    def layout(base: Layout) -> Layout:  # the source's layout with the --to-* changes
-        return base.retarget(
+    target = Target(
+        format=opts["to_format"],
+        layout=LayoutChange(
             tp=opts["to_tp"],
             pp=opts["to_pp"],
             ep=opts["to_ep"],
@@ -110,39 +112,30 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
             vpp=opts["to_vpp"],
             first_stage_layers=opts["first_stage_layers"],
             last_stage_layers=opts["last_stage_layers"],
-        )
-
-    writer_options = {}
-    if opts["naming"]:
-        writer_options["te_names"] = opts["naming"] == "te"
-    dtype = None
-    if opts["dtype"]:
-        from reshard.logical import normalize_dtype
-
-        dtype = normalize_dtype(opts["dtype"])
-    from reshard.distributed import world
-
+        ),
+        dtype=opts["dtype"],
+        optimizer=not opts["no_optimizer"],
+        naming=opts["naming"],
+    )
+    run = Run(
+        workers=opts["workers"],
+        max_memory=parse_bytes(opts["max_memory"]) if opts["max_memory"] else None,
+        reread=opts["reread"],
+        check_space=not opts["no_space_check"],
+    )
     rank = world()[0]
     bar = _progress_bar("converting", opts["quiet"] or opts["dry_run"] or rank != 0)
     with bar:
         result = do_convert(
             source,
             destination,
-            to_format=opts["to_format"],
-            layout=layout,
-            expect_layout={"tp": opts["tp"], "pp": opts["pp"], "ep": opts["ep"]},
-            optimizer=not opts["no_optimizer"],
+            target,
+            hints=SourceHints(tp=opts["tp"], pp=opts["pp"], ep=opts["ep"], vocab_size=opts["vocab_size"]),
+            run=run,
             overwrite=opts["overwrite"],
             dry_run=opts["dry_run"],
-            vocab_size=opts["vocab_size"],
-            dtype=dtype,
-            writer_options=writer_options,
-            progress=lambda n: bar.update(n),
             planned=lambda plan: setattr(bar, "total", plan.bytes_moved),  # bytes, as `progress` counts
-            workers=opts["workers"],
-            max_memory=parse_bytes(opts["max_memory"]) if opts["max_memory"] else None,
-            reread=opts["reread"],
-            check_space=not opts["no_space_check"],
+            progress=lambda n: bar.update(n),
         )
     plan = result.plan
     if rank != 0:

@@ -1,35 +1,27 @@
-"""`convert`: stream a checkpoint into another format and/or layout, verify it, then move it into place."""
+"""`convert`: a conversion as one transaction: plan, stream into a temporary sibling (resuming an
+interrupted run), verify what was written, then rename it into place. One pipeline for a single process
+and for the ranks of a multi-rank conversion (`reshard.collective`)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-import numpy as np
-
-from reshard import __version__
 from reshard.buffers import Pool
-from reshard.checksum import Checksum, HashedParts, TensorChecksum
-from reshard.distributed import convert_distributed, process_group, world
+from reshard.checksum import Checksum
+from reshard.collective import Collective, joined, shares
 from reshard.errors import KeepsPartial, ReshardError
-from reshard.formats import WRITERS, open_checkpoint
+from reshard.formats import open_checkpoint
 from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
-from reshard.layout import Layout
-from reshard.logical import normalize_dtype
-from reshard.pipeline import ordered_map
-from reshard.dtypes import itemsize, numpy_dtype
-from reshard.plan import BAND_BYTES, ConversionPlan, TensorMove, Unit, human_bytes, make_plan
-from reshard.sharding import Piece, Region, bands, region_size, shift, to_slices
+from reshard.plan import ConversionPlan, human_bytes, make_plan
+from reshard.request import Run, SourceHints, Target
+from reshard.streaming import Progress, manifest_for, write_moves
 from reshard.verify import compare, compute_checksums
-from reshard.worklog import Done, Recorder, Resumed, WorkLog, fingerprint
-
-Progress = Callable[[int], None]  # called with the bytes just processed
-
+from reshard.worklog import Recorder, Resumed, WorkLog, fingerprint
 
 @dataclass
 class ConversionResult:
@@ -38,193 +30,10 @@ class ConversionResult:
     seconds: float
 
 
-def read_slab(reader: CheckpointReader, move: TensorMove, slab: Region, out: np.ndarray) -> None:
-    """Fill `out` with the target slab's values: the source region, zero-padded where the target
-    vocabulary is larger."""
-    source_rows = move.source.shape[0] if move.source.shape else 1
-    if not move.target.vocab or slab[0][1] <= source_rows:
-        reader.read_into(move.source.name, slab, out)
-        return
-    inside = ((slab[0][0], min(slab[0][1], source_rows)), *slab[1:])
-    rows = max(0, inside[0][1] - inside[0][0])
-    out[rows:] = 0
-    if rows:
-        reader.read_into(move.source.name, inside, out[:rows])
-
-
-@dataclass
-class _Prepared:
-    """One slab read (and hashed) by a worker, waiting to be written in order."""
-
-    move: TensorMove
-    slab: Region
-    pieces: list[Piece]  # the target pieces in this slab
-    data: np.ndarray
-    buffer: np.ndarray  # the pool's slab buffer, given back once written (`data` unless cast)
-    prepared: Any  # the writer's `prepare` result
-    as_read: TensorChecksum  # of the source values
-    as_written: TensorChecksum  # of the values after a dtype cast (the same object when there is none)
-
-
-def new_writer(plan: ConversionPlan, writer_options: dict[str, Any]) -> CheckpointWriter:
-    specs = {m.target.name: m.target for m in plan.moves}
-    return WRITERS[plan.target_format](plan.target, plan.config, plan.target_layout, specs, plan.common, **writer_options)
-
-
-def write_moves(
-    reader: CheckpointReader,
-    plan: ConversionPlan,
-    writer: CheckpointWriter,
-    progress: Progress | None,
-    workers: int = 1,
-    finished: Callable[[Done], None] | None = None,
-    pool: Pool | None = None,
-) -> tuple[dict[str, Checksum], dict[str, Checksum]]:
-    """Copy every tensor of the plan into `writer`, unit of work by unit (`ConversionPlan.units`: slabs, a
-    large one in parts). Returns the checksums of the values as written (after a cast to the target dtype,
-    when a move changes it) and as read. Workers read and hash units ahead (within `plan.read_ahead`
-    bytes); the writer takes them in plan order, so the output is the same whatever the number of workers.
-    `finished` hears of each tensor once it is wholly written."""
-    content = {m.target.name: reader.config.vocab_rows if m.target.vocab else None for m in plan.moves}
-    pool = pool or Pool()
-    helpers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard-band") if workers > 1 else None
-
-    def read_and_hash(move: TensorMove, slab: Region, out: np.ndarray) -> TensorChecksum:
-        """Read `slab` into `out` and hash it, in bands on the helper threads when it is large."""
-
-        def band(region: Region) -> TensorChecksum:
-            view = out[to_slices(shift(region, slab))]
-            read_slab(reader, move, region, view)
-            part = TensorChecksum(move.target.shape, move.source.dtype, content[move.target.name])
-            part.add(region, view)
-            return part
-
-        size = out.nbytes
-        if helpers is None or size < 2 * BAND_BYTES:
-            return band(slab)
-        parts = list(helpers.map(band, bands(slab, min(workers, size // BAND_BYTES))))
-        for part in parts[1:]:
-            parts[0].merge(part)
-        return parts[0]
-
-    def read_and_hash_parts(move: TensorMove, unit: Unit, out: np.ndarray) -> tuple[TensorChecksum, HashedParts]:
-        """Read `unit` into `out` and hash it: by the writer's records where they tile it (`Unit.runs`: hashing
-        by them spares hashing each record again as written), else whole (in bands on the helper threads
-        when it is large)."""
-        parts = unit.runs() if out.nbytes < 2 * BAND_BYTES else None
-        if parts is None:
-            whole = read_and_hash(move, unit.region, out)
-            return whole, HashedParts({unit.region: (out, whole)})
-        read_slab(reader, move, unit.region, out)
-        total = TensorChecksum(move.target.shape, move.source.dtype, content[move.target.name])
-        hashed = {}
-        for region in parts:
-            view = out[to_slices(shift(region, unit.region))]
-            part = TensorChecksum(move.target.shape, move.source.dtype, content[move.target.name])
-            part.add(region, view)
-            total.merge(part)
-            hashed[region] = (view, part)
-        return total, HashedParts(hashed)
-
-    def prepare(job: tuple[TensorMove, Unit, Any]) -> _Prepared:
-        move, unit, reserved = job
-        slab = unit.region
-        data = buffer = pool.array([b - a for a, b in slab], numpy_dtype(move.source.dtype))
-        as_read, hashed = read_and_hash_parts(move, unit, data)
-        as_written, written_parts = as_read, hashed
-        if move.target.dtype != move.source.dtype:
-            data = data.astype(numpy_dtype(move.target.dtype))
-            as_written, written_parts = TensorChecksum(move.target.shape, move.target.dtype, content[move.target.name]), None
-            as_written.add(slab, data)
-        prepared = writer.prepare(move.target, slab, data, unit.pieces, reserved, written_parts)
-        return _Prepared(move, slab, unit.pieces, data, buffer, prepared, as_read, as_written)
-
-    def jobs() -> Iterator[tuple[TensorMove, Unit, Any]]:
-        for move in plan.moves:
-            for unit in plan.units(move):
-                reader.prefetch(move.source.name, unit.region)
-                yield move, unit, writer.reserve(move.target, unit.region, unit.pieces)
-
-    read_sums = {m.target.name: TensorChecksum(m.target.shape, m.source.dtype, content[m.target.name]) for m in plan.moves}
-    written_sums = {m.target.name: TensorChecksum(m.target.shape, m.target.dtype, content[m.target.name]) for m in plan.moves}
-    current: str | None = None
-
-    def close(name: str) -> None:
-        if finished:
-            finished(Done(name, written_sums[name].result(), read_sums[name].result()))
-
-    def slab_bytes(job: tuple[TensorMove, Unit, Any]) -> int:
-        return region_size(job[1].region) * itemsize(job[0].source.dtype)
-
-    try:
-        for item in ordered_map(prepare, jobs(), workers, plan.read_ahead(workers), slab_bytes):
-            name = item.move.target.name
-            if name != current:  # moves arrive one after another
-                if current is not None:
-                    close(current)
-                current = name
-            writer.write(item.move.target, item.slab, item.data, item.pieces, item.prepared)
-            pool.give(item.buffer)
-            read_sums[name].merge(item.as_read)
-            written_sums[name].merge(item.as_written)
-            if progress:
-                progress(item.data.nbytes)
-    finally:
-        if helpers is not None:
-            helpers.shutdown(cancel_futures=True)
-    if current is not None:
-        close(current)
-    written = {name: acc.result() for name, acc in written_sums.items()}
-    return written, {name: acc.result() for name, acc in read_sums.items()}
-
-
-def manifest_for(plan: ConversionPlan, checksums: dict[str, Checksum]) -> Manifest:
-    return Manifest(
-        format=plan.target_format,
-        config=plan.config,
-        layout=plan.target_layout,
-        checksums=checksums,
-        provenance={
-            "tool": f"reshard {__version__}",
-            "source": str(plan.source),
-            "source_format": plan.source_format,
-            "source_layout": str(plan.source_layout),
-            "dropped": plan.dropped,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        },
-    )
-
-
-def stream(
-    reader: CheckpointReader,
-    plan: ConversionPlan,
-    writer_options: dict[str, Any],
-    progress: Progress | None,
-    source_checksums: dict[str, Checksum] | None = None,
-    workers: int = 1,
-) -> Manifest:
-    """Write the whole plan at `plan.target` in one process; the manifest holds the checksums as written.
-    `source_checksums`, if given, receives the checksums of the values as read, before any cast."""
-    writer = new_writer(plan, writer_options)
-    written, as_read = write_moves(reader, plan, writer, progress, workers)
-    if source_checksums is not None:
-        source_checksums.update(as_read)
-    manifest = manifest_for(plan, written)
-    writer.finish(manifest)
-    return manifest
-
-
 def partial_path(target: Path) -> Path:
     """Where a conversion writes until its output verifies: a hidden sibling of the target, by a fixed
     name, so that running the same command again finds it (and resumes or clears it)."""
     return target.with_name(f".{target.name}.reshard-partial")
-
-
-def _check_destination(target: Path, overwrite: bool) -> None:
-    if target.exists() and not target.is_dir():
-        raise ReshardError(f"{target} exists and is a file; choose another destination")
-    if target.exists() and any(target.iterdir()) and not overwrite:
-        raise ReshardError(f"{target} exists and is not empty; pass --overwrite to replace it or choose another destination")
 
 
 def check_free_space(partial: Path, target: Path, needed: int, resuming: bool, freed: int = 0) -> None:
@@ -256,69 +65,113 @@ def _replace(tmp: Path, target: Path) -> None:
         shutil.rmtree(old)
 
 
-def _convert_here(
-    reader: CheckpointReader,
-    plan: ConversionPlan,
-    target: Path,
-    options: dict[str, Any],
-    progress: Progress | None,
-    workers: int,
-    reread: bool,
-    check_space: bool,
-) -> Manifest:
-    """Write into a partial sibling directory, resuming a previous interrupted run of the same conversion,
-    verify everything written against the source, then move it into place."""
+def _prepare_destination(target: Path, overwrite: bool) -> None:
+    if target.exists() and not target.is_dir():
+        raise ReshardError(f"{target} exists and is a file; choose another destination")
+    if target.exists() and any(target.iterdir()) and not overwrite:
+        raise ReshardError(f"{target} exists and is not empty; pass --overwrite to replace it or choose another destination")
     target.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _start_over(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
+def transact(
+    reader: CheckpointReader, plan: ConversionPlan, overwrite: bool, run: Run, progress: Progress | None, team: Collective
+) -> Manifest:
+    """Write the plan into a partial sibling of `plan.target`, verify everything written against the
+    source, then move it into place; each rank of `team` converts its share of the tensors (all of them
+    when alone) into files of its own, and rank 0 writes the metadata last, only after every rank has
+    reported its pieces and checksums.
+
+    Each rank logs its finished tensors in the partial output: the same command run again (with as many
+    ranks) resumes where a killed or crashed run stopped; anything else about the partial output starts
+    it over. A refusal removes the partial output; a stop that keeps it (`KeepsPartial`) or a crash does not."""
+    rank, target = team.rank, plan.target
     tmp = partial_path(target)
-    full = replace(plan, target=tmp)
-    log = WorkLog(tmp, fingerprint(plan, options))
-    resumable = WRITERS[plan.target_format].resumable
-    resumed = (log.resume() if resumable and tmp.is_dir() else None) or Resumed([], [])
-    done = resumed.done
-    if not done:
-        shutil.rmtree(tmp, ignore_errors=True)
+    here = replace(plan, target=tmp)
+    log = WorkLog(tmp, fingerprint(plan), rank, team.size)
+
+    team.together(lambda: _prepare_destination(target, overwrite) if rank == 0 else None)  # a refusal leaves a partial output be
     try:
-        writer = new_writer(full, options)
-        if done:
-            writer.restore(resumed.facts)
-        else:
-            tmp.mkdir(parents=True, exist_ok=True)
-            log.start()
+        logs: list[Resumed | None] = []  # this rank's, kept here: only whether it was found is gathered
+
+        def read_log() -> bool:
+            logs.append(log.resume() if tmp.is_dir() else None)
+            return logs[0] is not None
+
+        resuming = all(team.together(read_log))  # every rank's log, or none
+        found = logs[0] if resuming else None
+        if not resuming:
+            team.together(lambda: _start_over(tmp) if rank == 0 else None)
+
+        opened: list[CheckpointWriter] = []  # this rank's, kept here: a writer is not gathered
+
+        def open_writer() -> None:
+            if not resuming:
+                log.start()
+            writer = here.new_writer(rank)
+            if found:  # back to this rank's last logged tensor (before its first: none of its files)
+                writer.restore(found.facts)
+            opened.append(writer)
+
+        team.together(open_writer)
+        writer, done = opened[0], found.done if found else []
         finished = {d.name for d in done}
-        remaining = replace(full, moves=[m for m in plan.moves if m.target.name not in finished])
-        if check_space:
-            freed = writer.held_for([m.target.name for m in remaining.moves]) if done else 0
-            check_free_space(tmp, target, remaining.bytes_stored, bool(done), freed)
-        recorder = Recorder(log, writer) if resumable else None
+        share = shares(plan.moves, team.size)[rank]
+        mine = replace(here, moves=[m for m in share if m.target.name not in finished])
+        sizes = team.together(lambda: (mine.bytes_stored, writer.held_for([m.target.name for m in mine.moves]) if resuming else 0))
+        needed, freed = (sum(column) for column in zip(*sizes))
+        if run.check_space:
+            team.together(lambda: check_free_space(tmp, target, needed, resuming, freed) if rank == 0 else None)
+
         pool = Pool()  # slab buffers, reused by the verification pass
-        try:
-            written, as_read = write_moves(reader, remaining, writer, progress, workers, finished=recorder, pool=pool)
-            writer.before_finish()
-        finally:
-            if recorder:
+
+        def write() -> tuple[Any, dict[str, Checksum], dict[str, Checksum]]:
+            recorder = Recorder(log, writer)
+            try:
+                written, as_read = write_moves(
+                    reader, mine, writer, progress if rank == 0 else None, run.workers, finished=recorder, pool=pool
+                )
+                if rank == 0:
+                    writer.before_finish()  # while the log's last entries wait for the disk
+            finally:
                 recorder.close()
+            written.update({d.name: d.written for d in done})
+            as_read.update({d.name: d.read for d in done})
+            return writer.part(), written, as_read
+
+        results = team.together(write)
+        written = {k: v for _, w, _ in results for k, v in w.items()}
+        manifest = manifest_for(plan, written)
+
+        def finish() -> None:
+            if reader.manifest is not None:
+                as_read = {k: v for _, _, r in results for k, v in r.items()}
+                compare(as_read, reader.manifest.checksums, "source as read", "source's recorded checksums", subset=True).raise_if_bad(
+                    f"{plan.source} does not match the checksums recorded when it was written"
+                )
+            writer.finish(manifest, [part for part, _, _ in results])
+
+        team.together(lambda: finish() if rank == 0 else None)
+
         hash_workers = plan.hash_workers()
         pool.shrink(hash_workers)
-        written.update({d.name: d.written for d in done})
-        as_read.update({d.name: d.read for d in done})
-        if reader.manifest is not None:
-            compare(as_read, reader.manifest.checksums, "source as read", "source's recorded checksums", subset=True).raise_if_bad(
-                f"{plan.source} does not match the checksums recorded when it was written"
-            )
-        manifest = manifest_for(plan, written)
-        writer.finish(manifest)
-        with open_checkpoint(tmp, plan.target_format) as written_back:
-            records = None if reread else writer.written_records()
-            checked = compute_checksums(written_back, workers=hash_workers, pool=pool, written=records)
-            compare(checked, written, "written", "source").raise_if_bad("the written checkpoint does not match the source")
-        log.remove()  # only now: a run stopped while verifying resumes at `finish`, not from the start
-        _replace(tmp, target)
+
+        def check() -> dict[str, Checksum]:
+            with open_checkpoint(tmp, plan.target_format) as written_back:
+                records = None if run.reread else writer.written_records()  # an earlier run's tensors are read back
+                names = [m.target.name for m in share]
+                return compute_checksums(written_back, workers=hash_workers, names=names, pool=pool, written=records)
+
+        rechecked = {k: v for part in team.together(check) for k, v in part.items()}
+        team.together(lambda: compare(rechecked, written, "written", "source").raise_if_bad("the written checkpoint does not match the source"))
+        team.together(log.remove)  # only now: a run stopped while verifying resumes at `finish`, not from the start
+        team.together(lambda: _replace(tmp, target) if rank == 0 else None)
     except ReshardError as exc:
-        if not isinstance(exc, KeepsPartial):
-            shutil.rmtree(tmp, ignore_errors=True)  # a refusal: nothing worth resuming
-        raise
-    except BaseException:
-        if not resumable:
+        if rank == 0 and not isinstance(exc, KeepsPartial):  # a refusal: nothing worth resuming
             shutil.rmtree(tmp, ignore_errors=True)
         raise  # interrupted or crashed: the partial directory stays, and the same command resumes it
     return manifest
@@ -326,88 +179,61 @@ def _convert_here(
 
 def convert(
     source: Path | str,
-    target: Path | str,
+    destination: Path | str,
+    target: Target = Target(),
     *,
-    to_format: str | None = None,
-    layout: Layout | Callable[[Layout], Layout] | None = None,
-    expect_layout: dict[str, int] | None = None,
-    optimizer: bool = True,
+    hints: SourceHints = SourceHints(),
+    run: Run = Run(),
     overwrite: bool = False,
     dry_run: bool = False,
-    vocab_size: int | None = None,
-    dtype: str | None = None,
-    writer_options: dict[str, Any] | None = None,
-    progress: Progress | None = None,
     planned: Callable[[ConversionPlan], None] | None = None,
-    workers: int = 1,
-    max_memory: int | None = None,
-    reread: bool = False,
-    check_space: bool = True,
+    progress: Progress | None = None,
 ) -> ConversionResult:
-    """Convert `source` to `target` at `layout` (default: the source's) in `to_format` (default: the source's).
-    `layout` may be a function of the source's layout, e.g. `lambda source: source.retarget(tp=8)`.
+    """Convert `source` into `destination` as `target` says (by default: the source's format and layout),
+    with what the user knows of the source in `hints`, run as `run` says.
 
-    `expect_layout` (e.g. {"tp": 4}) asserts the source's layout, as `--tp 4` does on the command line.
-    `dtype` (e.g. "bfloat16") casts the model's weights and makes it the output's precision; optimizer
-    state is not cast, and a change of precision with optimizer state is refused.
-    Nothing is written at `target` unless the whole output verifies against the source's checksums: the
-    output is opened as any checkpoint is, and each tensor's checksum is recomputed from what it holds.
+    Nothing is written at `destination` unless the whole output verifies against the source's checksums:
+    the output is opened as any checkpoint is, and each tensor's checksum is recomputed from what it holds.
     Where the writer can vouch for a record that the metadata on disk puts exactly where it wrote it, the
-    checksum of its bytes as written counts and its values are not read back; `reread` reads back every
-    value regardless (what `reshard verify` always does). `check_space=False` skips the refusal of a
-    conversion that does not fit in the destination's free space (for filesystems that misreport it).
+    checksum of its bytes as written counts and its values are not read back; `run.reread` reads back every
+    value regardless (what `reshard verify` always does). An existing, non-empty destination is replaced
+    only with `overwrite`, and only once the new output verifies.
 
+    Under a launcher (torchrun: RANK and WORLD_SIZE set) the ranks share the work (see `transact`).
     `planned`, if given, is called with the plan before any byte moves; `progress` is then called with the
     bytes of each unit written, which add up to `plan.bytes_moved` (less what a resumed run finds done).
     """
     start = time.perf_counter()
-    source, target = Path(source), Path(target)
-    src, dst = source.resolve(), target.resolve()
+    source, destination = Path(source), Path(destination)
+    src, dst = source.resolve(), destination.resolve()
     if src == dst:
         raise ReshardError("source and destination are the same directory; choose another destination")
     # Replacing a destination that holds the source would delete it; writing into the source changes it.
     if src.is_relative_to(dst):
-        raise ReshardError(f"{target} contains the source {source}; choose a destination outside it")
+        raise ReshardError(f"{destination} contains the source {source}; choose a destination outside it")
     if dst.is_relative_to(src):
-        raise ReshardError(f"{target} is inside the source {source}; choose a destination outside it")
+        raise ReshardError(f"{destination} is inside the source {source}; choose a destination outside it")
     with open_checkpoint(source) as reader:
-        for key, value in (expect_layout or {}).items():
-            actual = getattr(reader.layout, key)
-            if value is not None and actual != value:
-                raise ReshardError(f"{source} is saved at {key.upper()}={actual}, not {value}; fix --{key} or drop it")
-        if vocab_size is not None:
-            if reader.config.vocab_size not in (None, vocab_size):
-                raise ReshardError(f"{source} records a vocabulary of {reader.config.vocab_size}; --vocab-size {vocab_size} "
-                                   "contradicts it: drop --vocab-size")
-            if vocab_size > reader.config.padded_vocab_size:
-                raise ReshardError(f"--vocab-size {vocab_size} exceeds the checkpoint's {reader.config.padded_vocab_size} embedding rows")
-            reader.config = reader.config.replace(vocab_size=vocab_size)
-        options = dict(writer_options or {})
-        dtype = normalize_dtype(dtype) if dtype is not None else None
-        if dtype is not None and (to_format or reader.format_name) == "hf":
-            options["dtype"] = dtype  # also config.json's dtype
-        plan = make_plan(
-            reader,
-            target,
-            to_format or reader.format_name,
-            layout(reader.layout) if callable(layout) else layout or reader.layout,
-            optimizer=optimizer,
-            te_names=options.get("te_names"),
-            workers=workers,
-            max_memory=max_memory,
-            dtype=dtype,
-        )
+        for key in ("tp", "pp", "ep"):
+            expected, actual = getattr(hints, key), getattr(reader.layout, key)
+            if expected is not None and actual != expected:
+                raise ReshardError(f"{source} is saved at {key.upper()}={actual}, not {expected}; fix --{key} or drop it")
+        if hints.vocab_size is not None:
+            _set_vocab_size(reader, hints.vocab_size)
+        plan = make_plan(reader, destination, target, run)
         if planned:
             planned(plan)
         if dry_run:
             return ConversionResult(plan, None, time.perf_counter() - start)
-        if world()[1] > 1:
-            with process_group():
-                manifest = convert_distributed(
-                    reader, plan, target, options, lambda: _check_destination(target, overwrite), _replace, progress, workers, reread,
-                    check_space,
-                )
-            return ConversionResult(plan, manifest, time.perf_counter() - start)
-        _check_destination(target, overwrite)
-        manifest = _convert_here(reader, plan, target, options, progress, workers, reread, check_space)
+        with joined() as team:
+            manifest = transact(reader, plan, overwrite, run, progress, team)
     return ConversionResult(plan, manifest, time.perf_counter() - start)
+
+
+def _set_vocab_size(reader: CheckpointReader, vocab_size: int) -> None:
+    if reader.config.vocab_size not in (None, vocab_size):
+        raise ReshardError(f"{reader.path} records a vocabulary of {reader.config.vocab_size}; --vocab-size {vocab_size} "
+                           "contradicts it: drop --vocab-size")
+    if vocab_size > reader.config.padded_vocab_size:
+        raise ReshardError(f"--vocab-size {vocab_size} exceeds the checkpoint's {reader.config.padded_vocab_size} embedding rows")
+    reader.config = reader.config.replace(vocab_size=vocab_size)

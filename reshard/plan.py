@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
@@ -14,21 +13,18 @@ from reshard.config import ModelConfig
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.formats import WRITERS
-from reshard.formats.base import CheckpointReader, CommonState, precision_args
-from reshard.formats.torch_blob import READ_BLOCK
+from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, WriteOptions, precision_args
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
 from reshard.naming import default_extra_state, is_layout_bound, uses_te_names
+from reshard.request import Run, Target
 from reshard.sharding import Piece, Region, contiguous_offset, intersect, pieces, pieces_by_slab, region_size, shift, slab_of, slabs, units
 
 
-MEGATRON_FORMATS = ("torch_dist", "legacy")
-
-
-def worker_overhead(slab_bytes: int) -> int:
-    """A worker's reused buffers besides its slab: a strided chunk read (at most READ_BLOCK), the
-    checksum's float64 block (at most 1 MiB: 4 bytes per byte hashed), small ones."""
-    return min(READ_BLOCK, slab_bytes) + min(CHECKSUM_BLOCK_BYTES, 4 * slab_bytes) + (1 << 20)
+def worker_overhead(slab_bytes: int, scratch_bytes: int) -> int:
+    """A worker's reused buffers besides its slab: a strided record read (at most the reader's
+    `scratch_bytes`), the checksum's float64 block (at most 1 MiB: 4 bytes per byte hashed), small ones."""
+    return min(scratch_bytes, slab_bytes) + min(CHECKSUM_BLOCK_BYTES, 4 * slab_bytes) + (1 << 20)
 
 
 # A slab at least twice this large is read and hashed in bands by helper threads: the slab of a tensor
@@ -118,14 +114,25 @@ class ConversionPlan:
     source_format: str
     source_layout: Layout
     target: Path
-    target_format: str
+    writer: type[CheckpointWriter]  # the target format's
     target_layout: Layout
     config: ModelConfig  # the target's (padded vocabulary follows the target TP)
     moves: list[TensorMove]
     common: CommonState  # what the target carries besides tensors
+    options: WriteOptions = WriteOptions()
     dropped: list[str] = field(default_factory=list)
     workers: int = 1
     max_memory: int = 0  # bytes of working memory; make_plan fills in the default
+    scratch_bytes: int = 0  # the source reader's staging buffer per reading thread
+
+    @property
+    def target_format(self) -> str:
+        return self.writer.format_name
+
+    def new_writer(self, rank: int = 0) -> CheckpointWriter:
+        """The target's writer, for this process's share (`rank`) of the plan."""
+        return self.writer(self.target, self.config, self.target_layout, {m.target.name: m.target for m in self.moves},
+                           self.common, self.options, rank)
 
     @property
     def bytes_moved(self) -> int:
@@ -140,7 +147,7 @@ class ConversionPlan:
     def units(self, move: TensorMove, first_slab_only: bool = False) -> Iterator[Unit]:
         """The move's units of work in order: its slabs, a large one cut where the target's writer allows
         (every piece it writes lies in one of its whole regions)."""
-        writer = WRITERS[self.target_format]
+        writer = self.writer
         by_slab = pieces_by_slab(pieces(move.target, self.config, self.target_layout), move.target)
         for slab in slabs(move.target):
             slab_pieces = by_slab.get(slab_of(move.target, slab), [])
@@ -174,12 +181,15 @@ class ConversionPlan:
         if workers <= 1:
             return 0
         largest = self.largest_unit_bytes
-        return max(0, self.max_memory - 2 * largest - reading_threads(workers, largest) * worker_overhead(largest))
+        return max(0, self.max_memory - 2 * largest - reading_threads(workers, largest) * self.worker_overhead(largest))
 
     def hash_workers(self) -> int:
         """Threads for the read-back verification within the budget: each holds one slab and its buffers."""
         largest = self.largest_unit_bytes
-        return max(1, min(self.workers, self.max_memory // max(1, largest + worker_overhead(largest))))
+        return max(1, min(self.workers, self.max_memory // max(1, largest + self.worker_overhead(largest))))
+
+    def worker_overhead(self, slab_bytes: int) -> int:
+        return worker_overhead(slab_bytes, self.scratch_bytes)
 
     @property
     def peak_memory(self) -> int:
@@ -187,19 +197,11 @@ class ConversionPlan:
         and the buffers of each thread reading."""
         largest = self.largest_unit_bytes
         ahead = self.read_ahead()
-        return 2 * largest + ahead + worker_overhead(largest) * (reading_threads(self.workers, largest) if ahead else 1)
+        return 2 * largest + ahead + self.worker_overhead(largest) * (reading_threads(self.workers, largest) if ahead else 1)
 
     def target_files(self) -> dict[str, int]:
-        """Bytes each target rank file receives (for Megatron formats; zarr has one file per chunk)."""
-        per_rank: Counter[str] = Counter()
-        if self.target_format == "zarr":
-            return {"(zarr arrays)": self.bytes_moved}
-        for move in self.moves:
-            size = itemsize(move.target.dtype)
-            for piece in pieces(move.target, self.config, self.target_layout):
-                if self.target_format == "legacy" or piece.primary:
-                    per_rank[piece.rank.legacy_dirname(self.target_layout)] += region_size(piece.region) * size
-        return dict(sorted(per_rank.items()))
+        """Bytes each target file (or group of files) receives, as the target's writer stores them."""
+        return self.writer.file_bytes([(m.target, itemsize(m.target.dtype)) for m in self.moves], self.config, self.target_layout)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -267,21 +269,16 @@ def _records_are_chunks(plan: ConversionPlan, move: TensorMove, reader: Checkpoi
     return all(set(unit.records) <= chunks for unit in plan.units(move, first_slab_only=True))
 
 
-def make_plan(
-    reader: CheckpointReader,
-    target: Path,
-    target_format: str,
-    layout: Layout,
-    *,
-    optimizer: bool = True,
-    te_names: bool | None = None,
-    workers: int = 1,
-    max_memory: int | None = None,
-    dtype: str | None = None,
-) -> ConversionPlan:
-    """What converting `reader` to `target` will do. `dtype` casts the model's tensors as they are written
-    and makes it the target's precision (its args, an HF config's dtype); the plan's memory and checksums
-    follow what is written."""
+def make_plan(reader: CheckpointReader, destination: Path, target: Target = Target(), run: Run = Run()) -> ConversionPlan:
+    """What converting `reader` to `destination` as `target` will do. `target.dtype` casts the model's
+    tensors as they are written and makes it the target's precision (its args, an HF config's dtype); the
+    plan's memory and checksums follow what is written."""
+    format_name = target.format or reader.format_name
+    if format_name not in WRITERS:
+        raise ReshardError(f"unknown format {format_name!r}; choose one of {', '.join(sorted(WRITERS))}")
+    writer = WRITERS[format_name]
+    layout = target.layout_for(reader.layout)
+    optimizer, dtype = target.optimizer, target.dtype
     layout.validate(reader.config)
     config = target_config(reader.config, layout, reader.layout.tp)
     if dtype is not None:
@@ -316,32 +313,32 @@ def make_plan(
         )
     if not moves:
         raise ReshardError(f"{reader.path} holds no model tensors")
-    if target_format == "legacy" and any(m.target.is_optimizer for m in moves):
-        raise ReshardError(
-            "the legacy format keys optimizer state by per-rank parameter index, which reshard does not write; "
-            "pass --no-optimizer or convert to torch_dist"
-        )
-    common = _target_common(reader, layout, target_format, optimizer, te_names, dropped)
+    if writer.optimizer_refusal and any(m.target.is_optimizer for m in moves):
+        raise ReshardError(f"{writer.optimizer_refusal}; pass --no-optimizer or convert to torch_dist")
+    te_names = None if target.naming is None else target.naming == "te"
+    common = _target_common(reader, layout, writer, optimizer, te_names, dropped)
     if dtype is not None:
         common.args.update(precision_args(dtype))
     plan = ConversionPlan(
         source=reader.path,
         source_format=reader.format_name,
         source_layout=reader.layout,
-        target=target,
-        target_format=target_format,
+        target=destination,
+        writer=writer,
         target_layout=layout,
         config=config,
         moves=moves,
         common=common,
+        options=WriteOptions(te_names=te_names, dtype=dtype, max_shard_bytes=target.max_shard_bytes),
         dropped=dropped,
-        workers=workers,
+        workers=run.workers,
+        scratch_bytes=reader.scratch_bytes,
     )
     plan.moves = [replace(move, aligned=_records_are_chunks(plan, move, reader)) for move in moves]
     biggest, largest = plan.largest_unit()
-    plan.max_memory = default_budget(largest, workers) if max_memory is None else max_memory
+    plan.max_memory = default_budget(largest, run.workers) if run.max_memory is None else run.max_memory
     if biggest is not None:
-        needed = 2 * largest + worker_overhead(largest)
+        needed = 2 * largest + plan.worker_overhead(largest)
         if needed > plan.max_memory:
             raise ReshardError(
                 f"--max-memory {human_bytes(plan.max_memory)} is too small: one slab (or the part of one written at once) of "
@@ -357,7 +354,7 @@ def _same_ranks(a: Layout, b: Layout, config: ModelConfig) -> bool:
 
 
 def _target_common(
-    reader: CheckpointReader, layout: Layout, target_format: str, optimizer: bool, te_names: bool | None, dropped: list[str]
+    reader: CheckpointReader, layout: Layout, writer: type[CheckpointWriter], optimizer: bool, te_names: bool | None, dropped: list[str]
 ) -> CommonState:
     """Non-tensor state for the target: layout-bound objects only survive an unchanged layout;
     Megatron targets get the empty `_extra_state` entries Megatron's loader insists on."""
@@ -368,7 +365,7 @@ def _target_common(
             dropped.append(key)
         else:
             objects[key] = value
-    if target_format in MEGATRON_FORMATS and not any("_extra_state" in k for k in objects):
+    if writer.needs_extra_state and not any("_extra_state" in k for k in objects):
         te = uses_te_names(source.args) if te_names is None else te_names
         objects.update(default_extra_state(reader.config, te))
     extra = dict(source.extra)

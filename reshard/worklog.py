@@ -44,7 +44,7 @@ def _source_files(root: Path) -> list[tuple[str, str, int, int]]:
     return sorted(out)
 
 
-def fingerprint(plan: ConversionPlan, options: dict[str, Any]) -> str:
+def fingerprint(plan: ConversionPlan) -> str:
     """Identifies a conversion: the source files (names, where they really are, sizes, times), the target
     and every move."""
     payload = {
@@ -52,7 +52,7 @@ def fingerprint(plan: ConversionPlan, options: dict[str, Any]) -> str:
         "format": plan.target_format,
         "layout": str(plan.target_layout),
         "moves": [(m.source.name, m.target.name, m.target.shape, m.target.dtype) for m in plan.moves],
-        "options": sorted((k, repr(v)) for k, v in options.items()),
+        "options": repr(plan.options),
         "log": 2,  # lines carry new facts, not whole states: an older log is not resumed
     }
     return hashlib.sha256(json.dumps(payload, default=str).encode()).hexdigest()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import json
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +18,10 @@ from reshard.config import ModelConfig
 from reshard.dtypes import numpy_dtype
 from reshard.errors import ReshardError
 from reshard.formats.pickles import named
+from reshard.formats.torch_blob import READ_BLOCK
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
-from reshard.sharding import Piece, Region, slabs
+from reshard.sharding import Piece, Region, pieces, region_size, slabs
 
 MANIFEST_NAME = "reshard_manifest.json"
 _CACHE_LOCK = threading.Lock()
@@ -197,6 +199,8 @@ class CheckpointReader(abc.ABC):
     common: CommonState
     manifest: Manifest | None  # checksums recorded when it was written, if any
     unsupported_optimizer: list[str] = []  # optimizer state in a form that cannot be resharded
+    # the buffer each reading thread stages a strided record in, at most (every reader reads records by RecordFile)
+    scratch_bytes: ClassVar[int] = READ_BLOCK
 
     def read(self, name: str, region: Region) -> np.ndarray:
         """The values of `region` of logical tensor `name`, as a new array (`reshard.dtypes.to_torch` makes
@@ -234,17 +238,44 @@ class CheckpointReader(abc.ABC):
         self.close()
 
 
+@dataclass(frozen=True)
+class WriteOptions:
+    """How a writer spells its output, beyond the tensors, layout and common state it is given."""
+
+    te_names: bool | None = None  # Megatron: Transformer-Engine or local-spec names (None: the source's transformer_impl)
+    dtype: str | None = None  # the precision recorded for the model (HF config.json's dtype; None: its tensors')
+    max_shard_bytes: int | None = None  # HF: the largest safetensors file (None: the writer's default)
+
+
 class CheckpointWriter(abc.ABC):
-    """Writes a checkpoint from slabs of logical tensors, cutting them into the target's pieces."""
+    """Writes a checkpoint from slabs of logical tensors, cutting them into the target's pieces. Every
+    writer can continue a partial output after a kill (`facts`, `restore`) and take one rank's share of a
+    multi-rank conversion (`rank`, `part`)."""
 
     format_name: ClassVar[str]
+    # Megatron's loader insists on an `_extra_state` entry per module; a writer of its formats gets empty ones
+    # when the source has none
+    needs_extra_state: ClassVar[bool] = False
+    # why the format cannot hold resharded optimizer state, if it cannot
+    optimizer_refusal: ClassVar[str | None] = None
 
-    def __init__(self, path: Path, config: ModelConfig, layout: Layout, specs: dict[str, TensorSpec], common: CommonState):
+    def __init__(
+        self,
+        path: Path,
+        config: ModelConfig,
+        layout: Layout,
+        specs: dict[str, TensorSpec],
+        common: CommonState,
+        options: WriteOptions = WriteOptions(),
+        rank: int = 0,  # of a multi-rank conversion, whose ranks each write their own files
+    ):
         self.path = path
         self.config = config
         self.layout = layout
         self.specs = specs
         self.common = common
+        self.options = options
+        self.rank = rank
         self._written: dict[StoredRecord, TensorChecksum] = {}
         self._facts: list[Any] = []  # see `facts`
 
@@ -272,7 +303,18 @@ class CheckpointWriter(abc.ABC):
     def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
         """Store `data` (the values of `slab`); `pieces` are the target pieces that lie in that slab."""
 
-    resumable: ClassVar[bool] = False  # can continue a partial output (see reshard.worklog)
+    @classmethod
+    def file_bytes(cls, moves: Iterable[tuple[TensorSpec, int]], config: ModelConfig, layout: Layout) -> dict[str, int]:
+        """Bytes each file (or group of files) of the output receives of these tensors, given with their
+        itemsizes: by default each rank's, a piece stored once by its primary holder."""
+        per_rank: Counter[str] = Counter()
+        for spec, size in moves:
+            for piece in pieces(spec, config, layout):
+                if piece.primary or cls.stores_replicas:
+                    per_rank[piece.rank.legacy_dirname(layout)] += region_size(piece.region) * size
+        return dict(sorted(per_rank.items()))
+
+    stores_replicas: ClassVar[bool] = False  # every rank's file holds its copy of a replicated piece
 
     def facts(self, start: int = 0) -> list[Any]:
         """The writer's state (what `restore` needs to continue after the last finished tensor) as a list
@@ -290,16 +332,13 @@ class CheckpointWriter(abc.ABC):
         finished tensor are cut away by `restore`, or written again in place."""
         return 0
 
+    @abc.abstractmethod
     def restore(self, facts: list[Any]) -> None:
-        """Continue after `facts` (an earlier run's, or another rank's at `finish`): a resumable writer
-        takes them as its own."""
-        raise ReshardError(f"{self.format_name} output cannot be resumed")
+        """Continue after `facts` (an earlier run's, or another rank's at `finish`), taking them as its own."""
 
+    @abc.abstractmethod
     def part(self) -> Any:
         """Close this process's files and return what rank 0's `finish` needs of them (multi-rank runs)."""
-        raise ReshardError(
-            f"{self.format_name} output cannot be written by several ranks; run one process"
-        )
 
     def written_records(self) -> dict[StoredRecord, TensorChecksum]:
         """The records this writer has handed to the OS, with the checksums of their bytes as written, for

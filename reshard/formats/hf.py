@@ -29,7 +29,17 @@ from reshard.config import ModelConfig
 from reshard.direct_io import ALIGN, DirectFile
 from reshard.dtypes import itemsize, numpy_dtype
 from reshard.errors import ReshardError
-from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, StoredRecord, args_for_layout, cached, precision_args
+from reshard.formats.base import (
+    CheckpointReader,
+    CheckpointWriter,
+    CommonState,
+    Manifest,
+    StoredRecord,
+    WriteOptions,
+    args_for_layout,
+    cached,
+    precision_args,
+)
 from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe, normalize_dtype
@@ -352,21 +362,17 @@ class HFWriter(CheckpointWriter):
         layout: Layout,
         specs: dict[str, TensorSpec],
         common: CommonState,
-        *,
-        dtype: str | None = None,
-        max_shard_size: int = DEFAULT_SHARD_BYTES,
-        architecture: str | None = None,
-        te_names: bool | None = None,  # Megatron naming option: meaningless for HF, accepted so --naming never breaks an export
+        options: WriteOptions = WriteOptions(),  # its te_names mean nothing here: --naming never breaks an export
         rank: int = 0,  # of a multi-rank export: every rank writes the same headers, and its tensors where they go
     ):
-        from converters import family_by_name, family_for_model
+        from converters import family_for_model
 
-        super().__init__(path, config, layout, specs, common)
+        super().__init__(path, config, layout, specs, common, options, rank)
         optimizer = [n for n, s in specs.items() if s.is_optimizer]
         if optimizer:
             raise ReshardError(f"the HF format holds no optimizer state ({optimizer[0]}, ...); pass --no-optimizer")
-        self.family = family_by_name(architecture) if architecture else family_for_model(config, common.args)
-        self.dtype = normalize_dtype(dtype) if dtype else None
+        self.family = family_for_model(config, common.args)
+        self.dtype = normalize_dtype(options.dtype) if options.dtype else None
         saved = common.args.get("hf_config") if isinstance(common.args.get("hf_config"), dict) else None
         self.hf_config = self.family.config_to_hf(config, saved, common.args)
         self._mappings = {m.megatron: m for m in self.family.mappings(config)}
@@ -380,7 +386,7 @@ class HFWriter(CheckpointWriter):
         self.path.mkdir(parents=True, exist_ok=True)
         self._entries: dict[str, _Entry] = {}
         self._scratch = PerThread()  # stages the tensors that cannot be written from where they are
-        self._plan_files(max_shard_size)
+        self._plan_files(options.max_shard_bytes or DEFAULT_SHARD_BYTES)
 
     # -- planning ---------------------------------------------------------------------------------
     def _out_dtype(self, spec: TensorSpec) -> str:
@@ -465,8 +471,6 @@ class HFWriter(CheckpointWriter):
 
     # Every tensor has its place from the start, so a tensor is done once its bytes are durable: the state
     # to resume from, or to hand to rank 0, is the names of the tensors written.
-    resumable = True
-
     def sync(self) -> None:
         for f in self._files:
             os.fsync(f.fd)

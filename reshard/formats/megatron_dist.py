@@ -219,11 +219,13 @@ class TorchDistWriter(CheckpointWriter):
     order (`os.pwrite`); `write` then only records them, in plan order."""
 
     format_name = "torch_dist"
+    needs_extra_state = True
 
-    def __init__(self, *args: Any, te_names: bool | None = None, rank: int = 0, **kwargs: Any):
+    def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        te_names = self.options.te_names
         self.te_names = uses_te_names(self.common.args) if te_names is None else te_names
-        self.rank = rank  # of a multi-rank conversion: its files are __<target rank>_<rank>.distcp
+        # the files of a multi-rank conversion's ranks are __<target rank>_<rank>.distcp
         self.directory = self.path / iteration_dirname(self.common.iteration)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._file_index = {rank: i for i, rank in enumerate(ranks(self.layout))}
@@ -309,8 +311,6 @@ class TorchDistWriter(CheckpointWriter):
             self._sizes[0] = self._planned[0] = offset + len(buffer.getbuffer())
             self._storage[(key, None)] = Storage(self._name(0), offset, len(buffer.getbuffer()))
         return sorted(self.common.objects)
-
-    resumable = True
 
     def sync(self) -> None:
         for file in list(self._files.values()):

@@ -327,12 +327,15 @@ class LegacyWriter(CheckpointWriter):
     hand to rank 0 is the local tensors written, with their records' CRC-32s."""
 
     format_name = "legacy"
+    needs_extra_state = True
+    stores_replicas = True  # each rank file is a whole state dict
+    optimizer_refusal = "the legacy format keys optimizer state by per-rank parameter index, which reshard does not write"
 
-    def __init__(self, *args: Any, te_names: bool | None = None, rank: int = 0, **kwargs: Any):
+    def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        te_names = self.options.te_names
         self.te_names = uses_te_names(self.common.args) if te_names is None else te_names
         self.directory = self.path / iteration_dirname(self.common.iteration)
-        self.rank = rank
         self._streams: dict[RankCoord, StreamingTorchSave] = {}
         self._models: dict[RankCoord, list[dict[str, Any]]] = {}
         self._scratch = PerThread()  # where a local tensor of several pieces is assembled, in each reader thread
@@ -431,8 +434,6 @@ class LegacyWriter(CheckpointWriter):
                 for ep in ep_ranks:
                     self._models[RankCoord(pp=pp, tp=tp, ep=ep)][vstage][name] = value
         return rng
-
-    resumable = True
 
     def sync(self) -> None:
         for stream in self._streams.values():

@@ -22,7 +22,7 @@ import math
 import os
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 
@@ -224,7 +224,7 @@ class ZarrReader(CheckpointReader):
 class ZarrWriter(CheckpointWriter):
     format_name = "zarr"
 
-    def __init__(self, *args: Any, rank: int = 0, **kwargs: Any):
+    def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.path.mkdir(parents=True, exist_ok=True)
         self._arrays: dict[str, ts.TensorStore] = {}
@@ -294,7 +294,10 @@ class ZarrWriter(CheckpointWriter):
     def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
         """Nothing is left to do: the reader thread wrote the chunks."""
 
-    resumable = True
+    @classmethod
+    def file_bytes(cls, moves: Iterable[tuple[TensorSpec, int]], config: ModelConfig, layout: Layout) -> dict[str, int]:
+        """One file per chunk: the arrays' bytes in all."""
+        return {"(zarr arrays)": sum(spec.numel * size for spec, size in moves)}
 
     def sync(self) -> None:
         """The chunk files written so far, and the directories naming them, made durable: a tensor is

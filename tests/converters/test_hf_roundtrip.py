@@ -122,10 +122,11 @@ def test_llama3_rope_scaling_carried(models, tmp_path):
 def test_sharded_input_and_output_bf16(tmp_path):
     """A sharded HF source (with index) reads lazily; the export is sharded, bf16 and verifies."""
     from reshard.convert import convert
+    from reshard.request import Target
 
     source = build("mistral", tmp_path / "src", max_shard_size="40KB")
     assert (source / "model.safetensors.index.json").is_file()
-    convert(source, tmp_path / "bf16", to_format="hf", dtype="bfloat16", writer_options={"max_shard_size": 60_000})
+    convert(source, tmp_path / "bf16", Target(format="hf", dtype="bfloat16", max_shard_bytes=60_000))
     out = tmp_path / "bf16"
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1

@@ -10,6 +10,7 @@ from hf_models import build
 from hub_server import Hub
 from reshard.cli import main
 from reshard.convert import convert
+from reshard.request import Target
 from reshard.errors import ReshardError
 from reshard.upload import upload
 
@@ -17,7 +18,7 @@ from reshard.upload import upload
 @pytest.fixture
 def export(tmp_path):
     source = build("qwen2", tmp_path / "src")
-    convert(source, tmp_path / "export", to_format="hf")
+    convert(source, tmp_path / "export", Target(format="hf"))
     return tmp_path / "export"
 
 

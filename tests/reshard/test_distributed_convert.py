@@ -12,7 +12,8 @@ from fixtures.synthetic import write_synthetic
 from fixtures.torchrun import run
 from tests.arrays import same, tensors
 from reshard.convert import convert
-from reshard.distributed import shares
+from reshard.request import Target
+from reshard.collective import shares
 from reshard.layout import Layout
 from tests.reshard.test_resume import _files
 
@@ -21,7 +22,7 @@ from tests.reshard.test_resume import _files
 def test_two_ranks_write_what_one_process_writes(tmp_path, fmt):
     write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist", optimizer=fmt != "legacy")
     run("reshard", ["convert", tmp_path / "src", tmp_path / "multi", "--to-ep", 4, "--to-pp", 2, "--to-format", fmt], nproc=2)
-    convert(tmp_path / "src", tmp_path / "single", to_format=fmt, layout=Layout(ep=4, pp=2))
+    convert(tmp_path / "src", tmp_path / "single", Target(format=fmt, layout=Layout(ep=4, pp=2)))
     multi, single = tensors(tmp_path / "multi"), tensors(tmp_path / "single")
     assert multi.keys() == single.keys() and all(same(multi[n], single[n]) for n in single)
     if fmt == "legacy":  # every rank file filled by both ranks, finished by rank 0: the bytes one process writes
@@ -81,7 +82,7 @@ def test_multi_rank_free_space_is_checked_for_every_ranks_share(tmp_path):
     output and a disk with room for what is left lets the same command resume."""
     write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist", optimizer=True)
     convert_args = ["convert", tmp_path / "src", tmp_path / "out", "--to-ep", 4, "--to-pp", 2]
-    convert(tmp_path / "src", tmp_path / "measured", layout=Layout(ep=4, pp=2))
+    convert(tmp_path / "src", tmp_path / "measured", Target(layout=Layout(ep=4, pp=2)))
     written = sum(f.stat().st_size for f in (tmp_path / "measured").rglob("*") if f.is_file())
     logs = tmp_path / "moves"
     logs.mkdir()
@@ -116,7 +117,7 @@ def test_two_ranks_export_to_hf_what_one_process_exports(tmp_path):
 
     write_synthetic(tmp_path / "src", TINY_LLAMA, Layout(tp=2), "torch_dist")
     run("reshard", ["convert", tmp_path / "src", tmp_path / "multi", "--to-format", "hf", "--to-tp", 1], nproc=2)
-    convert(tmp_path / "src", tmp_path / "single", to_format="hf", layout=Layout())
+    convert(tmp_path / "src", tmp_path / "single", Target(format="hf", layout=Layout()))
     assert _files(tmp_path / "multi") == _files(tmp_path / "single")
     multi = load_file(tmp_path / "multi" / "model.safetensors")
     assert len(multi) > 2 and all(torch.isfinite(t).all() for t in multi.values())
@@ -127,7 +128,7 @@ def test_shares_balance_bytes_deterministically():
     from reshard.plan import make_plan
 
     reader = SyntheticReader(TINY_MOE, optimizer=True)
-    moves = make_plan(reader, reader.path, "torch_dist", Layout()).moves
+    moves = make_plan(reader, reader.path, Target(format="torch_dist", layout=Layout())).moves
     split = shares(moves, 3)
     assert sorted(m.target.name for part in split for m in part) == sorted(m.target.name for m in moves)
     loads = [sum(m.bytes for m in part) for part in split]

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from reshard.convert import convert
+from reshard.request import Target
 from reshard.formats import open_checkpoint
 from reshard.layout import Layout
 from reshard.verify import compare, compute_checksums
@@ -20,7 +21,7 @@ from tests.megatron import make_checkpoints, same
 
 
 def _convert(source, target, to_format=None, optimizer=True, **layout):
-    convert(source, target, to_format=to_format, layout=Layout(**layout), optimizer=optimizer)
+    convert(source, target, Target(format=to_format, layout=Layout(**layout), optimizer=optimizer))
     return target
 
 

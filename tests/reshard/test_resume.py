@@ -9,6 +9,7 @@ from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import write_synthetic
 from tests.arrays import same, tensors
 from reshard.convert import convert
+from reshard.request import Target
 from reshard.layout import Layout
 from reshard.worklog import LOG_NAME
 
@@ -43,16 +44,16 @@ def test_interrupted_conversion_resumes_and_matches_a_fresh_one(tmp_path, fmt):
     layout = Layout(ep=4, pp=2)
     bomb, _ = _bomb(after_slabs=150)
     with pytest.raises(Stop):
-        convert(tmp_path / "src", tmp_path / "out", to_format=fmt, layout=layout, progress=bomb)
+        convert(tmp_path / "src", tmp_path / "out", Target(format=fmt, layout=layout), progress=bomb)
     partial = tmp_path / ".out.reshard-partial"
     assert (partial / LOG_NAME).is_file() and not (tmp_path / "out").exists()
     if fmt == "torch_dist":  # garbage after the last logged tensor, as a kill mid-write leaves it
         with open(next(partial.glob("iter_*/__0_0.distcp")), "ab") as f:
             f.write(b"half a chunk")
     counted, calls = _bomb(after_slabs=0)
-    convert(tmp_path / "src", tmp_path / "out", to_format=fmt, layout=layout, progress=counted)
+    convert(tmp_path / "src", tmp_path / "out", Target(format=fmt, layout=layout), progress=counted)
     fresh_calls = []
-    convert(tmp_path / "src", tmp_path / "fresh", to_format=fmt, layout=layout, progress=lambda _: fresh_calls.append(1))
+    convert(tmp_path / "src", tmp_path / "fresh", Target(format=fmt, layout=layout), progress=lambda _: fresh_calls.append(1))
     assert 0 < len(calls) < len(fresh_calls) - 100  # the resumed run skipped what was done
     assert not partial.exists()
     if fmt == "torch_dist":
@@ -64,17 +65,17 @@ def test_an_interrupted_export_resumes_and_matches_a_fresh_one(tmp_path, fmt, fi
     """Outputs whose records all have their place before the first is written (HF, legacy)."""
     write_synthetic(tmp_path / "src", TINY_LLAMA, Layout(tp=2), "torch_dist")
     total = []
-    convert(tmp_path / "src", tmp_path / "fresh", to_format=fmt, progress=lambda _: total.append(1))
+    convert(tmp_path / "src", tmp_path / "fresh", Target(format=fmt), progress=lambda _: total.append(1))
     bomb, _ = _bomb(after_slabs=len(total) // 2)
     with pytest.raises(Stop):
-        convert(tmp_path / "src", tmp_path / "out", to_format=fmt, progress=bomb)
+        convert(tmp_path / "src", tmp_path / "out", Target(format=fmt), progress=bomb)
     partial = tmp_path / ".out.reshard-partial"
     assert len((partial / LOG_NAME).read_text().splitlines()) > 1, "some tensors were logged"
     assert (partial / file).is_file()
     with open(partial / file, "ab") as f:  # bytes past the end, as a file of another run may hold
         f.write(b"stale")
     counted, calls = _bomb(after_slabs=0)
-    convert(tmp_path / "src", tmp_path / "out", to_format=fmt, progress=counted)
+    convert(tmp_path / "src", tmp_path / "out", Target(format=fmt), progress=counted)
     assert 0 < len(calls) < len(total)  # the resumed run skipped what was done
     assert not partial.exists()
     assert _files(tmp_path / "out") == _files(tmp_path / "fresh")
@@ -93,12 +94,12 @@ def test_a_run_stopped_while_verifying_resumes_at_the_metadata(tmp_path, monkeyp
 
     monkeypatch.setattr(reshard.convert, "compute_checksums", stop)
     with pytest.raises(Stop):
-        convert(tmp_path / "src", tmp_path / "out", to_format=fmt)
+        convert(tmp_path / "src", tmp_path / "out", Target(format=fmt))
     monkeypatch.setattr(reshard.convert, "compute_checksums", verify)
     counted, calls = _bomb(after_slabs=0)
-    convert(tmp_path / "src", tmp_path / "out", to_format=fmt, progress=counted)
+    convert(tmp_path / "src", tmp_path / "out", Target(format=fmt), progress=counted)
     assert calls == []
-    convert(tmp_path / "src", tmp_path / "fresh", to_format=fmt)
+    convert(tmp_path / "src", tmp_path / "fresh", Target(format=fmt))
     assert _files(tmp_path / "out") == _files(tmp_path / "fresh")
 
 
@@ -106,13 +107,13 @@ def test_a_changed_source_starts_over(tmp_path):
     write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist")
     bomb, _ = _bomb(after_slabs=50)
     with pytest.raises(Stop):
-        convert(tmp_path / "src", tmp_path / "out", layout=Layout(ep=1), progress=bomb)
+        convert(tmp_path / "src", tmp_path / "out", Target(layout=Layout(ep=1)), progress=bomb)
     common = next((tmp_path / "src").glob("iter_*/common.pt"))
     common.touch()  # same bytes, new time: the log no longer describes this source
     counted, calls = _bomb(after_slabs=0)
-    convert(tmp_path / "src", tmp_path / "out", layout=Layout(ep=1), progress=counted)
+    convert(tmp_path / "src", tmp_path / "out", Target(layout=Layout(ep=1)), progress=counted)
     fresh_calls = []
-    convert(tmp_path / "src", tmp_path / "fresh", layout=Layout(ep=1), progress=lambda _: fresh_calls.append(1))
+    convert(tmp_path / "src", tmp_path / "fresh", Target(layout=Layout(ep=1)), progress=lambda _: fresh_calls.append(1))
     assert len(calls) == len(fresh_calls)
 
 
@@ -130,11 +131,11 @@ def test_a_source_relinked_between_runs_starts_afresh(tmp_path):
     (src / "iter_0000010").symlink_to(tmp_path / "run0" / "iter_0000010")
     progress, _ = _bomb(after_slabs=30)
     with pytest.raises(Stop):
-        convert(src, tmp_path / "out", layout=Layout(ep=1), progress=progress)
+        convert(src, tmp_path / "out", Target(layout=Layout(ep=1)), progress=progress)
     (src / "iter_0000010").unlink()
     (src / "iter_0000010").symlink_to(tmp_path / "run1" / "iter_0000010")
-    convert(src, tmp_path / "out", layout=Layout(ep=1))
-    convert(tmp_path / "run1", tmp_path / "fresh", layout=Layout(ep=1))
+    convert(src, tmp_path / "out", Target(layout=Layout(ep=1)))
+    convert(tmp_path / "run1", tmp_path / "fresh", Target(layout=Layout(ep=1)))
     assert _files(tmp_path / "out") == _files(tmp_path / "fresh")
 
 
@@ -170,7 +171,7 @@ def test_the_work_log_names_each_record_once(tmp_path, monkeypatch, fmt):
     write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist")
     kept = tmp_path / "log.jsonl"
     monkeypatch.setattr(WorkLog, "remove", lambda self: self.path.rename(kept))
-    convert(tmp_path / "src", tmp_path / "out", to_format=fmt, layout=Layout(tp=2, ep=2, pp=2) if fmt != "hf" else None)
+    convert(tmp_path / "src", tmp_path / "out", Target(format=fmt, layout=Layout(tp=2, ep=2, pp=2) if fmt != "hf" else None))
     lines = [json.loads(line) for line in kept.read_text().splitlines()[1:]]
     facts = [json.dumps(fact) for line in lines for fact in line["facts"]]
     assert len(set(facts)) == len(facts) == len(_stored_records(tmp_path / "out", fmt)) > len(lines) > 1
@@ -195,14 +196,14 @@ def test_a_tensor_whose_log_line_failed_is_converted_again(tmp_path, monkeypatch
 
     monkeypatch.setattr(WorkLog, "record", failing_third)
     with pytest.raises(OSError):
-        convert(tmp_path / "src", tmp_path / "out", to_format=fmt, layout=layout)
+        convert(tmp_path / "src", tmp_path / "out", Target(format=fmt, layout=layout))
     monkeypatch.undo()
     logged = [json.loads(line)["name"] for line in (tmp_path / ".out.reshard-partial" / LOG_NAME).read_text().splitlines()[1:]]
     assert calls[2] not in logged and set(calls[3:]) <= set(logged), "later lines were written"
     counted, converted = _bomb(after_slabs=0)
-    convert(tmp_path / "src", tmp_path / "out", to_format=fmt, layout=layout, progress=counted)
+    convert(tmp_path / "src", tmp_path / "out", Target(format=fmt, layout=layout), progress=counted)
     assert converted, "the lost tensor was converted again"
-    convert(tmp_path / "src", tmp_path / "fresh", to_format=fmt, layout=layout)
+    convert(tmp_path / "src", tmp_path / "fresh", Target(format=fmt, layout=layout))
     if fmt != "torch_dist":
         assert _files(tmp_path / "out") == _files(tmp_path / "fresh")
         return
@@ -222,16 +223,16 @@ def test_a_torn_log_line_is_cut_away_before_the_rerun_appends(tmp_path):
     write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist")
     log = tmp_path / ".out.reshard-partial" / LOG_NAME
     total = []
-    convert(tmp_path / "src", tmp_path / "fresh", layout=Layout(ep=4), progress=lambda _: total.append(1))
+    convert(tmp_path / "src", tmp_path / "fresh", Target(layout=Layout(ep=4)), progress=lambda _: total.append(1))
     bomb, _ = _bomb(after_slabs=len(total) // 3)
     with pytest.raises(Stop):
-        convert(tmp_path / "src", tmp_path / "out", layout=Layout(ep=4), progress=bomb)
+        convert(tmp_path / "src", tmp_path / "out", Target(layout=Layout(ep=4)), progress=bomb)
     whole = log.read_text().splitlines()
     with open(log, "a") as f:
         f.write('{"name": "decoder.layers.mlp.linear_fc1.weight", "wri')  # as a kill mid-write leaves it
     bomb, _ = _bomb(after_slabs=len(total) // 3)
     with pytest.raises(Stop):
-        convert(tmp_path / "src", tmp_path / "out", layout=Layout(ep=4), progress=bomb)
+        convert(tmp_path / "src", tmp_path / "out", Target(layout=Layout(ep=4)), progress=bomb)
     lines = log.read_text().splitlines()
     assert lines[: len(whole)] == whole and len(lines) > len(whole)
     assert all(json.loads(line)["name"] for line in lines[1:]), "every line of both runs is whole"

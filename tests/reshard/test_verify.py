@@ -8,7 +8,9 @@ import pytest
 
 from fixtures.models import TINY_LLAMA
 from fixtures.synthetic import SyntheticReader, write_synthetic
-from reshard.convert import convert, manifest_for, new_writer, write_moves
+from reshard.convert import convert
+from reshard.streaming import manifest_for, write_moves
+from reshard.request import Target
 from reshard.dtypes import bits
 from reshard.errors import ReshardError
 from reshard.formats.hf import HFReader
@@ -52,8 +54,8 @@ LAYOUT_FREE = {"hf": HFReader}
 def _write(path, reader, layout, fmt="torch_dist"):
     """Convert `reader` to `fmt` at `path`; the writer's records with their checksums as written, and the
     tensors' checksums as written."""
-    plan = make_plan(reader, path, fmt, layout)
-    writer = new_writer(plan, {})
+    plan = make_plan(reader, path, Target(format=fmt, layout=layout))
+    writer = plan.new_writer()
     written, _ = write_moves(reader, plan, writer, None, workers=2)
     writer.finish(manifest_for(plan, written))
     return writer.written_records(), written
@@ -136,7 +138,7 @@ def test_bytes_written_other_than_the_slab_says_are_caught_without_reading_back(
     write_synthetic(tmp_path / "src", TINY_LLAMA, Layout(tp=2), "torch_dist")
     corrupt(monkeypatch)
     with pytest.raises(ReshardError, match="does not match the source"):
-        convert(tmp_path / "src", tmp_path / "dst", to_format=fmt, layout=layout)
+        convert(tmp_path / "src", tmp_path / "dst", Target(format=fmt, layout=layout))
     assert not (tmp_path / "dst").exists()
 
 
@@ -161,7 +163,7 @@ def test_a_staging_bug_is_caught_without_reading_back(tmp_path, monkeypatch, fmt
     write_synthetic(tmp_path / "src", TINY_LLAMA, Layout(), "torch_dist")
     _off_by_one_copy(monkeypatch, torch_archive if fmt == "torch_dist" else zarr_store)
     with pytest.raises(ReshardError, match="does not match the source"):
-        convert(tmp_path / "src", tmp_path / "dst", to_format=fmt, layout=Layout(tp=2))
+        convert(tmp_path / "src", tmp_path / "dst", Target(format=fmt, layout=Layout(tp=2)))
     assert not (tmp_path / "dst").exists()
 
 

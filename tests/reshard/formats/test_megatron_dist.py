@@ -14,6 +14,7 @@ from fixtures.synthetic import SyntheticReader, write_synthetic
 from tests.arrays import same
 from reshard import direct_io
 from reshard.convert import convert
+from reshard.request import Target
 from reshard.dtypes import numpy_dtype
 from reshard.errors import ReshardError
 from reshard.formats.megatron_dist import TorchDistReader
@@ -120,6 +121,6 @@ def test_objects_are_loaded_only_when_a_conversion_needs_them(tmp_path, monkeypa
 
     monkeypatch.setattr(TorchDistReader, "_object", damaged)
     with pytest.raises(ReshardError, match="not encoded as Megatron"):
-        convert(tmp_path / "ckpt", tmp_path / "out", layout=Layout(ep=1))
+        convert(tmp_path / "ckpt", tmp_path / "out", Target(layout=Layout(ep=1)))
     assert not (tmp_path / "out").exists()
 

@@ -7,6 +7,7 @@ from fixtures.models import TINY_LLAMA, TINY_MOE, TINY_TIED
 from fixtures.synthetic import SyntheticReader, write_synthetic
 from tests.arrays import same
 from reshard.convert import convert
+from reshard.request import Target
 from reshard.dtypes import to_torch
 from reshard.errors import ReshardError
 from reshard.formats import open_checkpoint
@@ -51,7 +52,7 @@ def test_local_spec_names_and_tied_embedding_copy(tmp_path):
     from reshard.convert import convert
 
     write_synthetic(tmp_path / "te", TINY_TIED, Layout(pp=2), "legacy")
-    convert(tmp_path / "te", tmp_path / "local", writer_options={"te_names": False})
+    convert(tmp_path / "te", tmp_path / "local", Target(naming="local"))
     src = SyntheticReader(TINY_TIED, Layout(pp=2))
     emb = _global(src, "embedding.word_embeddings.weight")
     first, last = _rank(tmp_path / "local", 0, 0)["model"], _rank(tmp_path / "local", 0, 1)["model"]
@@ -137,7 +138,7 @@ def test_expert_tp_below_tp_reads_the_files_megatron_writes(tmp_path):
         for name in src.specs:
             assert same(_global(reader, name), _global(src, name)), name
         assert {r.file.split("/")[0] for name in reader.specs for r in reader.stored_records(name)} == {"mp_rank_00_000", "mp_rank_01_001"}
-    convert(tmp_path / "ckpt", tmp_path / "dist", to_format="torch_dist", layout=Layout(tp=1, ep=4, etp=1))
+    convert(tmp_path / "ckpt", tmp_path / "dist", Target(format="torch_dist", layout=Layout(tp=1, ep=4, etp=1)))
     with open_checkpoint(tmp_path / "dist") as converted:
         for name in src.specs:
             assert same(_global(converted, name), _global(src, name)), name

@@ -11,6 +11,7 @@ from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import SyntheticReader, write_synthetic
 from tests.arrays import same
 from reshard.convert import convert
+from reshard.request import Target
 from reshard.formats.zarr_store import chunk_shape
 from reshard.layout import Layout
 from reshard.sharding import full_region
@@ -77,7 +78,7 @@ def test_chunks_reaching_past_the_array_hold_the_fill_value(tmp_path, monkeypatc
     monkeypatch.setattr(zarr_store, "chunk_shape", lambda spec: [1] * spec.prefix_axes + [5] * (len(spec.shape) - spec.prefix_axes) or [1])
     write_synthetic(tmp_path / "src", TINY_LLAMA, Layout(), "torch_dist")
     store = tmp_path / "model.zarr"
-    convert(tmp_path / "src", store, to_format="zarr")
+    convert(tmp_path / "src", store, Target(format="zarr"))
     source = SyntheticReader(TINY_LLAMA)
     group = zarr.open_group(str(store), mode="r")
     for name, spec in source.specs.items():
@@ -105,7 +106,7 @@ def test_a_tensor_is_logged_only_once_its_files_are_durable(tmp_path, monkeypatc
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(WorkLog, "record", record)
     write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist")
-    convert(tmp_path / "src", tmp_path / "out", to_format="zarr")
+    convert(tmp_path / "src", tmp_path / "out", Target(format="zarr"))
     out, partial = str(tmp_path / "out"), str(tmp_path / ".out.reshard-partial")
     assert at_record
     for name, seen in at_record.items():

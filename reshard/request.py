@@ -1,0 +1,73 @@
+"""What a user asks of a conversion, as types: the target to write, what they assert of the source, and
+how to run it. The CLI builds these from its flags; a Python caller builds them directly:
+
+    convert("ckpts/run1", "ckpts/run1-hf", Target(format="hf", dtype="bf16", optimizer=False))
+    convert("ckpts/run1", "ckpts/run1-tp8", Target(layout=LayoutChange(tp=8)), hints=SourceHints(tp=4))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from reshard.logical import normalize_dtype
+from reshard.layout import Layout
+
+
+@dataclass(frozen=True)
+class LayoutChange:
+    """Degrees to change in the source's layout (None: keep), as the CLI's --to-* flags give them."""
+
+    tp: int | None = None
+    pp: int | None = None
+    ep: int | None = None
+    etp: int | None = None
+    vpp: int | None = None
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    def apply(self, source: Layout) -> Layout:
+        return source.retarget(**dataclasses.asdict(self))
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a conversion writes; every field left out follows the source."""
+
+    format: str | None = None  # torch_dist, legacy, zarr or hf
+    layout: Layout | LayoutChange | None = None  # a whole layout, or changes to the source's
+    dtype: str | None = None  # cast the model's weights and record it as the precision ("bf16", "torch.bfloat16", ...)
+    optimizer: bool = True  # False: leave the optimizer state behind
+    naming: Literal["te", "local"] | None = None  # Megatron output: Transformer-Engine or local-spec names
+    max_shard_bytes: int | None = None  # HF output: the largest safetensors file
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+
+    def layout_for(self, source: Layout) -> Layout:
+        if self.layout is None:
+            return source
+        return self.layout.apply(source) if isinstance(self.layout, LayoutChange) else self.layout
+
+
+@dataclass(frozen=True)
+class SourceHints:
+    """What the user says of the source: degrees it must be saved at (a conversion of another checkpoint
+    than the one meant is refused), and the true vocabulary size where its args do not record it."""
+
+    tp: int | None = None
+    pp: int | None = None
+    ep: int | None = None
+    vocab_size: int | None = None
+
+
+@dataclass(frozen=True)
+class Run:
+    """How to run a conversion; the output is the same whatever these are."""
+
+    workers: int = 1  # threads reading, hashing and writing units of work
+    max_memory: int | None = None  # bytes of working memory (default: see `reshard.plan.default_budget`)
+    reread: bool = False  # verify by reading every written value back, not only the records' placement
+    check_space: bool = True  # refuse up front what does not fit in the free space
