@@ -21,7 +21,7 @@ from reshard.plan import ConversionPlan, human_bytes, make_plan
 from reshard.request import Run, SourceHints, Target
 from reshard.streaming import Progress, manifest_for, write_moves
 from reshard.verify import compare, compute_checksums
-from reshard.worklog import Recorder, Resumed, WorkLog, fingerprint
+from reshard.worklog import Done, Recorder, Resumed, WorkLog, fingerprint
 
 @dataclass
 class ConversionResult:
@@ -89,92 +89,107 @@ def transact(
     Each rank logs its finished tensors in the partial output: the same command run again (with as many
     ranks) resumes where a killed or crashed run stopped; anything else about the partial output starts
     it over. A refusal removes the partial output; a stop that keeps it (`KeepsPartial`) or a crash does not."""
-    rank, target = team.rank, plan.target
-    tmp = partial_path(target)
-    here = replace(plan, target=tmp)
-    log = WorkLog(tmp, fingerprint(plan), rank, team.size)
-
-    team.together(lambda: _prepare_destination(target, overwrite) if rank == 0 else None)  # a refusal leaves a partial output be
+    step = _Transaction(reader, plan, run, team)
+    first = lambda action: (lambda: action() if team.rank == 0 else None)  # noqa: E731 (a step only rank 0 takes)
+    team.together(first(lambda: _prepare_destination(plan.target, overwrite)))  # a refusal leaves a partial output be
     try:
-        logs: list[Resumed | None] = []  # this rank's, kept here: only whether it was found is gathered
-
-        def read_log() -> bool:
-            logs.append(log.resume() if tmp.is_dir() else None)
-            return logs[0] is not None
-
-        resuming = all(team.together(read_log))  # every rank's log, or none
-        found = logs[0] if resuming else None
+        resuming = all(team.together(step.read_log))  # every rank's log, or none
         if not resuming:
-            team.together(lambda: _start_over(tmp) if rank == 0 else None)
-
-        opened: list[CheckpointWriter] = []  # this rank's, kept here: a writer is not gathered
-
-        def open_writer() -> None:
-            if not resuming:
-                log.start()
-            writer = here.new_writer(rank)
-            if found:  # back to this rank's last logged tensor (before its first: none of its files)
-                writer.restore(found.facts)
-            opened.append(writer)
-
-        team.together(open_writer)
-        writer, done = opened[0], found.done if found else []
-        finished = {d.name for d in done}
-        share = shares(plan.moves, team.size)[rank]
-        mine = replace(here, moves=[m for m in share if m.target.name not in finished])
-        sizes = team.together(lambda: (mine.bytes_stored, writer.held_for([m.target.name for m in mine.moves]) if resuming else 0))
-        needed, freed = (sum(column) for column in zip(*sizes))
+            team.together(first(lambda: _start_over(step.tmp)))
+        team.together(lambda: step.open(resuming))
+        sizes = team.together(lambda: step.sizes(resuming))
         if run.check_space:
-            team.together(lambda: check_free_space(tmp, target, needed, resuming, freed) if rank == 0 else None)
-
-        pool = Pool()  # slab buffers, reused by the verification pass
-
-        def write() -> tuple[Any, dict[str, Checksum], dict[str, Checksum]]:
-            recorder = Recorder(log, writer)
-            try:
-                written, as_read = write_moves(
-                    reader, mine, writer, progress if rank == 0 else None, run.workers, finished=recorder, pool=pool
-                )
-                if rank == 0:
-                    writer.before_finish()  # while the log's last entries wait for the disk
-            finally:
-                recorder.close()
-            written.update({d.name: d.written for d in done})
-            as_read.update({d.name: d.read for d in done})
-            return writer.part(), written, as_read
-
-        results = team.together(write)
+            needed, freed = (sum(column) for column in zip(*sizes))
+            team.together(first(lambda: check_free_space(step.tmp, plan.target, needed, resuming, freed)))
+        results = team.together(lambda: step.write(progress))
         written = {k: v for _, w, _ in results for k, v in w.items()}
         manifest = manifest_for(plan, written)
-
-        def finish() -> None:
-            if reader.manifest is not None:
-                as_read = {k: v for _, _, r in results for k, v in r.items()}
-                compare(as_read, reader.manifest.checksums, "source as read", "source's recorded checksums", subset=True).raise_if_bad(
-                    f"{plan.source} does not match the checksums recorded when it was written"
-                )
-            writer.finish(manifest, [part for part, _, _ in results])
-
-        team.together(lambda: finish() if rank == 0 else None)
-
-        hash_workers = plan.hash_workers()
-        pool.shrink(hash_workers)
-
-        def check() -> dict[str, Checksum]:
-            with open_checkpoint(tmp, plan.target_format) as written_back:
-                records = None if run.reread else writer.written_records()  # an earlier run's tensors are read back
-                names = [m.target.name for m in share]
-                return compute_checksums(written_back, workers=hash_workers, names=names, pool=pool, written=records)
-
-        rechecked = {k: v for part in team.together(check) for k, v in part.items()}
-        team.together(lambda: compare(rechecked, written, "written", "source").raise_if_bad("the written checkpoint does not match the source"))
-        team.together(log.remove)  # only now: a run stopped while verifying resumes at `finish`, not from the start
-        team.together(lambda: _replace(tmp, target) if rank == 0 else None)
+        team.together(first(lambda: step.finish(manifest, results)))
+        rechecked = {k: v for part in team.together(step.check) for k, v in part.items()}
+        mismatch = "the written checkpoint does not match the source"
+        team.together(lambda: compare(rechecked, written, "written", "source").raise_if_bad(mismatch))
+        team.together(step.log.remove)  # only now: a run stopped while verifying resumes at `finish`, not from the start
+        team.together(first(lambda: _replace(step.tmp, plan.target)))
     except ReshardError as exc:
-        if rank == 0 and not isinstance(exc, KeepsPartial):  # a refusal: nothing worth resuming
-            shutil.rmtree(tmp, ignore_errors=True)
+        if team.rank == 0 and not isinstance(exc, KeepsPartial):  # a refusal: nothing worth resuming
+            shutil.rmtree(step.tmp, ignore_errors=True)
         raise  # interrupted or crashed: the partial directory stays, and the same command resumes it
     return manifest
+
+
+class _Transaction:
+    """One rank's part of `transact`, step by step; what a step leaves for the next stays here (a writer,
+    a log) rather than being gathered."""
+
+    def __init__(self, reader: CheckpointReader, plan: ConversionPlan, run: Run, team: Collective):
+        self.reader, self.plan, self.run, self.rank = reader, plan, run, team.rank
+        self.tmp = partial_path(plan.target)
+        self.here = replace(plan, target=self.tmp)
+        self.share = shares(plan.moves, team.size)[team.rank]
+        self.log = WorkLog(self.tmp, fingerprint(plan), team.rank, team.size)
+        self.found: Resumed | None = None
+        self.pool = Pool()  # slab buffers, reused by the verification pass
+        self.writer: CheckpointWriter  # from `open` on
+        self.done: list[Done] = []  # tensors an earlier run finished
+        self.mine = self.here  # what is left to write: `open` says
+
+    def read_log(self) -> bool:
+        """Whether this rank's log of the same conversion is there."""
+        self.found = self.log.resume() if self.tmp.is_dir() else None
+        return self.found is not None
+
+    def open(self, resuming: bool) -> None:
+        """The writer, back at this rank's last logged tensor when resuming (before its first: none of its
+        files); what is left to write."""
+        if not resuming:
+            self.found = None
+            self.log.start()
+        self.writer = self.here.new_writer(self.rank)
+        self.done = self.found.done if self.found else []
+        if self.found:
+            self.writer.restore(self.found.facts)
+        finished = {d.name for d in self.done}
+        self.mine = replace(self.here, moves=[m for m in self.share if m.target.name not in finished])
+
+    def sizes(self, resuming: bool) -> tuple[int, int]:
+        """Bytes this rank has left to write, and what its partial output holds that writing them frees."""
+        return self.mine.bytes_stored, self.writer.held_for([m.target.name for m in self.mine.moves]) if resuming else 0
+
+    def write(self, progress: Progress | None) -> tuple[Any, dict[str, Checksum], dict[str, Checksum]]:
+        """Stream what is left; this rank's part for `finish`, and the checksums of its tensors as written
+        and as read (an earlier run's from the log)."""
+        recorder = Recorder(self.log, self.writer)
+        try:
+            written, as_read = write_moves(
+                self.reader, self.mine, self.writer, progress if self.rank == 0 else None, self.run.workers,
+                finished=recorder, pool=self.pool,
+            )
+            if self.rank == 0:
+                self.writer.before_finish()  # while the log's last entries wait for the disk
+        finally:
+            recorder.close()
+        written.update({d.name: d.written for d in self.done})
+        as_read.update({d.name: d.read for d in self.done})
+        return self.writer.part(), written, as_read
+
+    def finish(self, manifest: Manifest, results: list[tuple[Any, dict[str, Checksum], dict[str, Checksum]]]) -> None:
+        """Rank 0: the source as read against its recorded checksums, then the metadata, from every rank's part."""
+        if self.reader.manifest is not None:
+            as_read = {k: v for _, _, r in results for k, v in r.items()}
+            compare(as_read, self.reader.manifest.checksums, "source as read", "source's recorded checksums", subset=True).raise_if_bad(
+                f"{self.plan.source} does not match the checksums recorded when it was written"
+            )
+        self.writer.finish(manifest, [part for part, _, _ in results])
+
+    def check(self) -> dict[str, Checksum]:
+        """This rank's share of the output opened as any checkpoint is, its checksums recomputed (records
+        this run's writer vouches for by their placement, unless `run.reread`)."""
+        hash_workers = self.plan.hash_workers()
+        self.pool.shrink(hash_workers)
+        with open_checkpoint(self.tmp, self.plan.target_format) as written_back:
+            records = None if self.run.reread else self.writer.written_records()  # an earlier run's tensors are read back
+            names = [m.target.name for m in self.share]
+            return compute_checksums(written_back, workers=hash_workers, names=names, pool=self.pool, written=records)
 
 
 def convert(

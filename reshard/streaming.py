@@ -55,6 +55,81 @@ class _Prepared:
     as_written: TensorChecksum  # of the values after a dtype cast (the same object when there is none)
 
 
+class _Reading:
+    """What the reading threads do for one conversion: read a unit of work, hash it, cast it, and let the
+    writer prepare it; large slabs are read and hashed in bands on helper threads."""
+
+    def __init__(self, reader: CheckpointReader, plan: ConversionPlan, writer: CheckpointWriter, pool: Pool, workers: int):
+        self.reader, self.plan, self.writer, self.pool, self.workers = reader, plan, writer, pool, workers
+        self.content = {m.target.name: reader.config.vocab_rows if m.target.vocab else None for m in plan.moves}
+        self.helpers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard-band") if workers > 1 else None
+
+    def checksum(self, move: TensorMove, dtype: str) -> TensorChecksum:
+        """An empty checksum of `move`'s target tensor, over values of `dtype`."""
+        return TensorChecksum(move.target.shape, dtype, self.content[move.target.name])
+
+    def jobs(self) -> Iterator[tuple[TensorMove, Unit, Any]]:
+        """Every unit of work in plan order, with what the writer reserved for it."""
+        for move in self.plan.moves:
+            for unit in self.plan.units(move):
+                self.reader.prefetch(move.source.name, unit.region)
+                yield move, unit, self.writer.reserve(move.target, unit.region, unit.pieces)
+
+    def prepare(self, job: tuple[TensorMove, Unit, Any]) -> _Prepared:
+        move, unit, reserved = job
+        slab = unit.region
+        data = buffer = self.pool.array([b - a for a, b in slab], numpy_dtype(move.source.dtype))
+        as_read, hashed = self.read_and_hash_parts(move, unit, data)
+        as_written, written_parts = as_read, hashed
+        if move.target.dtype != move.source.dtype:
+            data = data.astype(numpy_dtype(move.target.dtype))
+            as_written, written_parts = self.checksum(move, move.target.dtype), None
+            as_written.add(slab, data)
+        prepared = self.writer.prepare(move.target, slab, data, unit.pieces, reserved, written_parts)
+        return _Prepared(move, slab, unit.pieces, data, buffer, prepared, as_read, as_written)
+
+    def read_and_hash_parts(self, move: TensorMove, unit: Unit, out: np.ndarray) -> tuple[TensorChecksum, HashedParts]:
+        """Read `unit` into `out` and hash it: by the writer's records where they tile it (`Unit.runs`: hashing
+        by them spares hashing each record again as written), else whole (in bands on the helper threads
+        when it is large)."""
+        parts = unit.runs() if out.nbytes < 2 * BAND_BYTES else None
+        if parts is None:
+            whole = self.read_and_hash(move, unit.region, out)
+            return whole, HashedParts({unit.region: (out, whole)})
+        read_slab(self.reader, move, unit.region, out)
+        total = self.checksum(move, move.source.dtype)
+        hashed = {}
+        for region in parts:
+            view = out[to_slices(shift(region, unit.region))]
+            part = self.checksum(move, move.source.dtype)
+            part.add(region, view)
+            total.merge(part)
+            hashed[region] = (view, part)
+        return total, HashedParts(hashed)
+
+    def read_and_hash(self, move: TensorMove, slab: Region, out: np.ndarray) -> TensorChecksum:
+        """Read `slab` into `out` and hash it, in bands on the helper threads when it is large."""
+
+        def band(region: Region) -> TensorChecksum:
+            view = out[to_slices(shift(region, slab))]
+            read_slab(self.reader, move, region, view)
+            part = self.checksum(move, move.source.dtype)
+            part.add(region, view)
+            return part
+
+        size = out.nbytes
+        if self.helpers is None or size < 2 * BAND_BYTES:
+            return band(slab)
+        parts = list(self.helpers.map(band, bands(slab, min(self.workers, size // BAND_BYTES))))
+        for part in parts[1:]:
+            parts[0].merge(part)
+        return parts[0]
+
+    def close(self) -> None:
+        if self.helpers is not None:
+            self.helpers.shutdown(cancel_futures=True)
+
+
 def write_moves(
     reader: CheckpointReader,
     plan: ConversionPlan,
@@ -69,68 +144,10 @@ def write_moves(
     when a move changes it) and as read. Workers read and hash units ahead (within `plan.read_ahead`
     bytes); the writer takes them in plan order, so the output is the same whatever the number of workers.
     `finished` hears of each tensor once it is wholly written."""
-    content = {m.target.name: reader.config.vocab_rows if m.target.vocab else None for m in plan.moves}
     pool = pool or Pool()
-    helpers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard-band") if workers > 1 else None
-
-    def read_and_hash(move: TensorMove, slab: Region, out: np.ndarray) -> TensorChecksum:
-        """Read `slab` into `out` and hash it, in bands on the helper threads when it is large."""
-
-        def band(region: Region) -> TensorChecksum:
-            view = out[to_slices(shift(region, slab))]
-            read_slab(reader, move, region, view)
-            part = TensorChecksum(move.target.shape, move.source.dtype, content[move.target.name])
-            part.add(region, view)
-            return part
-
-        size = out.nbytes
-        if helpers is None or size < 2 * BAND_BYTES:
-            return band(slab)
-        parts = list(helpers.map(band, bands(slab, min(workers, size // BAND_BYTES))))
-        for part in parts[1:]:
-            parts[0].merge(part)
-        return parts[0]
-
-    def read_and_hash_parts(move: TensorMove, unit: Unit, out: np.ndarray) -> tuple[TensorChecksum, HashedParts]:
-        """Read `unit` into `out` and hash it: by the writer's records where they tile it (`Unit.runs`: hashing
-        by them spares hashing each record again as written), else whole (in bands on the helper threads
-        when it is large)."""
-        parts = unit.runs() if out.nbytes < 2 * BAND_BYTES else None
-        if parts is None:
-            whole = read_and_hash(move, unit.region, out)
-            return whole, HashedParts({unit.region: (out, whole)})
-        read_slab(reader, move, unit.region, out)
-        total = TensorChecksum(move.target.shape, move.source.dtype, content[move.target.name])
-        hashed = {}
-        for region in parts:
-            view = out[to_slices(shift(region, unit.region))]
-            part = TensorChecksum(move.target.shape, move.source.dtype, content[move.target.name])
-            part.add(region, view)
-            total.merge(part)
-            hashed[region] = (view, part)
-        return total, HashedParts(hashed)
-
-    def prepare(job: tuple[TensorMove, Unit, Any]) -> _Prepared:
-        move, unit, reserved = job
-        slab = unit.region
-        data = buffer = pool.array([b - a for a, b in slab], numpy_dtype(move.source.dtype))
-        as_read, hashed = read_and_hash_parts(move, unit, data)
-        as_written, written_parts = as_read, hashed
-        if move.target.dtype != move.source.dtype:
-            data = data.astype(numpy_dtype(move.target.dtype))
-            as_written, written_parts = TensorChecksum(move.target.shape, move.target.dtype, content[move.target.name]), None
-            as_written.add(slab, data)
-        prepared = writer.prepare(move.target, slab, data, unit.pieces, reserved, written_parts)
-        return _Prepared(move, slab, unit.pieces, data, buffer, prepared, as_read, as_written)
-
-    def jobs() -> Iterator[tuple[TensorMove, Unit, Any]]:
-        for move in plan.moves:
-            for unit in plan.units(move):
-                reader.prefetch(move.source.name, unit.region)
-                yield move, unit, writer.reserve(move.target, unit.region, unit.pieces)
-
-    read_sums = {m.target.name: TensorChecksum(m.target.shape, m.source.dtype, content[m.target.name]) for m in plan.moves}
-    written_sums = {m.target.name: TensorChecksum(m.target.shape, m.target.dtype, content[m.target.name]) for m in plan.moves}
+    reading = _Reading(reader, plan, writer, pool, workers)
+    read_sums = {m.target.name: reading.checksum(m, m.source.dtype) for m in plan.moves}
+    written_sums = {m.target.name: reading.checksum(m, m.target.dtype) for m in plan.moves}
     current: str | None = None
 
     def close(name: str) -> None:
@@ -141,7 +158,7 @@ def write_moves(
         return region_size(job[1].region) * itemsize(job[0].source.dtype)
 
     try:
-        for item in ordered_map(prepare, jobs(), workers, plan.read_ahead(workers), slab_bytes):
+        for item in ordered_map(reading.prepare, reading.jobs(), workers, plan.read_ahead(workers), slab_bytes):
             name = item.move.target.name
             if name != current:  # moves arrive one after another
                 if current is not None:
@@ -154,8 +171,7 @@ def write_moves(
             if progress:
                 progress(item.data.nbytes)
     finally:
-        if helpers is not None:
-            helpers.shutdown(cancel_futures=True)
+        reading.close()
     if current is not None:
         close(current)
     written = {name: acc.result() for name, acc in written_sums.items()}
