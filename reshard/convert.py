@@ -4,8 +4,12 @@ and for the ranks of a multi-rank conversion (`reshard.collective`)."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -54,23 +58,94 @@ def check_free_space(partial: Path, target: Path, needed: int, resuming: bool, f
         )
 
 
+def _old_path(target: Path) -> Path:
+    """Where a replaced destination waits, on filesystems without an atomic exchange, until the new one is
+    in place: a fixed name, so that a run stopped between the two renames puts it back (`_prepare_destination`)."""
+    return target.with_name(f".{target.name}.reshard-old")
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one step (Linux renameat2 RENAME_EXCHANGE); False where the system or the
+    filesystem cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
 def _replace(tmp: Path, target: Path) -> None:
-    """Move the verified output into place; an old destination is removed only after the rename."""
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.reshard-old-{os.getpid()}")
+    """Move the verified output into place. An old destination is swapped out in one step and removed only
+    after, so a stop at any point leaves the old checkpoint or the new one at `target`, never neither."""
+    if not target.exists():
+        tmp.rename(target)
+    elif _exchange(tmp, target):
+        shutil.rmtree(tmp)  # the old checkpoint, now under the partial output's name
+    else:
+        old = _old_path(target)
         target.rename(old)
-    tmp.rename(target)
-    if old is not None:
+        tmp.rename(target)
         shutil.rmtree(old)
 
 
-def _prepare_destination(target: Path, overwrite: bool) -> None:
+class DestinationLock:
+    """Held by the process that writes a destination, from the first check to the last rename: a second
+    conversion into the same destination (or its partial output) is refused instead of interleaving with
+    it. An flock on a hidden file beside the destination, removed on release; a lock taken on a file that
+    a releasing holder had just removed is not kept (the path must still name the locked file)."""
+
+    def __init__(self, target: Path):
+        self.path = target.with_name(f".{target.name}.reshard-lock")
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                target = self.path.name.removeprefix(".").removesuffix(".reshard-lock")
+                raise ReshardError(
+                    f"{self.path.with_name(target)} is being written by another reshard convert ({holder}); "
+                    "wait for it to finish or choose another destination"
+                ) from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+                self.fd = fd
+                return
+            os.close(fd)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _prepare_destination(target: Path, overwrite: bool, lock: DestinationLock) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock.acquire()
+    old = _old_path(target)
+    if old.is_dir() and not target.exists():  # a run stopped between `_replace`'s renames: the old one goes back
+        old.rename(target)
     if target.exists() and not target.is_dir():
         raise ReshardError(f"{target} exists and is a file; choose another destination")
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise ReshardError(f"{target} exists and is not empty; pass --overwrite to replace it or choose another destination")
-    target.parent.mkdir(parents=True, exist_ok=True)
 
 
 def _start_over(tmp: Path) -> None:
@@ -89,9 +164,25 @@ def transact(
     Each rank logs its finished tensors in the partial output: the same command run again (with as many
     ranks) resumes where a killed or crashed run stopped; anything else about the partial output starts
     it over. A refusal removes the partial output; a stop that keeps it (`KeepsPartial`) or a crash does not."""
+    lock = DestinationLock(plan.target)
+    try:
+        return _transact(reader, plan, overwrite, run, progress, team, lock)
+    finally:
+        lock.release()
+
+
+def _transact(
+    reader: CheckpointReader,
+    plan: ConversionPlan,
+    overwrite: bool,
+    run: Run,
+    progress: Progress | None,
+    team: Collective,
+    lock: DestinationLock,
+) -> Manifest:
     step = _Transaction(reader, plan, run, team)
     first = lambda action: (lambda: action() if team.rank == 0 else None)  # noqa: E731 (a step only rank 0 takes)
-    team.together(first(lambda: _prepare_destination(plan.target, overwrite)))  # a refusal leaves a partial output be
+    team.together(first(lambda: _prepare_destination(plan.target, overwrite, lock)))  # a refusal leaves a partial output be
     try:
         resuming = all(team.together(step.read_log))  # every rank's log, or none
         if not resuming:
@@ -114,6 +205,13 @@ def transact(
         if team.rank == 0 and not isinstance(exc, KeepsPartial):  # a refusal: nothing worth resuming
             shutil.rmtree(step.tmp, ignore_errors=True)
         raise  # interrupted or crashed: the partial directory stays, and the same command resumes it
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise KeepsPartial(
+            f"the disk holding {plan.target} is full ({exc.strerror}); free space and run the same command again "
+            "(it resumes), or choose another destination"
+        ) from exc
     return manifest
 
 
@@ -220,6 +318,8 @@ def convert(
     """
     start = time.perf_counter()
     source, destination = Path(source), Path(destination)
+    if destination.is_symlink():  # replace what the link names, and keep the link
+        destination = destination.resolve()
     src, dst = source.resolve(), destination.resolve()
     if src == dst:
         raise ReshardError("source and destination are the same directory; choose another destination")

@@ -1,0 +1,151 @@
+"""The destination of a conversion: one writer at a time, and the old checkpoint or the new one in place
+whenever the run stops."""
+
+import errno
+import hashlib
+import subprocess
+import sys
+
+import pytest
+
+from fixtures.models import TINY_LLAMA
+from fixtures.synthetic import write_synthetic
+from fixtures.torchrun import REPO, pythonpath
+from reshard.convert import DestinationLock, convert, partial_path
+from reshard.errors import KeepsPartial, ReshardError
+from reshard.layout import Layout
+from reshard.request import Target
+from tests.arrays import same, tensors
+
+
+def _digest(path):
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f.relative_to(path).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture()
+def pair(tmp_path):
+    """A source at TP2 and an existing destination (TP1) holding another checkpoint."""
+    write_synthetic(tmp_path / "src", TINY_LLAMA, Layout(tp=2), "torch_dist")
+    write_synthetic(tmp_path / "dst", TINY_LLAMA, Layout(tp=1), "torch_dist", seed=1)
+    return tmp_path / "src", tmp_path / "dst"
+
+
+def _leftovers(dst):
+    return sorted(p.name for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}."))
+
+
+def test_a_second_writer_is_refused_while_another_process_writes_the_destination(pair):
+    src, dst = pair
+    before = _digest(dst)
+    partial = partial_path(dst)
+    partial.mkdir()
+    (partial / "theirs").write_text("the other writer's progress")
+    holder = subprocess.Popen(  # another process, holding the destination as a running conversion does
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from reshard.convert import DestinationLock; "
+         "DestinationLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(60)", str(dst)],
+        cwd=REPO, env={"PYTHONPATH": pythonpath(), "PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ReshardError, match=rf"{dst} is being written by another reshard convert \(pid {holder.pid} "):
+            convert(src, dst, Target(layout=Layout(tp=1)), overwrite=True)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert _digest(dst) == before
+    assert (partial / "theirs").read_text() == "the other writer's progress"  # its partial output is its own
+    convert(src, dst, Target(layout=Layout(tp=1)), overwrite=True)  # the lock died with its holder
+    assert _leftovers(dst) == []
+
+
+def test_the_lock_is_released_after_a_refusal_and_after_success(pair):
+    src, dst = pair
+    with pytest.raises(ReshardError, match="exists and is not empty"):
+        convert(src, dst, Target(layout=Layout(tp=1)))
+    convert(src, dst, Target(layout=Layout(tp=1)), overwrite=True)
+    lock = DestinationLock(dst)
+    lock.acquire()  # nobody holds it
+    lock.release()
+    assert _leftovers(dst) == []
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
+def test_overwrite_replaces_the_destination_whole(pair, monkeypatch, exchange):
+    src, dst = pair
+    if not exchange:
+        monkeypatch.setattr("reshard.convert._exchange", lambda a, b: False)
+    convert(src, dst, Target(layout=Layout(tp=1)), overwrite=True)
+    new, old = tensors(dst), tensors(src)
+    assert set(new) == set(old) and all(same(new[n], old[n]) for n in old)
+    assert _leftovers(dst) == []
+
+
+def test_a_run_stopped_between_the_two_renames_gets_the_old_checkpoint_back(pair, monkeypatch):
+    src, dst = pair
+    before = _digest(dst)
+    monkeypatch.setattr("reshard.convert._exchange", lambda a, b: False)
+    renames = []
+    real = type(dst).rename
+
+    def stop_after_first(self, target):
+        renames.append(self)
+        if len(renames) == 2:
+            raise KeyboardInterrupt  # a kill after the old checkpoint moved aside
+        return real(self, target)
+
+    monkeypatch.setattr(type(dst), "rename", stop_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, dst, Target(layout=Layout(tp=1)), overwrite=True)
+    monkeypatch.setattr(type(dst), "rename", real)
+    assert not dst.exists()
+    with pytest.raises(ReshardError, match="exists and is not empty"):  # the next run puts it back first
+        convert(src, dst, Target(layout=Layout(tp=1)))
+    assert _digest(dst) == before
+
+
+def test_a_symlinked_destination_is_replaced_where_it_points_and_the_link_kept(pair, tmp_path):
+    src, real = pair
+    link = tmp_path / "latest"
+    link.symlink_to(real, target_is_directory=True)
+    convert(src, link, Target(layout=Layout(tp=1)), overwrite=True)
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    new, old = tensors(link), tensors(src)
+    assert all(same(new[n], old[n]) for n in old)
+
+
+def test_a_full_disk_names_the_destination_and_keeps_the_partial_output(pair, monkeypatch):
+    src, dst = pair
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("reshard.convert.write_moves", full)
+    with pytest.raises(KeepsPartial, match=rf"the disk holding {dst} is full \(No space left on device\); free space"):
+        convert(src, dst, Target(layout=Layout(tp=1)), overwrite=True)
+    assert partial_path(dst).is_dir()
+
+
+def test_a_lock_on_a_file_its_holder_removed_is_not_kept(tmp_path, monkeypatch):
+    """A process that opened the lock file just before its holder released it (and removed it) must not keep
+    a lock on the removed file: a third writer would create a new one and both would hold 'the' lock."""
+    import fcntl
+    import os
+
+    lock = DestinationLock(tmp_path / "out")
+    real, calls = fcntl.flock, []
+
+    def holder_releases_first(fd, op):
+        calls.append(fd)
+        if len(calls) == 1:
+            lock.path.unlink()  # the holder's release, between our open and our flock
+        return real(fd, op)
+
+    monkeypatch.setattr("reshard.convert.fcntl.flock", holder_releases_first)
+    lock.acquire()
+    assert len(calls) == 2  # taken again, on the file the path names
+    assert os.stat(lock.path).st_ino == os.fstat(lock.fd).st_ino
+    lock.release()
