@@ -137,8 +137,11 @@ class DestinationLock:
 
 
 def _prepare_destination(target: Path, overwrite: bool, lock: DestinationLock) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    lock.acquire()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except OSError as exc:  # not a directory, read-only, no permission: nothing was written
+        raise ReshardError(f"cannot write {target}: {exc.strerror} ({exc.filename}); choose another destination") from None
     old = _old_path(target)
     if old.is_dir() and not target.exists():  # a run stopped between `_replace`'s renames: the old one goes back
         old.rename(target)

@@ -5,6 +5,7 @@ import errno
 import hashlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -149,3 +150,12 @@ def test_a_lock_on_a_file_its_holder_removed_is_not_kept(tmp_path, monkeypatch):
     assert len(calls) == 2  # taken again, on the file the path names
     assert os.stat(lock.path).st_ino == os.fstat(lock.fd).st_ino
     lock.release()
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "unwritable"])
+def test_a_destination_that_cannot_be_written_is_one_line(pair, tmp_path, where):
+    src, _ = pair
+    (tmp_path / "afile").write_text("x")
+    dst = tmp_path / "afile" / "out" if where == "under-a-file" else Path("/proc/out")  # not even root may create files there
+    with pytest.raises(ReshardError, match=rf"cannot write {dst}: .*; choose another destination"):
+        convert(src, dst, Target(layout=Layout(tp=1)))
