@@ -85,14 +85,8 @@ def megatron_args(config: ModelConfig, layout: Layout, world: int, **extra) -> a
         padded_vocab_size=config.padded_vocab_for(layout.tp),
         untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
         params_dtype=getattr(torch, config.params_dtype),
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        **layout.megatron_args(),
         num_layers_per_virtual_pipeline_stage=(config.num_layers // (layout.pp * layout.vpp)) if layout.vpp > 1 else None,
-        decoder_first_pipeline_num_layers=layout.first_stage_layers,
-        decoder_last_pipeline_num_layers=layout.last_stage_layers,
         data_parallel_size=world // (layout.tp * layout.pp),
         world_size=world,
         ckpt_format="torch_dist",
@@ -504,9 +498,9 @@ def load_checkpoint(ckpt: Path, models: list, optimizer, scheduler, layout: Layo
             + ("pass --bf16" if saved_dtype == "bfloat16" else "drop --bf16" if saved_dtype == "float32" else "fp16 is not supported")
         )
     load_optim = load_optim and optimizer is not None and has_optim
-    saved_layout = (saved_args.get("tensor_model_parallel_size"), saved_args.get("pipeline_model_parallel_size"),
-                    saved_args.get("expert_model_parallel_size") or 1, saved_args.get("world_size"))
-    same_ranks = saved_layout == (layout.tp, layout.pp, layout.ep, world)
+    # only the degrees matter here: dist_checkpointing loads the tensors whatever the stage split
+    saved = Layout.from_megatron_args(saved_args, any_split=True)
+    same_ranks = (saved.tp, saved.pp, saved.ep, saved_args.get("world_size")) == (layout.tp, layout.pp, layout.ep, world)
     load_rng = load_rng and same_ranks and any(k.startswith("rng_state") for k in keys)
 
     request = model_sharded_state_dict(models)
