@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from reshard.atomic import fsync_path, write_atomic
 from reshard.checksum import PRIMES, TensorChecksum
 from reshard.config import ModelConfig
 from reshard.dtypes import from_torch
@@ -342,24 +343,6 @@ def combine_checksums(local: dict[str, dict]):
 
 # ---------------------------------------------------------------------------------------- save
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync(path.parent)
-
-
 def _save_pause(iteration: int, tmp: Path) -> None:
     spec = os.environ.get(SAVE_PAUSE_ENV)
     if not spec:
@@ -419,7 +402,7 @@ def save_checkpoint(save_dir: Path, iteration: int, models: list, optimizer, sch
     dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy)
     checksums = combine_checksums(local)
     for f in tmp.glob(f"__{_rank()}_*.distcp"):
-        _fsync(f)
+        fsync_path(f)
     _save_pause(iteration, tmp)
     _barrier()
 
@@ -434,8 +417,8 @@ def save_checkpoint(save_dir: Path, iteration: int, models: list, optimizer, sch
         ).save(tmp)
         for f in tmp.iterdir():
             if f.is_file() and not f.name.startswith("__"):
-                _fsync(f)
-        _fsync(tmp)
+                fsync_path(f)
+        fsync_path(tmp)
         if final.exists():  # re-saving an iteration: move the old one out of the way first
             old = save_dir / f"{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -444,8 +427,8 @@ def save_checkpoint(save_dir: Path, iteration: int, models: list, optimizer, sch
             shutil.rmtree(old)
         else:
             os.rename(tmp, final)
-        _fsync(save_dir)
-        _write_atomic(save_dir / TRACKER, f"{iteration}\n")
+        fsync_path(save_dir)
+        write_atomic(save_dir / TRACKER, f"{iteration}\n")
     _barrier()
     size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
     return {"seconds": time.perf_counter() - start, "bytes": size}
