@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from reshard.atomic import fsync_path, write_atomic
-from reshard.checksum import PRIMES, TensorChecksum
+from reshard.checksum import TensorChecksum
 from reshard.config import ModelConfig
 from reshard.dtypes import from_torch
 from reshard.errors import ReshardError
@@ -41,6 +41,7 @@ from reshard.formats.base import Manifest
 from reshard.layout import Layout
 from reshard.logical import describe
 from reshard.naming import canonical
+from reshard.verify import compare
 
 CHECKPOINT_VERSION = 3.0
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -292,7 +293,7 @@ def _is_vocab(name: str, shape, dtype: str, config: ModelConfig) -> bool:
         return False
 
 
-def local_checksums(sharded_state_dict: dict, config: ModelConfig) -> dict[str, dict]:
+def local_checksums(sharded_state_dict: dict, config: ModelConfig) -> dict[str, TensorChecksum]:
     """Partial checksums of this rank's primary shards, by canonical (manifest) name.
 
     Applies the state dict's ShardedTensorFactories in place (as `dist_checkpointing.save` would).
@@ -315,11 +316,10 @@ def local_checksums(sharded_state_dict: dict, config: ModelConfig) -> dict[str, 
             (o, o + s) for o, s in zip(st.global_offset[p:], st.local_shape))
         data = st.data.detach().to("cpu").reshape([1] * p + list(st.local_shape))
         accs[name].add(region, from_torch(data))
-    return {n: {"shape": a.shape, "dtype": a.dtype, "sums": a.sums, "covered": a.covered,
-                "expected": a.expected} for n, a in accs.items()}
+    return accs
 
 
-def combine_checksums(local: dict[str, dict]):
+def combine_checksums(local: dict[str, TensorChecksum]):
     """Gather every rank's partial sums and combine them; returns {name: Checksum} on every rank."""
     parts = [local]
     if torch.distributed.is_initialized():
@@ -327,14 +327,12 @@ def combine_checksums(local: dict[str, dict]):
         torch.distributed.all_gather_object(parts, local)
     total: dict[str, TensorChecksum] = {}
     for part in parts:
-        for name, p in part.items():
-            acc = total.get(name)
-            if acc is None:
-                acc = total[name] = TensorChecksum(tuple(p["shape"]), p["dtype"])
-                acc.expected = p["expected"]
-            acc.covered += p["covered"]
-            acc.sums = [(a + b) % m for a, b, m in zip(acc.sums, p["sums"], PRIMES)]
-    incomplete = [n for n, a in total.items() if a.covered != a.expected]
+        for name, acc in part.items():
+            if name in total:
+                total[name].merge(acc)
+            else:
+                total[name] = acc
+    incomplete = [n for n, a in total.items() if not a.complete]
     if incomplete:
         raise CheckpointError(f"checksum of {incomplete[0]} covers {total[incomplete[0]].covered} of "
                               f"{total[incomplete[0]].expected} elements: shards are missing or counted twice")
@@ -531,13 +529,13 @@ def verify_loaded(ckpt: Path, models: list, optimizer, config: ModelConfig, save
     manifest = Manifest.load(Path(ckpt))
     if manifest is None:
         return 0
-    recorded = manifest.checksums
-    bad = [n for n in actual if n in recorded and (actual[n].digest != recorded[n].digest or actual[n].dtype != recorded[n].dtype)]
-    missing = [n for n in actual if n not in recorded]
+    # recorded tensors that were not loaded (optimizer state, with --no-load-optim) are `missing`: no error
+    result = compare(actual, manifest.checksums)
+    bad = sorted(result.mismatched + result.dtype_differs)
     if bad:
         raise CheckpointError(
             f"checkpoint {ckpt}: tensor {bad[0]} does not match the checksum recorded at save "
             f"({len(bad)} tensor(s) differ); the checkpoint is corrupted, refusing to train on it")
-    if missing:
-        raise CheckpointError(f"checkpoint {ckpt}: tensor {missing[0]} has no recorded checksum in the manifest")
+    if result.unexpected:
+        raise CheckpointError(f"checkpoint {ckpt}: tensor {result.unexpected[0]} has no recorded checksum in the manifest")
     return len(actual)
