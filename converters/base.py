@@ -24,6 +24,7 @@ import numpy as np
 
 from reshard.config import ModelConfig, pad_vocab
 from reshard.errors import ReshardError
+from reshard.logical import PRECISIONS
 
 Tensor = np.ndarray
 
@@ -212,7 +213,6 @@ class GatedMLP(Mapping):
 
 # Megatron-Core's llama3 RoPE scaling has these fixed (RotaryEmbedding._apply_scaling defaults).
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def refuse(what: str, hint: str) -> ReshardError:
@@ -269,9 +269,9 @@ def hf_dtype(hf: dict[str, Any]) -> str | None:
     if value is None:
         return None
     value = str(value).removeprefix("torch.")
-    if value not in HF_DTYPES:
+    if value not in PRECISIONS:
         raise refuse(f"dtype {value!r}", "only float32, bfloat16 and float16 checkpoints can be converted")
-    return HF_DTYPES[value]
+    return PRECISIONS[value]
 
 
 # --------------------------------------------------------------------------------------------------

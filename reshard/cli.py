@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 import click
 
 from reshard.errors import ReshardError
+from reshard.logical import PRECISIONS
 
 FORMATS = ["torch_dist", "legacy", "zarr", "hf"]
 
@@ -69,7 +70,7 @@ def inspect(path: Path, as_json: bool) -> None:
 )
 @click.option(
     "--dtype",
-    type=click.Choice(["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]),
+    type=click.Choice(list(PRECISIONS)),
     help="store the model's weights in this dtype and record it as the model's precision (default: the "
     "source's); optimizer state is not cast: a change of precision needs --no-optimizer.",
 )

@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
+
+# The Megatron-LM `args` fields that describe the parallel layout rather than the model, by Layout field.
+_MEGATRON_ARGS = {
+    "tp": "tensor_model_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+    "ep": "expert_model_parallel_size",
+    "etp": "expert_tensor_parallel_size",
+    "vpp": "virtual_pipeline_model_parallel_size",
+    "first_stage_layers": "decoder_first_pipeline_num_layers",
+    "last_stage_layers": "decoder_last_pipeline_num_layers",
+}
+
+# Other ways Megatron-LM can split layers over pipeline stages, with their defaults: stage sizes are read
+# only from the two decoder_*_pipeline_num_layers above, so a checkpoint split another way would be misread.
+_OTHER_PIPELINE_SPLITS = {
+    "pipeline_model_parallel_layout": None,
+    "account_for_embedding_in_pipeline_split": False,
+    "account_for_loss_in_pipeline_split": False,
+}
 
 
 @dataclass(frozen=True)
@@ -32,6 +52,26 @@ class Layout:
         if self.first_stage_layers is not None or self.last_stage_layers is not None:
             parts.append(f"uneven({self.first_stage_layers},{self.last_stage_layers})")
         return "".join(parts)
+
+    @classmethod
+    def from_megatron_args(cls, args: argparse.Namespace | dict[str, Any], *, any_split: bool = False) -> Layout:
+        """The layout a Megatron checkpoint was saved at, read from its `args`. Args that split the stages
+        another way are refused, unless `any_split` (a caller that needs only the parallel degrees)."""
+        a = vars(args) if isinstance(args, argparse.Namespace) else args
+        layout = cls(**{ours: a[theirs] for ours, theirs in _MEGATRON_ARGS.items() if a.get(theirs) is not None})
+        if layout.pp > 1 and not any_split:
+            for key, default in _OTHER_PIPELINE_SPLITS.items():
+                if a.get(key, default) not in (default, None):
+                    raise ReshardError(
+                        f"the checkpoint's stages are split by {key}={a[key]!r}, which reshard does not read: "
+                        "save it with decoder_first/last_pipeline_num_layers instead"
+                    )
+        return layout
+
+    def megatron_args(self) -> dict[str, Any]:
+        """The Megatron-LM arguments that say this layout (ETP and VPP as Megatron spells their defaults)."""
+        values = dict(self.__dict__, etp=self.expert_tp, vpp=self.vpp if self.vpp > 1 else None)
+        return {theirs: values[ours] for ours, theirs in _MEGATRON_ARGS.items()}
 
     def retarget(self, **changes: int | None) -> Layout:
         """This layout with the given degrees changed (None: keep). Derived settings follow:

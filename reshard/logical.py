@@ -24,15 +24,17 @@ class Split(Enum):
     ROW = "row"  # split on the parameter's second dimension (input features)
 
 
-_PRECISIONS = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+# The precisions a model can be in, by their torch names and short aliases (the CLI's --dtype choices,
+# HF config dtypes).
+PRECISIONS = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def normalize_dtype(value: str) -> str:
     """A model precision by its torch name ("bf16", "torch.bfloat16" -> "bfloat16")."""
     key = str(value).lower().removeprefix("torch.")
-    if key not in _PRECISIONS:
-        raise ReshardError(f"dtype {value!r} is not one of {', '.join(sorted(_PRECISIONS))}")
-    return _PRECISIONS[key]
+    if key not in PRECISIONS:
+        raise ReshardError(f"dtype {value!r} is not one of {', '.join(sorted(PRECISIONS))}")
+    return PRECISIONS[key]
 
 
 @dataclass(frozen=True)

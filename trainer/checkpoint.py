@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from reshard.checksum import PRIMES, TensorChecksum
+from reshard.atomic import fsync_path, write_atomic
+from reshard.checksum import TensorChecksum
 from reshard.config import ModelConfig
 from reshard.dtypes import from_torch
 from reshard.errors import ReshardError
@@ -40,6 +41,7 @@ from reshard.formats.base import Manifest
 from reshard.layout import Layout
 from reshard.logical import describe
 from reshard.naming import canonical
+from reshard.verify import compare
 
 CHECKPOINT_VERSION = 3.0
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -85,14 +87,8 @@ def megatron_args(config: ModelConfig, layout: Layout, world: int, **extra) -> a
         padded_vocab_size=config.padded_vocab_for(layout.tp),
         untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
         params_dtype=getattr(torch, config.params_dtype),
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        **layout.megatron_args(),
         num_layers_per_virtual_pipeline_stage=(config.num_layers // (layout.pp * layout.vpp)) if layout.vpp > 1 else None,
-        decoder_first_pipeline_num_layers=layout.first_stage_layers,
-        decoder_last_pipeline_num_layers=layout.last_stage_layers,
         data_parallel_size=world // (layout.tp * layout.pp),
         world_size=world,
         ckpt_format="torch_dist",
@@ -297,7 +293,7 @@ def _is_vocab(name: str, shape, dtype: str, config: ModelConfig) -> bool:
         return False
 
 
-def local_checksums(sharded_state_dict: dict, config: ModelConfig) -> dict[str, dict]:
+def local_checksums(sharded_state_dict: dict, config: ModelConfig) -> dict[str, TensorChecksum]:
     """Partial checksums of this rank's primary shards, by canonical (manifest) name.
 
     Applies the state dict's ShardedTensorFactories in place (as `dist_checkpointing.save` would).
@@ -320,11 +316,10 @@ def local_checksums(sharded_state_dict: dict, config: ModelConfig) -> dict[str, 
             (o, o + s) for o, s in zip(st.global_offset[p:], st.local_shape))
         data = st.data.detach().to("cpu").reshape([1] * p + list(st.local_shape))
         accs[name].add(region, from_torch(data))
-    return {n: {"shape": a.shape, "dtype": a.dtype, "sums": a.sums, "covered": a.covered,
-                "expected": a.expected} for n, a in accs.items()}
+    return accs
 
 
-def combine_checksums(local: dict[str, dict]):
+def combine_checksums(local: dict[str, TensorChecksum]):
     """Gather every rank's partial sums and combine them; returns {name: Checksum} on every rank."""
     parts = [local]
     if torch.distributed.is_initialized():
@@ -332,14 +327,12 @@ def combine_checksums(local: dict[str, dict]):
         torch.distributed.all_gather_object(parts, local)
     total: dict[str, TensorChecksum] = {}
     for part in parts:
-        for name, p in part.items():
-            acc = total.get(name)
-            if acc is None:
-                acc = total[name] = TensorChecksum(tuple(p["shape"]), p["dtype"])
-                acc.expected = p["expected"]
-            acc.covered += p["covered"]
-            acc.sums = [(a + b) % m for a, b, m in zip(acc.sums, p["sums"], PRIMES)]
-    incomplete = [n for n, a in total.items() if a.covered != a.expected]
+        for name, acc in part.items():
+            if name in total:
+                total[name].merge(acc)
+            else:
+                total[name] = acc
+    incomplete = [n for n, a in total.items() if not a.complete]
     if incomplete:
         raise CheckpointError(f"checksum of {incomplete[0]} covers {total[incomplete[0]].covered} of "
                               f"{total[incomplete[0]].expected} elements: shards are missing or counted twice")
@@ -347,24 +340,6 @@ def combine_checksums(local: dict[str, dict]):
 
 
 # ---------------------------------------------------------------------------------------- save
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync(path.parent)
-
 
 def _save_pause(iteration: int, tmp: Path) -> None:
     spec = os.environ.get(SAVE_PAUSE_ENV)
@@ -425,7 +400,7 @@ def save_checkpoint(save_dir: Path, iteration: int, models: list, optimizer, sch
     dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy)
     checksums = combine_checksums(local)
     for f in tmp.glob(f"__{_rank()}_*.distcp"):
-        _fsync(f)
+        fsync_path(f)
     _save_pause(iteration, tmp)
     _barrier()
 
@@ -440,8 +415,8 @@ def save_checkpoint(save_dir: Path, iteration: int, models: list, optimizer, sch
         ).save(tmp)
         for f in tmp.iterdir():
             if f.is_file() and not f.name.startswith("__"):
-                _fsync(f)
-        _fsync(tmp)
+                fsync_path(f)
+        fsync_path(tmp)
         if final.exists():  # re-saving an iteration: move the old one out of the way first
             old = save_dir / f"{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -450,8 +425,8 @@ def save_checkpoint(save_dir: Path, iteration: int, models: list, optimizer, sch
             shutil.rmtree(old)
         else:
             os.rename(tmp, final)
-        _fsync(save_dir)
-        _write_atomic(save_dir / TRACKER, f"{iteration}\n")
+        fsync_path(save_dir)
+        write_atomic(save_dir / TRACKER, f"{iteration}\n")
     _barrier()
     size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
     return {"seconds": time.perf_counter() - start, "bytes": size}
@@ -504,9 +479,9 @@ def load_checkpoint(ckpt: Path, models: list, optimizer, scheduler, layout: Layo
             + ("pass --bf16" if saved_dtype == "bfloat16" else "drop --bf16" if saved_dtype == "float32" else "fp16 is not supported")
         )
     load_optim = load_optim and optimizer is not None and has_optim
-    saved_layout = (saved_args.get("tensor_model_parallel_size"), saved_args.get("pipeline_model_parallel_size"),
-                    saved_args.get("expert_model_parallel_size") or 1, saved_args.get("world_size"))
-    same_ranks = saved_layout == (layout.tp, layout.pp, layout.ep, world)
+    # only the degrees matter here: dist_checkpointing loads the tensors whatever the stage split
+    saved = Layout.from_megatron_args(saved_args, any_split=True)
+    same_ranks = (saved.tp, saved.pp, saved.ep, saved_args.get("world_size")) == (layout.tp, layout.pp, layout.ep, world)
     load_rng = load_rng and same_ranks and any(k.startswith("rng_state") for k in keys)
 
     request = model_sharded_state_dict(models)
@@ -554,13 +529,13 @@ def verify_loaded(ckpt: Path, models: list, optimizer, config: ModelConfig, save
     manifest = Manifest.load(Path(ckpt))
     if manifest is None:
         return 0
-    recorded = manifest.checksums
-    bad = [n for n in actual if n in recorded and (actual[n].digest != recorded[n].digest or actual[n].dtype != recorded[n].dtype)]
-    missing = [n for n in actual if n not in recorded]
+    # recorded tensors that were not loaded (optimizer state, with --no-load-optim) are `missing`: no error
+    result = compare(actual, manifest.checksums)
+    bad = sorted(result.mismatched + result.dtype_differs)
     if bad:
         raise CheckpointError(
             f"checkpoint {ckpt}: tensor {bad[0]} does not match the checksum recorded at save "
             f"({len(bad)} tensor(s) differ); the checkpoint is corrupted, refusing to train on it")
-    if missing:
-        raise CheckpointError(f"checkpoint {ckpt}: tensor {missing[0]} has no recorded checksum in the manifest")
+    if result.unexpected:
+        raise CheckpointError(f"checkpoint {ckpt}: tensor {result.unexpected[0]} has no recorded checksum in the manifest")
     return len(actual)

@@ -15,6 +15,14 @@ from reshard.layout import Layout
 from trainer import cpu_compat
 
 
+def parallel_sizes(layout: Layout) -> dict[str, int | None]:
+    """The layout's parallel degrees by their Megatron names, as initialize_model_parallel and
+    TransformerConfig take them: its Megatron-LM arguments but the stage sizes, which those name otherwise."""
+    sizes = layout.megatron_args()
+    del sizes["decoder_first_pipeline_num_layers"], sizes["decoder_last_pipeline_num_layers"]
+    return sizes
+
+
 def init_parallel(layout: Layout, seed: int = 1234) -> None:
     """Initialise torch.distributed from torchrun's env vars and Megatron's parallel groups."""
     from megatron.core import parallel_state, tensor_parallel
@@ -32,13 +40,7 @@ def init_parallel(layout: Layout, seed: int = 1234) -> None:
     if world % model_parallel:
         raise RuntimeError(f"world size {world} is not a multiple of TP*PP={model_parallel} for {layout}")
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp,
-    )
+    parallel_state.initialize_model_parallel(**parallel_sizes(layout))
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -77,11 +79,7 @@ def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype =
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp,
+        **parallel_sizes(layout),
         sequence_parallel=False,
         use_cpu_initialization=not on_gpu,
         params_dtype=dtype,

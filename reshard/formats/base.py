@@ -16,7 +16,6 @@ import numpy as np
 from reshard.checksum import Checksum, HashedParts, TensorChecksum
 from reshard.config import ModelConfig
 from reshard.dtypes import numpy_dtype
-from reshard.errors import ReshardError
 from reshard.formats.pickles import named
 from reshard.formats.torch_blob import READ_BLOCK
 from reshard.layout import Layout
@@ -47,40 +46,6 @@ def cached(cache: dict, key: Any, make: Any) -> Any:
             _MAKING.pop((id(cache), key), None)
 
 
-# Megatron-LM `args` fields that describe the parallel layout rather than the model.
-LAYOUT_ARGS = {
-    "tensor_model_parallel_size": "tp",
-    "pipeline_model_parallel_size": "pp",
-    "expert_model_parallel_size": "ep",
-    "expert_tensor_parallel_size": "etp",
-    "virtual_pipeline_model_parallel_size": "vpp",
-    "decoder_first_pipeline_num_layers": "first_stage_layers",
-    "decoder_last_pipeline_num_layers": "last_stage_layers",
-}
-
-
-# Other ways Megatron-LM can split layers over pipeline stages, with their defaults: reshard reads stage
-# sizes only from the two LAYOUT_ARGS above, so a checkpoint split another way would be misread.
-_OTHER_PIPELINE_SPLITS = {
-    "pipeline_model_parallel_layout": None,
-    "account_for_embedding_in_pipeline_split": False,
-    "account_for_loss_in_pipeline_split": False,
-}
-
-
-def layout_from_args(args: dict[str, Any]) -> Layout:
-    values = {ours: args.get(theirs) for theirs, ours in LAYOUT_ARGS.items() if args.get(theirs) is not None}
-    layout = Layout(**values)
-    if layout.pp > 1:
-        for key, default in _OTHER_PIPELINE_SPLITS.items():
-            if args.get(key, default) not in (default, None):
-                raise ReshardError(
-                    f"the checkpoint's stages are split by {key}={args[key]!r}, which reshard does not read: "
-                    "save it with decoder_first/last_pipeline_num_layers instead"
-                )
-    return layout
-
-
 def precision_args(dtype: str) -> dict[str, Any]:
     """The Megatron-LM arguments that say a model's parameters are in `dtype`."""
     return {"params_dtype": named("torch", dtype), "bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
@@ -89,17 +54,7 @@ def precision_args(dtype: str) -> dict[str, Any]:
 def args_for_layout(args: dict[str, Any], layout: Layout, config: ModelConfig, ckpt_format: str) -> dict[str, Any]:
     """A copy of Megatron args rewritten for the target layout (sizes, padded vocab, format)."""
     out = dict(args)
-    out.update(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
-        decoder_first_pipeline_num_layers=layout.first_stage_layers,
-        decoder_last_pipeline_num_layers=layout.last_stage_layers,
-        padded_vocab_size=config.padded_vocab_size,
-        ckpt_format=ckpt_format,
-    )
+    out.update(layout.megatron_args(), padded_vocab_size=config.padded_vocab_size, ckpt_format=ckpt_format)
     for key, value in config.megatron_args().items():
         out.setdefault(key, value)
     return out

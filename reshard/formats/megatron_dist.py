@@ -36,13 +36,12 @@ from reshard.formats.base import (
     StoredRecord,
     args_for_layout,
     cached,
-    layout_from_args,
 )
 from reshard.formats.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
 from reshard.formats.torch_archive import At, archive_size, save_archive, save_tensor, storage_alignment
 from reshard.formats.torch_blob import RecordFile, TensorRecord, load_archive
-from reshard.layout import RankCoord, ranks
+from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, spell, uses_te_names
 from reshard.sharding import Piece, Region, RegionIndex, region_size, shift, split_by_slab, to_slices
@@ -77,7 +76,7 @@ class TorchDistReader(CheckpointReader):
         args = args_dict(common.pop("args", None))
         iteration = common.pop("iteration", tree.iteration)
         self.config = ModelConfig.from_megatron_args(args)
-        self.layout = layout_from_args(args)
+        self.layout = Layout.from_megatron_args(args)
         self.common = CommonState(args=args, iteration=iteration, extra=common)
         self.manifest = Manifest.load(directory)
         by_offset: dict[str, list[tuple[tuple[int, ...], Storage]]] = defaultdict(list)

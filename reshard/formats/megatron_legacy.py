@@ -30,12 +30,11 @@ from reshard.formats.base import (
     StoredRecord,
     args_for_layout,
     cached,
-    layout_from_args,
 )
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
 from reshard.formats.torch_archive import Slot, StreamingTorchSave
 from reshard.formats.torch_blob import RecordFile, TensorRecord, archive_tensor, load_archive
-from reshard.layout import RankCoord, ranks
+from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import ObjectKey, canonical, spell, uses_te_names
 from reshard.sharding import (
@@ -102,7 +101,7 @@ class LegacyReader(CheckpointReader):
         first = self._load_path(self._rank_file(sorted(p.name for p in tree.iteration_dir.iterdir() if _RANK_DIR.match(p.name))[0]))
         args = args_dict(first.get("args"))
         self.config = ModelConfig.from_megatron_args(args)
-        self.layout = layout_from_args(args)
+        self.layout = Layout.from_megatron_args(args)
         self.te_names = uses_te_names(args)
         self._states: dict[RankCoord, dict[str, Any]] = {}
         self._files: dict[RankCoord, RecordFile] = {}

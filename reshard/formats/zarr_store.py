@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 
+from reshard.atomic import fsync_path
 from reshard.buffers import PerThread, copy
 from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
@@ -304,11 +305,7 @@ class ZarrWriter(CheckpointWriter):
         logged as done only after (a crashed node would otherwise lose chunks the log vouches for)."""
         files = [self._unsynced.popleft() for _ in range(len(self._unsynced))]
         for path in [*files, *dict.fromkeys(p.parent for p in files)]:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(path)
 
     def held_for(self, names: list[str]) -> int:
         """An unfinished tensor's array, as an interrupted run left it: recreated (emptied) when written."""
