@@ -18,7 +18,7 @@ from typing import Any
 
 from reshard.dtypes import DTYPE_NAMES
 from reshard.errors import ReshardError
-from reshard.formats.pickles import Call, Named, Pickler, named
+from reshard.torchfile.pickles import Call, Named, Pickler, named
 
 _DCP = "torch.distributed.checkpoint"
 

@@ -32,7 +32,7 @@ from isal.isal_zlib import crc32 as _crc32  # zlib's CRC-32, 3.4x faster than th
 from reshard import direct_io
 from reshard.buffers import Scratch, copy
 from reshard.dtypes import dtype_name, itemsize
-from reshard.formats.pickles import Call, Named, Pickler, named
+from reshard.torchfile.pickles import Call, Named, Pickler, named
 
 _ALIGNMENT = 64
 _ZIP32_MAX = 0xFFFFFFFF
@@ -150,7 +150,7 @@ class StorageRef:
 
 @dataclass(eq=False)
 class Stored:
-    """A storage of an archive `torch_blob.load_archive` read (a tensor in Megatron's common state, a
+    """A storage of an archive `archive_reader.load_archive` read (a tensor in Megatron's common state, a
     per-module object or a legacy rank file): `save_archive` writes its bytes as a record of its own."""
 
     storage_type: Named  # torch's class for it, as the pickle names it
@@ -445,6 +445,6 @@ class StreamingTorchSave:
 
 
 def save_archive(obj: Any, f: BinaryIO) -> None:
-    """`torch.save(obj, f)` for plain values and what `torch_blob.load_archive` read (stand-ins, `Stored`
+    """`torch.save(obj, f)` for plain values and what `archive_reader.load_archive` read (stand-ins, `Stored`
     storages), without torch."""
     _Archive(f, "archive", _ZIP32_MAX).finish(obj)

@@ -1,4 +1,4 @@
-"""Reading tensors inside `torch.save` archives without loading them (writing: `torch_archive`).
+"""Reading tensors inside `torch.save` archives without loading them (writing: `archive_writer`).
 
 Reading: a `torch.save` blob is an uncompressed zip whose `data/<key>` records hold raw storage
 bytes. We parse only the pickle's tensor header (never executing it) and `pread` just the bytes of
@@ -22,9 +22,9 @@ from reshard.buffers import PerThread, copy
 from reshard.direct_io import DirectFile
 from reshard.dtypes import bits, itemsize, numpy_dtype
 from reshard.errors import ReshardError
-from reshard.formats.pickles import Call, Unpickler, named
-from reshard.formats.torch_archive import LEGACY_STORAGE_TYPES, Stored
 from reshard.sharding import Region, cut, long_axis, shift, to_slices
+from reshard.torchfile.archive_writer import LEGACY_STORAGE_TYPES, Stored
+from reshard.torchfile.pickles import Call, Unpickler, named
 
 
 @dataclass(frozen=True)
