@@ -131,6 +131,23 @@ def test_compressed_records_are_refused():
         _entries(blob)
 
 
+def test_compressed_records_are_refused_through_zipfile_too(tmp_path):
+    """A compressed record in a layout that only `zipfile` reads is refused as well, not read as values."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("archive/data.pkl", b"x" * 100)
+        zf.comment = b"written elsewhere"
+    blob = buffer.getvalue()
+    assert _entries(blob) is None
+    (tmp_path / "record").write_bytes(blob)
+    f = RecordFile(tmp_path / "record")
+    try:
+        with pytest.raises(ReshardError, match="compressed"):
+            f.unpickle(0, len(blob))
+    finally:
+        f.close()
+
+
 def test_a_zip_whose_offsets_count_from_the_file_start_reads_through_zipfile(tmp_path):
     """A zip written into a file after other bytes, its offsets counted from the file's start (as `zipfile`
     writes when appending): `zip_entries` does not claim it; `zipfile` corrects the offsets and it reads."""
