@@ -42,7 +42,7 @@ from reshard.layout import RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, spell, uses_te_names
 from reshard.sharding import Piece, Region, RegionIndex, region_size, shift, split_by_slab, to_slices
-from reshard.torchfile import dcp_metadata
+from reshard.torchfile import PARSE_ERRORS, dcp_metadata
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord, load_archive
 from reshard.torchfile.archive_writer import At, archive_size, save_archive, save_tensor, storage_alignment
 from reshard.torchfile.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry
@@ -189,9 +189,7 @@ class TorchDistReader(CheckpointReader):
         file = cached(self._files, path, lambda: RecordFile(path))
         try:
             return file, how(file, info.offset, info.length)
-        except ReshardError:
-            raise
-        except Exception as exc:
+        except PARSE_ERRORS as exc:
             raise ReshardError(f"{path}: {what} cannot be decoded ({exc.__class__.__name__}); the file is damaged") from None
 
     def close(self) -> None:

@@ -12,3 +12,15 @@ only noted where it lies in its file until its bytes are asked for.
   archive_writer  `torch.save` archives written from our buffers (no clone; Zip64)
   dcp_metadata    DCP's `.metadata`, read through its allow-list and written as DCP pickles it
 """
+
+import pickle
+import struct
+import zipfile
+import zlib
+
+# What reading a damaged or foreign file raises: all that "the checkpoint is damaged" may stand for.
+# Anything else (an AttributeError, a TypeError) is a bug of ours and must surface as one, so the parsers
+# raise only these for what a file holds: `pickles.Unpickler.load` turns what the pickle machine itself
+# raises applying the file's opcodes into an UnpicklingError, and values taken from what a pickle built
+# are checked (`pickles.nonnegative_ints`, `dcp_metadata._field`) before they are used.
+PARSE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError, struct.error, zipfile.BadZipFile, zlib.error)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import io
 import os
+import pickle
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -23,8 +24,9 @@ from reshard.direct_io import DirectFile
 from reshard.dtypes import bits, itemsize, numpy_dtype
 from reshard.errors import ReshardError
 from reshard.sharding import Region, cut, long_axis, shift, to_slices
+from reshard.torchfile import PARSE_ERRORS
 from reshard.torchfile.archive_writer import LEGACY_STORAGE_TYPES, Stored
-from reshard.torchfile.pickles import Call, Unpickler, named
+from reshard.torchfile.pickles import Call, Named, Unpickler, named, nonnegative_ints
 from reshard.torchfile.zip_structs import (
     CENTRAL_ENTRY, CENTRAL_ENTRY_SIGNATURE, COUNT_MAX, END, END_SIGNATURE, LOCAL_HEADER, LOCAL_HEADER_SIGNATURE, ZIP32_MAX, ZIP64_END,
     ZIP64_END_SIGNATURE, ZIP64_LOCATOR, ZIP64_LOCATOR_SIGNATURE, zip64_values,
@@ -325,6 +327,9 @@ class _ArchiveUnpickler(Unpickler):
         self.storages: dict[str, Stored] = {}  # one per key: views of one storage stay views of one storage
 
     def persistent_load(self, pid: Any) -> Stored:
+        # torch's: ("storage", its class, its record's key, location, element count)
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], Named)):
+            raise pickle.UnpicklingError(f"{pid!r:.80} is not a torch storage's persistent id")
         _, storage_type, key, location, numel = pid
         if key not in self.storages:
             self.storages[key] = Stored(storage_type, location, numel, *self.storage(str(key)))
@@ -350,9 +355,7 @@ def load_archive(source: Path | BinaryIO, what: str) -> Any:
                 return (lambda: data), None, len(data)
 
             return _ArchiveUnpickler(archive.read(pickled[0]), storage).load()
-    except ReshardError:
-        raise
-    except Exception as exc:  # a truncated, foreign or damaged file
+    except PARSE_ERRORS as exc:  # a truncated, foreign or damaged file
         raise ReshardError(f"{what} cannot be loaded ({exc.__class__.__name__}): the checkpoint is damaged") from None
 
 
@@ -382,15 +385,20 @@ def archive_tensor(value: Any) -> TensorRecord | None:
     """Where the values of a pickled tensor (as `RecordFile.unpickle` or `load_archive` give it) lie, None
     for any other value: its record when it is dense in its file, else its values, laid out from its
     storage's bytes (rare: Megatron saves dense tensors)."""
-    if not (isinstance(value, Call) and value.function in _REBUILDS and isinstance(value.args[0], Stored)):
+    if not (isinstance(value, Call) and value.function in _REBUILDS and value.args and isinstance(value.args[0], Stored)):
         return None
     storage, storage_offset, size, stride = value.args[:4]
     if value.function.qualname == "_rebuild_tensor_v3":
+        if not isinstance(value.args[6], Named):
+            raise ValueError(f"{value.args[6]!r:.80} where a torch dtype was expected")
         dtype = value.args[6].qualname
     else:
         dtype = _STORAGE_DTYPES[storage.storage_type.qualname]
-    shape = tuple(int(d) for d in (size.args[0] if isinstance(size, Call) else size))
-    header = _Layout(int(storage_offset), shape, tuple(int(s) for s in stride))
+    shape, strides = nonnegative_ints(size.args[0] if isinstance(size, Call) else size), nonnegative_ints(stride)
+    (offset,) = nonnegative_ints((storage_offset,))
+    if len(strides) != len(shape):
+        raise ValueError(f"a tensor of shape {shape} with strides {strides}")
+    header = _Layout(offset, shape, strides)
     dense_end = (header.storage_offset + _numel(shape)) * itemsize(dtype)
     if header.contiguous and storage.offset is not None and dense_end <= storage.nbytes:
         return TensorRecord(dtype, shape, storage.offset + header.storage_offset * itemsize(dtype))
