@@ -129,7 +129,7 @@ class ModelConfig:
             if a.get("vocab_size") is None:
                 raise ReshardError("checkpoint args have neither padded_vocab_size nor vocab_size")
             values["padded_vocab_size"] = a["vocab_size"]
-        if "params_dtype" in values:  # a torch.dtype (or its stand-in: formats.pickles) in real args
+        if "params_dtype" in values:  # a torch.dtype (or its stand-in: torchfile.pickles) in real args
             values["params_dtype"] = str(values["params_dtype"]).removeprefix("torch.")
         return cls(**values)
 

@@ -16,11 +16,11 @@ import numpy as np
 from reshard.checksum import Checksum, HashedParts, TensorChecksum
 from reshard.config import ModelConfig
 from reshard.dtypes import numpy_dtype
-from reshard.formats.pickles import named
-from reshard.formats.torch_blob import READ_BLOCK
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
 from reshard.sharding import Piece, Region, pieces, region_size, slabs
+from reshard.torchfile.archive_reader import READ_BLOCK
+from reshard.torchfile.pickles import named
 
 MANIFEST_NAME = "reshard_manifest.json"
 _CACHE_LOCK = threading.Lock()

@@ -40,10 +40,10 @@ from reshard.formats.base import (
     cached,
     precision_args,
 )
-from reshard.formats.torch_blob import RecordFile, TensorRecord
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe, normalize_dtype
 from reshard.sharding import Piece, Region, full_region, slab_of, slabs
+from reshard.torchfile.archive_reader import RecordFile, TensorRecord
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"

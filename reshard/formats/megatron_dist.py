@@ -2,7 +2,7 @@
 
 Read without a model or a process group: `.metadata` lists every tensor's global shape and the
 chunks it was saved in, and each chunk is a `torch.save` blob inside a `.distcp` file, of which we
-read just the bytes asked for (see `torch_blob`). Written the same way, one file per target rank holding that rank's
+read just the bytes asked for (see `archive_reader`). Written the same way, one file per target rank holding that rank's
 primary pieces, so that `megatron.core.dist_checkpointing.load` reads it at any layout.
 """
 
@@ -26,7 +26,6 @@ from reshard.config import ModelConfig
 from reshard.direct_io import DirectFile, round_up
 from reshard.dtypes import itemsize, numpy_dtype
 from reshard.errors import ReshardError
-from reshard.formats import dcp_metadata
 from reshard.formats.base import (
     CheckpointReader,
     CheckpointWriter,
@@ -37,14 +36,15 @@ from reshard.formats.base import (
     args_for_layout,
     cached,
 )
-from reshard.formats.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
-from reshard.formats.torch_archive import At, archive_size, save_archive, save_tensor, storage_alignment
-from reshard.formats.torch_blob import RecordFile, TensorRecord, load_archive
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, spell, uses_te_names
 from reshard.sharding import Piece, Region, RegionIndex, region_size, shift, split_by_slab, to_slices
+from reshard.torchfile import PARSE_ERRORS, dcp_metadata
+from reshard.torchfile.archive_reader import RecordFile, TensorRecord, load_archive
+from reshard.torchfile.archive_writer import At, archive_size, save_archive, save_tensor, storage_alignment
+from reshard.torchfile.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry
 
 HEADER_THREADS = 8  # small reads in flight at once: the disk answers many as fast as one
 
@@ -188,9 +188,7 @@ class TorchDistReader(CheckpointReader):
         file = cached(self._files, path, lambda: RecordFile(path))
         try:
             return file, how(file, info.offset, info.length)
-        except ReshardError:
-            raise
-        except Exception as exc:
+        except PARSE_ERRORS as exc:
             raise ReshardError(f"{path}: {what} cannot be decoded ({exc.__class__.__name__}); the file is damaged") from None
 
     def close(self) -> None:

@@ -2,7 +2,7 @@
 
 `iter_N/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt`, each holding `args`, `iteration`
 and `model` (or `model0..N` with virtual pipeline stages). Read without torch: the pickle for the
-structure (`torch_blob.load_archive`: stand-ins, nothing run), then the bytes a region needs with
+structure (`archive_reader.load_archive`: stand-ins, nothing run), then the bytes a region needs with
 `pread` where the zip's directory places its tensor's storage; written with `StreamingTorchSave`,
 every local tensor's record placed when the writer opens and written by the reader threads (of any
 rank of a multi-rank conversion).
@@ -32,14 +32,14 @@ from reshard.formats.base import (
     cached,
 )
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
-from reshard.formats.torch_archive import Slot, StreamingTorchSave
-from reshard.formats.torch_blob import RecordFile, TensorRecord, archive_tensor, load_archive
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import ObjectKey, canonical, spell, uses_te_names
 from reshard.sharding import (
     Piece, Region, contiguous_offset, full_region, intersect, pieces, pieces_by_slab, region_size, shift, slab_of, slabs, to_slices,
 )
+from reshard.torchfile.archive_reader import RecordFile, TensorRecord, archive_tensor, load_archive
+from reshard.torchfile.archive_writer import Slot, StreamingTorchSave
 
 RANK_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")

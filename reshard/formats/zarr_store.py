@@ -34,11 +34,11 @@ from reshard.direct_io import DirectFile
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, StoredRecord, cached
-from reshard.formats.torch_archive import save_archive
-from reshard.formats.torch_blob import RecordFile, TensorRecord, load_archive
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe
 from reshard.sharding import Piece, Region, contiguous_offset, full_region, intersect, shift, to_slices
+from reshard.torchfile.archive_reader import RecordFile, TensorRecord, load_archive
+from reshard.torchfile.archive_writer import save_archive
 
 if TYPE_CHECKING:
     import tensorstore as ts

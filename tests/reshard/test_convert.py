@@ -13,10 +13,11 @@ from reshard.convert import convert
 from reshard.streaming import read_slab
 from reshard.request import LayoutChange, Run, SourceHints, Target
 from reshard.errors import ReshardError
-from reshard.formats import dcp_metadata, open_checkpoint
+from reshard.formats import open_checkpoint
 from reshard.layout import Layout
 from reshard.plan import make_plan
 from reshard.sharding import full_region
+from reshard.torchfile import dcp_metadata
 
 MHA = TINY_LLAMA.replace(num_query_groups=4)  # four query groups, so TP=4 is possible
 

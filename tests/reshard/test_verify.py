@@ -115,7 +115,7 @@ def _roll_saved_tensor(monkeypatch):
 
 
 def _roll_filled_record(monkeypatch):
-    from reshard.formats.torch_archive import StreamingTorchSave
+    from reshard.torchfile.archive_writer import StreamingTorchSave
 
     real = StreamingTorchSave.fill
     monkeypatch.setattr(StreamingTorchSave, "fill", lambda self, slot, t, scratch=None: real(self, slot, np.roll(t, 1, axis=-1), scratch))
@@ -157,11 +157,11 @@ def _off_by_one_copy(monkeypatch, module):
 def test_a_staging_bug_is_caught_without_reading_back(tmp_path, monkeypatch, fmt):
     """Row-parallel pieces at TP2 are strided in their slab and staged before they are written: the checksum
     of the staged bytes, not of the slab, is what the written record counts with."""
-    import reshard.formats.torch_archive as torch_archive
+    import reshard.torchfile.archive_writer as archive_writer
     import reshard.formats.zarr_store as zarr_store
 
     write_synthetic(tmp_path / "src", TINY_LLAMA, Layout(), "torch_dist")
-    _off_by_one_copy(monkeypatch, torch_archive if fmt == "torch_dist" else zarr_store)
+    _off_by_one_copy(monkeypatch, archive_writer if fmt == "torch_dist" else zarr_store)
     with pytest.raises(ReshardError, match="does not match the source"):
         convert(tmp_path / "src", tmp_path / "dst", Target(format=fmt, layout=Layout(tp=2)))
     assert not (tmp_path / "dst").exists()

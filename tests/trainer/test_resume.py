@@ -248,7 +248,7 @@ def assert_one_line(out: str) -> None:
 
 def _flip_bit_in_tensor(iter_dir: Path, key: str) -> None:
     """Flip one bit inside `key`'s first stored chunk, found in the .distcp files by its bytes."""
-    from reshard.formats.torch_blob import tensor_in_blob
+    from reshard.torchfile.archive_reader import tensor_in_blob
     from torch.distributed.checkpoint import FileSystemReader
 
     md = FileSystemReader(str(iter_dir)).read_metadata()

@@ -32,10 +32,13 @@ from isal.isal_zlib import crc32 as _crc32  # zlib's CRC-32, 3.4x faster than th
 from reshard import direct_io
 from reshard.buffers import Scratch, copy
 from reshard.dtypes import dtype_name, itemsize
-from reshard.formats.pickles import Call, Named, Pickler, named
+from reshard.torchfile.pickles import Call, Named, Pickler, named
+from reshard.torchfile.zip_structs import (
+    CENTRAL_CRC_AT, CENTRAL_ENTRY, CENTRAL_ENTRY_SIGNATURE, COUNT_MAX, END, END_SIGNATURE, EXTRA_FIELD, LOCAL_CRC_AT, LOCAL_HEADER,
+    LOCAL_HEADER_SIGNATURE, ZIP32_MAX, ZIP64_END, ZIP64_END_SIGNATURE, ZIP64_LOCATOR, ZIP64_LOCATOR_SIGNATURE, zip64_extra,
+)
 
 _ALIGNMENT = 64
-_ZIP32_MAX = 0xFFFFFFFF
 _PADDING_FIELD = 0x4246  # "FB": the extra field torch pads with
 
 
@@ -59,7 +62,7 @@ class ZipWriter:
     """An uncompressed zip written from the current position of `f`; offsets are relative to that start.
     A record can be placed first and its header and data written later, from any thread (`place`)."""
 
-    def __init__(self, f: BinaryIO, zip64_from: int = _ZIP32_MAX):
+    def __init__(self, f: BinaryIO, zip64_from: int = ZIP32_MAX):
         self.f = f
         self.size = 0  # bytes placed so far; kept here because f.tell() is a syscall per record
         self.zip64_from = zip64_from  # lowered by tests to exercise the Zip64 path on small data
@@ -70,11 +73,11 @@ class ZipWriter:
         writing it; returns its index (see `header`)."""
         encoded = name.encode()
         offset = self.size
-        extra = struct.pack("<HHQQ", 1, 16, size, size) if size >= self.zip64_from else b""
+        extra = zip64_extra([size, size]) if size >= self.zip64_from else b""
         # pad with an extra field so the data starts on the alignment torch uses (for mmap loading)
-        pad = -(offset + 30 + len(encoded) + len(extra) + 4) % alignment
-        extra += struct.pack("<HH", _PADDING_FIELD, pad) + b"Z" * pad
-        data_offset = offset + 30 + len(encoded) + len(extra)
+        pad = -(offset + LOCAL_HEADER.size + len(encoded) + len(extra) + EXTRA_FIELD.size) % alignment
+        extra += EXTRA_FIELD.pack(_PADDING_FIELD, pad) + b"Z" * pad
+        data_offset = offset + LOCAL_HEADER.size + len(encoded) + len(extra)
         self.entries.append(_Entry(encoded, offset, data_offset, size, extra))
         self.size = data_offset + size
         return len(self.entries) - 1
@@ -83,9 +86,9 @@ class ZipWriter:
         """The local header of placed record `index`, whose data has CRC-32 `crc` (kept for the directory)."""
         entry = self.entries[index] = replace(self.entries[index], crc=crc)
         zip64 = entry.size >= self.zip64_from
-        stored = _ZIP32_MAX if zip64 else entry.size
-        return struct.pack(
-            "<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0x0800, 0, 0, 0x21, crc, stored, stored, len(entry.name), len(entry.extra)
+        stored = ZIP32_MAX if zip64 else entry.size
+        return LOCAL_HEADER.pack(
+            LOCAL_HEADER_SIGNATURE, 45 if zip64 else 20, 0x0800, 0, 0, 0x21, crc, stored, stored, len(entry.name), len(entry.extra)
         ) + entry.name + entry.extra
 
     def add(self, name: str, data: Any, alignment: int = _ALIGNMENT) -> None:
@@ -115,26 +118,27 @@ class ZipWriter:
             size = e.size
             if e.size >= self.zip64_from:
                 fields += [e.size, e.size]
-                size = _ZIP32_MAX
+                size = ZIP32_MAX
             offset = e.offset
             if e.offset >= self.zip64_from:
                 fields.append(e.offset)
-                offset = _ZIP32_MAX
-            extra = struct.pack(f"<HH{len(fields)}Q", 1, 8 * len(fields), *fields) if fields else b""
+                offset = ZIP32_MAX
+            extra = zip64_extra(fields) if fields else b""
             version = 45 if fields else 20
-            directory += struct.pack(
-                "<IHHHHHHIIIHHHHHII", 0x02014B50, version, version, 0x0800, 0, 0, 0x21, e.crc, size, size,
+            directory += CENTRAL_ENTRY.pack(
+                CENTRAL_ENTRY_SIGNATURE, version, version, 0x0800, 0, 0, 0x21, e.crc, size, size,
                 len(e.name), len(extra), 0, 0, 0, 0, offset,
             )
             directory += e.name + extra
         count = len(self.entries)
         end = directory_offset + len(directory)
-        if directory_offset >= self.zip64_from or end >= self.zip64_from or count >= 0xFFFF:
-            directory += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, end - directory_offset, directory_offset)
-            directory += struct.pack("<IIQI", 0x07064B50, 0, end, 1)
-            directory += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _ZIP32_MAX, _ZIP32_MAX, 0)
+        if directory_offset >= self.zip64_from or end >= self.zip64_from or count >= COUNT_MAX:
+            rest = ZIP64_END.size - 12  # the record's size, counting neither its signature nor this field
+            directory += ZIP64_END.pack(ZIP64_END_SIGNATURE, rest, 45, 45, 0, 0, count, count, end - directory_offset, directory_offset)
+            directory += ZIP64_LOCATOR.pack(ZIP64_LOCATOR_SIGNATURE, 0, end, 1)
+            directory += END.pack(END_SIGNATURE, 0, 0, COUNT_MAX, COUNT_MAX, ZIP32_MAX, ZIP32_MAX, 0)
         else:
-            directory += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, end - directory_offset, directory_offset, 0)
+            directory += END.pack(END_SIGNATURE, 0, 0, count, count, end - directory_offset, directory_offset, 0)
         self.f.write(directory)
         self.size += len(directory)
 
@@ -150,7 +154,7 @@ class StorageRef:
 
 @dataclass(eq=False)
 class Stored:
-    """A storage of an archive `torch_blob.load_archive` read (a tensor in Megatron's common state, a
+    """A storage of an archive `archive_reader.load_archive` read (a tensor in Megatron's common state, a
     per-module object or a legacy rank file): `save_archive` writes its bytes as a record of its own."""
 
     storage_type: Named  # torch's class for it, as the pickle names it
@@ -272,10 +276,6 @@ class _Archive:
         self.zip.close()
 
 
-_LOCAL_CRC_AT = 14  # where a zip local header holds its record's CRC-32
-_CENTRAL_CRC_AT = 16  # and where a central directory entry does
-
-
 class _Recording:
     """A file that keeps what is written to it, write by write."""
 
@@ -314,7 +314,7 @@ class _Template:
     def filled(self, crc: int) -> tuple[bytes, bytes]:
         """`head` and `tail` with `crc` in their CRC fields."""
         value = struct.pack("<I", crc)
-        head = self.head[:_LOCAL_CRC_AT] + value + self.head[_LOCAL_CRC_AT + 4 :]
+        head = self.head[:LOCAL_CRC_AT] + value + self.head[LOCAL_CRC_AT + 4 :]
         return head, self.tail[: self.tail_crc_at] + value + self.tail[self.tail_crc_at + 4 :]
 
 
@@ -334,7 +334,7 @@ def _built_template(shape: tuple[int, ...], dtype: str, zip64_from: int, alignme
     assert len(head) == storage.data_offset
     # the central directory follows the last record, and its first entry is the storage's
     directory = last.data_offset + last.size - (storage.data_offset + storage.size)
-    return _Template(head, storage.size, tail, directory + _CENTRAL_CRC_AT)
+    return _Template(head, storage.size, tail, directory + CENTRAL_CRC_AT)
 
 
 @dataclass(frozen=True)
@@ -348,7 +348,7 @@ class SavedTensor:
     data: np.ndarray
 
 
-def save_tensor(tensor: np.ndarray, f: BinaryIO, scratch: Scratch | None = None, zip64_from: int = _ZIP32_MAX) -> SavedTensor:
+def save_tensor(tensor: np.ndarray, f: BinaryIO, scratch: Scratch | None = None, zip64_from: int = ZIP32_MAX) -> SavedTensor:
     """`torch.save(tensor, f)` without the clone: the tensor's bytes are written from where they are (a
     strided one staged in `scratch`), at its `storage_alignment` from the archive's start, between the
     parts of the archive that its shape alone decides (`_Template`)."""
@@ -362,7 +362,7 @@ def save_tensor(tensor: np.ndarray, f: BinaryIO, scratch: Scratch | None = None,
     return SavedTensor(template.size, len(head), data)
 
 
-def archive_size(shape: tuple[int, ...], dtype: str, zip64_from: int = _ZIP32_MAX) -> int:
+def archive_size(shape: tuple[int, ...], dtype: str, zip64_from: int = ZIP32_MAX) -> int:
     """The bytes `save_tensor` writes for a tensor of this shape and dtype, known before its values: a
     file's records can be placed at planned offsets and written in any order."""
     return _template(tuple(shape), dtype, zip64_from).size
@@ -398,7 +398,7 @@ class StreamingTorchSave:
     Records are placed before any is written, so several processes that reserve alike can fill one file
     (none truncates it on opening) and one of them finish it, given the CRC-32s of the others' records."""
 
-    def __init__(self, path: Path, zip64_from: int = _ZIP32_MAX):
+    def __init__(self, path: Path, zip64_from: int = ZIP32_MAX):
         self._file = direct_io.DirectFile(path, os.O_RDWR | os.O_CREAT)
         self._end = At(self._file, 0)  # where `finish` appends
         self._archive = _Archive(self._end, path.stem, zip64_from)
@@ -445,6 +445,6 @@ class StreamingTorchSave:
 
 
 def save_archive(obj: Any, f: BinaryIO) -> None:
-    """`torch.save(obj, f)` for plain values and what `torch_blob.load_archive` read (stand-ins, `Stored`
+    """`torch.save(obj, f)` for plain values and what `archive_reader.load_archive` read (stand-ins, `Stored`
     storages), without torch."""
-    _Archive(f, "archive", _ZIP32_MAX).finish(obj)
+    _Archive(f, "archive", ZIP32_MAX).finish(obj)

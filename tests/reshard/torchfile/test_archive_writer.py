@@ -13,7 +13,7 @@ import torch
 from tests.arrays import as_numpy, dtype_of, same
 from reshard.buffers import Scratch
 from reshard.direct_io import DirectFile
-from reshard.formats.torch_archive import At, StreamingTorchSave, archive_size, save_tensor
+from reshard.torchfile.archive_writer import At, StreamingTorchSave, archive_size, save_tensor
 
 
 def _tensors() -> dict[str, torch.Tensor]:

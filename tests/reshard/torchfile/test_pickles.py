@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import torch
 
-from reshard.formats.pickles import Call, named
-from reshard.formats.torch_archive import LEGACY_STORAGE_TYPES, save_archive
-from reshard.formats.torch_blob import load_archive
+from reshard.torchfile.archive_reader import load_archive
+from reshard.torchfile.archive_writer import LEGACY_STORAGE_TYPES, save_archive
+from reshard.torchfile.pickles import Call, named
 
 
 def _megatron_like_state():
@@ -88,8 +88,8 @@ data = io.BytesIO()
 with zipfile.ZipFile(data, "w") as zf:
     zf.writestr("archive/data.pkl", pickle.dumps({{"x": Evil()}}, protocol=2))
 data.seek(0)
-from reshard.formats.torch_blob import load_archive
-from reshard.formats.torch_archive import save_archive
+from reshard.torchfile.archive_reader import load_archive
+from reshard.torchfile.archive_writer import save_archive
 value = load_archive(data, "test")
 out = io.BytesIO()
 save_archive(value, out)

@@ -7,7 +7,7 @@ import sys
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from reshard.formats import dcp_metadata
+from reshard.torchfile import dcp_metadata
 
 
 def _same_as_pytorch(directory):
@@ -55,7 +55,7 @@ def test_save_needs_no_import_of_torch(dense, tmp_path):
     """Importing DCP took a second of every conversion's end, importing torch more; `load` and `save`
     name their classes instead."""
     script = (
-        "import sys; from pathlib import Path; from reshard.formats import dcp_metadata as m; "
+        "import sys; from pathlib import Path; from reshard.torchfile import dcp_metadata as m; "
         f"m.save(Path({str(tmp_path / '.metadata')!r}), m.load(Path({str(next(dense['base'].glob('iter_*')) / '.metadata')!r}))); "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )

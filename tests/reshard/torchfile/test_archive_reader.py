@@ -9,16 +9,16 @@ import torch
 
 from tests.arrays import as_numpy, same
 from reshard.errors import ReshardError
-from reshard.formats import torch_blob
-from reshard.formats.torch_archive import save_tensor
-from reshard.formats.torch_blob import RecordFile, zip_entries
+from reshard.torchfile import archive_reader
+from reshard.torchfile.archive_reader import RecordFile, zip_entries
+from reshard.torchfile.archive_writer import save_tensor
 
 
-@pytest.mark.parametrize("window", [torch_blob.WINDOW, 64], ids=["headers-in-windows", "headers-between"])
-@pytest.mark.parametrize("block", [torch_blob.READ_BLOCK, 64], ids=["one-read", "many-blocks"])
+@pytest.mark.parametrize("window", [archive_reader.WINDOW, 64], ids=["headers-in-windows", "headers-between"])
+@pytest.mark.parametrize("block", [archive_reader.READ_BLOCK, 64], ids=["one-read", "many-blocks"])
 def test_regions_read_back_as_saved(tmp_path, monkeypatch, block, window):
-    monkeypatch.setattr(torch_blob, "READ_BLOCK", block)
-    monkeypatch.setattr(torch_blob, "WINDOW", window)
+    monkeypatch.setattr(archive_reader, "READ_BLOCK", block)
+    monkeypatch.setattr(archive_reader, "WINDOW", window)
     saved = torch.arange(3 * 10 * 12, dtype=torch.float32).reshape(3, 10, 12).to(torch.bfloat16)
     path = tmp_path / "records"
     with open(path, "wb") as f:
@@ -131,6 +131,23 @@ def test_compressed_records_are_refused():
         _entries(blob)
 
 
+def test_compressed_records_are_refused_through_zipfile_too(tmp_path):
+    """A compressed record in a layout that only `zipfile` reads is refused as well, not read as values."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("archive/data.pkl", b"x" * 100)
+        zf.comment = b"written elsewhere"
+    blob = buffer.getvalue()
+    assert _entries(blob) is None
+    (tmp_path / "record").write_bytes(blob)
+    f = RecordFile(tmp_path / "record")
+    try:
+        with pytest.raises(ReshardError, match="compressed"):
+            f.unpickle(0, len(blob))
+    finally:
+        f.close()
+
+
 def test_a_zip_whose_offsets_count_from_the_file_start_reads_through_zipfile(tmp_path):
     """A zip written into a file after other bytes, its offsets counted from the file's start (as `zipfile`
     writes when appending): `zip_entries` does not claim it; `zipfile` corrects the offsets and it reads."""
@@ -164,7 +181,7 @@ def test_strided_records_are_laid_out_from_their_storage(tmp_path, dtype):
 
 
 def test_a_record_reaching_past_its_storage_is_refused(tmp_path):
-    from reshard.formats.torch_archive import save_archive, tensor_call
+    from reshard.torchfile.archive_writer import save_archive, tensor_call
 
     buffer = io.BytesIO()
     stride_call = tensor_call("0", "float32", (4, 4))  # a dense tensor's pickle...

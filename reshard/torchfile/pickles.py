@@ -84,6 +84,25 @@ class Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         return _REAL.get((module, name)) or named(module, name)
 
+    def load(self) -> Any:
+        """The pickle's object. What the pickle machine raises itself, applying the file's opcodes to what
+        they name (calling a number, appending to a string, a length past memory), is the file's fault and
+        becomes an UnpicklingError; what our own methods raise (`find_class`, the stand-ins') propagates."""
+        try:
+            return super().load()
+        except (TypeError, AttributeError, MemoryError, OverflowError) as exc:
+            if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
+                raise  # raised in a frame below this one: Python code of ours, not the C pickle machine
+            raise pickle.UnpicklingError(f"{exc.__class__.__name__}: {exc}") from exc
+
+
+def nonnegative_ints(values: Any) -> tuple[int, ...]:
+    """A shape, strides or offsets a pickle holds, as a tuple; a ValueError (the file is damaged) for
+    anything but a tuple or list of non-negative ints, before any of it is used as one."""
+    if not isinstance(values, (tuple, list)) or not all(isinstance(v, int) and v >= 0 for v in values):
+        raise ValueError(f"{values!r:.80} where sizes or offsets were expected")
+    return tuple(values)
+
 
 class Pickler(pickle._Pickler):  # the Python pickler: its dispatch table can take the stand-ins
     dispatch = dict(pickle._Pickler.dispatch)

@@ -1,4 +1,4 @@
-"""Reading tensors inside `torch.save` archives without loading them (writing: `torch_archive`).
+"""Reading tensors inside `torch.save` archives without loading them (writing: `archive_writer`).
 
 Reading: a `torch.save` blob is an uncompressed zip whose `data/<key>` records hold raw storage
 bytes. We parse only the pickle's tensor header (never executing it) and `pread` just the bytes of
@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import io
 import os
+import pickle
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -22,9 +23,14 @@ from reshard.buffers import PerThread, copy
 from reshard.direct_io import DirectFile
 from reshard.dtypes import bits, itemsize, numpy_dtype
 from reshard.errors import ReshardError
-from reshard.formats.pickles import Call, Unpickler, named
-from reshard.formats.torch_archive import LEGACY_STORAGE_TYPES, Stored
 from reshard.sharding import Region, cut, long_axis, shift, to_slices
+from reshard.torchfile import PARSE_ERRORS
+from reshard.torchfile.archive_writer import LEGACY_STORAGE_TYPES, Stored
+from reshard.torchfile.pickles import Call, Named, Unpickler, named, nonnegative_ints
+from reshard.torchfile.zip_structs import (
+    CENTRAL_ENTRY, CENTRAL_ENTRY_SIGNATURE, COUNT_MAX, END, END_SIGNATURE, LOCAL_HEADER, LOCAL_HEADER_SIGNATURE, ZIP32_MAX, ZIP64_END,
+    ZIP64_END_SIGNATURE, ZIP64_LOCATOR, ZIP64_LOCATOR_SIGNATURE, zip64_values,
+)
 
 
 @dataclass(frozen=True)
@@ -105,14 +111,6 @@ class _Windows:
         return self._pread(offset, size)
 
 
-_EOCD = struct.Struct("<IHHHHIIH")  # end of central directory
-_ZIP64_LOCATOR = struct.Struct("<IIQI")
-_ZIP64_EOCD = struct.Struct("<IQHHIIQQQQ")
-_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # a central directory entry, before its name
-_LOCAL = struct.Struct("<I22xHH")  # a local header's signature, name and extra lengths
-_OVERFLOW = 0xFFFFFFFF
-
-
 def zip_entries(read: Callable[[int, int], bytes], length: int) -> dict[str, tuple[int, int]] | None:
     """name -> (data offset, size) of the stored entries of a zip of `length` bytes, `read(offset, size)`
     giving its bytes: the central directory found at the very end (no comment, one disk), Zip64 included,
@@ -125,57 +123,53 @@ def zip_entries(read: Callable[[int, int], bytes], length: int) -> dict[str, tup
 
 
 def _stored_entries(read: Callable[[int, int], bytes], length: int) -> dict[str, tuple[int, int]] | None:
-    if length < _EOCD.size:
+    if length < END.size:
         return None
-    sig, disk, cd_disk, _, count, cd_size, cd_offset, comment = _EOCD.unpack(read(length - _EOCD.size, _EOCD.size))
-    if sig != 0x06054B50 or comment or disk or cd_disk:
+    sig, disk, cd_disk, _, count, cd_size, cd_offset, comment = END.unpack(read(length - END.size, END.size))
+    if sig != END_SIGNATURE or comment or disk or cd_disk:
         return None
-    if count == 0xFFFF or _OVERFLOW in (cd_size, cd_offset):
-        at = length - _EOCD.size - _ZIP64_LOCATOR.size
+    if count == COUNT_MAX or ZIP32_MAX in (cd_size, cd_offset):
+        at = length - END.size - ZIP64_LOCATOR.size
         if at < 0:
             return None
-        sig, _, eocd64, _ = _ZIP64_LOCATOR.unpack(read(at, _ZIP64_LOCATOR.size))
-        if sig != 0x07064B50 or eocd64 + _ZIP64_EOCD.size > at:
+        sig, _, eocd64, _ = ZIP64_LOCATOR.unpack(read(at, ZIP64_LOCATOR.size))
+        if sig != ZIP64_LOCATOR_SIGNATURE or eocd64 + ZIP64_END.size > at:
             return None
-        sig, *_, count, cd_size, cd_offset = _ZIP64_EOCD.unpack(read(eocd64, _ZIP64_EOCD.size))
-        if sig != 0x06064B50:
+        sig, *_, count, cd_size, cd_offset = ZIP64_END.unpack(read(eocd64, ZIP64_END.size))
+        if sig != ZIP64_END_SIGNATURE:
             return None
     if cd_offset + cd_size > length:  # offsets counted from elsewhere (a zip inside a larger file)
         return None
     directory = read(cd_offset, cd_size)
     entries, pos = {}, 0
     for _ in range(count):
-        sig, _, _, _, method, _, _, _, compressed, size, name_len, extra_len, comment_len, _, _, _, local = _CENTRAL.unpack_from(directory, pos)
-        if sig != 0x02014B50:
+        sig, _, _, _, method, _, _, _, compressed, size, name_len, extra_len, comment_len, _, _, _, local = CENTRAL_ENTRY.unpack_from(directory, pos)
+        if sig != CENTRAL_ENTRY_SIGNATURE:
             return None
-        name_at = pos + _CENTRAL.size
+        name_at = pos + CENTRAL_ENTRY.size
         name = directory[name_at : name_at + name_len].decode("utf-8")
         size, compressed, local = _zip64_sizes(directory[name_at + name_len : name_at + name_len + extra_len], size, compressed, local)
         pos = name_at + name_len + extra_len + comment_len
         if method != 0 or compressed != size:
             raise ReshardError("compressed torch.save records are not supported")
-        if local + _LOCAL.size > length:
+        if local + LOCAL_HEADER.size > length:
             return None
-        sig, local_name, local_extra = _LOCAL.unpack(read(local, _LOCAL.size))
-        data = local + _LOCAL.size + local_name + local_extra
-        if sig != 0x04034B50 or data + size > length:
+        sig, *_, local_name, local_extra = LOCAL_HEADER.unpack(read(local, LOCAL_HEADER.size))
+        data = local + LOCAL_HEADER.size + local_name + local_extra
+        if sig != LOCAL_HEADER_SIGNATURE or data + size > length:
             return None
         entries[name] = (data, size)
     return entries
 
 
 def _zip64_sizes(extra: bytes, size: int, compressed: int, local: int) -> tuple[int, int, int]:
-    """The fields a central directory entry left at 0xFFFFFFFF, from its Zip64 extra field (in this order)."""
-    pos = 0
-    while pos + 4 <= len(extra):
-        tag, n = struct.unpack_from("<HH", extra, pos)
-        if tag == 1:
-            values = iter(struct.unpack_from(f"<{n // 8}Q", extra, pos + 4))
-            size = next(values) if size == _OVERFLOW else size
-            compressed = next(values) if compressed == _OVERFLOW else compressed
-            local = next(values) if local == _OVERFLOW else local
-            break
-        pos += 4 + n
+    """The fields a central directory entry left at ZIP32_MAX, from its Zip64 extra field (in this order)."""
+    found = zip64_values(extra)
+    if found is not None:
+        values = iter(found)
+        size = next(values) if size == ZIP32_MAX else size
+        compressed = next(values) if compressed == ZIP32_MAX else compressed
+        local = next(values) if local == ZIP32_MAX else local
     return size, compressed, local
 
 
@@ -186,9 +180,9 @@ def _zipfile_entries(window: _FileWindow) -> dict[str, tuple[int, int]]:
         for info in zf.infolist():
             if info.compress_type != zipfile.ZIP_STORED:
                 raise ReshardError("compressed torch.save records are not supported")
-            window.seek(info.header_offset + 26)
-            name_len, extra_len = struct.unpack("<HH", window.read(4))
-            out[info.filename] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
+            window.seek(info.header_offset)
+            *_, name_len, extra_len = LOCAL_HEADER.unpack(window.read(LOCAL_HEADER.size))
+            out[info.filename] = (info.header_offset + LOCAL_HEADER.size + name_len + extra_len, info.file_size)
         return out
 
 
@@ -333,6 +327,9 @@ class _ArchiveUnpickler(Unpickler):
         self.storages: dict[str, Stored] = {}  # one per key: views of one storage stay views of one storage
 
     def persistent_load(self, pid: Any) -> Stored:
+        # torch's: ("storage", its class, its record's key, location, element count)
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], Named)):
+            raise pickle.UnpicklingError(f"{pid!r:.80} is not a torch storage's persistent id")
         _, storage_type, key, location, numel = pid
         if key not in self.storages:
             self.storages[key] = Stored(storage_type, location, numel, *self.storage(str(key)))
@@ -358,9 +355,7 @@ def load_archive(source: Path | BinaryIO, what: str) -> Any:
                 return (lambda: data), None, len(data)
 
             return _ArchiveUnpickler(archive.read(pickled[0]), storage).load()
-    except ReshardError:
-        raise
-    except Exception as exc:  # a truncated, foreign or damaged file
+    except PARSE_ERRORS as exc:  # a truncated, foreign or damaged file
         raise ReshardError(f"{what} cannot be loaded ({exc.__class__.__name__}): the checkpoint is damaged") from None
 
 
@@ -390,15 +385,20 @@ def archive_tensor(value: Any) -> TensorRecord | None:
     """Where the values of a pickled tensor (as `RecordFile.unpickle` or `load_archive` give it) lie, None
     for any other value: its record when it is dense in its file, else its values, laid out from its
     storage's bytes (rare: Megatron saves dense tensors)."""
-    if not (isinstance(value, Call) and value.function in _REBUILDS and isinstance(value.args[0], Stored)):
+    if not (isinstance(value, Call) and value.function in _REBUILDS and value.args and isinstance(value.args[0], Stored)):
         return None
     storage, storage_offset, size, stride = value.args[:4]
     if value.function.qualname == "_rebuild_tensor_v3":
+        if not isinstance(value.args[6], Named):
+            raise ValueError(f"{value.args[6]!r:.80} where a torch dtype was expected")
         dtype = value.args[6].qualname
     else:
         dtype = _STORAGE_DTYPES[storage.storage_type.qualname]
-    shape = tuple(int(d) for d in (size.args[0] if isinstance(size, Call) else size))
-    header = _Layout(int(storage_offset), shape, tuple(int(s) for s in stride))
+    shape, strides = nonnegative_ints(size.args[0] if isinstance(size, Call) else size), nonnegative_ints(stride)
+    (offset,) = nonnegative_ints((storage_offset,))
+    if len(strides) != len(shape):
+        raise ValueError(f"a tensor of shape {shape} with strides {strides}")
+    header = _Layout(offset, shape, strides)
     dense_end = (header.storage_offset + _numel(shape)) * itemsize(dtype)
     if header.contiguous and storage.offset is not None and dense_end <= storage.nbytes:
         return TensorRecord(dtype, shape, storage.offset + header.storage_offset * itemsize(dtype))

@@ -18,7 +18,8 @@ from typing import Any
 
 from reshard.dtypes import DTYPE_NAMES
 from reshard.errors import ReshardError
-from reshard.formats.pickles import Call, Named, Pickler, named
+from reshard.torchfile import PARSE_ERRORS
+from reshard.torchfile.pickles import Call, Named, Pickler, Unpickler, named, nonnegative_ints
 
 _DCP = "torch.distributed.checkpoint"
 
@@ -64,7 +65,7 @@ class _Pickled:
         self.__dict__["state"] = args
 
     def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
+        if isinstance(state, tuple) and len(state) == 2 and all(part is None or isinstance(part, dict) for part in state):
             state = {**(state[0] or {}), **(state[1] or {})}  # (dict, slots) of a slotted dataclass
         self.__dict__["state"] = state
 
@@ -86,7 +87,7 @@ def _standin(name: str) -> type[_Pickled]:
     return _STANDINS[name]
 
 
-class _Unpickler(pickle.Unpickler):
+class _Unpickler(Unpickler):  # its `load`; globals from this allow-list only
     def find_class(self, module: str, name: str) -> Any:
         if module == f"{_DCP}.metadata" and name == "_MEM_FORMAT_ENCODING":
             return lambda value: value
@@ -103,29 +104,49 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unexpected {module}.{name}")
 
 
-def _offsets(value: Any) -> tuple[int, ...] | None:
-    return None if value is None else tuple(int(v) for v in value)
+def _checked(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+    """`value`, or a ValueError (the file is damaged) when it is not a `kind`: a file may hold anything
+    anywhere, and what it holds must not reach the code that takes it for a `kind`."""
+    if not isinstance(value, kind):
+        raise ValueError(f"{what} is a {type(value).__name__}")
+    return value
+
+
+def _field(record: Any, name: str, kind: type | tuple[type, ...], position: int | None = None) -> Any:
+    """Field `name` of DCP record `record` (at `position` of one pickled as a tuple), checked to be a `kind`."""
+    return _checked(_checked(record, _Pickled, "a DCP record").get(name, position), kind, f"{type(record).__name__}.{name}")
+
+
+def _sizes(record: Any, name: str) -> tuple[int, ...]:
+    """A `torch.Size` field of `record` (unpickled as a tuple)."""
+    return nonnegative_ints(_field(record, name, tuple))
+
+
+def _metadata(raw: Any) -> DcpMetadata:
+    """The records of an unpickled DCP `Metadata`."""
+    out = DcpMetadata()
+    for fqn, entry in _field(raw, "state_dict_metadata", dict).items():
+        _checked(fqn, str, "a tensor's name")
+        if type(entry).__name__ == "BytesStorageMetadata":
+            out.objects.append(fqn)
+            continue
+        properties = _field(entry, "properties", _Pickled)
+        chunks = [Chunk(_sizes(c, "offsets"), _sizes(c, "sizes")) for c in _field(entry, "chunks", list)]
+        out.tensors[fqn] = TensorEntry(_field(properties, "dtype", str, 0), _sizes(entry, "size"), chunks)
+    for index, info in _field(raw, "storage_data", dict).items():
+        offset = _field(index, "offset", (tuple, type(None)))  # None for an object
+        out.storage[(_field(index, "fqn", str), None if offset is None else nonnegative_ints(offset))] = Storage(
+            _field(info, "relative_path", str), _field(info, "offset", int), _field(info, "length", int), bool(info.get("transform_descriptors"))
+        )
+    return out
 
 
 def load(path: Path) -> DcpMetadata:
     """Read a `.metadata` file; a foreign or damaged one is refused in a line."""
     try:
         with open(path, "rb") as f:
-            raw = _Unpickler(f).load()
-        out = DcpMetadata()
-        for fqn, entry in raw.get("state_dict_metadata").items():
-            if type(entry).__name__ == "BytesStorageMetadata":
-                out.objects.append(fqn)
-                continue
-            properties = entry.get("properties")
-            chunks = [Chunk(_offsets(c.get("offsets")), _offsets(c.get("sizes"))) for c in entry.get("chunks")]
-            out.tensors[fqn] = TensorEntry(properties.get("dtype", 0), _offsets(entry.get("size")), chunks)
-        for index, info in raw.get("storage_data").items():
-            out.storage[(index.get("fqn"), _offsets(index.get("offset")))] = Storage(
-                info.get("relative_path"), int(info.get("offset")), int(info.get("length")), bool(info.get("transform_descriptors"))
-            )
-        return out
-    except Exception as exc:  # a truncated, foreign or damaged file
+            return _metadata(_Unpickler(f).load())
+    except PARSE_ERRORS as exc:  # a truncated, foreign or damaged file
         raise ReshardError(f"{path} cannot be read ({exc.__class__.__name__}): the checkpoint is damaged") from None
 
 

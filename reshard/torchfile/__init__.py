@@ -1,0 +1,26 @@
+"""torch's own file formats, read and written without torch: `torch.save` archives and DCP's `.metadata`.
+
+Trust model: a checkpoint is data, never code. Nothing in a file runs, and nothing it names is imported:
+a pickle's globals become stand-ins that only remember their names (`pickles`), and only the few on an
+allow-list are built for real (`argparse.Namespace`, `collections.OrderedDict`; in `.metadata`, DCP's
+records as plain records and torch's dtypes as their names, any other global refused). A storage is
+only noted where it lies in its file until its bytes are asked for.
+
+  pickles         the stand-ins, and the unpickler and pickler that read and write them
+  zip_structs     the zip records (headers, directory entries, end records) as the reader and writer spell them
+  archive_reader  `torch.save` archives read: the pickle as stand-ins, a tensor's region by `pread`
+  archive_writer  `torch.save` archives written from our buffers (no clone; Zip64)
+  dcp_metadata    DCP's `.metadata`, read through its allow-list and written as DCP pickles it
+"""
+
+import pickle
+import struct
+import zipfile
+import zlib
+
+# What reading a damaged or foreign file raises: all that "the checkpoint is damaged" may stand for.
+# Anything else (an AttributeError, a TypeError) is a bug of ours and must surface as one, so the parsers
+# raise only these for what a file holds: `pickles.Unpickler.load` turns what the pickle machine itself
+# raises applying the file's opcodes into an UnpicklingError, and values taken from what a pickle built
+# are checked (`pickles.nonnegative_ints`, `dcp_metadata._field`) before they are used.
+PARSE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError, struct.error, zipfile.BadZipFile, zlib.error)
