@@ -7,6 +7,7 @@ build synthetic checkpoints, and by importers that must produce the Megatron-Cor
 from __future__ import annotations
 
 from reshard.config import ModelConfig
+from reshard.errors import ReshardError
 
 
 def _norm(prefix: str, config: ModelConfig, width: int, layers: list[int]) -> dict[str, tuple[int, ...]]:
@@ -60,3 +61,44 @@ def model_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not c.tied_embeddings:
         out["output_layer.weight"] = (c.padded_vocab_size, h)
     return out
+
+
+# The arguments behind each axis of a tensor's shape, by a fragment of its name (first match).
+_AXIS_FIELDS = (
+    ("linear_qkv.", ("num_attention_heads, num_query_groups, kv_channels", "hidden_size")),
+    ("linear_proj.", ("hidden_size", "num_attention_heads, kv_channels")),
+    ("linear_fc1.", ("ffn_hidden_size (or moe_ffn_hidden_size), swiglu", "hidden_size")),
+    ("linear_fc2.", ("hidden_size", "ffn_hidden_size (or moe_ffn_hidden_size)")),
+    ("word_embeddings.", ("padded_vocab_size", "hidden_size")),
+    ("output_layer.", ("padded_vocab_size", "hidden_size")),
+    ("router.", ("num_experts", "hidden_size")),
+    ("position_embeddings.", ("max_position_embeddings", "hidden_size")),
+)
+
+
+def check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """Refuse, naming the argument, a checkpoint whose recorded architecture contradicts its tensors' shapes
+    (a resharded or exported copy would be cut by the wrong sizes). Tensors the config does not imply are
+    left to the completeness checks."""
+    implied = model_tensors(config)
+    for name, shape in shapes.items():
+        expected = implied.get(name)
+        if expected is None or tuple(shape) == tuple(expected):
+            continue
+        linear = next((f for fragment, f in _AXIS_FIELDS if fragment in name and "layer_norm" not in name), None)
+        core = 2 if linear and name.endswith(".weight") else 1  # a matrix, or a vector (norm, bias)
+        if len(shape) != len(expected):
+            fields = "num_layers, num_experts"
+        else:
+            axis = next(i for i, (a, b) in enumerate(zip(shape, expected)) if a != b)
+            lead = len(expected) - core
+            if axis < lead:
+                fields = "num_layers" if axis == 0 and name.startswith("decoder.layers.") else "num_experts"
+            elif linear:
+                fields = linear[axis - lead]
+            else:
+                fields = "kv_channels" if "q_layernorm" in name or "k_layernorm" in name else "hidden_size"
+        raise ReshardError(
+            f"{where}: {name} has shape {list(shape)}, but the recorded architecture implies {list(expected)} "
+            f"(check {fields}): the architecture contradicts the tensors"
+        )

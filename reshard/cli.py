@@ -39,11 +39,13 @@ def main() -> None:
 @main.command()
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def inspect(path: Path, as_json: bool) -> None:
+@click.option("--config", "config_file", type=click.Path(path_type=Path),
+              help="The architecture of a torch_dist checkpoint that records none: an HF config.json or a YAML of Megatron arguments.")
+def inspect(path: Path, as_json: bool, config_file: Path | None) -> None:
     """Show what a checkpoint is: format, architecture, layout, tensors and bytes."""
     from reshard.inspect import inspect as do_inspect
 
-    info = do_inspect(path)
+    info = do_inspect(path, config_file)
     click.echo(json.dumps(info.to_json(), indent=1) if as_json else info.render())
 
 
@@ -63,6 +65,8 @@ def inspect(path: Path, as_json: bool) -> None:
 @click.option("--to-format", type=click.Choice(FORMATS), help="Target format (default: the source's).")
 @click.option("--no-optimizer", is_flag=True, help="Drop optimizer state instead of resharding it.")
 @click.option("--vocab-size", type=int, help="The true vocabulary size, when the checkpoint does not record it.")
+@click.option("--config", "config_file", type=click.Path(path_type=Path),
+              help="The architecture of a torch_dist checkpoint that records none: an HF config.json or a YAML of Megatron arguments.")
 @click.option(
     "--naming",
     type=click.Choice(["te", "local"]),
@@ -131,7 +135,7 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
             source,
             destination,
             target,
-            hints=SourceHints(tp=opts["tp"], pp=opts["pp"], ep=opts["ep"], vocab_size=opts["vocab_size"]),
+            hints=SourceHints(tp=opts["tp"], pp=opts["pp"], ep=opts["ep"], vocab_size=opts["vocab_size"], config=opts["config_file"]),
             run=run,
             overwrite=opts["overwrite"],
             dry_run=opts["dry_run"],
@@ -160,11 +164,13 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--against", type=click.Path(path_type=Path), help="Another checkpoint (any format or layout) to compare with.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def verify(path: Path, against: Path | None, as_json: bool) -> None:
+@click.option("--config", "config_file", type=click.Path(path_type=Path),
+              help="The architecture of a torch_dist checkpoint that records none: an HF config.json or a YAML of Megatron arguments.")
+def verify(path: Path, against: Path | None, as_json: bool, config_file: Path | None) -> None:
     """Recompute PATH's checksums and compare them with the recorded ones or with another checkpoint."""
     from reshard.verify import verify as do_verify
 
-    report = do_verify(path, against)
+    report = do_verify(path, against, config_file)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=1))
     else:

@@ -331,7 +331,7 @@ def convert(
         raise ReshardError(f"{destination} contains the source {source}; choose a destination outside it")
     if dst.is_relative_to(src):
         raise ReshardError(f"{destination} is inside the source {source}; choose a destination outside it")
-    with open_checkpoint(source) as reader:
+    with open_checkpoint(source, config_file=hints.config) as reader:
         for key in ("tp", "pp", "ep"):
             expected, actual = getattr(hints, key), getattr(reader.layout, key)
             if expected is not None and actual != expected:

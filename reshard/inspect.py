@@ -70,8 +70,9 @@ class CheckpointInfo:
         return "\n".join(lines)
 
 
-def inspect(path: Path | str) -> CheckpointInfo:
-    with open_checkpoint(path) as reader:
+def inspect(path: Path | str, config_file: Path | None = None) -> CheckpointInfo:
+    """What the checkpoint at `path` is; `config_file` gives the architecture of one that records none."""
+    with open_checkpoint(path, config_file=config_file) as reader:
         rows = [
             TensorRow(name, spec.shape, spec.dtype, spec.split.value, spec.numel * itemsize(spec.dtype))
             for name, spec in sorted(reader.specs.items())

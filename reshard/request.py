@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from reshard.logical import normalize_dtype
@@ -61,6 +62,7 @@ class SourceHints:
     pp: int | None = None
     ep: int | None = None
     vocab_size: int | None = None
+    config: Path | None = None  # the architecture of a checkpoint that records none (HF config.json or Megatron args YAML)
 
 
 @dataclass(frozen=True)

@@ -157,11 +157,12 @@ class VerifyReport:
         }
 
 
-def verify(path, against=None) -> VerifyReport:
-    """Recompute `path`'s checksums; compare with its recorded ones, or with checkpoint `against`."""
+def verify(path, against=None, config_file=None) -> VerifyReport:
+    """Recompute `path`'s checksums; compare with its recorded ones, or with checkpoint `against`.
+    `config_file` gives the architecture of a `path` that records none."""
     from reshard.formats import open_checkpoint
 
-    with open_checkpoint(path) as reader:
+    with open_checkpoint(path, config_file=config_file) as reader:
         if against is None and reader.manifest is None:
             raise ReshardError(f"{path} has no recorded checksums; compare it with another checkpoint using --against")
         actual = compute_checksums(reader)

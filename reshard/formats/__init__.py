@@ -41,9 +41,15 @@ def detect(path: Path) -> str:
     )
 
 
-def open_checkpoint(path: Path | str, format: str | None = None) -> CheckpointReader:
+def open_checkpoint(path: Path | str, format: str | None = None, config_file: Path | None = None) -> CheckpointReader:
+    """The checkpoint at `path`, in `format` (default: detected). `config_file` gives the architecture of a
+    torch_dist checkpoint that records none (`--config`)."""
     path = Path(path)
     name = format or detect(path)
     if name not in READERS:
         raise ReshardError(f"unknown format {name!r}; choose one of {', '.join(sorted(READERS))}")
-    return READERS[name](path)
+    if config_file is None:
+        return READERS[name](path)
+    if name != "torch_dist":
+        raise ReshardError(f"--config is for torch_dist checkpoints that record no architecture; {path} is {name}: drop it")
+    return TorchDistReader(path, config_file)

@@ -20,6 +20,7 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
+from reshard.architecture import check_shapes
 from reshard.buffers import PerThread
 from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
@@ -36,6 +37,7 @@ from reshard.formats.base import (
     args_for_layout,
     cached,
 )
+from reshard.formats.model_args import RUN_CONFIG, args_from_file, bridge_args
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
@@ -57,28 +59,20 @@ def is_torch_dist(path: Path) -> bool:
     return tree is not None and (tree.iteration_dir / ".metadata").is_file()
 
 
+_COMMON_STATE = "common_state/"  # megatron-core 0.19's ShardedObject of the common state, by its storage key
+
+
 class TorchDistReader(CheckpointReader):
     format_name = "torch_dist"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, config_file: Path | None = None):
+        """`config_file` (`--config`): the architecture of a checkpoint that records none (see `model_args`)."""
         tree = locate(path)
         if tree is None or not (tree.iteration_dir / ".metadata").is_file():
             raise ReshardError(f"{path} is not a torch_dist checkpoint (no .metadata found)")
         self.path, self.tree = path, tree
         directory = tree.iteration_dir
         self.metadata = dcp_metadata.load(directory / ".metadata")
-        common_path = directory / "common.pt"
-        if not common_path.is_file():
-            raise ReshardError(f"{common_path} is missing: not a complete Megatron torch_dist checkpoint")
-        common = load_archive(common_path, str(common_path))
-        if not isinstance(common, dict):
-            raise ReshardError(f"{common_path} does not hold Megatron's common state: the checkpoint is damaged")
-        args = args_dict(common.pop("args", None))
-        iteration = common.pop("iteration", tree.iteration)
-        self.config = ModelConfig.from_megatron_args(args)
-        self.layout = Layout.from_megatron_args(args)
-        self.common = CommonState(args=args, iteration=iteration, extra=common)
-        self.manifest = Manifest.load(directory)
         by_offset: dict[str, list[tuple[tuple[int, ...], Storage]]] = defaultdict(list)
         objects: dict[str, Storage] = {}
         for (fqn, offsets), info in self.metadata.storage.items():
@@ -94,9 +88,18 @@ class TorchDistReader(CheckpointReader):
         self._header_pool: ThreadPoolExecutor | None = None
         self._prefetched: set[tuple[str, int]] = set()
         self._closed = False
+        common = self._common_state(directory, objects)
+        args = self._architecture(common.pop("args", None), config_file)
+        iteration = common.pop("iteration", tree.iteration)
+        self.config = ModelConfig.from_megatron_args(args)
+        self.layout = Layout.from_megatron_args(args)
+        self.common = CommonState(args=args, iteration=iteration, extra=common)
+        self.manifest = Manifest.load(directory)
         self.unsupported_optimizer = []
         kept = []
         for key in self.metadata.objects:
+            if key.startswith(_COMMON_STATE):
+                continue
             if key.startswith("optimizer"):
                 self.unsupported_optimizer.append(key)
             elif "_extra_state" in key or is_layout_bound(key):
@@ -121,6 +124,46 @@ class TorchDistReader(CheckpointReader):
                 (tuple((o, o + s) for o, s in zip(offsets, sizes[offsets])), info) for offsets, info in by_offset[key]
             ]
             self._index[name] = RegionIndex(self._chunks[name])
+        check_shapes(self.config, {name: spec.shape for name, spec in self.specs.items()}, str(path))
+
+    def _common_state(self, directory: Path, objects: dict[str, Storage]) -> dict[str, Any]:
+        """Megatron's non-tensor state: `common.pt` (megatron-core up to 0.18), or from 0.19 on (Megatron-
+        Bridge's too) a ShardedObject `common_state` inside the .distcp files."""
+        common_path = directory / "common.pt"
+        inside = [key for key in objects if key.startswith(_COMMON_STATE)]
+        if common_path.is_file():
+            common = load_archive(common_path, str(common_path))
+            where = str(common_path)
+        elif inside:
+            common, where = self._object(objects[inside[0]]), f"{directory}'s common_state"
+        else:
+            raise ReshardError(
+                f"{directory} has neither common.pt nor a common_state object: not a complete Megatron torch_dist checkpoint"
+            )
+        if not isinstance(common, dict):
+            raise ReshardError(f"{where} does not hold Megatron's common state: the checkpoint is damaged")
+        return common
+
+    def _architecture(self, args: Any, config_file: Path | None) -> dict[str, Any]:
+        """Megatron-LM's args where it saved them, else Megatron-Bridge's run_config.yaml (beside the
+        iteration or the save directory), else `--config`."""
+        if config_file is not None and args is not None:
+            raise ReshardError(f"{self.path} records its architecture in its args; drop --config")
+        if args is not None:
+            return args_dict(args)
+        bridge = [d / RUN_CONFIG for d in (self.tree.iteration_dir, self.tree.root) if (d / RUN_CONFIG).is_file()]
+        if config_file is not None:
+            args = args_from_file(config_file)
+            embedding = self.metadata.tensors.get("embedding.word_embeddings.weight")
+            if embedding is not None:  # its padding is the saving run's choice, not the architecture's
+                args["padded_vocab_size"] = embedding.size[0]
+            return args
+        if bridge:
+            return bridge_args(bridge[0])
+        raise ReshardError(
+            f"{self.path} records no architecture (no Megatron-LM args, no {RUN_CONFIG}): pass --config with the "
+            "model's HF config.json or a YAML of its Megatron arguments"
+        )
 
     def _object(self, info: Storage) -> object:
         file, values = self._decode(info, "an object", RecordFile.unpickle)

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from reshard.architecture import check_shapes
 from reshard.buffers import PerThread, copy
 from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
@@ -116,6 +117,7 @@ class LegacyReader(CheckpointReader):
         self.unsupported_optimizer = ["optimizer (legacy per-rank state)"] if "optimizer" in first else []
         self.manifest = Manifest.load(tree.iteration_dir)
         self.specs = self._discover()
+        check_shapes(self.config, {name: spec.shape for name, spec in self.specs.items()}, str(path))
         self._pieces: dict[str, list[Piece]] = {}
 
     def _holder(self, rank: RankCoord, experts: bool) -> RankCoord:

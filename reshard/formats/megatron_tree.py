@@ -44,6 +44,8 @@ def locate(path: Path) -> MegatronTree | None:
     if candidates:
         newest = candidates[-1]
         return MegatronTree(path, newest, int(newest.name[5:]))
+    if (path / ".metadata").is_file():  # a bare dist_checkpointing.save directory: no tracker, no iteration
+        return MegatronTree(path, path, 0)
     return None
 
 

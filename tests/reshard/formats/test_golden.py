@@ -2,6 +2,8 @@
 that regenerates them): reshard reads them, reshards them, and exports the weights the HF model they were
 made from holds, bit for bit. The oracle is the HF original that transformers saved."""
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -9,8 +11,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from reshard.convert import convert
+from reshard.errors import ReshardError
+from reshard.inspect import inspect
 from reshard.layout import Layout
-from reshard.request import Target
+from reshard.request import SourceHints, Target
 
 GOLDEN = Path(__file__).resolve().parents[3] / "fixtures" / "golden"
 HF = GOLDEN / "hf-llama-tiny"
@@ -50,3 +54,62 @@ def test_a_flipped_bit_in_the_golden_weights_is_caught(tmp_path):
     save_file(tensors, tmp_path / "hf" / "model.safetensors")
     with pytest.raises(AssertionError, match=name):
         _same_as_original(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("written_by", ["bridge-torch_dist-tp1", "bridge-torch_dist-tp2"])
+def test_megatron_bridge_output_exports_the_original_weights_and_config(tmp_path, written_by):
+    """megatron-core 0.19 keeps the common state inside the .distcp files and Bridge keeps the architecture in
+    run_config.yaml: both are read (rope base and norm epsilon included, which Megatron-LM's defaults lack)."""
+    convert(GOLDEN / written_by, tmp_path / "hf", Target(format="hf"))
+    _same_as_original(tmp_path / "hf")
+    ours, original = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "hf", HF))
+    assert ours["rms_norm_eps"] == original["rms_norm_eps"] == 1e-6
+    assert ours["rope_theta"] == original["rope_parameters"]["rope_theta"] == 500000
+    assert ours["vocab_size"] == original["vocab_size"]
+
+
+def test_megatron_bridge_output_reshards_to_megatron_lm_layouts(tmp_path):
+    convert(GOLDEN / "bridge-torch_dist-tp2", tmp_path / "pp2", Target(layout=Layout(tp=1, pp=2)))
+    convert(tmp_path / "pp2", tmp_path / "hf", Target(format="hf"))
+    _same_as_original(tmp_path / "hf")
+
+
+def test_a_bare_dist_checkpointing_directory_converts_with_config(tmp_path):
+    bare = GOLDEN / "mcore019-torch_dist-bare"
+    with pytest.raises(ReshardError, match="records no architecture .*pass --config"):
+        inspect(bare)
+    assert inspect(bare, HF / "config.json").layout == str(Layout())
+    convert(bare, tmp_path / "hf", Target(format="hf"), hints=SourceHints(config=HF / "config.json"))
+    _same_as_original(tmp_path / "hf")
+
+
+def test_a_config_that_contradicts_the_tensors_is_refused_naming_the_field(tmp_path):
+    wrong = json.loads((HF / "config.json").read_text()) | {"intermediate_size": 96}
+    (tmp_path / "config.json").write_text(json.dumps(wrong))
+    with pytest.raises(ReshardError, match=r"linear_fc1.weight has shape \[2, 256, 64\].*check ffn_hidden_size"):
+        convert(GOLDEN / "mcore019-torch_dist-bare", tmp_path / "out", Target(format="hf"), hints=SourceHints(config=tmp_path / "config.json"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_config_that_contradicts_the_tensors_is_refused_naming_the_field(tmp_path):
+    source = tmp_path / "bridge"
+    shutil.copytree(GOLDEN / "bridge-torch_dist-tp1", source)
+    run_config = source / "iter_0000000" / "run_config.yaml"
+    run_config.write_text(run_config.read_text().replace("  num_query_groups: 2\n", "  num_query_groups: 1\n"))
+    with pytest.raises(ReshardError, match="linear_qkv.weight has shape .*check num_attention_heads, num_query_groups"):
+        inspect(source)
+
+
+def test_config_is_refused_where_the_checkpoint_records_its_architecture():
+    with pytest.raises(ReshardError, match="records its architecture in its args; drop --config"):
+        inspect(GOLDEN / "mlm-core-torch_dist-tp1pp1", HF / "config.json")
+
+
+def test_common_state_in_neither_place_is_refused(tmp_path):
+    """A megatron-core 0.18-style directory (no common_state object) whose common.pt is gone."""
+    source = tmp_path / "mlm"
+    shutil.copytree(GOLDEN / "mlm-core-torch_dist-tp1pp1", source)
+    (source / "iter_0000001" / "common.pt").unlink()
+    with pytest.raises(ReshardError, match="has neither common.pt nor a common_state object"):
+        convert(source, tmp_path / "out", Target(format="hf"))
+    assert not (tmp_path / "out").exists()
