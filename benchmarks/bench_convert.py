@@ -317,7 +317,7 @@ def build_main(kind: str, path: Path, size_gb: float) -> None:
     else:
         config, layout, options = moe_config(size_gb), Layout(tp=2, ep=4), {}
     reader = SyntheticReader(config, layout, "bfloat16", seed=0)
-    if kind == "dense":  # local-spec names (input_layernorm...): what trainer.model.build_model's GPTModel holds
+    if kind == "dense":  # local-spec names (input_layernorm...): what reshard.trainer.model.build_model's GPTModel holds
         reader.common.args["transformer_impl"] = "local"
     plan = make_plan(reader, path, "torch_dist", layout, te_names=options.get("te_names"))
     stream(reader, plan, options, None)
@@ -408,7 +408,7 @@ def mcore_main(source: Path, target: Path, size_gb: float, to_tp: int) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from reshard.layout import Layout
-    from trainer.model import build_model, init_parallel
+    from reshard.trainer.model import build_model, init_parallel
 
     config = dense_config(size_gb)
     layout = Layout(tp=to_tp)

@@ -55,7 +55,7 @@ def train(name: str, *flags: object, nproc: int = 1, env: dict | None = None) ->
     common = ["--model", "tiny-llama", "--data", WORK / "corpus.txt", "--global-batch-size", 4, "--lr", "3e-3",
               "--lr-decay-iters", 6, "--metrics", metrics]
     print(f"trainer {name}: {' '.join(map(str, flags))} ({'CPU' if env else 'GPU'}, {nproc} rank(s))", flush=True)
-    run("trainer", [*common, *map(str, flags)], nproc=nproc, env=env)
+    run("reshard.trainer", [*common, *map(str, flags)], nproc=nproc, env=env)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return {r["iteration"]: r["loss"] for r in records if "loss" in r}
 
@@ -120,7 +120,7 @@ def distributed_optimizer_to_cpu(checks: Checks) -> None:
 
 def cpu_to_gpu_bf16(checks: Checks) -> None:
     """bf16: CPU TP=2 -> reshard TP=1 -> GPU with the plain optimizer (megatron-core's DistributedOptimizer
-    over torch's AdamW cannot load optimizer state: trainer.checkpoint refuses it). Against the uninterrupted
+    over torch's AdamW cannot load optimizer state: reshard.trainer.checkpoint refuses it). Against the uninterrupted
     CPU run, whose first 4 iterations are the resumed run's, so only 2 iterations of GPU kernels separate
     them; and against the uninterrupted GPU run, which differs from the start."""
     cpu_reference = train("cpu-bf16-reference", "--bf16", "--tp", 2, "--train-iters", 6, nproc=2, env=CPU)

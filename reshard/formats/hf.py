@@ -141,7 +141,7 @@ class HFReader(CheckpointReader):
     format_name = "hf"
 
     def __init__(self, path: Path):
-        from converters import family_for_hf
+        from reshard.converters import family_for_hf
 
         self.path = Path(path)
         if not (self.path / CONFIG).is_file():
@@ -359,7 +359,7 @@ class HFWriter(CheckpointWriter):
         te_names: bool | None = None,  # Megatron naming option: meaningless for HF, accepted so --naming never breaks an export
         rank: int = 0,  # of a multi-rank export: every rank writes the same headers, and its tensors where they go
     ):
-        from converters import family_by_name, family_for_model
+        from reshard.converters import family_by_name, family_for_model
 
         super().__init__(path, config, layout, specs, common)
         optimizer = [n for n, s in specs.items() if s.is_optimizer]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from converters import FAMILIES, family_for_hf
-from converters.base import (
+from reshard.converters import FAMILIES, family_for_hf
+from reshard.converters.base import (
     QKV,
     FusedQKV,
     GatedMLP,
