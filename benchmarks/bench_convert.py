@@ -276,7 +276,7 @@ def machine_info(work: Path) -> dict:
         pass
     cpu_model = ""
     try:
-        cpu_model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+        cpu_model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except Exception:
         pass
     # Versions come from a child process: importing torch here would inflate every child's ru_maxrss
@@ -294,7 +294,7 @@ def machine_info(work: Path) -> dict:
     except Exception:
         rev, dirty = None, None
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "host": platform.node(), "cpu_cores": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)),
         "cpu_model": cpu_model, "ram_gib": round(psutil.virtual_memory().total / GIB, 1), "disk": disk,
         "python": platform.python_version(), "torch": versions.pop("torch", None), "platform": platform.platform(),
@@ -404,9 +404,9 @@ def mcore_main(source: Path, target: Path, size_gb: float, to_tp: int) -> None:
     """torchrun worker: Megatron-Core's reshard-on-load. Build the dense GPTModel (local spec, bf16, CPU)
     at TP=to_tp, dist_checkpointing.load the TP4 source into it, dist_checkpointing.save it."""
     import torch
-
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
     from reshard.layout import Layout
     from reshard.trainer.model import build_model, init_parallel
 

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-
 import pytest
 from click.testing import CliRunner
 
-from hf_models import build
-from hub_server import Hub
 from reshard.cli import main
 from reshard.convert import convert
 from reshard.errors import ReshardError
 from reshard.upload import upload
+
+from hf_models import build
+from hub_server import Hub
 
 
 @pytest.fixture
