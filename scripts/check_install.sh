@@ -31,13 +31,21 @@ if "$PY" -c "import megatron.core" 2>/dev/null; then fail "megatron-core is impo
 echo "import torch: fails, as it should"
 
 step "only the reshard package is installed"
-"$PY" - <<'EOF'
+"$PY" - "$REPO" <<'EOF'
 import importlib.metadata as md
 import importlib.util
+import sys
+from pathlib import Path
 
 dist = md.distribution("reshard")
 tops = sorted({f.parts[0] for f in dist.files if f.parts[0] not in ("..",) and not f.parts[0].endswith(".dist-info")})
 assert tops == ["reshard"], f"reshard installs top-level {tops}"
+# Every module of the three folders is installed (pyproject.toml lists the packages by name).
+repo = Path(sys.argv[1])
+want = {("reshard", *p.relative_to(repo / d).parts) for d in ("reshard",) for p in (repo / d).rglob("*.py")}
+want |= {("reshard", d, *p.relative_to(repo / d).parts) for d in ("converters", "trainer") for p in (repo / d).rglob("*.py")}
+have = {f.parts for f in dist.files if f.suffix == ".py"}
+assert want <= have, f"not installed: {sorted('/'.join(p) for p in want - have)}"
 for name in ("fixtures", "converters", "trainer", "tests"):
     assert importlib.util.find_spec(name) is None, f"a top-level {name!r} is importable"
 import reshard.converters
