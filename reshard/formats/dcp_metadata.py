@@ -92,6 +92,8 @@ class _Unpickler(pickle.Unpickler):
             return lambda value: value
         if module.startswith(_DCP):  # metadata, storage info, planner data: records only
             return _standin(name)
+        if module == "megatron.core.dist_checkpointing.strategies.torch" and name in ("MCoreMetadata", "MCoreSavePlan"):
+            return _standin(name)  # megatron-core <= 0.15 saves DCP's Metadata and SavePlan as these subclasses
         if module == "torch.serialization" and name == "_get_layout":
             return lambda layout: layout
         if module == "torch" and name == "Size":
