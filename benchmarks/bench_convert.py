@@ -276,7 +276,7 @@ def machine_info(work: Path) -> dict:
         pass
     cpu_model = ""
     try:
-        cpu_model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+        cpu_model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except Exception:
         pass
     # Versions come from a child process: importing torch here would inflate every child's ru_maxrss
@@ -294,7 +294,7 @@ def machine_info(work: Path) -> dict:
     except Exception:
         rev, dirty = None, None
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "host": platform.node(), "cpu_cores": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)),
         "cpu_model": cpu_model, "ram_gib": round(psutil.virtual_memory().total / GIB, 1), "disk": disk,
         "python": platform.python_version(), "torch": versions.pop("torch", None), "platform": platform.platform(),
@@ -318,7 +318,7 @@ def build_main(kind: str, path: Path, size_gb: float) -> None:
     else:
         config, layout, naming = moe_config(size_gb), Layout(tp=2, ep=4), None
     reader = SyntheticReader(config, layout, "bfloat16", seed=0)
-    if kind == "dense":  # local-spec names (input_layernorm...): what trainer.model.build_model's GPTModel holds
+    if kind == "dense":  # local-spec names (input_layernorm...): what reshard.trainer.model.build_model's GPTModel holds
         reader.common.args["transformer_impl"] = "local"
     plan = make_plan(reader, path, Target(format="torch_dist", layout=layout, naming=naming))
     stream(reader, plan)
@@ -405,11 +405,11 @@ def mcore_main(source: Path, target: Path, size_gb: float, to_tp: int) -> None:
     """torchrun worker: Megatron-Core's reshard-on-load. Build the dense GPTModel (local spec, bf16, CPU)
     at TP=to_tp, dist_checkpointing.load the TP4 source into it, dist_checkpointing.save it."""
     import torch
-
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
     from reshard.layout import Layout
-    from trainer.model import build_model, init_parallel
+    from reshard.trainer.model import build_model, init_parallel
 
     config = dense_config(size_gb)
     layout = Layout(tp=to_tp)

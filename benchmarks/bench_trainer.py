@@ -2,7 +2,7 @@
 
     python benchmarks/bench_trainer.py [--model small-llama] [--nproc 1] [--iters 8] [--repeats 2]
 
-1. Throughput: `python -m trainer` (data pipeline, logging, metrics) against a bare Megatron-Core loop
+1. Throughput: `python -m reshard.trainer` (data pipeline, logging, metrics) against a bare Megatron-Core loop
    built from the same pieces (GPTModel, DDP, get_megatron_optimizer, get_forward_backward_func) on
    pre-made random token batches of the same shape. Reported: median tokens/s of each over the
    iterations after the first two, best of --repeats runs, and the ratio (overhead target <= 5%).
@@ -68,9 +68,9 @@ def bare_worker(argv: list[str]) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from reshard.layout import Layout
-    from trainer.model import build_model, init_parallel
-    from trainer.optim import build_optimizer
-    from trainer.presets import PRESETS
+    from reshard.trainer.model import build_model, init_parallel
+    from reshard.trainer.optim import build_optimizer
+    from reshard.trainer.presets import PRESETS
 
     config = PRESETS[a.model]
     layout = Layout(tp=a.tp)
@@ -132,7 +132,7 @@ def main() -> None:
         for r in range(a.repeats):
             save = work / f"ckpt{r}"
             metrics = work / f"ours{r}.jsonl"
-            torchrun(a.nproc, ["-m", "trainer"], ["--model", a.model, "--tp", a.tp, "--data", corpus, *shape,
+            torchrun(a.nproc, ["-m", "reshard.trainer"], ["--model", a.model, "--tp", a.tp, "--data", corpus, *shape,
                                                   "--train-iters", a.iters, "--save", save, "--metrics", metrics,
                                                   "--log-interval", 1000])
             recs = records(metrics)
@@ -148,7 +148,7 @@ def main() -> None:
 
         # Load: a run that only loads (train-iters already reached) and verifies.
         load_metrics = work / "load.jsonl"
-        torchrun(a.nproc, ["-m", "trainer"], ["--model", a.model, "--tp", a.tp, "--data", corpus, *shape,
+        torchrun(a.nproc, ["-m", "reshard.trainer"], ["--model", a.model, "--tp", a.tp, "--data", corpus, *shape,
                                               "--train-iters", a.iters, "--load", work / "ckpt0",
                                               "--metrics", load_metrics])
         load_s = [x for x in records(load_metrics) if x.get("event") == "checkpoint_load"][-1]["seconds"]

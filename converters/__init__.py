@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from converters.base import Family
-from converters.gpt2 import GPT2
-from converters.llama import Llama
-from converters.mistral import Mistral
-from converters.mixtral import Mixtral
-from converters.qwen2 import Qwen2
-from converters.qwen3 import Qwen3
-from converters.qwen3_moe import Qwen3Moe
+from reshard.converters.base import Family
+from reshard.converters.gpt2 import GPT2
+from reshard.converters.llama import Llama
+from reshard.converters.mistral import Mistral
+from reshard.converters.mixtral import Mixtral
+from reshard.converters.qwen2 import Qwen2
+from reshard.converters.qwen3 import Qwen3
+from reshard.converters.qwen3_moe import Qwen3Moe
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 

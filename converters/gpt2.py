@@ -6,7 +6,7 @@ HF's default `gelu_new` (tanh approximation) is Megatron-LM's `openai_gelu`.
 
 from __future__ import annotations
 
-from converters.base import L, Family, FusedQKV, Rename, Transposed, hf_dtype, refuse
+from reshard.converters.base import L, Family, FusedQKV, Rename, Transposed, hf_dtype, refuse
 from reshard.config import ModelConfig, pad_vocab
 
 GELU_EXACT = ("gelu",)

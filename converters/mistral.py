@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from converters.llama import Llama
+from reshard.converters.llama import Llama
 
 
 class Mistral(Llama):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head, expert_count, llama_attention, moe_mlp
+from reshard.converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head, expert_count, llama_attention, moe_mlp
 
 
 class Mixtral(Family):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head, llama_attention, llama_dense_mlp
+from reshard.converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head, llama_attention, llama_dense_mlp
 
 
 class Qwen2(Family):

@@ -6,7 +6,7 @@ which is what Megatron's default router computes (top-k of the logits, softmax o
 
 from __future__ import annotations
 
-from converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head, expert_count, llama_attention, moe_mlp, refuse
+from reshard.converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head, expert_count, llama_attention, moe_mlp, refuse
 
 
 class Qwen3Moe(Family):

@@ -1,7 +1,7 @@
 """Reusable buffers.
 
-A fresh large allocation costs a page fault per 4 KiB the first time it is touched; measured here,
-copying into fresh memory ran at 1.8 GB/s and into reused memory at 7.5 GB/s. Hot paths therefore
+A fresh large allocation costs a page fault per 4 KiB the first time it is touched, which makes copying
+into fresh memory several times slower than into reused memory (benchmarks/README.md, "Measurements behind defaults"). Hot paths therefore
 reuse memory: slabs come from a `Pool` and go back once written; a chunk read, a staged piece or a
 block converted for the checksum uses a `Scratch` per writer or per thread. Both start on a page, so
 that what is written from them can go to the disk directly (`reshard.direct_io`).
@@ -20,7 +20,7 @@ from reshard.dtypes import bits
 
 def copy(dest: np.ndarray, src: np.ndarray) -> None:
     """`dest[...] = src` for strided slices of the same dtype, copied as bits (numpy copies unsigned
-    integers without the GIL, and ran 1.6x faster than torch's copy here for bf16 column slices)."""
+    integers without the GIL, faster than torch's copy for bf16 column slices: benchmarks/README.md)."""
     if dest.dtype != src.dtype:
         dest[...] = src
         return

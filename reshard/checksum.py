@@ -11,11 +11,9 @@ one W by 2^k, which changes the sum (p is prime and the weights are non-zero mod
 swapped values change it with probability ~1 - 2^-62. The inner sums over columns are exact
 float64 matrix-vector products (words < 2^16, b < 2^20, at most 2^16 columns per block). Blocks are
 converted into a reused per-thread float64 buffer of 1 MiB, which stays in the core's cache; one
-matrix-vector product per prime (BLAS dgemv) then hashed 2.4 GB/s of bf16 per core here, against
-1.1 GB/s with 8 MiB blocks (the whole last-level cache, shared by both cores) and 1.0 GB/s for one
-matrix-matrix product with both weight columns (dgemm packs the block first). The product is `np.dot`,
-which lets go of the GIL: with `@` two threads hashed no faster than one (3.0-3.8 GB/s), with
-`np.dot` 4.3-5.5 GB/s against 3.8 for one.
+matrix-vector product per prime (BLAS dgemv) hashes faster than larger blocks or one matrix-matrix
+product with both weight columns (dgemm packs the block first). The product is `np.dot`, which lets go
+of the GIL (with `@` two threads hashed no faster than one). Figures: benchmarks/README.md, "Measurements behind defaults".
 
 Vocabulary tensors are summed over the true vocabulary rows only, so padding that differs between
 layouts does not change their checksum.

@@ -18,8 +18,7 @@ from reshard.logical import PRECISIONS
 FORMATS = ["torch_dist", "legacy", "zarr", "hf"]
 
 # Each thread waits on the disk about half the time (a read, then a write, of every unit), so two per core
-# keep the cores busier: in two alternating pairs on 2 cores, 3 GB MoE EP4->EP2 took 10.1 and 8.1 s at 4
-# threads against 10.7 and 9.7 s at 2 (dense TP4->TP8: 6.5 and 7.3 s against 7.1 and 7.7 s).
+# keep the cores busier (benchmarks/README.md, "Measurements behind defaults").
 DEFAULT_WORKERS = min(8, 2 * (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
@@ -104,7 +103,7 @@ def convert(source: Path, destination: Path, **opts: Any) -> None:
     from reshard.request import LayoutChange, Run, SourceHints, Target
 
     # torch's objects are long-lived: keep the collector from walking them again and again mid-stream
-    # (five full collections took 0.3 s of a 3 GB conversion)
+    # (a measurable share of a conversion: benchmarks/README.md)
     gc.freeze()
 
     target = Target(

@@ -1,11 +1,10 @@
 """Large writes and reads straight between the disk and our buffers, past the page cache (`O_DIRECT`).
 
-Measured here (3 GB in 64 MiB writes, then `sync`): through the page cache the kernel spent 2.7-4.7 s
-of CPU copying into freshly faulted cache pages and the disk still took 5.2-8.9 s; with `O_DIRECT`
-the disk took 4.8-6.1 s and the CPU nothing, so the cores stay free for reading and hashing.
+Through the page cache the kernel spends CPU copying into freshly faulted cache pages and the disk is
+no faster; with `O_DIRECT` the CPU does nothing, so the cores stay free for reading and hashing.
 
-Reading back what was just written then finds nothing in the page cache: verifying the 3 GB took
-4.4-4.7 s through it (every cache page faulted in again), 2.6-2.9 s read directly into our buffers.
+Reading back what was just written then finds nothing in the page cache, so verification reads
+directly into our buffers too, faster than through the cache. Figures: benchmarks/README.md, "Measurements behind defaults".
 
 `O_DIRECT` wants the file offset, the length and the memory address aligned. A `DirectFile` moves the
 aligned middle of a large transfer directly and its ragged ends through the page cache; the two never

@@ -1,8 +1,8 @@
 """Element types by their torch names ("bfloat16"), as numpy dtypes.
 
 Values move through a conversion as numpy arrays over reused buffers, so a conversion between formats
-that torch does not have to decode (torch_dist, zarr, HF) never imports torch: that import took 1.0-1.6 s
-of a 3 GB conversion's 5-6 s on 2 cores, and ~4 s (CUDA build, cold) on a GPU host. numpy has no
+that torch does not have to decode (torch_dist, zarr, HF) never imports torch, whose import was a
+fifth of a 3 GB conversion here and more on a GPU host (benchmarks/README.md, "Measurements behind defaults"). numpy has no
 bfloat16 or float8 of its own; `ml_dtypes` (which tensorstore brings) gives them, with the same bits.
 """
 

@@ -44,9 +44,8 @@ def reading_threads(workers: int, largest_unit_bytes: int) -> int:
 
 def default_budget(largest_unit_bytes: int, workers: int) -> int:
     """The slab being written and its staged pieces, plus room to read ahead: a unit per worker, at least
-    256 MiB, at most an eighth of RAM. On a 16-core NVMe machine 8 workers with 256 MiB kept only ~4
-    units in flight and wrote a 3 GB TP4->TP8 reshard in 7.3-7.7 s, with 512 MiB in 5.1-5.2 s (no faster
-    with 1 GiB or 16 GiB); on 2 cores 1 GiB ran no faster than none and only added memory."""
+    256 MiB, at most an eighth of RAM. With a fixed 256 MiB, 8 workers on 16 cores kept too few units in
+    flight to keep busy; more than a unit each gained nothing (benchmarks/README.md, "Measurements behind defaults")."""
     read_ahead = max(256 << 20, workers * UNIT_BYTES)
     return 2 * largest_unit_bytes + min(read_ahead, psutil.virtual_memory().total // 8)
 

@@ -44,7 +44,7 @@ def main() -> None:
     subprocess.run([sys.executable, "-m", "fixtures.corpus", WORK / "corpus.txt"], check=True, cwd=REPO)
     print("training 6 iterations at TP=2 (torchrun, 2 ranks) ...", flush=True)
     train = ["--model", "tiny-llama", "--data", WORK / "corpus.txt", "--global-batch-size", 4, "--lr", "3e-3", "--lr-decay-iters", 10]
-    run("trainer", [*train, "--tp", 2, "--train-iters", 6, "--save", WORK / "run1", "--save-interval", 3,
+    run("reshard.trainer", [*train, "--tp", 2, "--train-iters", 6, "--save", WORK / "run1", "--save-interval", 3,
                     "--metrics", WORK / "run1.jsonl"], nproc=2)
     print((WORK / "run1.jsonl").read_text().strip().splitlines()[-1])
 
@@ -71,7 +71,7 @@ def main() -> None:
     assert diff <= 1e-4
 
     print("\nthe cluster shrinks: training resumes at TP=1 PP=2 from the resharded checkpoint ...", flush=True)
-    run("trainer", [*train, "--pp", 2, "--train-iters", 10, "--load", WORK / "run1-tp1pp2", "--save", WORK / "run1-tp1pp2",
+    run("reshard.trainer", [*train, "--pp", 2, "--train-iters", 10, "--load", WORK / "run1-tp1pp2", "--save", WORK / "run1-tp1pp2",
                     "--metrics", WORK / "resumed.jsonl"], nproc=2)
     for line in (WORK / "resumed.jsonl").read_text().strip().splitlines():
         print(line)

@@ -17,10 +17,8 @@ checkpoint moves between the two through reshard:
 Every step runs and is reported, also after an earlier one failed (a JSON summary, also written to
 out/gpu_check/summary.json); the exit status is non-zero when any check failed.
 
-On 2026-11-23 (H100, Python 3.12, torch 2.11 cu130, megatron-core 0.16.1; megatron-core and isal carried
-as wheels) all eight checks passed in 2.6 minutes: losses within 1e-7 (step 2), 1e-5 (step 3, GPU->CPU),
-3.1e-5 against the uninterrupted CPU run and 1.4% against the GPU run (step 3, CPU->GPU) and logits within
-1.8e-7 (step 4). `python scripts/gpu_check.py cpu_to_gpu_bf16` runs one step.
+The results of its last run on a GPU (date, machine, versions, each check's margin) are in README.md,
+section "The trainer". `python scripts/gpu_check.py cpu_to_gpu_bf16` runs one step.
 """
 
 from __future__ import annotations
@@ -55,7 +53,7 @@ def train(name: str, *flags: object, nproc: int = 1, env: dict | None = None) ->
     common = ["--model", "tiny-llama", "--data", WORK / "corpus.txt", "--global-batch-size", 4, "--lr", "3e-3",
               "--lr-decay-iters", 6, "--metrics", metrics]
     print(f"trainer {name}: {' '.join(map(str, flags))} ({'CPU' if env else 'GPU'}, {nproc} rank(s))", flush=True)
-    run("trainer", [*common, *map(str, flags)], nproc=nproc, env=env)
+    run("reshard.trainer", [*common, *map(str, flags)], nproc=nproc, env=env)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return {r["iteration"]: r["loss"] for r in records if "loss" in r}
 
@@ -120,7 +118,7 @@ def distributed_optimizer_to_cpu(checks: Checks) -> None:
 
 def cpu_to_gpu_bf16(checks: Checks) -> None:
     """bf16: CPU TP=2 -> reshard TP=1 -> GPU with the plain optimizer (megatron-core's DistributedOptimizer
-    over torch's AdamW cannot load optimizer state: trainer.checkpoint refuses it). Against the uninterrupted
+    over torch's AdamW cannot load optimizer state: reshard.trainer.checkpoint refuses it). Against the uninterrupted
     CPU run, whose first 4 iterations are the resumed run's, so only 2 iterations of GPU kernels separate
     them; and against the uninterrupted GPU run, which differs from the start."""
     cpu_reference = train("cpu-bf16-reference", "--bf16", "--tp", 2, "--train-iters", 6, nproc=2, env=CPU)

@@ -1,4 +1,4 @@
-from trainer.train import main
+from reshard.trainer.train import main
 
 if __name__ == "__main__":
     main()

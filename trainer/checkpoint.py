@@ -354,8 +354,8 @@ def _save_pause(iteration: int, tmp: Path) -> None:
 
 def _in_process_results_queue() -> None:
     """Megatron's torch_dist writer hands its results back through a queue made by a `spawn`
-    multiprocessing Manager: a fresh interpreter that re-imports torch and megatron (~15 s on a small CPU
-    machine) the first time a process saves. A synchronous save runs the writer in this process, so a
+    multiprocessing Manager: a fresh interpreter that re-imports torch and megatron, slowly (benchmarks/README.md),
+    the first time a process saves. A synchronous save runs the writer in this process, so a
     plain in-process queue carries the results just as well."""
     import queue
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from reshard.config import ModelConfig
 from reshard.layout import Layout
-from trainer import cpu_compat
+from reshard.trainer import cpu_compat
 
 
 def parallel_sizes(layout: Layout) -> dict[str, int | None]:

@@ -1,14 +1,14 @@
 """A minimal GPT pre-training loop on Megatron-Core's own building blocks (torchrun entry point).
 
-    torchrun --nproc_per_node 4 -m trainer --tp 2 --pp 2 --model tiny-llama --data corpus.txt \\
+    torchrun --nproc_per_node 4 -m reshard.trainer --tp 2 --pp 2 --model tiny-llama --data corpus.txt \\
         --seq-length 32 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --min-lr 1e-4 \\
         --lr-warmup-iters 2 --train-iters 20 --save ckpt --save-interval 10 --load ckpt --metrics m.jsonl
 
-Pieces: `parallel_state` (TP/PP/EP/DP groups), `GPTModel` (trainer.model), Megatron's DDP and
+Pieces: `parallel_state` (TP/PP/EP/DP groups), `GPTModel` (reshard.trainer.model), Megatron's DDP and
 `get_megatron_optimizer` (Adam, grad clipping, bf16 mixed precision), `OptimizerParamScheduler`
 (linear warmup + cosine decay), `get_forward_backward_func` (1F1B / no-pipelining schedules with
 gradient accumulation over micro-batches) and `dist_checkpointing` (torch_dist). On a machine without
-CUDA the process group is gloo and `trainer.cpu_compat` redirects megatron's CUDA-only calls; on a GPU
+CUDA the process group is gloo and `reshard.trainer.cpu_compat` redirects megatron's CUDA-only calls; on a GPU
 the same code runs with nccl.
 
 global batch = micro batch x data-parallel size x accumulation steps. --train-iters is the total: a run
@@ -33,8 +33,8 @@ import torch
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.layout import Layout
-from trainer import checkpoint as ckpt
-from trainer.presets import PRESETS
+from reshard.trainer import checkpoint as ckpt
+from reshard.trainer.presets import PRESETS
 
 
 class TrainerError(RuntimeError):
@@ -42,7 +42,7 @@ class TrainerError(RuntimeError):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m trainer", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m reshard.trainer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("parallelism")
     g.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1)
@@ -322,8 +322,8 @@ def run(args) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
 
-    from trainer.data import BatchSource, prepare
-    from trainer.model import build_model, init_parallel
+    from reshard.trainer.data import BatchSource, prepare
+    from reshard.trainer.model import build_model, init_parallel
 
     layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp)
     if args.use_distributed_optimizer and not torch.cuda.is_available():
@@ -448,7 +448,7 @@ def run(args) -> None:
 
 
 def build_optimizer_for(models, args):
-    from trainer.optim import build_optimizer
+    from reshard.trainer.optim import build_optimizer
 
     return build_optimizer(models, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
@@ -457,7 +457,7 @@ def build_optimizer_for(models, args):
 
 
 def build_scheduler_for(optimizer, args):
-    from trainer.optim import build_scheduler
+    from reshard.trainer.optim import build_scheduler
 
     return build_scheduler(optimizer, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
                            decay_iters=args.lr_decay_iters, global_batch_size=args.global_batch_size,

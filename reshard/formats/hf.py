@@ -151,7 +151,7 @@ class HFReader(CheckpointReader):
     format_name = "hf"
 
     def __init__(self, path: Path):
-        from converters import family_for_hf
+        from reshard.converters import family_for_hf
 
         self.path = Path(path)
         if not (self.path / CONFIG).is_file():
@@ -365,7 +365,7 @@ class HFWriter(CheckpointWriter):
         options: WriteOptions = WriteOptions(),  # its te_names mean nothing here: --naming never breaks an export
         rank: int = 0,  # of a multi-rank export: every rank writes the same headers, and its tensors where they go
     ):
-        from converters import family_for_model
+        from reshard.converters import family_for_model
 
         super().__init__(path, config, layout, specs, common, options, rank)
         optimizer = [n for n, s in specs.items() if s.is_optimizer]

@@ -185,8 +185,8 @@ class TorchDistReader(CheckpointReader):
 
     def prefetch(self, name: str, region: Region) -> None:
         """Parse the headers of the chunks `region` needs on background threads: each is two small reads at
-        random places, which would otherwise stall a reader thread once per chunk (about 1 ms on a cold
-        disk; 2000 of them in a 3 GB MoE checkpoint). A record torch itself must decode (not stored dense)
+        random places, which would otherwise stall a reader thread once per chunk (thousands of chunks
+        in a MoE checkpoint: benchmarks/README.md). A record torch itself must decode (not stored dense)
         is loaded whole there, as the reader would load it."""
         if self._closed:
             return

@@ -69,7 +69,7 @@ def args_from_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ReshardError(f"--config {path} does not exist")
     if path.suffix == ".json":
-        from converters import family_for_hf
+        from reshard.converters import family_for_hf
 
         try:
             hf = json.loads(path.read_text())

@@ -111,8 +111,8 @@ def _stored_dtype(dtype: str) -> str:
 
 
 def _tensorstore() -> Any:
-    """tensorstore, imported when a zarr array is first opened: it costs every other conversion 0.1-0.3 s
-    of start-up otherwise."""
+    """tensorstore, imported when a zarr array is first opened: it would add to every other conversion's
+    start-up otherwise (benchmarks/README.md, "Measurements behind defaults")."""
     import tensorstore
 
     return tensorstore

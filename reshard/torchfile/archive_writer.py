@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 import numpy as np
-from isal.isal_zlib import crc32 as _crc32  # zlib's CRC-32, 3.4x faster than the system zlib's here
+from isal.isal_zlib import crc32 as _crc32  # zlib's CRC-32, several times faster than zlib's (benchmarks/README.md)
 
 from reshard import direct_io
 from reshard.buffers import Scratch, copy

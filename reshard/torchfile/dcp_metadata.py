@@ -1,11 +1,11 @@
 """PyTorch DCP's `.metadata` file, without importing `torch.distributed.checkpoint` to read it.
 
-Importing that package takes 1.3 s here (it pulls in DTensor): more than converting a small model.
+Importing that package (it pulls in DTensor) takes longer than converting a small model.
 `load` unpickles `.metadata` with an allow-list that maps DCP's classes onto the plain records below,
 so nothing in the file can run code. Writers build the same records, and `save` pickles stand-ins
 that name DCP's classes, so `dist_checkpointing.load` and DCP unpickle their own objects while we
-import none of them (importing them took 1.07 s of a 3 GB conversion's 1.3 s `finish`; importing
-them ahead in a background thread raced the conversion's own imports).
+import none of them (importing them was most of a conversion's `finish`; importing them ahead in a
+background thread raced the conversion's own imports: benchmarks/README.md, "Measurements behind defaults").
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ class _Unpickler(Unpickler):  # its `load`; globals from this allow-list only
             return lambda value: value
         if module.startswith(_DCP):  # metadata, storage info, planner data: records only
             return _standin(name)
+        if module == "megatron.core.dist_checkpointing.strategies.torch" and name in ("MCoreMetadata", "MCoreSavePlan"):
+            return _standin(name)  # megatron-core <= 0.15 saves DCP's Metadata and SavePlan as these subclasses
         if module == "torch.serialization" and name == "_get_layout":
             return lambda layout: layout
         if module == "torch" and name == "Size":

@@ -6,7 +6,7 @@ the rest through, so it need not build any of those objects: `Unpickler` gives e
 a pickle names a stand-in (`named`) that only remembers its name, and every object built by calling
 one a `Call` that only remembers the call, its state and its items. `Pickler` writes them back as the
 same opcodes. Nothing in the file runs (unlike `torch.load(weights_only=False)`), and nothing is
-imported: importing torch took 1.0-1.6 s of a 3 GB conversion here.
+imported: importing torch was a fifth of a 3 GB conversion (benchmarks/README.md, "Measurements behind defaults").
 
 `argparse.Namespace` and `collections.OrderedDict` are built for real: readers look into the arguments.
 """

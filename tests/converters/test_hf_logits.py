@@ -11,8 +11,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from hf_models import build
 from reshard.cli import main
+
+from hf_models import build
 
 torchrun = pytest.importorskip("fixtures.torchrun")
 pytest.importorskip("fixtures.megatron_oracle")
@@ -30,7 +31,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,fmt,layout", CASES, ids=[f"{n}-{f}-" + "".join(f"{k}{v}" for k, v in l.items()) for n, f, l in CASES])
+@pytest.mark.parametrize("name,fmt,layout", CASES, ids=[f"{n}-{f}-" + "".join(f"{k}{v}" for k, v in lay.items()) for n, f, lay in CASES])
 def test_megatron_logits_match_hf(tmp_path, name, fmt, layout):
     from transformers import AutoModelForCausalLM
 

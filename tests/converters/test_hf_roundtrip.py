@@ -12,12 +12,13 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from hf_models import MOE, NAMES, VOCAB, build
-from tests.arrays import same
 from reshard.cli import main
 from reshard.errors import ReshardError
 from reshard.formats import open_checkpoint
 from reshard.verify import verify
+from tests.arrays import same
+
+from hf_models import MOE, NAMES, VOCAB, build
 
 LAYOUTS = {
     "dense": [dict(tp=1, pp=1), dict(tp=2, pp=1), dict(tp=1, pp=2)],
@@ -57,7 +58,7 @@ def models(tmp_path_factory):
 CASES = [(name, layout) for name in NAMES for layout in LAYOUTS["moe" if name in MOE else "dense"]]
 
 
-@pytest.mark.parametrize("name,layout", CASES, ids=[f"{n}-" + "".join(f"{k}{v}" for k, v in l.items()) for n, l in CASES])
+@pytest.mark.parametrize("name,layout", CASES, ids=[f"{n}-" + "".join(f"{k}{v}" for k, v in lay.items()) for n, lay in CASES])
 def test_round_trip_is_bit_identical(models, tmp_path, name, layout):
     source = models[name]
     megatron = tmp_path / "megatron"

@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from converters import FAMILIES, family_for_hf
-from converters.base import (
+from reshard.architecture import model_tensors
+from reshard.config import ModelConfig
+from reshard.converters import FAMILIES, family_for_hf
+from reshard.converters.base import (
     QKV,
     FusedQKV,
     GatedMLP,
@@ -18,8 +20,6 @@ from converters.base import (
     split_gated,
     split_qkv,
 )
-from reshard.architecture import model_tensors
-from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 
 _rng = np.random.default_rng(0)

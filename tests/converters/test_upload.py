@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-
 import pytest
 from click.testing import CliRunner
 
-from hf_models import build
-from hub_server import Hub
 from reshard.cli import main
 from reshard.convert import convert
 from reshard.request import Target
 from reshard.errors import ReshardError
 from reshard.upload import upload
+
+from hf_models import build
+from hub_server import Hub
 
 
 @pytest.fixture

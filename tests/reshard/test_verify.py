@@ -122,7 +122,7 @@ def _roll_filled_record(monkeypatch):
 
 
 def _roll_renamed(monkeypatch):
-    from converters.base import Rename
+    from reshard.converters.base import Rename
 
     monkeypatch.setattr(Rename, "to_hf", lambda self, tensor, config: [np.roll(tensor, 1, axis=-1)])
 

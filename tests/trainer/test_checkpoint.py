@@ -12,7 +12,7 @@ import pytest
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-from trainer.checkpoint import (
+from reshard.trainer.checkpoint import (
     CheckpointError,
     align_optimizer_state,
     refuse_unloadable_distributed_optimizer,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fixtures.corpus import documents, write_corpus
-from trainer.data import (
+from reshard.trainer.data import (
     BatchSource,
     PackedDataset,
     SampleOrder,

@@ -38,7 +38,7 @@ def test_fp32_hf_weights_are_cast_for_a_bf16_run(tmp_path):
 
     def finetune(load: Path) -> dict[int, float]:
         metrics = tmp_path / f"{load.name}.jsonl"
-        run("trainer", ["--tp", 2, "--bf16", "--load", load, "--data", corpus, "--seq-length", 16,
+        run("reshard.trainer", ["--tp", 2, "--bf16", "--load", load, "--data", corpus, "--seq-length", 16,
                         "--micro-batch-size", 2, "--global-batch-size", 4, "--train-iters", 3, "--seed", 7,
                         "--metrics", metrics], nproc=2)
         return losses(metrics)

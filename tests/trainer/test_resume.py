@@ -56,7 +56,7 @@ def converted(src_root: Path, dst: Path, *to: str) -> Path:
 def reference(tmp_path_factory, corpus, name, nproc, layout, extra=()):
     root = tmp_path_factory.mktemp(name)
     metrics = root / "metrics.jsonl"
-    run("trainer", [*layout, *common(corpus, metrics), "--save", root / "ckpt", "--save-interval", K, *extra],
+    run("reshard.trainer", [*layout, *common(corpus, metrics), "--save", root / "ckpt", "--save-interval", K, *extra],
         nproc=nproc)
     return root / "ckpt", losses(metrics)
 
@@ -82,7 +82,7 @@ def ep2(tmp_path_factory, corpus):
 
 def resume(tmp_path, corpus, load: Path, nproc: int, layout, extra=()) -> dict[int, float]:
     metrics = tmp_path / "resumed.jsonl"
-    run("trainer", [*layout, *common(corpus, metrics), "--load", load, *extra], nproc=nproc)
+    run("reshard.trainer", [*layout, *common(corpus, metrics), "--load", load, *extra], nproc=nproc)
     return losses(metrics)
 
 
@@ -133,7 +133,7 @@ def test_a_resume_keeps_the_checkpoints_global_batch(dp2, tmp_path, corpus):
     flags = common(corpus, metrics)
     at = flags.index("--global-batch-size")
     del flags[at : at + 2]
-    run("trainer", ["--tp", 2, *flags, "--load", dst], nproc=2)
+    run("reshard.trainer", ["--tp", 2, *flags, "--load", dst], nproc=2)
     assert_continues(losses(metrics), ref)
 
 
@@ -207,7 +207,7 @@ def test_a_resume_that_would_not_continue_the_run_is_refused(bf16, tmp_path, cor
 ])
 def test_a_launch_megatron_would_refuse_is_refused_in_one_line(tmp_path, corpus, nproc, flags, message):
     with pytest.raises(RuntimeError, match=message) as info:
-        run("trainer", [*common(corpus, tmp_path / "m.jsonl"), *flags], nproc=nproc)
+        run("reshard.trainer", [*common(corpus, tmp_path / "m.jsonl"), *flags], nproc=nproc)
     assert_one_line(str(info.value))
 
 
@@ -215,9 +215,9 @@ def test_load_needs_a_checkpoint_unless_it_is_the_save_directory(tmp_path, corpu
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(RuntimeError, match="holds no checkpoint"):
-        run("trainer", [*common(corpus, tmp_path / "a.jsonl"), "--load", empty], nproc=1)
+        run("reshard.trainer", [*common(corpus, tmp_path / "a.jsonl"), "--load", empty], nproc=1)
     fresh = tmp_path / "fresh"  # `--save X --load X`: the first launch starts from scratch
-    run("trainer", [*common(corpus, tmp_path / "b.jsonl"), "--train-iters", 2, "--load", fresh, "--save", fresh], nproc=1)
+    run("reshard.trainer", [*common(corpus, tmp_path / "b.jsonl"), "--train-iters", 2, "--load", fresh, "--save", fresh], nproc=1)
     assert sorted(losses(tmp_path / "b.jsonl")) == [1, 2]
 
 
@@ -286,7 +286,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, corpus):
     resumed from it reproduces the killed run's losses."""
     root = tmp_path / "ckpt"
     first = tmp_path / "first.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "trainer",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "reshard.trainer",
            *map(str, common(corpus, first)), "--train-iters", "4", "--save", str(root), "--save-interval", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TRAINER_TEST_SAVE_PAUSE="4:120",
                PYTHONPATH=pythonpath())
@@ -307,7 +307,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, corpus):
     assert sorted(killed) == [1, 2, 3, 4]
 
     again = tmp_path / "again.jsonl"
-    run("trainer", [*common(corpus, again), "--train-iters", 4, "--load", root, "--save", root], nproc=1)
+    run("reshard.trainer", [*common(corpus, again), "--train-iters", 4, "--load", root, "--save", root], nproc=1)
     resumed = losses(again)
     assert sorted(resumed) == [3, 4]
     for it in (3, 4):

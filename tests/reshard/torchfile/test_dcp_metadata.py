@@ -61,3 +61,28 @@ def test_save_needs_no_import_of_torch(dense, tmp_path):
     )
     subprocess.run([sys.executable, "-c", script], check=True)
     assert (tmp_path / ".metadata").stat().st_size > 0
+
+
+def test_reads_metadata_saved_by_megatron_core_0_15(tmp_path, monkeypatch):
+    """megatron-core 0.15 pickles DCP's Metadata as its subclass MCoreMetadata (an extra `mcore_data`
+    field); such a checkpoint was refused as damaged."""
+    meta = dcp_metadata.DcpMetadata(
+        tensors={"w": dcp_metadata.TensorEntry("float32", (4, 2), [dcp_metadata.Chunk((0, 0), (4, 2))])},
+        objects=["o"],
+        storage={("w", (0, 0)): dcp_metadata.Storage("__0_0.distcp", 0, 32), ("o", None): dcp_metadata.Storage("__0_0.distcp", 32, 8)},
+    )
+    mcore = dcp_metadata.named("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata")
+    real_named, real_new = dcp_metadata.named, dcp_metadata._new
+
+    def named(module, name):
+        return mcore if (module, name) == (dcp_metadata._METADATA, "Metadata") else real_named(module, name)
+
+    def new(cls, state):
+        return real_new(cls, {**state, "mcore_data": {"w": {}}} if cls is mcore else state)
+
+    monkeypatch.setattr(dcp_metadata, "named", named)
+    monkeypatch.setattr(dcp_metadata, "_new", new)
+    dcp_metadata.save(tmp_path / ".metadata", meta)
+    monkeypatch.undo()
+    assert b"MCoreMetadata" in (tmp_path / ".metadata").read_bytes()
+    assert dcp_metadata.load(tmp_path / ".metadata") == meta
