@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from reshard.config import ModelConfig
 from reshard.converters.base import Family
 from reshard.converters.gpt2 import GPT2
 from reshard.converters.llama import Llama
@@ -16,7 +17,6 @@ from reshard.converters.mixtral import Mixtral
 from reshard.converters.qwen2 import Qwen2
 from reshard.converters.qwen3 import Qwen3
 from reshard.converters.qwen3_moe import Qwen3Moe
-from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 
 FAMILIES: dict[str, Family] = {}  # model_type -> family

@@ -6,8 +6,8 @@ HF's default `gelu_new` (tanh approximation) is Megatron-LM's `openai_gelu`.
 
 from __future__ import annotations
 
-from reshard.converters.base import L, Family, FusedQKV, Rename, Transposed, hf_dtype, refuse
 from reshard.config import ModelConfig, pad_vocab
+from reshard.converters.base import Family, FusedQKV, L, Rename, Transposed, hf_dtype, refuse
 
 GELU_EXACT = ("gelu",)
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")

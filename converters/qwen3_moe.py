@@ -17,7 +17,10 @@ class Qwen3Moe(Family):
     def check_hf(self, hf):
         super().check_hf(hf)
         if not hf.get("norm_topk_prob", False):
-            raise refuse("norm_topk_prob=false", "Megatron-Core's default router renormalises the top-k weights; only norm_topk_prob=true models map exactly")
+            raise refuse(
+                "norm_topk_prob=false",
+                "Megatron-Core's default router renormalises the top-k weights; only norm_topk_prob=true models map exactly",
+            )
         if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
             raise refuse("dense layers between MoE layers (mlp_only_layers/decoder_sparse_step)", "only all-MoE Qwen3-MoE models are mapped")
 

@@ -9,9 +9,10 @@ torch.distributed with gloo is the engine, and only it imports torch.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from reshard.errors import KeepsPartial, ReshardError
 

@@ -11,9 +11,10 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from reshard.buffers import Pool
 from reshard.checksum import Checksum
@@ -26,6 +27,7 @@ from reshard.request import Run, SourceHints, Target
 from reshard.streaming import Progress, manifest_for, write_moves
 from reshard.verify import compare, compute_checksums
 from reshard.worklog import Done, Recorder, Resumed, WorkLog, fingerprint
+
 
 @dataclass
 class ConversionResult:

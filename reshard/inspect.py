@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reshard.formats import open_checkpoint
 from reshard.dtypes import itemsize
+from reshard.formats import open_checkpoint
 from reshard.plan import human_bytes
 
 

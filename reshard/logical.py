@@ -124,7 +124,7 @@ def describe(name: str, shape: tuple[int, ...], dtype: str, config: ModelConfig)
         else:
             stacked = True
     experts = bool(_EXPERT.search(param)) and ".router." not in param
-    for pattern, rule in PARTITION_RULES:
+    for pattern, rule in PARTITION_RULES:  # noqa: B007 (the rule that matched is used below)
         if re.search(pattern, param):
             break
     else:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from reshard.logical import normalize_dtype
 from reshard.layout import Layout
+from reshard.logical import normalize_dtype
 
 
 @dataclass(frozen=True)

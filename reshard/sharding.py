@@ -11,9 +11,9 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Generic, Iterable, Iterator, TypeVar
-
+from typing import Generic, TypeVar
 
 from reshard.config import ModelConfig
 from reshard.layout import Layout, RankCoord

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import datetime
 import os
+from functools import partial
 
 import torch
 import torch.nn.functional as F

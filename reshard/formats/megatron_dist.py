@@ -13,10 +13,11 @@ import json
 import math
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -37,8 +38,8 @@ from reshard.formats.base import (
     args_for_layout,
     cached,
 )
-from reshard.formats.model_args import RUN_CONFIG, args_from_file, bridge_args
 from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
+from reshard.formats.model_args import RUN_CONFIG, args_from_file, bridge_args
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, spell, uses_te_names
@@ -326,7 +327,8 @@ class TorchDistWriter(CheckpointWriter):
         key = self._key(spec.name)
         for record in prepared:
             self._add(key, record)
-            self._facts.append([key, list(record.chunk.offsets), list(record.chunk.sizes), record.index, record.storage.offset, record.storage.length])
+            chunk, storage = record.chunk, record.storage
+            self._facts.append([key, list(chunk.offsets), list(chunk.sizes), record.index, storage.offset, storage.length])
 
     def _add(self, key: str, record: _Record) -> None:
         self._chunks[key].append(record.chunk)

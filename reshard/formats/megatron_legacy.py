@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +38,18 @@ from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import ObjectKey, canonical, spell, uses_te_names
 from reshard.sharding import (
-    Piece, Region, contiguous_offset, full_region, intersect, pieces, pieces_by_slab, region_size, shift, slab_of, slabs, to_slices,
+    Piece,
+    Region,
+    contiguous_offset,
+    full_region,
+    intersect,
+    pieces,
+    pieces_by_slab,
+    region_size,
+    shift,
+    slab_of,
+    slabs,
+    to_slices,
 )
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord, archive_tensor, load_archive
 from reshard.torchfile.archive_writer import Slot, StreamingTorchSave

@@ -21,8 +21,9 @@ import json
 import math
 import os
 from collections import deque
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 

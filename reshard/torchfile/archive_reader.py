@@ -13,9 +13,10 @@ import os
 import pickle
 import struct
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -28,8 +29,19 @@ from reshard.torchfile import PARSE_ERRORS
 from reshard.torchfile.archive_writer import LEGACY_STORAGE_TYPES, Stored
 from reshard.torchfile.pickles import Call, Named, Unpickler, named, nonnegative_ints
 from reshard.torchfile.zip_structs import (
-    CENTRAL_ENTRY, CENTRAL_ENTRY_SIGNATURE, COUNT_MAX, END, END_SIGNATURE, LOCAL_HEADER, LOCAL_HEADER_SIGNATURE, ZIP32_MAX, ZIP64_END,
-    ZIP64_END_SIGNATURE, ZIP64_LOCATOR, ZIP64_LOCATOR_SIGNATURE, zip64_values,
+    CENTRAL_ENTRY,
+    CENTRAL_ENTRY_SIGNATURE,
+    COUNT_MAX,
+    END,
+    END_SIGNATURE,
+    LOCAL_HEADER,
+    LOCAL_HEADER_SIGNATURE,
+    ZIP32_MAX,
+    ZIP64_END,
+    ZIP64_END_SIGNATURE,
+    ZIP64_LOCATOR,
+    ZIP64_LOCATOR_SIGNATURE,
+    zip64_values,
 )
 
 

@@ -22,9 +22,10 @@ import math
 import os
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
 import numpy as np
 from isal.isal_zlib import crc32 as _crc32  # zlib's CRC-32, several times faster than zlib's (benchmarks/README.md)
@@ -34,8 +35,22 @@ from reshard.buffers import Scratch, copy
 from reshard.dtypes import dtype_name, itemsize
 from reshard.torchfile.pickles import Call, Named, Pickler, named
 from reshard.torchfile.zip_structs import (
-    CENTRAL_CRC_AT, CENTRAL_ENTRY, CENTRAL_ENTRY_SIGNATURE, COUNT_MAX, END, END_SIGNATURE, EXTRA_FIELD, LOCAL_CRC_AT, LOCAL_HEADER,
-    LOCAL_HEADER_SIGNATURE, ZIP32_MAX, ZIP64_END, ZIP64_END_SIGNATURE, ZIP64_LOCATOR, ZIP64_LOCATOR_SIGNATURE, zip64_extra,
+    CENTRAL_CRC_AT,
+    CENTRAL_ENTRY,
+    CENTRAL_ENTRY_SIGNATURE,
+    COUNT_MAX,
+    END,
+    END_SIGNATURE,
+    EXTRA_FIELD,
+    LOCAL_CRC_AT,
+    LOCAL_HEADER,
+    LOCAL_HEADER_SIGNATURE,
+    ZIP32_MAX,
+    ZIP64_END,
+    ZIP64_END_SIGNATURE,
+    ZIP64_LOCATOR,
+    ZIP64_LOCATOR_SIGNATURE,
+    zip64_extra,
 )
 
 _ALIGNMENT = 64

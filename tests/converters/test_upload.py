@@ -7,8 +7,8 @@ from click.testing import CliRunner
 
 from reshard.cli import main
 from reshard.convert import convert
-from reshard.request import Target
 from reshard.errors import ReshardError
+from reshard.request import Target
 from reshard.upload import upload
 
 from hf_models import build

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from fixtures.models import TINY_LLAMA
-from fixtures.torchrun import pythonpath
 from fixtures.synthetic import SyntheticReader, write_synthetic
+from fixtures.torchrun import pythonpath
 from reshard.layout import Layout
 
 REPO = Path(__file__).resolve().parents[2]

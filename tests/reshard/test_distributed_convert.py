@@ -10,11 +10,11 @@ import torch.distributed.checkpoint as dcp
 from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import write_synthetic
 from fixtures.torchrun import run
-from tests.arrays import same, tensors
-from reshard.convert import convert
-from reshard.request import Target
 from reshard.collective import shares
+from reshard.convert import convert
 from reshard.layout import Layout
+from reshard.request import Target
+from tests.arrays import same, tensors
 from tests.reshard.test_resume import _files
 
 

@@ -4,7 +4,9 @@ from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.layout import Layout
 
-CONFIG = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=128, padded_vocab_size=256, vocab_size=250)
+CONFIG = ModelConfig(
+    num_layers=8, hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=128, padded_vocab_size=256, vocab_size=250
+)
 
 
 def test_even_and_virtual_stages():

@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from reshard.convert import convert
-from reshard.request import Target
 from reshard.formats import open_checkpoint
 from reshard.layout import Layout
+from reshard.request import Target
 from reshard.verify import compare, compute_checksums
 from tests.megatron import make_checkpoints, same
 
@@ -38,7 +38,7 @@ DENSE_MATRIX = [
 ]
 
 
-@pytest.mark.parametrize("source, fmt, layout", DENSE_MATRIX, ids=[f"{s}-to-{f}-{Layout(**l)}" for s, f, l in DENSE_MATRIX])
+@pytest.mark.parametrize("source, fmt, layout", DENSE_MATRIX, ids=[f"{s}-to-{f}-{Layout(**sizes)}" for s, f, sizes in DENSE_MATRIX])
 def test_dense_reshard_loads_in_megatron_with_the_same_loss(dense, oracle, tmp_path, source, fmt, layout):
     target = _convert(dense[source], tmp_path / "out", to_format=fmt, optimizer=fmt != "legacy", **layout)
     same(oracle(dense["base"]), oracle(target, **layout))

@@ -7,11 +7,11 @@ import pytest
 
 from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import write_synthetic
-from tests.arrays import same, tensors
 from reshard.convert import convert
-from reshard.request import Target
 from reshard.layout import Layout
+from reshard.request import Target
 from reshard.worklog import LOG_NAME
+from tests.arrays import same, tensors
 
 
 class Stop(Exception):

@@ -22,7 +22,7 @@ def _cells(region):
     return out
 
 
-@pytest.mark.parametrize("config, layout", [(TINY_LLAMA, l) for l in LAYOUTS] + [(TINY_MOE, l) for l in MOE_LAYOUTS])
+@pytest.mark.parametrize("config, layout", [(TINY_LLAMA, lay) for lay in LAYOUTS] + [(TINY_MOE, lay) for lay in MOE_LAYOUTS])
 def test_primary_pieces_partition_every_tensor(config, layout):
     for name, spec in SyntheticReader(config).specs.items():
         seen = set()
@@ -92,7 +92,7 @@ def test_units_never_cut_a_whole_region_and_stay_within_the_size_where_they_can(
 def test_region_index_finds_what_testing_every_region_finds():
     """Chunks of a MoE-like tensor (layer, expert, column halves), and a 0-dim one, against brute force."""
     rng = random.Random(0)
-    chunks = [(((l, l + 1), (e, e + 1), (c, c + 4)), (l, e, c)) for l in range(3) for e in range(5) for c in (0, 4)]
+    chunks = [(((n, n + 1), (e, e + 1), (c, c + 4)), (n, e, c)) for n in range(3) for e in range(5) for c in (0, 4)]
     rng.shuffle(chunks)
     index = RegionIndex(chunks)
     for _ in range(200):

@@ -9,8 +9,6 @@ import pytest
 from fixtures.models import TINY_LLAMA
 from fixtures.synthetic import SyntheticReader, write_synthetic
 from reshard.convert import convert
-from reshard.streaming import manifest_for, write_moves
-from reshard.request import Target
 from reshard.dtypes import bits
 from reshard.errors import ReshardError
 from reshard.formats.hf import HFReader
@@ -19,6 +17,8 @@ from reshard.formats.megatron_legacy import LegacyReader
 from reshard.formats.zarr_store import ZarrReader
 from reshard.layout import Layout
 from reshard.plan import make_plan
+from reshard.request import Target
+from reshard.streaming import manifest_for, write_moves
 from reshard.verify import compute_checksums
 
 
@@ -157,8 +157,8 @@ def _off_by_one_copy(monkeypatch, module):
 def test_a_staging_bug_is_caught_without_reading_back(tmp_path, monkeypatch, fmt):
     """Row-parallel pieces at TP2 are strided in their slab and staged before they are written: the checksum
     of the staged bytes, not of the slab, is what the written record counts with."""
-    import reshard.torchfile.archive_writer as archive_writer
     import reshard.formats.zarr_store as zarr_store
+    import reshard.torchfile.archive_writer as archive_writer
 
     write_synthetic(tmp_path / "src", TINY_LLAMA, Layout(), "torch_dist")
     _off_by_one_copy(monkeypatch, archive_writer if fmt == "torch_dist" else zarr_store)

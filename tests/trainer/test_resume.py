@@ -248,8 +248,9 @@ def assert_one_line(out: str) -> None:
 
 def _flip_bit_in_tensor(iter_dir: Path, key: str) -> None:
     """Flip one bit inside `key`'s first stored chunk, found in the .distcp files by its bytes."""
-    from reshard.torchfile.archive_reader import tensor_in_blob
     from torch.distributed.checkpoint import FileSystemReader
+
+    from reshard.torchfile.archive_reader import tensor_in_blob
 
     md = FileSystemReader(str(iter_dir)).read_metadata()
     index, info = next((i, s) for i, s in md.storage_data.items() if i.fqn == key)

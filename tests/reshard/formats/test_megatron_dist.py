@@ -11,15 +11,15 @@ import torch.distributed.checkpoint as dcp
 
 from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import SyntheticReader, write_synthetic
-from tests.arrays import same
 from reshard import direct_io
 from reshard.convert import convert
-from reshard.request import Target
 from reshard.dtypes import numpy_dtype
 from reshard.errors import ReshardError
 from reshard.formats.megatron_dist import TorchDistReader
 from reshard.layout import Layout
+from reshard.request import Target
 from reshard.sharding import full_region
+from tests.arrays import same
 
 
 def _dcp_load(directory, names_and_specs):

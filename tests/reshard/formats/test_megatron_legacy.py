@@ -5,14 +5,14 @@ import torch
 
 from fixtures.models import TINY_LLAMA, TINY_MOE, TINY_TIED
 from fixtures.synthetic import SyntheticReader, write_synthetic
-from tests.arrays import same
 from reshard.convert import convert
-from reshard.request import Target
 from reshard.dtypes import to_torch
 from reshard.errors import ReshardError
 from reshard.formats import open_checkpoint
 from reshard.layout import Layout
+from reshard.request import Target
 from reshard.sharding import full_region
+from tests.arrays import same
 
 
 def _global(source, name):

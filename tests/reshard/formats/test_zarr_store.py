@@ -9,12 +9,12 @@ import zarr
 
 from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import SyntheticReader, write_synthetic
-from tests.arrays import same
 from reshard.convert import convert
-from reshard.request import Target
 from reshard.formats.zarr_store import chunk_shape
 from reshard.layout import Layout
+from reshard.request import Target
 from reshard.sharding import full_region
+from tests.arrays import same
 
 
 def _as_torch(values: np.ndarray, dtype: str) -> torch.Tensor:

@@ -7,11 +7,11 @@ import zipfile
 import pytest
 import torch
 
-from tests.arrays import as_numpy, same
 from reshard.errors import ReshardError
 from reshard.torchfile import archive_reader
 from reshard.torchfile.archive_reader import RecordFile, zip_entries
 from reshard.torchfile.archive_writer import save_tensor
+from tests.arrays import as_numpy, same
 
 
 @pytest.mark.parametrize("window", [archive_reader.WINDOW, 64], ids=["headers-in-windows", "headers-between"])

@@ -10,10 +10,10 @@ import zipfile
 import pytest
 import torch
 
-from tests.arrays import as_numpy, dtype_of, same
 from reshard.buffers import Scratch
 from reshard.direct_io import DirectFile
 from reshard.torchfile.archive_writer import At, StreamingTorchSave, archive_size, save_tensor
+from tests.arrays import as_numpy, dtype_of, same
 
 
 def _tensors() -> dict[str, torch.Tensor]:
