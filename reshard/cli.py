@@ -174,19 +174,61 @@ def verify(path: Path, against: Path | None, as_json: bool) -> None:
 
 
 @main.command()
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.argument("repo_id")
 @click.option("--private", is_flag=True, help="Create the repository as private (when it does not exist yet).")
 @click.option("--revision", help="Branch to upload to (created from the default branch if missing).")
 @click.option("--token", help="Hub token (default: HF_TOKEN or the token saved by `hf auth login`).")
 @click.option("--endpoint", help="Hub URL (default: HF_ENDPOINT or https://huggingface.co).")
 @click.option("--message", help="Commit message.")
-def upload(path: Path, repo_id: str, private: bool, revision: str | None, token: str | None, endpoint: str | None, message: str | None) -> None:
-    """Verify the HF model at PATH against its checksums, write a model card, and upload it to REPO_ID."""
+@click.option("--staging", type=click.Path(path_type=Path),
+              help="Where a checkpoint that is not an HF model is exported first (default: CHECKPOINT-hf beside it).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]),
+              help="Export the weights in this dtype (default: the checkpoint's).")
+@click.option("--max-shard-size", help="Export in safetensors files of at most this size, e.g. 2GiB (default 5GiB); "
+              "an interrupted upload resumes file by file.")
+@click.option("--metrics", type=click.Path(path_type=Path),
+              help="The trainer's --metrics log: the model card gets the loss at the checkpoint's iteration.")
+@click.option("--workers", type=click.IntRange(1, 64), default=DEFAULT_WORKERS, show_default=True,
+              help="Threads exporting and hashing.")
+@click.option("--commit-size", default="5GiB", show_default=True,
+              help="Upload in commits of about this size; a rerun after an interruption resumes at the first file not yet committed.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress.")
+def upload(checkpoint: Path, repo_id: str, **opts: Any) -> None:
+    """Publish CHECKPOINT to the Hub as REPO_ID, as an HF model whose checksums verify.
+
+    CHECKPOINT is any checkpoint reshard reads: a Megatron training checkpoint is exported to HF first
+    (into --staging, reused by a rerun while the checkpoint is unchanged); an HF export of reshard is
+    uploaded as it is. Only files the repository lacks are uploaded: run the same command again after an
+    interruption. Example: reshard upload ckpts/run1 my-org/my-model --metrics run1.jsonl
+    """
     from reshard.upload import upload as do_upload
 
-    result = do_upload(path, repo_id, private=private, revision=revision, token=token, endpoint=endpoint, commit_message=message)
-    click.echo(f"uploaded {path} to {result.url} ({result.files} files, checksums verified before upload)")
+    sizes = {}
+    for option in ("commit_size", "max_shard_size"):
+        try:
+            sizes[option] = parse_bytes(opts[option]) if opts[option] else None
+        except ReshardError:
+            flag = "--" + option.replace("_", "-")
+            raise ReshardError(f"{flag} {opts[option]!r} is not a size; write e.g. 5GiB") from None
+    say = None if opts["quiet"] else (lambda line: click.echo(line, err=True))
+    bar = _progress_bar("exporting", opts["quiet"])
+    try:
+        with bar:
+            result = do_upload(
+                checkpoint, repo_id, private=opts["private"], revision=opts["revision"], token=opts["token"],
+                endpoint=opts["endpoint"], commit_message=opts["message"], staging=opts["staging"], dtype=opts["dtype"],
+                max_shard_bytes=sizes["max_shard_size"], metrics=opts["metrics"], workers=opts["workers"],
+                commit_bytes=sizes["commit_size"], report=say,
+                planned=lambda plan: setattr(bar, "total", plan.bytes_moved), progress=lambda n: bar.update(n),
+            )
+    except KeyboardInterrupt:
+        click.echo("reshard: interrupted; what was committed stays on the Hub: run the same command again to upload "
+                   "the rest", err=True)
+        sys.exit(130)
+    done = f"{len(result.uploaded)} uploaded, {result.files - len(result.uploaded)} already there"
+    click.echo(f"uploaded {checkpoint} to {result.url}: {result.files} files ({done}), checksums verified before upload; "
+               f"every file on the Hub has the sha256 of {result.folder}")
 
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
