@@ -48,7 +48,7 @@ def inspect(path: Path, as_json: bool) -> None:
 
 
 @main.command()
-@click.argument("source", type=click.Path(path_type=Path))
+@click.argument("source")
 @click.argument("destination", type=click.Path(path_type=Path))
 @click.option("--tp", type=int, help="Assert the source's tensor-parallel degree.")
 @click.option("--pp", type=int, help="Assert the source's pipeline-parallel degree.")
@@ -90,14 +90,24 @@ def inspect(path: Path, as_json: bool) -> None:
               help="Do not refuse a conversion whose tensors exceed the destination's free space (for filesystems "
               "that misreport it).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def convert(source: Path, destination: Path, **opts: Any) -> None:
+@click.option("--token", help="Hub token for a Hub SOURCE (default: HF_TOKEN or the token saved by `hf auth login`).")
+@click.option("--endpoint", help="Hub URL for a Hub SOURCE (default: HF_ENDPOINT or https://huggingface.co).")
+def convert(source: str, destination: Path, **opts: Any) -> None:
     """Convert SOURCE into DESTINATION at another layout and/or format.
+
+    SOURCE is a local checkpoint, or a model on the Hugging Face Hub: hf://org/model[@revision], or
+    org/model[@revision] where no such local path exists. Its config, tokenizer and safetensors files are
+    downloaded through the Hugging Face cache (never pickles or code).
 
     Example: reshard convert ckpts/run1 ckpts/run1-tp8 --tp 4 --to-tp 8
     """
     from reshard.collective import world
     from reshard.convert import convert as do_convert
+    from reshard.hub import Access, local_source
     from reshard.request import LayoutChange, Run, SourceHints, Target
+
+    say = None if opts["quiet"] or opts["as_json"] or world()[0] else (lambda line: click.echo(line, err=True))
+    source = local_source(source, Access(opts.pop("token"), opts.pop("endpoint")), say)  # a Hub repo: downloaded
 
     # torch's objects are long-lived: keep the collector from walking them again and again mid-stream
     # (five full collections took 0.3 s of a 3 GB conversion)

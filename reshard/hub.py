@@ -13,17 +13,23 @@ huggingface_hub is imported only when the Hub is used (it costs a conversion's c
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from reshard.errors import ReshardError
+from reshard.formats.base import MANIFEST_NAME, Manifest
+from reshard.formats.hf import CONFIG, INDEX, SINGLE, TOKENIZER_FILES
 
 SCHEME = "hf://"
 DEFAULT_ENDPOINT = "https://huggingface.co"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+# A file name the download accepts: top level, no glob characters (the names double as patterns), no dot-files.
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
 _REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
 
 
@@ -192,3 +198,99 @@ def _is_network_error(exc: BaseException) -> bool:
     """A transport error of the Hub client's HTTP stack (httpx or requests, by huggingface_hub release)."""
     stacks = {"httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3"}
     return isinstance(exc, ConnectionError) or any(c.__module__.split(".")[0] in stacks for c in type(exc).__mro__)
+
+
+# ------------------------------------------------------------------------------------------- download
+
+WANTED = (CONFIG, MANIFEST_NAME, *TOKENIZER_FILES)
+
+
+def weight_files(repo: HubRepo, listing: dict[str, int], read_index: Callable[[], bytes]) -> list[str]:
+    """The safetensors files a conversion reads: those `model.safetensors.index.json` names, or
+    model.safetensors. `listing`: the repository's top-level files and sizes. A repository with only
+    pickled weights is refused (loading them can run code)."""
+    if INDEX in listing:
+        try:
+            index = json.loads(read_index())
+            shards = sorted(set(index["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ReshardError(f"{repo}: {INDEX} is not a safetensors index (no weight_map of tensor -> file)") from None
+        for shard in shards:
+            if not isinstance(shard, str) or not _SAFE_NAME.match(shard) or not shard.endswith(".safetensors"):
+                raise ReshardError(f"{repo}: {INDEX} names {shard!r}, not a safetensors file at the top of the repository; refusing it")
+            if shard not in listing:
+                raise ReshardError(f"{repo}: {INDEX} names {shard}, which the repository does not have")
+        return [INDEX, *shards]
+    if SINGLE in listing:
+        return [SINGLE]
+    pickles = sorted(n for n in listing if n.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise ReshardError(f"{repo} has its weights only as PyTorch pickles ({', '.join(pickles[:3])}), which reshard does "
+                           "not load (loading a pickle can run code); use a revision with safetensors weights")
+    raise ReshardError(f"{repo} has no {SINGLE} and no {INDEX}: not a model reshard can read")
+
+
+def download(repo: HubRepo, access: Access, report: Callable[[str], None] | None = None, named: str | None = None) -> Path:
+    """Download what a conversion of `repo` reads into huggingface_hub's cache (files already there are not
+    fetched again; a dropped connection resumes where it stopped) and return the snapshot directory.
+    `named`: the argument, when it was a bare org/model that is no local path (a failure to find the
+    repository then says both)."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.hf_api import RepoFile
+
+    api = access.api()
+    try:
+        with access.errors("download", repo):
+            commit = api.model_info(repo.repo_id, revision=repo.revision).sha
+    except ReshardError as exc:
+        if named is None:
+            raise
+        raise ReshardError(f"there is no local path {named}, and as a Hub repository: {exc}") from None
+    with access.errors("download", repo):
+        listing = {f.path: f.size for f in api.list_repo_tree(repo.repo_id, revision=commit) if isinstance(f, RepoFile)}
+        if CONFIG not in listing:
+            raise ReshardError(f"{repo} has no {CONFIG}: not a transformers model reshard can read")
+
+        def fetch(name: str) -> Path:
+            return Path(hf_hub_download(repo.repo_id, name, revision=commit, endpoint=access.endpoint, token=access._token))
+
+        fetch(CONFIG)  # first: a gated repository or a rejected token fails here, before anything else
+        files = [n for n in WANTED if n in listing] + weight_files(repo, listing, lambda: fetch(INDEX).read_bytes())
+        files = sorted(set(files), key=files.index)
+        if report:
+            from reshard.plan import human_bytes
+
+            size = sum(listing[n] for n in files)
+            report(f"downloading {repo} (commit {commit[:12]}): {len(files)} files, {human_bytes(size)}, "
+                   f"into the Hugging Face cache (files already there are not fetched again)")
+        folder = Path(snapshot_download(repo.repo_id, revision=commit, allow_patterns=files, endpoint=access.endpoint,
+                                        token=access._token))
+    _check_snapshot(repo, folder, {n: listing[n] for n in files})
+    return folder
+
+
+def _check_snapshot(repo: HubRepo, folder: Path, expected: dict[str, int]) -> None:
+    """Every file is there, as large as the Hub said, and resolves inside the cache's folder for the repo;
+    a reshard manifest must parse (the reader trusts it to check what it reads)."""
+    store = folder.parent.parent.resolve()  # models--org--name: snapshots/<commit> and blobs/
+    for name, size in expected.items():
+        path = folder / name
+        real = path.resolve()
+        if not real.is_relative_to(store) or not real.is_file():
+            raise ReshardError(f"{repo}: {name} in the cache at {folder} does not lead to a downloaded file; remove that snapshot and retry")
+        if real.stat().st_size != size:
+            raise ReshardError(f"{repo}: {name} in the cache has {real.stat().st_size} bytes, the Hub says {size}; "
+                               f"remove {folder} and run the same command again")
+    if MANIFEST_NAME in expected:
+        try:
+            Manifest.from_json(json.loads((folder / MANIFEST_NAME).read_text()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ReshardError(f"{repo}: its {MANIFEST_NAME} is malformed; it cannot be trusted to check the weights") from None
+
+
+def local_source(text: str | Path, access: Access | None = None, report: Callable[[str], None] | None = None) -> Path:
+    """A SOURCE argument as a local directory: a Hub repository is downloaded first (see `parse_source`)."""
+    source = parse_source(text)
+    if isinstance(source, Path):
+        return source
+    return download(source, access or Access(), report, named=None if str(text).startswith(SCHEME) else str(text))

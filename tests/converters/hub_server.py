@@ -52,6 +52,7 @@ class Hub:
         self.commits: list[tuple[str, list[str]]] = []  # (repo_id, paths) of every commit
         self.on_lfs_stored: Callable[[str], None] | None = None
         self.cut_once: set[str] = set()  # file paths whose next GET is cut off halfway
+        self.ranges: list[tuple[str, str]] = []  # (file path, Range header) of every ranged GET
         self._lock = threading.Lock()
         hub = self
 
@@ -287,6 +288,7 @@ class Hub:
         start, status = 0, 200
         ranged = req.headers.get("Range")
         if ranged and method == "GET" and ranged.startswith("bytes="):
+            self.ranges.append((path, ranged))
             start = int(ranged[6:].split("-")[0])
             status = 206
             headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
