@@ -222,15 +222,20 @@ def upload(checkpoint: Path, repo_id: str, **opts: Any) -> None:
             flag = "--" + option.replace("_", "-")
             raise ReshardError(f"{flag} {opts[option]!r} is not a size; write e.g. 5GiB") from None
     say = None if opts["quiet"] else (lambda line: click.echo(line, err=True))
-    bar = _progress_bar("exporting", opts["quiet"])
+    bar, hashing = _progress_bar("exporting", opts["quiet"]), _progress_bar("hashing", opts["quiet"])
+
+    def hashed(done: int, total: int) -> None:
+        hashing.total = total
+        hashing.update(done - hashing.n)
+
     try:
-        with bar:
+        with bar, hashing:
             result = do_upload(
                 checkpoint, repo_id, private=opts["private"], revision=opts["revision"], token=opts["token"],
                 endpoint=opts["endpoint"], commit_message=opts["message"], staging=opts["staging"], dtype=opts["dtype"],
                 max_shard_bytes=sizes["max_shard_size"], metrics=opts["metrics"], workers=opts["workers"],
                 commit_bytes=sizes["commit_size"], report=say,
-                planned=lambda plan: setattr(bar, "total", plan.bytes_moved), progress=lambda n: bar.update(n),
+                planned=lambda plan: setattr(bar, "total", plan.bytes_moved), progress=lambda n: bar.update(n), hashed=hashed,
             )
     except KeyboardInterrupt:
         click.echo("reshard: interrupted; what was committed stays on the Hub: run the same command again to upload "

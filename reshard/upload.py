@@ -59,10 +59,6 @@ class Training:
     def tokens(self) -> int | None:
         return self.consumed_samples * self.seq_length if self.consumed_samples and self.seq_length else None
 
-    def to_json(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, "consumed_samples": self.consumed_samples, "seq_length": self.seq_length,
-                "loss": self.loss, "metrics": self.metrics}
-
 
 @dataclass
 class UploadResult:
@@ -261,7 +257,8 @@ def prepare(
     staging = Path(staging) if staging is not None else default_staging(path)
     if staging.resolve() == path.resolve() or staging.resolve().is_relative_to(path.resolve()):
         raise ReshardError(f"the staging directory {staging} is inside the checkpoint {path}; choose one beside it with --staging")
-    stamp = _fingerprint(path, dtype, max_shard_bytes)
+    target = Target(format="hf", dtype=dtype, optimizer=False, max_shard_bytes=max_shard_bytes)
+    stamp = _fingerprint(path, target.dtype, max_shard_bytes)  # bf16 and bfloat16 ask for the same export
     stale = False
     if staging.exists() and (not staging.is_dir() or any(staging.iterdir())):
         recorded = _read_record(staging)
@@ -283,10 +280,9 @@ def prepare(
     if check:
         check()
     say(f"exporting {path} ({described}) to {staging}" + (" (replacing an export of an earlier state)" if stale else ""))
-    target = Target(format="hf", dtype=dtype, optimizer=False, max_shard_bytes=max_shard_bytes)
     convert(path, staging, target, run=Run(workers=workers),
             overwrite=stale, planned=planned, progress=progress)
-    (staging / RECORD).write_text(json.dumps(stamp | {"training": training.to_json()}, indent=1) + "\n")
+    (staging / RECORD).write_text(json.dumps(stamp, indent=1) + "\n")
     return staging, training, True
 
 
@@ -405,12 +401,15 @@ def upload(
     report: Report | None = None,
     planned: Callable[[Any], None] | None = None,
     progress: Callable[[int], None] | None = None,
+    hashed: Callable[[int, int], None] | None = None,
 ) -> UploadResult:
     """Publish `path` (any checkpoint reshard reads) to `repo_id`: export it to HF if it is not an HF model
     (see `prepare`), verify, and upload what the repository lacks, in commits a rerun resumes (see the module
     docstring). The repository is created if needed (`private` then applies), `revision` is a branch made from
     the default one if missing. The folder's own README.md is its model card; without one, a card with the
-    provenance, the training's metrics and the checksums is generated for `repo_id` (never written to disk)."""
+    provenance, the training's metrics and the checksums is generated for `repo_id` (never written to disk).
+    `report` gets a line at each step; `planned` and `progress` follow an export as `convert` has them;
+    `hashed` gets (bytes hashed, bytes to hash) after each file."""
     say = report or (lambda _: None)
     check_repo_id(repo_id)
     path = Path(path)
@@ -424,8 +423,14 @@ def upload(
     paths = local_files(folder)
     total = sum(p.stat().st_size for p in paths.values())
     say(f"hashing {len(paths)} files ({human_bytes(total)})")
+    done = 0
+    digests = {}
     with ThreadPoolExecutor(max(1, workers)) as pool:
-        digests = dict(zip(paths, pool.map(sha256_of, paths.values())))
+        for name, digest in zip(paths, pool.map(sha256_of, paths.values())):
+            digests[name] = digest
+            done += paths[name].stat().st_size
+            if hashed:
+                hashed(done, total)
     files = [_Local(name, p.stat().st_size, digests[name], path=p) for name, p in paths.items()]
     if CARD not in paths:
         card = model_card(folder, repo_id, training, {f.name: (f.size, f.sha256) for f in files}).encode()

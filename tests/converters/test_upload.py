@@ -246,3 +246,15 @@ def test_cli_errors_are_one_line_and_never_show_the_token(trained, monkeypatch):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 1 and err.startswith("reshard: error: no Hub token") and err.count("\n") == 1, err
         assert "secret" not in repr(Access("hf_secret_value_123", hub.url))
+
+
+def test_the_export_follows_the_dtype_asked_for(trained):
+    ckpt, _ = trained
+    with Hub() as hub:
+        first = upload(ckpt, "user/run1", endpoint=hub.url, token=hub.token, dtype="bf16")
+        again = upload(ckpt, "user/run1", endpoint=hub.url, token=hub.token, dtype="bfloat16")  # the same, spelt out
+        assert first.exported and not again.exported and not again.uploaded
+        assert json.loads(hub.repos["user/run1"]["branches"]["main"]["config.json"])["dtype"] == "bfloat16"
+        full = upload(ckpt, "user/run1", endpoint=hub.url, token=hub.token)  # the checkpoint's own float32
+        assert full.exported and "model.safetensors" in full.uploaded
+        assert json.loads(hub.repos["user/run1"]["branches"]["main"]["config.json"])["dtype"] == "float32"
