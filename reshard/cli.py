@@ -241,7 +241,7 @@ def upload(checkpoint: Path, repo_id: str, **opts: Any) -> None:
         click.echo("reshard: interrupted; what was committed stays on the Hub: run the same command again to upload "
                    "the rest", err=True)
         sys.exit(130)
-    done = f"{len(result.uploaded)} uploaded, {result.files - len(result.uploaded)} already there"
+    done = f"{len(result.committed)} committed now, {result.files - len(result.committed)} already in the repository"
     click.echo(f"uploaded {checkpoint} to {result.url}: {result.files} files ({done}), checksums verified before upload; "
                f"every file on the Hub has the sha256 of {result.folder}")
 

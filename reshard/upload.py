@@ -68,8 +68,8 @@ class UploadResult:
     commit: str | None  # the last commit made (None: nothing was missing)
     folder: Path | None = None  # what was uploaded: the checkpoint itself or its staging export
     exported: bool = False  # whether this run made the export
-    uploaded: list[str] = field(default_factory=list)  # files this run committed
-    bytes_uploaded: int = 0
+    committed: list[str] = field(default_factory=list)  # files this run committed
+    bytes_committed: int = 0
     commits: int = 0
 
 
@@ -456,10 +456,10 @@ def upload(
                                      revision=revision, repo_type="model")
             result.commit = getattr(info, "oid", None)
             result.commits += 1
-            result.uploaded += [f.name for f in batch]
-            result.bytes_uploaded += sum(f.size for f in batch)
+            result.committed += [f.name for f in batch]
+            result.bytes_committed += sum(f.size for f in batch)
             say(f"commit {number}/{len(batches)}: {len(batch)} files, {human_bytes(sum(f.size for f in batch))} "
-                f"({human_bytes(result.bytes_uploaded)} of {human_bytes(sum(f.size for f in todo))})")
+                f"({human_bytes(result.bytes_committed)} of {human_bytes(sum(f.size for f in todo))})")
         remote = _remote_files(api, repo_id, revision)
     differ = [f.name for f in files if not f.same_as(remote.get(f.name))]
     if differ:
