@@ -193,8 +193,7 @@ def verify(path: Path, against: Path | None, as_json: bool) -> None:
 @click.option("--message", help="Commit message.")
 @click.option("--staging", type=click.Path(path_type=Path),
               help="Where a checkpoint that is not an HF model is exported first (default: CHECKPOINT-hf beside it).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]),
-              help="Export the weights in this dtype (default: the checkpoint's).")
+@click.option("--dtype", type=click.Choice(list(PRECISIONS)), help="Export the weights in this dtype (default: the checkpoint's).")
 @click.option("--max-shard-size", help="Export in safetensors files of at most this size, e.g. 2GiB (default 5GiB); "
               "an interrupted upload resumes file by file.")
 @click.option("--metrics", type=click.Path(path_type=Path),
