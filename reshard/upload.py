@@ -265,6 +265,7 @@ def prepare(
         if recorded == stamp:
             if check:
                 check()
+                check = None
             say(f"reusing the export {staging} of {path} ({described}); recomputing its checksums")
             try:
                 _verified(staging)
@@ -272,8 +273,8 @@ def prepare(
             except ReshardError as exc:
                 say(f"{exc}: exporting again")
                 stale = True
-        elif recorded is not None or _made_from(staging, path):
-            stale = True  # ours, of another state of the checkpoint or another dtype
+        elif (recorded or {}).get("source") == stamp["source"] or _made_from(staging, path):
+            stale = True  # an export of this checkpoint, as it was before or in another dtype
         else:
             raise ReshardError(f"{staging} exists and is not an export of {path}; remove it or choose another staging "
                                "directory with --staging")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -174,6 +175,10 @@ def test_a_changed_checkpoint_is_exported_again_and_a_foreign_staging_directory_
         with pytest.raises(ReshardError, match="is not an export of"):
             upload(ckpt, "user/run1", endpoint=hub.url, token=hub.token, staging=foreign)
         assert (foreign / "notes.txt").read_text() == "mine\n"
+        other = shutil.copytree(ckpt, ckpt.with_name("run2"))  # another checkpoint's upload may not replace this export
+        with pytest.raises(ReshardError, match="is not an export of"):
+            upload(other, "user/run2", endpoint=hub.url, token=hub.token, staging=staging)
+        assert json.loads((staging / RECORD).read_text())["source"] == str(ckpt.resolve())
 
 
 def test_metrics_of_another_run_are_refused(trained, tmp_path):
