@@ -128,12 +128,17 @@ class Access:
         token = self._token_value()
         return text.replace(token, "<token>") if token and len(token) >= 6 else text
 
-    def whoami(self) -> str:
-        """The account the token belongs to; refuses a missing or rejected token before any work is done."""
+    def check_write_token(self) -> str:
+        """The account the token belongs to; refuses a missing, rejected or read-only token before any work
+        is done."""
         if self.token_source is None:
             raise ReshardError("no Hub token: set HF_TOKEN, run `hf auth login`, or pass --token (a token with write access)")
         with self.errors("check the token at"):
-            return self.api().whoami()["name"]
+            info = self.api().whoami()
+        role = ((info.get("auth") or {}).get("accessToken") or {}).get("role")
+        if role == "read":
+            raise ReshardError(f"the token from {self.token_source} is read-only; use a token with write access")
+        return info["name"]
 
     @contextmanager
     def errors(self, doing: str, repo: str | HubRepo | None = None) -> Iterator[None]:
@@ -188,6 +193,21 @@ class Access:
                 return self._message(cause, doing, repo)
             return f"{where} failed: {exc.__class__.__name__}: {_first_line(exc)}"
         raise exc
+
+
+@contextmanager
+def progress_bars(shown: bool) -> Iterator[None]:
+    """huggingface_hub's progress bars hidden (`shown` False) for a while, as they were after."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    hide = not shown and not are_progress_bars_disabled()
+    if hide:
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        if hide:
+            enable_progress_bars()
 
 
 def _first_line(exc: BaseException) -> str:
@@ -246,7 +266,7 @@ def download(repo: HubRepo, access: Access, report: Callable[[str], None] | None
         if named is None:
             raise
         raise ReshardError(f"there is no local path {named}, and as a Hub repository: {exc}") from None
-    with access.errors("download", repo):
+    with access.errors("download", repo), progress_bars(report is not None):
         listing = {f.path: f.size for f in api.list_repo_tree(repo.repo_id, revision=commit) if isinstance(f, RepoFile)}
         if CONFIG not in listing:
             raise ReshardError(f"{repo} has no {CONFIG}: not a transformers model reshard can read")

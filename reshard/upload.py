@@ -32,7 +32,7 @@ from typing import Any, Callable
 from reshard.errors import ReshardError
 from reshard.formats.base import MANIFEST_NAME
 from reshard.formats.hf import CONFIG, INDEX
-from reshard.hub import Access, check_repo_id
+from reshard.hub import Access, check_repo_id, progress_bars
 from reshard.plan import human_bytes
 
 CARD = "README.md"
@@ -410,7 +410,8 @@ def upload(
     the default one if missing. The folder's own README.md is its model card; without one, a card with the
     provenance, the training's metrics and the checksums is generated for `repo_id` (never written to disk).
     `report` gets a line at each step; `planned` and `progress` follow an export as `convert` has them;
-    `hashed` gets (bytes hashed, bytes to hash) after each file."""
+    `hashed` gets (bytes hashed, bytes to hash) after each file. Without `report`, huggingface_hub shows no
+    progress bars either."""
     say = report or (lambda _: None)
     check_repo_id(repo_id)
     path = Path(path)
@@ -418,7 +419,7 @@ def upload(
     folder, training, exported = prepare(
         path, staging=Path(staging) if staging is not None else None, dtype=dtype, max_shard_bytes=max_shard_bytes,
         metrics=Path(metrics) if metrics is not None else None, workers=workers, report=say,
-        check=access.whoami, planned=planned, progress=progress,
+        check=access.check_write_token, planned=planned, progress=progress,
     )
 
     paths = local_files(folder)
@@ -439,7 +440,7 @@ def upload(
 
     api = access.api()
     result = UploadResult(repo_id, "", len(files), None, folder, exported)
-    with access.errors("upload to", repo_id):
+    with access.errors("upload to", repo_id), progress_bars(report is not None):
         result.url = str(api.create_repo(repo_id, private=private or None, repo_type="model", exist_ok=True))
         if revision:
             api.create_branch(repo_id, branch=revision, exist_ok=True)

@@ -44,6 +44,7 @@ class Hub:
     def __init__(self, token: str = "hf_test_token", user: str = "user"):
         self.token, self.user = token, user
         self.tokens = {token: user}  # token -> user name
+        self.read_only: set[str] = set()  # tokens whoami says are read-only
         # repo_id -> {"private", "gated": set of users allowed or None, "branches": {name: {path: bytes}}, "heads": {name: oid}}
         self.repos: dict[str, dict] = {}
         self.lfs: dict[str, bytes] = {}  # sha256 -> content, stored by a complete PUT
@@ -138,7 +139,8 @@ class Hub:
         if parts[:2] == ["api", "whoami-v2"]:
             if user is None:
                 return self._send(req, 401, {"error": "Unauthorized"})
-            return self._send(req, 200, {"type": "user", "name": user, "auth": {"accessToken": {"role": "write"}}})
+            role = "read" if req.headers["Authorization"].removeprefix("Bearer ") in self.read_only else "write"
+            return self._send(req, 200, {"type": "user", "name": user, "auth": {"accessToken": {"role": role}}})
         if parts[:2] == ["api", "validate-yaml"]:  # model-card metadata check
             return self._send(req, 200, {"errors": [], "warnings": []})
         if parts[:3] == ["api", "repos", "create"] and method == "POST":

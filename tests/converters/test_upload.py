@@ -106,9 +106,14 @@ def test_upload_refuses_a_corrupted_export(export):
 
 def test_upload_reports_bad_token(export):
     with Hub() as hub:
-        with pytest.raises(ReshardError, match="token") as caught:
-            upload(export, "user/x", endpoint=hub.url, token="wrong")
-        assert "wrong" not in str(caught.value) and not hub.repos
+        with pytest.raises(ReshardError, match="rejected the token from --token") as caught:
+            upload(export, "user/x", endpoint=hub.url, token="wrong_token")
+        assert "wrong_token" not in str(caught.value) and not hub.repos
+        hub.tokens["hf_reader"] = "user"
+        hub.read_only.add("hf_reader")
+        with pytest.raises(ReshardError, match="token from --token is read-only"):
+            upload(export, "user/x", endpoint=hub.url, token="hf_reader")
+        assert not hub.repos
 
 
 def test_upload_needs_a_reshard_export(tmp_path):
