@@ -218,8 +218,10 @@ def upload(checkpoint: Path, repo_id: str, **opts: Any) -> None:
         try:
             sizes[option] = parse_bytes(opts[option]) if opts[option] else None
         except ReshardError:
+            sizes[option] = 0
+        if sizes[option] == 0:
             flag = "--" + option.replace("_", "-")
-            raise ReshardError(f"{flag} {opts[option]!r} is not a size; write e.g. 5GiB") from None
+            raise ReshardError(f"{flag} {opts[option]!r} is not a size; write e.g. 5GiB")
     say = None if opts["quiet"] else (lambda line: click.echo(line, err=True))
     bar, hashing = _progress_bar("exporting", opts["quiet"]), _progress_bar("hashing", opts["quiet"])
 
@@ -237,8 +239,8 @@ def upload(checkpoint: Path, repo_id: str, **opts: Any) -> None:
                 planned=lambda plan: setattr(bar, "total", plan.bytes_moved), progress=lambda n: bar.update(n), hashed=hashed,
             )
     except KeyboardInterrupt:
-        click.echo("reshard: interrupted; what was committed stays on the Hub: run the same command again to upload "
-                   "the rest", err=True)
+        click.echo("reshard: interrupted; run the same command again: it resumes the export where it stopped, and "
+                   "uploads only the files the repository lacks", err=True)
         sys.exit(130)
     done = f"{len(result.committed)} committed now, {result.files - len(result.committed)} already in the repository"
     click.echo(f"uploaded {checkpoint} to {result.url}: {result.files} files ({done}), checksums verified before upload; "
