@@ -49,7 +49,7 @@ def inspect(path: Path, as_json: bool, config_file: Path | None) -> None:
 
 
 @main.command()
-@click.argument("source", type=click.Path(path_type=Path))
+@click.argument("source")
 @click.argument("destination", type=click.Path(path_type=Path))
 @click.option("--tp", type=int, help="Assert the source's tensor-parallel degree.")
 @click.option("--pp", type=int, help="Assert the source's pipeline-parallel degree.")
@@ -93,14 +93,24 @@ def inspect(path: Path, as_json: bool, config_file: Path | None) -> None:
               help="Do not refuse a conversion whose tensors exceed the destination's free space (for filesystems "
               "that misreport it).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def convert(source: Path, destination: Path, **opts: Any) -> None:
+@click.option("--token", help="Hub token for a Hub SOURCE (default: HF_TOKEN or the token saved by `hf auth login`).")
+@click.option("--endpoint", help="Hub URL for a Hub SOURCE (default: HF_ENDPOINT or https://huggingface.co).")
+def convert(source: str, destination: Path, **opts: Any) -> None:
     """Convert SOURCE into DESTINATION at another layout and/or format.
+
+    SOURCE is a local checkpoint, or a model on the Hugging Face Hub: hf://org/model[@revision], or
+    org/model[@revision] where no such local path exists. Its config, tokenizer and safetensors files are
+    downloaded through the Hugging Face cache (never pickles or code).
 
     Example: reshard convert ckpts/run1 ckpts/run1-tp8 --tp 4 --to-tp 8
     """
     from reshard.collective import world
     from reshard.convert import convert as do_convert
+    from reshard.hub import Access, local_source
     from reshard.request import LayoutChange, Run, SourceHints, Target
+
+    say = None if opts["quiet"] or opts["as_json"] or world()[0] else (lambda line: click.echo(line, err=True))
+    source = local_source(source, Access(opts.pop("token"), opts.pop("endpoint")), say)  # a Hub repo: downloaded
 
     # torch's objects are long-lived: keep the collector from walking them again and again mid-stream
     # (a measurable share of a conversion: benchmarks/README.md)
@@ -179,19 +189,67 @@ def verify(path: Path, against: Path | None, as_json: bool, config_file: Path | 
 
 
 @main.command()
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.argument("repo_id")
 @click.option("--private", is_flag=True, help="Create the repository as private (when it does not exist yet).")
 @click.option("--revision", help="Branch to upload to (created from the default branch if missing).")
 @click.option("--token", help="Hub token (default: HF_TOKEN or the token saved by `hf auth login`).")
 @click.option("--endpoint", help="Hub URL (default: HF_ENDPOINT or https://huggingface.co).")
 @click.option("--message", help="Commit message.")
-def upload(path: Path, repo_id: str, private: bool, revision: str | None, token: str | None, endpoint: str | None, message: str | None) -> None:
-    """Verify the HF model at PATH against its checksums, write a model card, and upload it to REPO_ID."""
+@click.option("--staging", type=click.Path(path_type=Path),
+              help="Where a checkpoint that is not an HF model is exported first (default: CHECKPOINT-hf beside it).")
+@click.option("--dtype", type=click.Choice(list(PRECISIONS)), help="Export the weights in this dtype (default: the checkpoint's).")
+@click.option("--max-shard-size", help="Export in safetensors files of at most this size, e.g. 2GiB (default 5GiB); "
+              "an interrupted upload resumes file by file.")
+@click.option("--metrics", type=click.Path(path_type=Path),
+              help="The trainer's --metrics log: the model card gets the loss at the checkpoint's iteration.")
+@click.option("--workers", type=click.IntRange(1, 64), default=DEFAULT_WORKERS, show_default=True,
+              help="Threads exporting and hashing.")
+@click.option("--commit-size", default="5GiB", show_default=True,
+              help="Upload in commits of about this size; a rerun after an interruption resumes at the first file not yet committed.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress.")
+def upload(checkpoint: Path, repo_id: str, **opts: Any) -> None:
+    """Publish CHECKPOINT to the Hub as REPO_ID, as an HF model whose checksums verify.
+
+    CHECKPOINT is any checkpoint reshard reads: a Megatron training checkpoint is exported to HF first
+    (into --staging, reused by a rerun while the checkpoint is unchanged); an HF export of reshard is
+    uploaded as it is. Only files the repository lacks are uploaded: run the same command again after an
+    interruption. Example: reshard upload ckpts/run1 my-org/my-model --metrics run1.jsonl
+    """
     from reshard.upload import upload as do_upload
 
-    result = do_upload(path, repo_id, private=private, revision=revision, token=token, endpoint=endpoint, commit_message=message)
-    click.echo(f"uploaded {path} to {result.url} ({result.files} files, checksums verified before upload)")
+    sizes = {}
+    for option in ("commit_size", "max_shard_size"):
+        try:
+            sizes[option] = parse_bytes(opts[option]) if opts[option] else None
+        except ReshardError:
+            sizes[option] = 0
+        if sizes[option] == 0:
+            flag = "--" + option.replace("_", "-")
+            raise ReshardError(f"{flag} {opts[option]!r} is not a size; write e.g. 5GiB")
+    say = None if opts["quiet"] else (lambda line: click.echo(line, err=True))
+    bar, hashing = _progress_bar("exporting", opts["quiet"]), _progress_bar("hashing", opts["quiet"])
+
+    def hashed(done: int, total: int) -> None:
+        hashing.total = total
+        hashing.update(done - hashing.n)
+
+    try:
+        with bar, hashing:
+            result = do_upload(
+                checkpoint, repo_id, private=opts["private"], revision=opts["revision"], token=opts["token"],
+                endpoint=opts["endpoint"], commit_message=opts["message"], staging=opts["staging"], dtype=opts["dtype"],
+                max_shard_bytes=sizes["max_shard_size"], metrics=opts["metrics"], workers=opts["workers"],
+                commit_bytes=sizes["commit_size"], report=say,
+                planned=lambda plan: setattr(bar, "total", plan.bytes_moved), progress=lambda n: bar.update(n), hashed=hashed,
+            )
+    except KeyboardInterrupt:
+        click.echo("reshard: interrupted; run the same command again: it resumes the export where it stopped, and "
+                   "uploads only the files the repository lacks", err=True)
+        sys.exit(130)
+    done = f"{len(result.committed)} committed now, {result.files - len(result.committed)} already in the repository"
+    click.echo(f"uploaded {checkpoint} to {result.url}: {result.files} files ({done}), checksums verified before upload; "
+               f"every file on the Hub has the sha256 of {result.folder}")
 
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,

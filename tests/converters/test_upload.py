@@ -2,17 +2,39 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 from click.testing import CliRunner
 
+from fixtures.models import TINY_LLAMA
+from fixtures.synthetic import SyntheticReader
+from fixtures.torchrun import pythonpath
 from reshard.cli import main
 from reshard.convert import convert
 from reshard.errors import ReshardError
+from reshard.hub import Access
+from reshard.layout import Layout
+from reshard.plan import make_plan
 from reshard.request import Target
-from reshard.upload import upload
+from reshard.streaming import stream
+from reshard.upload import RECORD, upload
 
 from hf_models import build
-from hub_server import Hub
+from hub_server import Hub, isolate
+
+SHARD = 200_000  # bytes: the tiny model's export in four safetensors files
+
+
+@pytest.fixture(autouse=True)
+def hf_home(monkeypatch, tmp_path):
+    isolate(monkeypatch, tmp_path / "hf-home")
+
 
 
 @pytest.fixture
@@ -20,6 +42,35 @@ def export(tmp_path):
     source = build("qwen2", tmp_path / "src")
     convert(source, tmp_path / "export", Target(format="hf"))
     return tmp_path / "export"
+
+
+@pytest.fixture
+def trained(tmp_path):
+    """A torch_dist checkpoint as the trainer saves one (TP2, Adam state, data_state at iteration 10), and the
+    run's metrics log, where the iteration appears twice: the run was resumed from an earlier checkpoint."""
+    reader = SyntheticReader(TINY_LLAMA, Layout(tp=2), "float32", 0, optimizer=True)
+    reader.common.extra["data_state"] = {"consumed_samples": 80, "seed": 1234, "num_samples": 1000}
+    reader.common.args["seq_length"] = 64
+    path = tmp_path / "ckpts" / "run1"
+    stream(reader, make_plan(reader, path, Target(format="torch_dist", layout=Layout(tp=2), optimizer=True)))
+    metrics = tmp_path / "run1.jsonl"
+    records = [{"iteration": i, "loss": 9.0 - i / 10, "consumed_samples": 8 * i} for i in range(1, 11)]
+    records.insert(9, {"iteration": 10, "loss": 1.0, "consumed_samples": 80})  # the killed run's, logged again below
+    records.append({"event": "checkpoint_save", "iteration": 10})
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path, metrics
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _same_as_folder(hub: Hub, repo_id: str, folder, branch: str = "main") -> None:
+    """Every file of `folder` (hidden ones excepted) is in the repo with the same sha256."""
+    files = hub.repos[repo_id]["branches"][branch]
+    local = {p.relative_to(folder).as_posix(): _sha(p.read_bytes()) for p in folder.rglob("*")
+             if p.is_file() and not p.name.startswith(".")}
+    assert local and {name: _sha(files[name]) for name in local if name in files} == local
 
 
 def test_upload_verifies_writes_card_and_commits(export, monkeypatch):
@@ -33,9 +84,11 @@ def test_upload_verifies_writes_card_and_commits(export, monkeypatch):
         files = repo["branches"]["v1"]
         assert {"config.json", "model.safetensors", "reshard_manifest.json", "README.md", "tokenizer_config.json"} <= set(files)
         assert files["model.safetensors"] == (export / "model.safetensors").read_bytes()
+        assert hub.lfs_puts == [_sha(files["model.safetensors"])]  # the weights went through LFS
         card = files["README.md"].decode()
         assert "source layout" in card and "Qwen2ForCausalLM" in card and "checksums" in card.lower()
-        assert not (export / "README.md").exists()  # the card was written for the upload only
+        assert _sha(files["model.safetensors"]) in card
+        assert not (export / "README.md").exists()  # the card is never written to disk
         # exist_ok: a second upload to the same repo works; another repo gets a card of its own
         upload(export, "user/tiny", endpoint=hub.url, token=hub.token)
         assert "model.safetensors" in hub.repos["user/tiny"]["branches"]["main"]
@@ -55,8 +108,14 @@ def test_upload_refuses_a_corrupted_export(export):
 
 def test_upload_reports_bad_token(export):
     with Hub() as hub:
-        with pytest.raises(ReshardError, match="token"):
-            upload(export, "user/x", endpoint=hub.url, token="wrong")
+        with pytest.raises(ReshardError, match="rejected the token from --token") as caught:
+            upload(export, "user/x", endpoint=hub.url, token="wrong_token")
+        assert "wrong_token" not in str(caught.value) and not hub.repos
+        hub.tokens["hf_reader"] = "user"
+        hub.read_only.add("hf_reader")
+        with pytest.raises(ReshardError, match="token from --token is read-only"):
+            upload(export, "user/x", endpoint=hub.url, token="hf_reader")
+        assert not hub.repos
 
 
 def test_upload_needs_a_reshard_export(tmp_path):
@@ -73,3 +132,141 @@ def test_upload_refuses_what_cannot_work_in_one_line(export, repo_id, endpoint, 
     with pytest.raises(ReshardError, match=message):
         upload(export, repo_id, endpoint=endpoint, token="t")
     assert not (export / "README.md").exists()
+
+
+def test_a_megatron_checkpoint_is_exported_beside_it_uploaded_in_commits_and_carded(trained):
+    ckpt, metrics = trained
+    before = {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")}
+    lines = []
+    with Hub() as hub:
+        result = upload(ckpt, "user/run1", endpoint=hub.url, token=hub.token, metrics=metrics, max_shard_bytes=SHARD,
+                        commit_bytes=1, report=lines.append)
+        staging = ckpt.with_name("run1-hf")
+        assert result.folder == staging and result.exported and (staging / RECORD).is_file()
+        _same_as_folder(hub, "user/run1", staging)
+        files = hub.repos["user/run1"]["branches"]["main"]
+        assert RECORD not in files
+        shards = sorted(n for n in files if n.endswith(".safetensors"))
+        assert len(shards) == 4
+        # one commit per shard, largest first; the files that make it a model come last, together
+        assert [paths for _, paths in hub.commits[:4]] == [[n] for n in sorted(shards, key=lambda n: -len(files[n]))]
+        assert hub.commits[-1][1] == sorted(["config.json", "model.safetensors.index.json", "reshard_manifest.json", "README.md"])
+        card = files["README.md"].decode()
+        for fact in ["| iteration | 10 |", "| source format | torch_dist |", "| source layout | TP2PP1EP1 |",
+                     "| tokens seen | 5,120 (80 samples of 64 tokens) |", "| final training loss | 8 (iteration 10, from `run1.jsonl`) |",
+                     "| converted with | reshard", "| uploaded with | reshard", str(ckpt)]:
+            assert fact in card, fact
+        assert any(line.startswith("commit 4/6: 1 files") for line in lines), lines
+        # the same command again: the export is reused (once its checksums verify) and nothing is uploaded
+        commits, puts = len(hub.commits), len(hub.lfs_puts)
+        again = upload(ckpt, "user/run1", endpoint=hub.url, token=hub.token, metrics=metrics, max_shard_bytes=SHARD,
+                       commit_bytes=1, report=lines.append)
+        assert not again.exported and not again.committed and again.commit is None
+        assert (len(hub.commits), len(hub.lfs_puts)) == (commits, puts)
+        assert any(line.startswith("reusing the export") for line in lines)
+    assert {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")} == before  # the source is never modified
+
+
+def test_a_changed_checkpoint_is_exported_again_and_a_foreign_staging_directory_is_refused(trained, tmp_path):
+    ckpt, _ = trained
+    with Hub() as hub:
+        upload(ckpt, "user/run1", endpoint=hub.url, token=hub.token)
+        staging = ckpt.with_name("run1-hf")
+        os.utime(ckpt / "latest_checkpointed_iteration.txt", ns=(1, 1))  # as if a new save had happened
+        result = upload(ckpt, "user/run1", endpoint=hub.url, token=hub.token)
+        assert result.exported and result.folder == staging
+        assert set(result.committed) <= {"reshard_manifest.json", "README.md"}  # the same weights (a new conversion time)
+        foreign = tmp_path / "elsewhere"
+        foreign.mkdir()
+        (foreign / "notes.txt").write_text("mine\n")
+        with pytest.raises(ReshardError, match="is not an export of"):
+            upload(ckpt, "user/run1", endpoint=hub.url, token=hub.token, staging=foreign)
+        assert (foreign / "notes.txt").read_text() == "mine\n"
+        other = shutil.copytree(ckpt, ckpt.with_name("run2"))  # another checkpoint's upload may not replace this export
+        with pytest.raises(ReshardError, match="is not an export of"):
+            upload(other, "user/run2", endpoint=hub.url, token=hub.token, staging=staging)
+        assert json.loads((staging / RECORD).read_text())["source"] == str(ckpt.resolve())
+
+
+def test_metrics_of_another_run_are_refused(trained, tmp_path):
+    ckpt, _ = trained
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"iteration": 10, "loss": 2.0, "consumed_samples": 160}) + "\n")
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps({"iteration": 5, "loss": 2.0}) + "\n")
+    with Hub() as hub:
+        with pytest.raises(ReshardError, match="another run's log"):
+            upload(ckpt, "user/run1", endpoint=hub.url, token=hub.token, metrics=other)
+        with pytest.raises(ReshardError, match="has no loss for iteration 10"):
+            upload(ckpt, "user/run1", endpoint=hub.url, token=hub.token, metrics=short)
+        assert not hub.repos and not ckpt.with_name("run1-hf").exists()
+
+
+def _reshard(*args, **popen):
+    env = dict(os.environ, PYTHONPATH=pythonpath())
+    return subprocess.Popen([sys.executable, "-m", "reshard", *map(str, args)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+@pytest.mark.parametrize("commit_size", ["1", "5GiB"], ids=["commit-per-file", "one-commit"])
+def test_an_upload_killed_midway_resumes_with_only_the_missing_files(trained, commit_size, monkeypatch):
+    """The process is killed (SIGKILL) once the server has stored the second weight file; the same command
+    run again sends only the files whose bytes the server never got: neither those committed, nor those stored
+    by a commit that never happened."""
+    ckpt, metrics = trained
+    with Hub() as hub:
+        monkeypatch.setenv("HF_TOKEN", hub.token)
+        command = ["upload", ckpt, "user/run1", "--endpoint", hub.url, "--max-shard-size", SHARD, "--commit-size", commit_size,
+                   "--metrics", metrics]
+        first = _reshard(*command)
+        hub.on_lfs_stored = lambda oid: first.kill() if len(hub.lfs_puts) == 2 else None
+        first.communicate(timeout=120)
+        assert first.returncode == -9
+        hub.on_lfs_stored = None
+        sent_before, committed_before = list(hub.lfs_puts), [p for _, paths in hub.commits for p in paths]
+        commits_before = len(hub.commits)
+        assert len(sent_before) >= 2 and "config.json" not in committed_before
+
+        second = _reshard(*command)
+        out, err = second.communicate(timeout=120)
+        assert second.returncode == 0, err
+        staging = ckpt.with_name("run1-hf")
+        assert "reusing the export" in err and "commit" in err  # the export was not made again; progress is shown
+        sent_after = hub.lfs_puts[len(sent_before):]
+        files = hub.repos["user/run1"]["branches"]["main"]
+        weights = {_sha(files[n]) for n in files if n.endswith(".safetensors")}
+        assert len(weights) == 4
+        assert not set(sent_after) & set(sent_before) and set(sent_after) | set(sent_before) == weights
+        committed_after = [p for _, paths in hub.commits[commits_before:] for p in paths]
+        assert not set(committed_after) & set(committed_before)  # a committed file is not committed again
+        _same_as_folder(hub, "user/run1", staging)
+        assert f"uploaded {ckpt} to {hub.url}/user/run1" in out
+
+
+def test_cli_errors_are_one_line_and_never_show_the_token(trained, monkeypatch):
+    ckpt, _ = trained
+    with Hub() as hub:
+        monkeypatch.setenv("HF_TOKEN", "hf_secret_value_123")
+        proc = _reshard("upload", ckpt, "user/run1", "--endpoint", hub.url)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1 and out == ""
+        assert err.count("\n") == 1 and err.startswith("reshard: error: ") and "HF_TOKEN" in err, err
+        assert "hf_secret_value_123" not in err
+        assert not ckpt.with_name("run1-hf").exists()  # refused before any export
+        monkeypatch.delenv("HF_TOKEN")
+        proc = _reshard("upload", ckpt, "user/run1", "--endpoint", hub.url)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1 and err.startswith("reshard: error: no Hub token") and err.count("\n") == 1, err
+        assert "secret" not in repr(Access("hf_secret_value_123", hub.url))
+
+
+def test_the_export_follows_the_dtype_asked_for(trained):
+    ckpt, _ = trained
+    with Hub() as hub:
+        first = upload(ckpt, "user/run1", endpoint=hub.url, token=hub.token, dtype="bf16")
+        again = upload(ckpt, "user/run1", endpoint=hub.url, token=hub.token, dtype="bfloat16")  # the same, spelt out
+        assert first.exported and not again.exported and not again.committed
+        assert json.loads(hub.repos["user/run1"]["branches"]["main"]["config.json"])["dtype"] == "bfloat16"
+        full = upload(ckpt, "user/run1", endpoint=hub.url, token=hub.token)  # the checkpoint's own float32
+        assert full.exported and "model.safetensors" in full.committed
+        assert json.loads(hub.repos["user/run1"]["branches"]["main"]["config.json"])["dtype"] == "float32"
