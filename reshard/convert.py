@@ -4,7 +4,6 @@ and for the ranks of a multi-rank conversion (`reshard.collective`)."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import os
@@ -16,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from reshard.atomic import put_back, replace_dir
 from reshard.buffers import Pool
 from reshard.checksum import Checksum
 from reshard.collective import Collective, joined, shares
@@ -58,43 +58,6 @@ def check_free_space(partial: Path, target: Path, needed: int, resuming: bool, f
             f"{human_bytes(free)} is free there; free space and {again}, choose another destination, or pass "
             "--no-space-check if this filesystem misreports its free space"
         )
-
-
-def _old_path(target: Path) -> Path:
-    """Where a replaced destination waits, on filesystems without an atomic exchange, until the new one is
-    in place: a fixed name, so that a run stopped between the two renames puts it back (`_prepare_destination`)."""
-    return target.with_name(f".{target.name}.reshard-old")
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two directories in one step (Linux renameat2 RENAME_EXCHANGE); False where the system or the
-    filesystem cannot."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
-    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), exchange) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise OSError(code, os.strerror(code), str(b))
-
-
-def _replace(tmp: Path, target: Path) -> None:
-    """Move the verified output into place. An old destination is swapped out in one step and removed only
-    after, so a stop at any point leaves the old checkpoint or the new one at `target`, never neither."""
-    if not target.exists():
-        tmp.rename(target)
-    elif _exchange(tmp, target):
-        shutil.rmtree(tmp)  # the old checkpoint, now under the partial output's name
-    else:
-        old = _old_path(target)
-        target.rename(old)
-        tmp.rename(target)
-        shutil.rmtree(old)
 
 
 class DestinationLock:
@@ -144,9 +107,7 @@ def _prepare_destination(target: Path, overwrite: bool, lock: DestinationLock) -
         lock.acquire()
     except OSError as exc:  # not a directory, read-only, no permission: nothing was written
         raise ReshardError(f"cannot write {target}: {exc.strerror} ({exc.filename}); choose another destination") from None
-    old = _old_path(target)
-    if old.is_dir() and not target.exists():  # a run stopped between `_replace`'s renames: the old one goes back
-        old.rename(target)
+    put_back(target)  # a run stopped between the two renames of `replace_dir`: the old checkpoint goes back
     if target.exists() and not target.is_dir():
         raise ReshardError(f"{target} exists and is a file; choose another destination")
     if target.exists() and any(target.iterdir()) and not overwrite:
@@ -205,7 +166,7 @@ def _transact(
         mismatch = "the written checkpoint does not match the source"
         team.together(lambda: compare(rechecked, written, "written", "source").raise_if_bad(mismatch))
         team.together(step.log.remove)  # only now: a run stopped while verifying resumes at `finish`, not from the start
-        team.together(first(lambda: _replace(step.tmp, plan.target)))
+        team.together(first(lambda: replace_dir(step.tmp, plan.target)))
     except ReshardError as exc:
         if team.rank == 0 and not isinstance(exc, KeepsPartial):  # a refusal: nothing worth resuming
             shutil.rmtree(step.tmp, ignore_errors=True)

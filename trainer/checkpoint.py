@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from reshard.atomic import fsync_path, write_atomic
+from reshard.atomic import fsync_path, replace_dir, write_atomic
 from reshard.checksum import TensorChecksum
 from reshard.config import ModelConfig
 from reshard.dtypes import from_torch
@@ -417,14 +417,7 @@ def save_checkpoint(save_dir: Path, iteration: int, models: list, optimizer, sch
             if f.is_file() and not f.name.startswith("__"):
                 fsync_path(f)
         fsync_path(tmp)
-        if final.exists():  # re-saving an iteration: move the old one out of the way first
-            old = save_dir / f"{final.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, final)
+        replace_dir(tmp, final)  # re-saving an iteration swaps the old one out in one step
         fsync_path(save_dir)
         write_atomic(save_dir / TRACKER, f"{iteration}\n")
     _barrier()

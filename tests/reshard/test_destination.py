@@ -78,7 +78,7 @@ def test_the_lock_is_released_after_a_refusal_and_after_success(pair):
 def test_overwrite_replaces_the_destination_whole(pair, monkeypatch, exchange):
     src, dst = pair
     if not exchange:
-        monkeypatch.setattr("reshard.convert._exchange", lambda a, b: False)
+        monkeypatch.setattr("reshard.atomic._exchange", lambda a, b: False)
     convert(src, dst, Target(layout=Layout(tp=1)), overwrite=True)
     new, old = tensors(dst), tensors(src)
     assert set(new) == set(old) and all(same(new[n], old[n]) for n in old)
@@ -88,7 +88,7 @@ def test_overwrite_replaces_the_destination_whole(pair, monkeypatch, exchange):
 def test_a_run_stopped_between_the_two_renames_gets_the_old_checkpoint_back(pair, monkeypatch):
     src, dst = pair
     before = _digest(dst)
-    monkeypatch.setattr("reshard.convert._exchange", lambda a, b: False)
+    monkeypatch.setattr("reshard.atomic._exchange", lambda a, b: False)
     renames = []
     real = type(dst).rename
 
