@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from reshard import cli
+from reshard.converters.base import HF_INTS, HF_NULLABLE, HF_POSITIVE_FLOATS
 from reshard.errors import ReshardError
 from reshard.formats.hf import _read_header
 
@@ -390,3 +391,101 @@ def test_a_malformed_shard_of_a_model_is_refused_in_one_line(model, tmp_path, mo
     shard.write_bytes(_file(raw or header, data))
     assert not _library_accepts(shard)
     refused(monkeypatch, capsys, model, tmp_path / "out", shard.name)
+
+
+# ---------------------------------------------------------------- class 6: config.json values that do not fit
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {name: build(name, root / name) for name in ("llama", "gpt2", "mixtral", "qwen3")}
+
+
+def _edit_config(source: Path, target: Path, field: str, value) -> Path:
+    """A copy of `source` whose config.json has `field` (dotted: inside an object) set to `value`."""
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    *parents, last = field.split(".")
+    node = config
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+MUST_REFUSE = [
+    ("llama", "num_attention_heads", 3, "num_attention_heads=3"),
+    ("llama", "num_attention_heads", True, "num_attention_heads=true"),
+    ("llama", "num_attention_heads", "4", 'num_attention_heads="4"'),
+    ("llama", "num_key_value_heads", 3, "num_key_value_heads=3"),
+    ("llama", "num_hidden_layers", 0, "num_hidden_layers=0"),
+    ("llama", "num_hidden_layers", 1.5, "num_hidden_layers=1.5"),
+    ("llama", "hidden_size", None, "hidden_size=null"),
+    ("llama", "head_dim", 0, "head_dim=0"),
+    ("llama", "intermediate_size", -128, "intermediate_size=-128"),
+    ("llama", "vocab_size", 251, "vocab_size=251"),
+    ("llama", "vocab_size", 2**40, "vocab_size="),
+    ("llama", "max_position_embeddings", "abc", "max_position_embeddings"),
+    ("llama", "rms_norm_eps", "abc", 'rms_norm_eps="abc"'),
+    ("llama", "rms_norm_eps", -1e-6, "rms_norm_eps"),
+    ("llama", "rms_norm_eps", 0, "rms_norm_eps=0"),
+    ("llama", "rms_norm_eps", float("nan"), "rms_norm_eps=NaN"),
+    ("llama", "rms_norm_eps", 5, "rms_norm_eps=5"),
+    ("llama", "rope_parameters.rope_theta", "abc", "rope_theta"),
+    ("llama", "rope_parameters.rope_theta", -1, "rope_theta"),
+    ("llama", "rope_parameters.factor", "abc", "rope_scaling.factor"),
+    ("llama", "rope_parameters.factor", -8, "rope_scaling.factor"),
+    ("llama", "rope_parameters.low_freq_factor", [1], "rope_scaling.low_freq_factor"),
+    ("llama", "tie_word_embeddings", "false", "tie_word_embeddings"),
+    ("gpt2", "n_head", 3, "n_head=3"),
+    ("gpt2", "n_embd", "64", "n_embd"),
+    ("gpt2", "layer_norm_epsilon", "abc", "layer_norm_epsilon"),
+    ("gpt2", "n_layer", -2, "n_layer=-2"),
+    ("mixtral", "num_experts_per_tok", 5, "num_experts_per_tok=5"),
+    ("mixtral", "num_local_experts", 0, "num_local_experts=0"),
+    ("mixtral", "rope_theta", {}, "rope_theta"),
+    ("qwen3", "rope_scaling", "yarn", "rope_scaling"),
+    ("qwen3", "partial_rotary_factor", "half", "partial_rotary_factor"),
+]
+
+
+@pytest.mark.parametrize("family,field,value,words", MUST_REFUSE, ids=lambda v: str(v)[:20])
+def test_a_config_value_that_does_not_fit_is_refused_naming_the_field(families, tmp_path, monkeypatch, capsys, family, field, value, words):
+    source = _edit_config(families[family], tmp_path / "model", field, value)
+    refused(monkeypatch, capsys, source, tmp_path / "out", words)
+
+
+READ = {*HF_INTS, *HF_POSITIVE_FLOATS, "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+BAD_VALUES = ["abc", "4", -1, 0, 1.5, True, False, None, [], [4], {}, {"a": 1}, float("nan"), float("inf"), 1e30, 2**40, 2**70, 3, 7]
+
+
+def _numeric_fields(config: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out += _numeric_fields(value, f"{prefix}{key}.")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) or key in ("rope_scaling", "tie_word_embeddings"):
+            out.append(prefix + key)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral", "qwen3"])
+def test_fuzzed_config_values_never_end_in_an_internal_error(families, tmp_path, monkeypatch, capsys, family):
+    """Every number of config.json set to each of BAD_VALUES: inspect answers or refuses in one line, never
+    exit 2; a field the converter reads is refused when it is no number (null: the default, for those that have one)."""
+    source = families[family]
+    fields = _numeric_fields(json.loads((source / "config.json").read_text()))
+    assert len(fields) >= 10
+    refusals = 0
+    for n, (field, value) in enumerate((f, v) for f in fields for v in BAD_VALUES):
+        model = _edit_config(source, tmp_path / f"m{n}", field, value)
+        code, lines = run_cli(monkeypatch, capsys, "inspect", model)
+        assert code in (0, 1), (field, value, lines)
+        if code == 1:
+            refusals += 1
+            assert len(lines) == 1 and lines[0].startswith("reshard: error:"), (field, value, lines)
+        elif field.split(".")[-1] in READ and (isinstance(value, str) or value is None and field.split(".")[-1] not in (*HF_NULLABLE, "rope_theta")):
+            raise AssertionError(f"{field}={value!r} was accepted")
+        shutil.rmtree(model)
+    assert refusals > len(fields) * len(BAD_VALUES) // 3
