@@ -12,6 +12,7 @@ from the HF directory the model came from when it can be found.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -64,6 +65,9 @@ TOKENIZER_FILES = (
     "chat_template.json",
     GENERATION_CONFIG,
 )
+# What a model's users load beside the weights: an export records each one's sha256 (provenance `hf_files`),
+# and an upload refuses one that differs or that the export did not write.
+RECORDED_FILES = (CONFIG, INDEX, *TOKENIZER_FILES)
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 STAGE_BYTES = 64 << 20  # a larger tensor not placed for direct I/O goes through the page cache instead of a copy
 
@@ -84,6 +88,12 @@ _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 def is_hf(path: Path) -> bool:
     return (path / CONFIG).is_file() and (any(path.glob("*.safetensors")) or (path / INDEX).is_file())
+
+
+def recorded_digests(directory: Path) -> dict[str, str]:
+    """The sha256 of each of RECORDED_FILES the directory has."""
+    return {name: hashlib.sha256((directory / name).read_bytes()).hexdigest() for name in RECORDED_FILES if (directory / name).is_file()}
+
 
 def inside(directory: Path, name: str) -> Path:
     """`directory / name`, refused unless it stays in the directory: `name` is relative without `..`, and the file
@@ -639,7 +649,8 @@ class HFWriter(CheckpointWriter):
                 if config.get(key) is not None:
                     generation[key] = config[key]
             (self.path / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
-        manifest.provenance = dict(manifest.provenance, hf_family=self.family.model_type, hf_files_copied=copied)
+        manifest.provenance = dict(manifest.provenance, hf_family=self.family.model_type, hf_files_copied=copied,
+                                   hf_files=recorded_digests(self.path))
         manifest.save(self.path)
 
     def _source_dir(self, manifest: Manifest) -> Path | None:
