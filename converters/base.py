@@ -239,8 +239,6 @@ def bad_value(field: str, value: Any, want: str) -> ReshardError:
 def check_values(hf: dict[str, Any]) -> None:
     """Refuse config.json numbers the converter cannot use: not numbers, out of range, or sizes that do not
     divide as attention needs (heads into hidden_size, KV heads into heads, routed experts into experts)."""
-    if not isinstance(hf, dict):
-        raise ReshardError("HF config: config.json is not a JSON object")
     for field in HF_INTS:
         value = hf.get(field)
         if field not in hf or (value is None and field in HF_NULLABLE):
@@ -386,7 +384,10 @@ class Family:
                 f"sliding_window={hf.get('sliding_window')}",
                 "Megatron-Core here uses full causal attention; set sliding_window to null in config.json only if the model never relied on it",
             )
-        kinds = set(hf.get("layer_types") or ["full_attention"])
+        layer_types = hf.get("layer_types") or ["full_attention"]
+        if not isinstance(layer_types, list) or not all(isinstance(kind, str) for kind in layer_types):
+            raise bad_value("layer_types", layer_types, "a list of attention kinds")
+        kinds = set(layer_types)
         if kinds != {"full_attention"}:
             raise refuse(f"layer_types {sorted(kinds)}", "only full attention on every layer can be converted")
         if number(hf.get("partial_rotary_factor", 1.0) or 1.0, "partial_rotary_factor") != 1.0:

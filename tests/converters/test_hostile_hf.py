@@ -460,23 +460,24 @@ READ = {*HF_INTS, *HF_POSITIVE_FLOATS, "factor", "low_freq_factor", "high_freq_f
 BAD_VALUES = ["abc", "4", -1, 0, 1.5, True, False, None, [], [4], {}, {"a": 1}, float("nan"), float("inf"), 1e30, 2**40, 2**70, 3, 7]
 
 
-def _numeric_fields(config: dict, prefix: str = "") -> list[str]:
+def _fields(config: dict, prefix: str = "") -> list[str]:
+    """Every key of config.json, and of the objects in it (dotted)."""
     out = []
     for key, value in config.items():
+        out.append(prefix + key)
         if isinstance(value, dict):
-            out += _numeric_fields(value, f"{prefix}{key}.")
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) or key in ("rope_scaling", "tie_word_embeddings"):
-            out.append(prefix + key)
+            out += _fields(value, f"{prefix}{key}.")
     return out
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral", "qwen3"])
 def test_fuzzed_config_values_never_end_in_an_internal_error(families, tmp_path, monkeypatch, capsys, family):
-    """Every number of config.json set to each of BAD_VALUES: inspect answers or refuses in one line, never
+    """Every field of config.json set to each of BAD_VALUES, and config.json one of them: inspect answers or
+    refuses in one line, never
     exit 2; a field the converter reads is refused when it is no number (null: the default, for those that have one)."""
     source = families[family]
-    fields = _numeric_fields(json.loads((source / "config.json").read_text()))
-    assert len(fields) >= 10
+    fields = _fields(json.loads((source / "config.json").read_text()))
+    assert len(fields) >= 20
     refusals = 0
     for n, (field, value) in enumerate((f, v) for f in fields for v in BAD_VALUES):
         model = _edit_config(source, tmp_path / f"m{n}", field, value)
@@ -488,4 +489,10 @@ def test_fuzzed_config_values_never_end_in_an_internal_error(families, tmp_path,
         elif field.split(".")[-1] in READ and (isinstance(value, str) or value is None and field.split(".")[-1] not in (*HF_NULLABLE, "rope_theta")):
             raise AssertionError(f"{field}={value!r} was accepted")
         shutil.rmtree(model)
-    assert refusals > len(fields) * len(BAD_VALUES) // 3
+    for value in BAD_VALUES:
+        model = shutil.copytree(source, tmp_path / "whole")
+        (model / "config.json").write_text(json.dumps(value))
+        code, lines = run_cli(monkeypatch, capsys, "inspect", model)
+        assert code == 1 and len(lines) == 1 and lines[0].startswith("reshard: error:"), (value, lines)
+        shutil.rmtree(model)
+    assert refusals > len(fields) * len(BAD_VALUES) // 4
