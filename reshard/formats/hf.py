@@ -105,8 +105,12 @@ def inside(directory: Path, name: str) -> Path:
     home = directory.resolve()
     if home.parent.name == "snapshots" and home.parent.parent.name.startswith("models--"):
         home = home.parent.parent / "blobs"
-    if not where.resolve().is_relative_to(home):
-        raise ReshardError(f"{where} leads outside the checkpoint (to {where.resolve()}); refusing it")
+    try:
+        real = where.resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, a NUL in the name
+        raise ReshardError(f"{directory} names {name!r}, which cannot be followed ({exc}); refusing it") from None
+    if not real.is_relative_to(home):
+        raise ReshardError(f"{where} leads outside the checkpoint (to {real}); refusing it")
     return where
 
 
@@ -388,7 +392,7 @@ class HFReader(CheckpointReader):
                 if not isinstance(name, str) or not name.endswith(".safetensors"):
                     raise ReshardError(f"{index} names {name!r}, not a safetensors file; refusing it")
             files = [inside(self.path, n) for n in names]
-            missing = [f for f in files if not f.is_file()]
+            missing = [f for f in files if not os.path.isfile(f)]  # False for a name too long, too
             if missing:
                 raise ReshardError(f"{missing[0]} is missing: the model download is incomplete")
             return files

@@ -163,6 +163,27 @@ def test_a_path_leaving_the_checkpoint_is_refused(model, tmp_path, monkeypatch, 
     assert code == 1 and lines[0].startswith("reshard: error:") and "refusing" in lines[0]
 
 
+def _loop(model):
+    (model / "loop.safetensors").symlink_to("loop.safetensors")
+    return "loop.safetensors"
+
+
+@pytest.mark.parametrize("name,words", [
+    ("a\0.safetensors", "cannot be followed"),
+    ("a" * 300 + ".safetensors", "is missing"),
+    (_loop, "cannot be followed"),
+    ("", "not a safetensors file"),
+    (".", "not a safetensors file"),
+    (7, "is not a safetensors index"),
+    (["x.safetensors"], "is not a safetensors index"),
+])
+def test_an_index_naming_what_cannot_be_a_shard_is_refused(model, tmp_path, monkeypatch, capsys, name, words):
+    if callable(name):
+        name = name(model)
+    _rename_in_index(model, _shard(model), name)
+    refused(monkeypatch, capsys, model, tmp_path / "out", words)
+
+
 def test_a_tokenizer_file_leaving_the_source_is_not_exported(model, tmp_path, monkeypatch, capsys):
     secret = tmp_path / "secret.txt"
     secret.write_text("not yours\n")
