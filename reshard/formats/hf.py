@@ -311,10 +311,12 @@ class HFReader(CheckpointReader):
 
         # Embedding rows, in case config.json's vocab_size disagrees with the weights.
         emb = {m.megatron: m for m in self.family.mappings(config)}["embedding.word_embeddings.weight"]
-        rows = self._shape(emb.hf_names()[0])[0]
-        if rows != config.vocab_size:
+        shape = self._shape(emb.hf_names()[0])
+        if len(shape) != 2:
+            raise ReshardError(f"{emb.hf_names()[0]} has shape {list(shape)}, not [rows, columns]: it is no embedding")
+        if shape[0] != config.vocab_size:
             raise ReshardError(
-                f"config.json says vocab_size={config.vocab_size} but {emb.hf_names()[0]} has {rows} rows: fix config.json"
+                f"config.json says vocab_size={config.vocab_size} but {emb.hf_names()[0]} has {shape[0]} rows: fix config.json"
             )
         self._mappings = {m.megatron: m for m in self.family.mappings(config)}
         used: set[str] = set()

@@ -517,3 +517,20 @@ def test_fuzzed_config_values_never_end_in_an_internal_error(families, tmp_path,
         assert code == 1 and len(lines) == 1 and lines[0].startswith("reshard: error:"), (value, lines)
         shutil.rmtree(model)
     assert refusals > len(fields) * len(BAD_VALUES) // 4
+
+
+TENSORS = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.weight",
+           "model.layers.1.self_attn.k_proj.weight", "model.layers.0.input_layernorm.weight", "model.layers.0.mlp.gate_proj.weight"]
+
+
+@pytest.mark.parametrize("tensor", TENSORS)
+def test_a_tensor_at_another_shape_than_config_json_implies_is_refused(model, tmp_path, monkeypatch, capsys, tensor):
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    shard = model / _index(model)["weight_map"][tensor]
+    original = load_file(shard)
+    for n, shape in enumerate([(), (7,), (250,), (250, 64, 1), (1, 250, 64), (0, 64), (64, 0), (16, 16)]):
+        tensors = dict(original, **{tensor: np.zeros(shape, np.float32)})
+        save_file(tensors, shard, metadata={"format": "pt"})
+        refused(monkeypatch, capsys, model, tmp_path / f"out{n}", tensor)
