@@ -6,6 +6,7 @@ config translation) and add it to `_BUILTIN` below.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from reshard.config import ModelConfig
@@ -38,13 +39,18 @@ for _family in _BUILTIN:
 
 def family_for_hf(hf_config: dict[str, Any]) -> Family:
     """The family of an HF config.json, by its `architectures` and then its `model_type`."""
-    for name in hf_config.get("architectures") or []:
+    if not isinstance(hf_config, dict):
+        raise ReshardError(f"HF config: config.json holds {type(hf_config).__name__}, not an object of settings")
+    architectures = hf_config.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
+        raise ReshardError(f"HF config: architectures={json.dumps(architectures)[:60]} is not a list of class names")
+    for name in architectures:
         if name in _BY_ARCHITECTURE:
             return _BY_ARCHITECTURE[name]
     model_type = hf_config.get("model_type")
-    if model_type in FAMILIES and not hf_config.get("architectures"):
+    if isinstance(model_type, str) and model_type in FAMILIES and not architectures:
         return FAMILIES[model_type]
-    names = ", ".join(hf_config.get("architectures") or [str(model_type)])
+    names = ", ".join(architectures or [str(model_type)])
     known = ", ".join(sorted(_BY_ARCHITECTURE))
     raise ReshardError(f"HF architecture {names} is not supported; reshard converts {known}")
 

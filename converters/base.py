@@ -16,6 +16,8 @@ and is wrong.
 from __future__ import annotations
 
 import copy
+import json
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -220,6 +222,57 @@ def refuse(what: str, hint: str) -> ReshardError:
     return ReshardError(f"HF config: {what} is not supported by reshard's converter; {hint}")
 
 
+# The numbers a config.json of any family gives, and their range; None is allowed where the converter has a
+# default for a missing value (the field is read as `hf.get(...) or default`).
+HF_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+           "moe_intermediate_size", "vocab_size", "max_position_embeddings", "num_local_experts", "num_experts",
+           "num_experts_per_tok", "decoder_sparse_step", "n_embd", "n_layer", "n_head", "n_inner", "n_positions")
+HF_NULLABLE = ("num_key_value_heads", "head_dim", "n_inner", "num_local_experts", "num_experts")
+HF_POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
+MAX_INT = 1 << 31  # far past any model's sizes; a product of a few stays within numpy's int64 shapes
+
+
+def bad_value(field: str, value: Any, want: str) -> ReshardError:
+    return ReshardError(f"HF config: {field}={json.dumps(value)[:40]} is not {want}; fix config.json")
+
+
+def check_values(hf: dict[str, Any]) -> None:
+    """Refuse config.json numbers the converter cannot use: not numbers, out of range, or sizes that do not
+    divide as attention needs (heads into hidden_size, KV heads into heads, routed experts into experts)."""
+    for field in HF_INTS:
+        value = hf.get(field)
+        if field not in hf or (value is None and field in HF_NULLABLE):
+            continue
+        if type(value) is not int or not 0 < value < MAX_INT:
+            raise bad_value(field, value, f"a whole number from 1 to {MAX_INT - 1}")
+    for field in HF_POSITIVE_FLOATS:
+        value = hf.get(field)
+        if field in hf and (type(value) not in (int, float) or not 0 < value < math.inf):
+            raise bad_value(field, value, "a positive number")
+    if "tie_word_embeddings" in hf and not isinstance(hf["tie_word_embeddings"], bool):
+        raise bad_value("tie_word_embeddings", hf["tie_word_embeddings"], "true or false")
+    for field in ("rms_norm_eps", "layer_norm_epsilon"):
+        if field in hf and hf[field] >= 1:
+            raise bad_value(field, hf[field], "an epsilon below 1")
+    heads, hidden = hf.get("num_attention_heads", hf.get("n_head")), hf.get("hidden_size", hf.get("n_embd"))
+    if heads and hidden and not hf.get("head_dim") and hidden % heads:
+        name = "num_attention_heads" if "num_attention_heads" in hf else "n_head"
+        raise bad_value(name, heads, f"a divisor of the hidden size {hidden} (config.json gives no head_dim)")
+    kv = hf.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise bad_value("num_key_value_heads", kv, f"a divisor of num_attention_heads={heads}")
+    experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if experts and hf.get("num_experts_per_tok", 0) > experts:
+        raise bad_value("num_experts_per_tok", hf["num_experts_per_tok"], f"at most the {experts} experts")
+
+
+def number(value: Any, field: str) -> float:
+    """A config.json float (rope_scaling's factor, partial_rotary_factor), or a one-line refusal naming it."""
+    if type(value) not in (int, float) or not -math.inf < value < math.inf:
+        raise bad_value(field, value, "a number")
+    return float(value)
+
+
 def expert_count(hf: dict[str, Any]) -> int:
     """Experts per MoE layer, under either name HF families use for it."""
     experts = hf.get("num_local_experts") or hf.get("num_experts")
@@ -239,11 +292,16 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         theta = params.get("rope_theta", theta)
         if params.get("rope_type", params.get("type", "default")) not in (None, "default"):
             scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling is not None and not isinstance(scaling, dict):
+        raise bad_value("rope_scaling", scaling, "an object or null")
     if isinstance(scaling, dict):
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind in (None, "default"):
             scaling = None
-    return float(theta if theta is not None else 10000.0), scaling
+    theta = number(theta if theta is not None else 10000.0, "rope_theta")
+    if theta <= 0:
+        raise bad_value("rope_theta", theta, "a positive number")
+    return theta, scaling
 
 
 def check_rope_scaling(scaling: dict[str, Any] | None) -> tuple[bool, float]:
@@ -257,12 +315,15 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> tuple[bool, float]:
             "Megatron-Core only implements llama3-style scaling (rope_scaling/rope_scaling_factor); convert a model without it",
         )
     for key, value in MEGATRON_LLAMA3_ROPE.items():
-        if key in scaling and float(scaling[key]) != value:
+        if key in scaling and number(scaling[key], f"rope_scaling.{key}") != value:
             raise refuse(
                 f"llama3 rope_scaling {key}={scaling[key]}",
                 f"Megatron-Core fixes it at {value}; the converted model would compute different positions",
             )
-    return True, float(scaling.get("factor", 8.0))
+    factor = number(scaling.get("factor", 8.0), "rope_scaling.factor")
+    if factor <= 0:
+        raise bad_value("rope_scaling.factor", factor, "a positive number")
+    return True, factor
 
 
 def hf_dtype(hf: dict[str, Any]) -> str | None:
@@ -323,10 +384,13 @@ class Family:
                 f"sliding_window={hf.get('sliding_window')}",
                 "Megatron-Core here uses full causal attention; set sliding_window to null in config.json only if the model never relied on it",
             )
-        kinds = set(hf.get("layer_types") or ["full_attention"])
+        layer_types = hf.get("layer_types") or ["full_attention"]
+        if not isinstance(layer_types, list) or not all(isinstance(kind, str) for kind in layer_types):
+            raise bad_value("layer_types", layer_types, "a list of attention kinds")
+        kinds = set(layer_types)
         if kinds != {"full_attention"}:
             raise refuse(f"layer_types {sorted(kinds)}", "only full attention on every layer can be converted")
-        if float(hf.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        if number(hf.get("partial_rotary_factor", 1.0) or 1.0, "partial_rotary_factor") != 1.0:
             raise refuse(f"partial_rotary_factor={hf['partial_rotary_factor']}", "only full-width rotary embeddings are mapped")
 
     def allowed_flags(self) -> set[str]:
@@ -334,6 +398,7 @@ class Family:
 
     def config_from_hf(self, hf: dict[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:
         """(ModelConfig, extra Megatron args) for an HF config.json dict."""
+        check_values(hf)
         self.check_hf(hf)
         heads = int(hf["num_attention_heads"])
         kv = int(hf.get("num_key_value_heads") or heads)

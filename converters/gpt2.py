@@ -7,7 +7,7 @@ HF's default `gelu_new` (tanh approximation) is Megatron-LM's `openai_gelu`.
 from __future__ import annotations
 
 from reshard.config import ModelConfig, pad_vocab
-from reshard.converters.base import Family, FusedQKV, L, Rename, Transposed, hf_dtype, refuse
+from reshard.converters.base import Family, FusedQKV, L, Rename, Transposed, check_values, hf_dtype, refuse
 
 GELU_EXACT = ("gelu",)
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
@@ -43,6 +43,7 @@ class GPT2(Family):
             raise refuse("add_cross_attention=true", "decoder-only GPT-2 models only")
 
     def config_from_hf(self, hf):
+        check_values(hf)
         self.check_hf(hf)
         hidden = int(hf["n_embd"])
         vocab = int(hf["vocab_size"])

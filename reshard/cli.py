@@ -207,6 +207,8 @@ def verify(path: Path, against: Path | None, as_json: bool, config_file: Path | 
               help="Threads exporting and hashing.")
 @click.option("--commit-size", default="5GiB", show_default=True,
               help="Upload in commits of about this size; a rerun after an interruption resumes at the first file not yet committed.")
+@click.option("--allow-code", is_flag=True, help="Upload *.py files and an auto_map (code that transformers runs with "
+              "trust_remote_code) too; refused otherwise.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress.")
 def upload(checkpoint: Path, repo_id: str, **opts: Any) -> None:
     """Publish CHECKPOINT to the Hub as REPO_ID, as an HF model whose checksums verify.
@@ -240,7 +242,7 @@ def upload(checkpoint: Path, repo_id: str, **opts: Any) -> None:
                 checkpoint, repo_id, private=opts["private"], revision=opts["revision"], token=opts["token"],
                 endpoint=opts["endpoint"], commit_message=opts["message"], staging=opts["staging"], dtype=opts["dtype"],
                 max_shard_bytes=sizes["max_shard_size"], metrics=opts["metrics"], workers=opts["workers"],
-                commit_bytes=sizes["commit_size"], report=say,
+                commit_bytes=sizes["commit_size"], report=say, allow_code=opts["allow_code"],
                 planned=lambda plan: setattr(bar, "total", plan.bytes_moved), progress=lambda n: bar.update(n), hashed=hashed,
             )
     except KeyboardInterrupt:

@@ -32,7 +32,7 @@ from typing import Any
 
 from reshard.errors import ReshardError
 from reshard.formats.base import MANIFEST_NAME
-from reshard.formats.hf import CONFIG, INDEX
+from reshard.formats.hf import CONFIG, INDEX, recorded_digests
 from reshard.hub import Access, check_repo_id, progress_bars
 from reshard.plan import human_bytes
 
@@ -306,13 +306,60 @@ def _verified(folder: Path) -> None:
 
 def local_files(folder: Path) -> dict[str, Path]:
     """The files to upload: everything in the folder but hidden files and directories (reshard's record of
-    the export, .cache, .git)."""
+    the export, .cache, .git). A symlink that leads out of the folder is refused: what is uploaded is the
+    folder's own."""
     out = {}
+    home = folder.resolve()
     for p in sorted(folder.rglob("*")):
         rel = p.relative_to(folder)
-        if p.is_file() and not any(part.startswith(".") for part in rel.parts):
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        if p.is_symlink() and not p.resolve().is_relative_to(home):
+            raise ReshardError(f"{p} leads outside {folder} (to {p.resolve()}); refusing to upload it")
+        if p.is_file():
             out[rel.as_posix()] = p
     return out
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeError, ValueError):
+        raise ReshardError(f"{path} is not valid JSON; refusing to upload it") from None
+    if not isinstance(data, dict):
+        raise ReshardError(f"{path} is not a JSON object; refusing to upload it")
+    return data
+
+
+def check_publishable(folder: Path, files: dict[str, Path], allow_code: bool) -> None:
+    """Refuse a folder whose config, generation config, tokenizer or index files are not those the export
+    recorded (edited or added since), and, unless `allow_code`, one with code a user's `trust_remote_code` would
+    run: *.py files, or `auto_map` in config.json or tokenizer_config.json."""
+    try:
+        recorded = json.loads((folder / MANIFEST_NAME).read_text())["provenance"]["hf_files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        recorded = None
+    if not isinstance(recorded, dict):
+        raise ReshardError(f"{folder / MANIFEST_NAME} records no sha256 of config.json and the tokenizer files (an export "
+                           "of an older reshard, or edited): export the checkpoint again to upload it")
+    now = recorded_digests(folder)
+    for name in sorted(set(recorded) | set(now)):
+        if name not in now:
+            raise ReshardError(f"{folder / name} is missing, though the export wrote it; refusing to upload")
+        if name not in recorded:
+            raise ReshardError(f"{folder / name} was added after the export (it is not in {MANIFEST_NAME}); refusing to upload")
+        if recorded[name] != now[name]:
+            raise ReshardError(f"{folder / name} changed after the export (its sha256 is not the one in {MANIFEST_NAME}); "
+                               "refusing to upload: export again, or restore it")
+    if allow_code:
+        return
+    code = [name for name in files if name.endswith(".py")]
+    for name in ("config.json", "tokenizer_config.json"):
+        if name in files and "auto_map" in _json_object(files[name]):
+            code.append(f"{name} (auto_map)")
+    if code:
+        raise ReshardError(f"{folder} holds code that transformers would run with trust_remote_code ({', '.join(code[:3])}); "
+                           "refusing to upload it without --allow-code")
 
 
 def sha256_of(path: Path) -> str:
@@ -404,6 +451,7 @@ def upload(
     planned: Callable[[Any], None] | None = None,
     progress: Callable[[int], None] | None = None,
     hashed: Callable[[int, int], None] | None = None,
+    allow_code: bool = False,
 ) -> UploadResult:
     """Publish `path` (any checkpoint reshard reads) to `repo_id`: export it to HF if it is not an HF model
     (see `prepare`), verify, and upload what the repository lacks, in commits a rerun resumes (see the module
@@ -412,7 +460,8 @@ def upload(
     provenance, the training's metrics and the checksums is generated for `repo_id` (never written to disk).
     `report` gets a line at each step; `planned` and `progress` follow an export as `convert` has them;
     `hashed` gets (bytes hashed, bytes to hash) after each file. Without `report`, huggingface_hub shows no
-    progress bars either."""
+    progress bars either. A folder with code files or `auto_map` is refused unless `allow_code`, and so is one
+    whose config or tokenizer files are not those the export recorded (`check_publishable`)."""
     say = report or (lambda _: None)
     check_repo_id(repo_id)
     path = Path(path)
@@ -424,6 +473,7 @@ def upload(
     )
 
     paths = local_files(folder)
+    check_publishable(folder, paths, allow_code)
     total = sum(p.stat().st_size for p in paths.values())
     say(f"hashing {len(paths)} files ({human_bytes(total)})")
     done = 0

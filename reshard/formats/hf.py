@@ -12,6 +12,7 @@ from the HF directory the model came from when it can be found.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -31,6 +32,7 @@ from reshard.direct_io import ALIGN, DirectFile
 from reshard.dtypes import itemsize, numpy_dtype
 from reshard.errors import ReshardError
 from reshard.formats.base import (
+    MANIFEST_NAME,
     CheckpointReader,
     CheckpointWriter,
     CommonState,
@@ -63,6 +65,9 @@ TOKENIZER_FILES = (
     "chat_template.json",
     GENERATION_CONFIG,
 )
+# What a model's users load beside the weights: an export records each one's sha256 (provenance `hf_files`),
+# and an upload refuses one that differs or that the export did not write.
+RECORDED_FILES = (CONFIG, INDEX, *TOKENIZER_FILES)
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 STAGE_BYTES = 64 << 20  # a larger tensor not placed for direct I/O goes through the page cache instead of a copy
 
@@ -85,23 +90,141 @@ def is_hf(path: Path) -> bool:
     return (path / CONFIG).is_file() and (any(path.glob("*.safetensors")) or (path / INDEX).is_file())
 
 
+def recorded_digests(directory: Path) -> dict[str, str]:
+    """The sha256 of each of RECORDED_FILES the directory has."""
+    return {name: hashlib.sha256((directory / name).read_bytes()).hexdigest() for name in RECORDED_FILES if (directory / name).is_file()}
+
+
+def inside(directory: Path, name: str) -> Path:
+    """`directory / name`, refused unless it stays in the directory: `name` is relative without `..`, and the file
+    it leads to, through any symlinks, lies in the directory, or, for a snapshot of huggingface_hub's cache
+    (`models--<org>--<name>/snapshots/<commit>`), in that repository's blobs."""
+    where = directory / name
+    if Path(name).is_absolute() or ".." in Path(name).parts or not Path(name).parts:
+        raise ReshardError(f"{directory} names {name!r}, a path outside the checkpoint; refusing it")
+    home = directory.resolve()
+    if home.parent.name == "snapshots" and home.parent.parent.name.startswith("models--"):
+        home = home.parent.parent / "blobs"
+    try:
+        real = where.resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, a NUL in the name
+        raise ReshardError(f"{directory} names {name!r}, which cannot be followed ({exc}); refusing it") from None
+    if not real.is_relative_to(home):
+        raise ReshardError(f"{where} leads outside the checkpoint (to {real}); refusing it")
+    return where
+
+
+# Every dtype the safetensors library knows, in bits per value (a file naming another is refused).
+_ST_BITS = {
+    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
+    "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+}
+_ST_MAX_HEADER = 100_000_000  # the safetensors library's limit
+_USIZE = 1 << 64
+
+
+class _Pairs(list):
+    """A JSON object as its (key, value) pairs, duplicates kept."""
+
+
+def _bad(path: Path, why: str) -> ReshardError:
+    return ReshardError(f"{path} is not a safetensors file ({why})")
+
+
+def _usize(value: Any) -> bool:
+    return type(value) is int and 0 <= value < _USIZE
+
+
+def _check_strings(value: Any) -> None:
+    """Refuse what the library's JSON parser refuses and Python's accepts: lone surrogates (`\\ud800`)."""
+    if isinstance(value, str):
+        value.encode("utf-8")
+    elif isinstance(value, (list, tuple)):  # an object's (key, value) pairs too
+        for item in value:
+            _check_strings(item)
+
+
+def _parse_header(path: Path, raw: bytes) -> dict[str, dict[str, Any]]:
+    """The tensors a safetensors header lists, by the rules of the safetensors library (its JSON and
+    TensorInfo types): one object, `__metadata__` once and string to string, each tensor a known dtype, a shape
+    and two offsets of unsigned integers; a repeated tensor name counts as its last entry, as there."""
+    def constant(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        top = json.loads(raw.decode("utf-8"), object_pairs_hook=_Pairs, parse_constant=constant)
+        _check_strings(top)
+    except (UnicodeError, ValueError, RecursionError) as exc:
+        raise _bad(path, f"its header is not JSON: {exc}") from None
+    if not isinstance(top, _Pairs):
+        raise _bad(path, "its header is not a JSON object")
+    tensors: dict[str, dict[str, Any]] = {}
+    metadata_seen = False
+    for name, value in top:
+        if name == "__metadata__":
+            if metadata_seen:
+                raise _bad(path, "__metadata__ appears twice")
+            metadata_seen = True
+            if value is not None and (not isinstance(value, _Pairs) or not all(isinstance(v, str) for _, v in value)):
+                raise _bad(path, "__metadata__ is not a map of strings to strings")
+            continue
+        if not isinstance(value, _Pairs):
+            raise _bad(path, f"tensor {name!r} is not described by an object")
+        info: dict[str, Any] = {}
+        for key, field in value:
+            if key in ("dtype", "shape", "data_offsets"):
+                if key in info:
+                    raise _bad(path, f"tensor {name!r} gives {key} twice")
+                info[key] = field
+        if set(info) != {"dtype", "shape", "data_offsets"}:
+            raise _bad(path, f"tensor {name!r} lacks {sorted({'dtype', 'shape', 'data_offsets'} - set(info))[0]}")
+        offsets, shape = info["data_offsets"], info["shape"]
+        if info["dtype"] not in _ST_BITS:
+            raise _bad(path, f"tensor {name!r} has dtype {info['dtype']!r}, which safetensors does not know")
+        if isinstance(shape, _Pairs) or not isinstance(shape, list) or not all(map(_usize, shape)):
+            raise _bad(path, f"tensor {name!r} has shape {shape!r}, not a list of unsigned integers")
+        if isinstance(offsets, _Pairs) or not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_usize, offsets)):
+            raise _bad(path, f"tensor {name!r} has data_offsets {offsets!r}, not two unsigned integers")
+        tensors[name] = info
+    return tensors
+
+
+def _check_offsets(path: Path, tensors: dict[str, dict[str, Any]], data_bytes: int) -> None:
+    """The tensors' byte ranges, in order, cover the data exactly once (no overlap, hole or trailing byte), each
+    as long as its shape and dtype say."""
+    end = 0
+    for name, info in sorted(tensors.items(), key=lambda item: item[1]["data_offsets"]):
+        begin, stop = info["data_offsets"]
+        if begin != end or stop < begin:
+            raise _bad(path, f"tensor {name!r} has data_offsets [{begin}, {stop}] where the previous tensor ends at {end}: "
+                             "overlapping or with a hole")
+        bits = math.prod(info["shape"]) * _ST_BITS[info["dtype"]]
+        if math.prod(info["shape"]) >= _USIZE or bits >= _USIZE or bits % 8 or stop - begin != bits // 8:
+            raise _bad(path, f"tensor {name!r} of shape {info['shape']} and dtype {info['dtype']} does not fill its "
+                             f"{stop - begin} bytes")
+        end = stop
+    if end != data_bytes:
+        raise ReshardError(f"{path} is truncated: the model download is incomplete" if end > data_bytes else
+                           f"{path} is not a safetensors file ({data_bytes - end} bytes past its last tensor)")
+
+
 def _read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The tensors a safetensors file lists, and where its data starts."""
+    """The tensors a safetensors file lists, and where its data starts, once the header is as valid as the
+    safetensors library requires."""
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
             raise ReshardError(f"{path} is truncated (no safetensors header)")
         (size,) = struct.unpack("<Q", raw)
-        if size > 100 * 1024**2:
+        if size > _ST_MAX_HEADER:
             raise ReshardError(f"{path} is not a safetensors file (header of {size} bytes)")
-        try:
-            header = json.loads(f.read(size))
-            header.pop("__metadata__", None)
-            end = max((v["data_offsets"][1] for v in header.values()), default=0)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            raise ReshardError(f"{path} is not a safetensors file (its header does not parse)") from None
-    if path.stat().st_size < 8 + size + end:
+        raw = f.read(size)
+        length = os.fstat(f.fileno()).st_size
+    if len(raw) < size:
         raise ReshardError(f"{path} is truncated: the model download is incomplete")
+    header = _parse_header(path, raw)
+    _check_offsets(path, header, length - 8 - size)
     return header, 8 + size
 
 
@@ -158,7 +281,7 @@ class HFReader(CheckpointReader):
         if not (self.path / CONFIG).is_file():
             raise ReshardError(f"{self.path} has no config.json: not a HuggingFace model directory")
         try:
-            self.hf_config = json.loads((self.path / CONFIG).read_text())
+            self.hf_config = json.loads(inside(self.path, CONFIG).read_text())
         except ValueError as exc:
             raise ReshardError(f"{self.path / CONFIG} is not valid JSON ({exc})") from None
         self.family = family_for_hf(self.hf_config)
@@ -167,6 +290,8 @@ class HFReader(CheckpointReader):
         except KeyError as exc:
             raise ReshardError(f"{self.path / CONFIG} lacks {exc.args[0]!r}, which a {self.family.model_type} config needs") from None
         self.layout = Layout()
+        if (self.path / MANIFEST_NAME).exists():
+            inside(self.path, MANIFEST_NAME)
         self.manifest = Manifest.load(self.path)
         # Where each HF tensor lives, from the index or the file headers.
         self._stored: dict[str, _Stored] = {}
@@ -186,10 +311,12 @@ class HFReader(CheckpointReader):
 
         # Embedding rows, in case config.json's vocab_size disagrees with the weights.
         emb = {m.megatron: m for m in self.family.mappings(config)}["embedding.word_embeddings.weight"]
-        rows = self._shape(emb.hf_names()[0])[0]
-        if rows != config.vocab_size:
+        shape = self._shape(emb.hf_names()[0])
+        if len(shape) != 2:
+            raise ReshardError(f"{emb.hf_names()[0]} has shape {list(shape)}, not [rows, columns]: it is no embedding")
+        if shape[0] != config.vocab_size:
             raise ReshardError(
-                f"config.json says vocab_size={config.vocab_size} but {emb.hf_names()[0]} has {rows} rows: fix config.json"
+                f"config.json says vocab_size={config.vocab_size} but {emb.hf_names()[0]} has {shape[0]} rows: fix config.json"
             )
         self._mappings = {m.megatron: m for m in self.family.mappings(config)}
         used: set[str] = set()
@@ -258,16 +385,23 @@ class HFReader(CheckpointReader):
     def _files(self) -> list[Path]:
         index = self.path / INDEX
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
-            names = sorted(set(weight_map.values()))
-            missing = [n for n in names if not (self.path / n).is_file()]
+            try:
+                weight_map = json.loads(inside(self.path, INDEX).read_text())["weight_map"]
+                names = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise ReshardError(f"{index} is not a safetensors index (no weight_map of tensor -> file)") from None
+            for name in names:
+                if not isinstance(name, str) or not name.endswith(".safetensors"):
+                    raise ReshardError(f"{index} names {name!r}, not a safetensors file; refusing it")
+            files = [inside(self.path, n) for n in names]
+            missing = [f for f in files if not os.path.isfile(f)]  # False for a name too long, too
             if missing:
-                raise ReshardError(f"{self.path / missing[0]} is missing: the model download is incomplete")
-            return [self.path / n for n in names]
+                raise ReshardError(f"{missing[0]} is missing: the model download is incomplete")
+            return files
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise ReshardError(f"{self.path} has no *.safetensors files (PyTorch .bin weights are not supported; re-save with safetensors)")
-        return files
+        return [inside(self.path, f.name) for f in files]
 
     def _stored_as(self, hf_name: str) -> _Stored:
         stored = self._stored.get(self._alias.get(hf_name, hf_name))
@@ -513,7 +647,7 @@ class HFWriter(CheckpointWriter):
         if source is not None:
             for name in TOKENIZER_FILES:
                 if (source / name).is_file():
-                    shutil.copyfile(source / name, self.path / name)
+                    shutil.copyfile(inside(source, name), self.path / name)
                     copied.append(name)
         if GENERATION_CONFIG not in copied:
             generation = {"_from_model_config": True}
@@ -521,7 +655,8 @@ class HFWriter(CheckpointWriter):
                 if config.get(key) is not None:
                     generation[key] = config[key]
             (self.path / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
-        manifest.provenance = dict(manifest.provenance, hf_family=self.family.model_type, hf_files_copied=copied)
+        manifest.provenance = dict(manifest.provenance, hf_family=self.family.model_type, hf_files_copied=copied,
+                                   hf_files=recorded_digests(self.path))
         manifest.save(self.path)
 
     def _source_dir(self, manifest: Manifest) -> Path | None:

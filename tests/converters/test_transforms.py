@@ -156,7 +156,8 @@ HF_CONFIGS = {
     "qwen2": dict(BASE, architectures=["Qwen2ForCausalLM"]),
     "qwen3": dict(BASE, architectures=["Qwen3ForCausalLM"], head_dim=32),
     "mixtral": dict(BASE, architectures=["MixtralForCausalLM"], num_local_experts=4, num_experts_per_tok=2),
-    "qwen3_moe": dict(BASE, architectures=["Qwen3MoeForCausalLM"], num_experts=4, moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen3_moe": dict(BASE, architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True),
     "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 250},
 }
 

@@ -270,3 +270,96 @@ def test_the_export_follows_the_dtype_asked_for(trained):
         full = upload(ckpt, "user/run1", endpoint=hub.url, token=hub.token)  # the checkpoint's own float32
         assert full.exported and "model.safetensors" in full.committed
         assert json.loads(hub.repos["user/run1"]["branches"]["main"]["config.json"])["dtype"] == "float32"
+
+
+# ----------------------------------------------------------- what an export may hold to be published (issue 22)
+
+def _edit_json(path, **changes):
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _weights_outside(folder):
+    outside = folder.parent / "elsewhere"
+    outside.mkdir()
+    shutil.move(folder / "model.safetensors", outside / "model.safetensors")
+    (folder / "model.safetensors").symlink_to(outside / "model.safetensors")
+
+
+def _older_manifest(folder):
+    manifest = json.loads((folder / "reshard_manifest.json").read_text())
+    del manifest["provenance"]["hf_files"]
+    (folder / "reshard_manifest.json").write_text(json.dumps(manifest))
+
+
+TAMPERED = [
+    (lambda f: _edit_json(f / "config.json", rms_norm_eps=1e-3), "config.json changed after the export"),
+    (lambda f: (f / "config.json").write_text((f / "config.json").read_text() + " "), "config.json changed after the export"),
+    (lambda f: _edit_json(f / "generation_config.json", eos_token_id=7), "generation_config.json changed after the export"),
+    (lambda f: _edit_json(f / "tokenizer_config.json", model_max_length=7), "tokenizer_config.json changed after the export"),
+    (lambda f: (f / "tokenizer.json").write_text("{}"), "tokenizer.json was added after the export"),
+    (lambda f: (f / "chat_template.jinja").write_text("{{ x }}"), "chat_template.jinja was added after the export"),
+    (lambda f: (f / "generation_config.json").unlink(), "generation_config.json is missing"),
+    (_older_manifest, "records no sha256 of config.json"),
+    (lambda f: (f / "modeling_evil.py").write_text("import os\n"), r"holds code .*modeling_evil\.py.*--allow-code"),
+    (lambda f: (f / "sub").mkdir() or (f / "sub" / "x.py").write_text(""), r"holds code .*sub/x\.py"),
+    (_weights_outside, "leads outside"),
+    (lambda f: (f / "notes.txt").symlink_to("/etc/hostname"), "leads outside"),
+]
+
+
+@pytest.mark.parametrize("tamper,message", TAMPERED, ids=lambda v: getattr(v, "__name__", str(v))[:30])
+def test_an_export_changed_or_given_code_after_its_checksums_is_not_uploaded(export, tmp_path, tamper, message):
+    from test_hostile_hf import tree_digest
+
+    tamper(export)
+    before = tree_digest(tmp_path)
+    with Hub() as hub:
+        with pytest.raises(ReshardError, match=message):
+            upload(export, "user/x", endpoint=hub.url, token=hub.token)
+        assert not hub.repos
+    assert tree_digest(tmp_path) == before
+
+
+def test_a_sharded_export_with_weights_outside_or_an_edited_index_is_not_uploaded(tmp_path):
+    source = build("qwen2", tmp_path / "src")
+    convert(source, tmp_path / "export", Target(format="hf", max_shard_bytes=SHARD))
+    export = tmp_path / "export"
+    index = json.loads((export / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    (tmp_path / "other").mkdir()
+    shutil.copy(export / shard, tmp_path / "other" / shard)
+    with Hub() as hub:
+        for name in list(index["weight_map"]):  # the index names a copy outside the folder
+            if index["weight_map"][name] == shard:
+                index["weight_map"][name] = f"../other/{shard}"
+        (export / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(ReshardError, match="a path outside the checkpoint; refusing it"):
+            upload(export, "user/x", endpoint=hub.url, token=hub.token)
+        assert not hub.repos
+
+
+@pytest.mark.parametrize("where", ["config.json", "tokenizer_config.json", "modeling.py"])
+def test_code_is_uploaded_only_with_allow_code(tmp_path, monkeypatch, where):
+    source = build("qwen2", tmp_path / "src")
+    auto_map = {"AutoModelForCausalLM": "modeling.Evil"}
+    if where == "modeling.py":
+        (source / "modeling.py").write_text("raise SystemExit\n")
+    else:
+        _edit_json(source / where, auto_map=auto_map)
+    convert(source, tmp_path / "export", Target(format="hf"))
+    export = tmp_path / "export"
+    if where == "modeling.py":
+        shutil.copy(source / "modeling.py", export / "modeling.py")  # reshard never copies code: a user added it
+    else:
+        assert json.loads((export / where).read_text())["auto_map"] == auto_map
+    with Hub() as hub:
+        monkeypatch.setenv("HF_TOKEN", hub.token)
+        args = ["upload", str(export), "user/x", "--endpoint", hub.url, "-q"]
+        result = CliRunner().invoke(main, args, standalone_mode=False)
+        assert isinstance(result.exception, ReshardError) and "--allow-code" in str(result.exception) and where in str(result.exception)
+        assert not hub.repos
+        result = CliRunner().invoke(main, [*args, "--allow-code"], standalone_mode=False)
+        assert result.exception is None, result.exception
+        _same_as_folder(hub, "user/x", export)
