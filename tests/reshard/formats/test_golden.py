@@ -113,29 +113,3 @@ def test_common_state_in_neither_place_is_refused(tmp_path):
     with pytest.raises(ReshardError, match="has neither common.pt nor a common_state object"):
         convert(source, tmp_path / "out", Target(format="hf"))
     assert not (tmp_path / "out").exists()
-
-
-def test_torch_dist_for_bridge_keeps_the_true_vocabulary_and_exports_the_original(tmp_path):
-    """Megatron-Bridge saves, loads and exports the vocabulary unpadded (should_pad_vocab: false) and finds
-    iter_* directories only: --for bridge writes it so (Bridge loading it: make_golden.py --only peers-load)."""
-    from reshard.formats import open_checkpoint
-    from reshard.formats.model_args import bridge_args
-
-    convert(HF, tmp_path / "out", Target(format="torch_dist", layout=Layout(tp=2), for_bridge=True))
-    assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
-    run_config = bridge_args(tmp_path / "out" / "iter_0000000" / "run_config.yaml")
-    assert (run_config["vocab_size"], run_config["should_pad_vocab"]) == (250, False)
-    with open_checkpoint(tmp_path / "out") as reader:
-        assert reader.specs["embedding.word_embeddings.weight"].shape == (250, 64) and reader.common.iteration == 0
-    convert(tmp_path / "out", tmp_path / "hf", Target(format="hf"))
-    _same_as_original(tmp_path / "hf")
-
-
-@pytest.mark.parametrize(("target", "refusal"), [
-    (Target(format="legacy", for_bridge=True), "--for bridge writes torch_dist, the one format Megatron-Bridge loads, not legacy"),
-    (Target(format="torch_dist", layout=Layout(tp=3), for_bridge=True), "vocabulary of 250 rows does not split over TP=3"),
-])
-def test_for_bridge_refuses_what_bridge_cannot_load(tmp_path, target, refusal):
-    with pytest.raises(ReshardError, match=refusal):
-        convert(HF, tmp_path / "out", target)
-    assert not (tmp_path / "out").exists()
