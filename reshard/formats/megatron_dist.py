@@ -47,7 +47,7 @@ from reshard.formats.megatron_tree import (
     stored_iteration,
     write_tracker,
 )
-from reshard.formats.model_args import RUN_CONFIG, args_from_file, bridge_args
+from reshard.formats.model_args import RUN_CONFIG, args_from_file, bridge_args, save_run_config
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, spell, uses_te_names
@@ -413,6 +413,8 @@ class TorchDistWriter(CheckpointWriter):
         common["iteration"] = stored_iteration(self.common.iteration)
         with open(self.directory / "common.pt", "wb") as f:
             save_archive(common, f)
+        # what Megatron-Bridge's loader builds the model from (it reads no Megatron-LM args without a model type)
+        save_run_config(self.directory, args, self.config, self.layout, self.te_names)
         (self.directory / "metadata.json").write_text(json.dumps(METADATA_JSON))
         manifest.save(self.directory)
         write_tracker(self.path, self.common.iteration)
