@@ -150,3 +150,25 @@ def test_torch_dist_output_has_a_bridge_run_config_that_reads_back(tmp_path):
     with open_checkpoint(tmp_path / "out") as reader:
         assert ModelConfig.from_megatron_args(args) == reader.config
         assert str(Layout.from_megatron_args(args)) == str(reader.layout) == str(Layout(tp=2))
+
+
+def test_torch_dist_for_bridge_keeps_the_true_vocabulary_and_exports_the_original(tmp_path):
+    """Megatron-Bridge saves, loads and exports the vocabulary unpadded (should_pad_vocab: false) and finds
+    iter_* directories only: --for bridge writes it so (Bridge loading it: make_golden.py --only peers-load)."""
+    from reshard.formats import open_checkpoint
+    from reshard.formats.model_args import bridge_args
+
+    convert(HF, tmp_path / "out", Target(format="torch_dist", layout=Layout(tp=2), for_bridge=True))
+    assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
+    run_config = bridge_args(tmp_path / "out" / "iter_0000000" / "run_config.yaml")
+    assert (run_config["vocab_size"], run_config["should_pad_vocab"]) == (250, False)
+    with open_checkpoint(tmp_path / "out") as reader:
+        assert reader.specs["embedding.word_embeddings.weight"].shape == (250, 64) and reader.common.iteration == 0
+    convert(tmp_path / "out", tmp_path / "hf", Target(format="hf"))
+    _same_as_original(tmp_path / "hf")
+
+
+def test_for_bridge_refuses_a_format_bridge_does_not_load(tmp_path):
+    with pytest.raises(ReshardError, match="--for bridge writes torch_dist, the one format Megatron-Bridge loads, not legacy"):
+        convert(HF, tmp_path / "out", Target(format="legacy", for_bridge=True))
+    assert not (tmp_path / "out").exists()
