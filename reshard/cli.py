@@ -72,6 +72,15 @@ def inspect(path: Path, as_json: bool, config_file: Path | None) -> None:
     help="Megatron output: Transformer-Engine or local-spec parameter names (default: the source's transformer_impl).",
 )
 @click.option(
+    "--for",
+    "for_tool",
+    type=click.Choice(["megatron-lm", "bridge"]),
+    default="megatron-lm",
+    show_default=True,
+    help="torch_dist output for this loader: bridge stores the vocabulary unpadded and a release as iteration 0, "
+    "as Megatron-Bridge saves and exports them (Megatron-LM's loader pads the vocabulary itself).",
+)
+@click.option(
     "--dtype",
     type=click.Choice(list(PRECISIONS)),
     help="store the model's weights in this dtype and record it as the model's precision (default: the "
@@ -130,6 +139,7 @@ def convert(source: str, destination: Path, **opts: Any) -> None:
         dtype=opts["dtype"],
         optimizer=not opts["no_optimizer"],
         naming=opts["naming"],
+        for_bridge=opts["for_tool"] == "bridge",
     )
     run = Run(
         workers=opts["workers"],

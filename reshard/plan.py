@@ -261,6 +261,17 @@ def target_config(config: ModelConfig, layout: Layout, source_tp: int) -> ModelC
     return config.replace(padded_vocab_size=padded)
 
 
+def bridge_config(config: ModelConfig, layout: Layout, format_name: str) -> ModelConfig:
+    """The target config for Megatron-Bridge, which keeps the true vocabulary rows (`should_pad_vocab: false`)."""
+    if format_name != "torch_dist":
+        raise ReshardError(f"--for bridge writes torch_dist, the one format Megatron-Bridge loads, not {format_name}")
+    if config.vocab_size is None:
+        raise ReshardError("--for bridge stores the true vocabulary, which the checkpoint does not record: pass --vocab-size")
+    if config.vocab_size % layout.tp:
+        raise ReshardError(f"--for bridge: the vocabulary of {config.vocab_size} rows does not split over TP={layout.tp}; choose another TP")
+    return config.replace(padded_vocab_size=config.vocab_size)
+
+
 def _records_are_chunks(plan: ConversionPlan, move: TensorMove, reader: CheckpointReader) -> bool:
     """Whether every record the target writes of `move` is a region the source stores whole, judged by its
     first slab: every slab of a tensor is cut alike (as `largest_unit` assumes), and a wrong answer would
@@ -281,6 +292,8 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
     optimizer, dtype = target.optimizer, target.dtype
     layout.validate(reader.config)
     config = target_config(reader.config, layout, reader.layout.tp)
+    if target.for_bridge:
+        config = bridge_config(config, layout, format_name)
     if dtype is not None:
         config = config.replace(params_dtype=dtype)
     moves: list[TensorMove] = []
@@ -317,6 +330,8 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         raise ReshardError(f"{writer.optimizer_refusal}; pass --no-optimizer or convert to torch_dist")
     te_names = None if target.naming is None else target.naming == "te"
     common = _target_common(reader, layout, writer, optimizer, te_names, dropped)
+    if target.for_bridge and common.iteration == "release":
+        common.iteration = 0
     if dtype is not None:
         common.args.update(precision_args(dtype))
     plan = ConversionPlan(

@@ -42,6 +42,9 @@ class Target:
     optimizer: bool = True  # False: leave the optimizer state behind
     naming: Literal["te", "local"] | None = None  # Megatron output: Transformer-Engine or local-spec names
     max_shard_bytes: int | None = None  # HF output: the largest safetensors file
+    # torch_dist output for Megatron-Bridge: the vocabulary unpadded, as Bridge saves, loads and exports it, and
+    # a release checkpoint as its iteration 0 (Bridge's loader finds iter_* directories only)
+    for_bridge: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype is not None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import abc
+import functools
 import json
+import math
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -23,6 +25,8 @@ from reshard.torchfile.archive_reader import READ_BLOCK
 from reshard.torchfile.pickles import named
 
 MANIFEST_NAME = "reshard_manifest.json"
+_DEFAULTS = Path(__file__).with_name("megatron_lm_args.json")  # fixtures/golden/make_golden.py --only mlm-args
+_GPT = named("megatron.core.enums", "ModelType")(1)  # ModelType.encoder_or_decoder, as Megatron-LM's GPT args hold it
 _CACHE_LOCK = threading.Lock()
 _MAKING: dict[tuple[int, Any], threading.Lock] = {}  # a lock per entry being made
 
@@ -51,12 +55,50 @@ def precision_args(dtype: str) -> dict[str, Any]:
     return {"params_dtype": named("torch", dtype), "bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
 
 
+@functools.cache
+def _megatron_lm_table() -> dict[str, Any]:
+    return json.loads(_DEFAULTS.read_text())
+
+
+def _from_json(value: Any) -> Any:
+    """A default of the table as the args pickle holds it: a torch dtype or an enum as its stand-in."""
+    if isinstance(value, dict):
+        if "__named__" in value:
+            return named(*value["__named__"].rsplit(".", 1))
+        module, qualname = value["__call__"].rsplit(".", 1)
+        return named(module, qualname)(*value["args"])
+    return value
+
+
+def megatron_lm_defaults() -> dict[str, Any]:
+    """Megatron-LM's complete argument set with its defaults (megatron_lm_args.json: its own parse_args)."""
+    return {k: _from_json(v) for k, v in _megatron_lm_table()["defaults"].items()}
+
+
 def args_for_layout(args: dict[str, Any], layout: Layout, config: ModelConfig, ckpt_format: str) -> dict[str, Any]:
-    """A copy of Megatron args rewritten for the target layout (sizes, padded vocab, format)."""
-    out = dict(args)
+    """Megatron-LM's complete argument set for the target: its defaults, the model's values over them, the
+    source's args over those, then the layout's values and the arguments Megatron-LM derives from them."""
+    out = megatron_lm_defaults()
+    out.update(config.megatron_args())
+    out.update(args)
     out.update(layout.megatron_args(), padded_vocab_size=config.padded_vocab_size, ckpt_format=ckpt_format)
-    for key, value in config.megatron_args().items():
-        out.setdefault(key, value)
+    out.update(precision_args(config.params_dtype))
+    if out.get("seq_length") is None:
+        out["seq_length"] = config.max_position_embeddings
+    out["encoder_seq_length"] = out["seq_length"]
+    out["group_query_attention"] = config.num_query_groups is not None
+    out["num_query_groups"] = config.groups
+    out["encoder_num_layers"] = config.num_layers
+    out["transformer_pipeline_model_parallel_size"] = layout.pp
+    out["use_dist_ckpt"] = ckpt_format != "torch"  # as Megatron-LM's validate_args sets it
+    out.setdefault("model_type", _GPT)
+    if out.get("micro_batch_size") is None:  # Megatron-LM's validate_args requires one, as its converters do
+        out["micro_batch_size"] = 1
+    for key in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+        out.setdefault(key, 0)
+    # the smallest world that holds the layout (as Megatron-LM's own converter writes: one data-parallel replica)
+    out["world_size"] = math.lcm(layout.tp, layout.ep * layout.expert_tp) * layout.pp
+    out["data_parallel_size"] = out["world_size"] // (layout.tp * layout.pp)
     return out
 
 

@@ -376,7 +376,6 @@ class HFReader(CheckpointReader):
             hf_architecture=self.family.architectures[0],
             hf_config=self.hf_config,
             hf_source=str(self.path.resolve()),
-            model_type="GPT",
         )
         args = args_for_layout(args, self.layout, config, "hf")
         self.common = CommonState(args=args, iteration="release", extra={"checkpoint_version": 3.0}, dropped=dropped)

@@ -38,8 +38,16 @@ from reshard.formats.base import (
     args_for_layout,
     cached,
 )
-from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
-from reshard.formats.model_args import RUN_CONFIG, args_from_file, bridge_args
+from reshard.formats.megatron_tree import (
+    args_dict,
+    args_namespace,
+    found_iteration,
+    iteration_dirname,
+    locate,
+    stored_iteration,
+    write_tracker,
+)
+from reshard.formats.model_args import RUN_CONFIG, args_from_file, bridge_args, save_run_config
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, spell, uses_te_names
@@ -91,7 +99,7 @@ class TorchDistReader(CheckpointReader):
         self._closed = False
         common = self._common_state(directory, objects)
         args = self._architecture(common.pop("args", None), config_file)
-        iteration = common.pop("iteration", tree.iteration)
+        iteration = found_iteration(tree, common.pop("iteration", tree.iteration))
         self.config = ModelConfig.from_megatron_args(args)
         self.layout = Layout.from_megatron_args(args)
         self.common = CommonState(args=args, iteration=iteration, extra=common)
@@ -402,9 +410,11 @@ class TorchDistWriter(CheckpointWriter):
         args = args_for_layout(self.common.args, self.layout, self.config, "torch_dist")
         args["transformer_impl"] = "transformer_engine" if self.te_names else "local"
         common["args"] = args_namespace(args)
-        common["iteration"] = self.common.iteration
+        common["iteration"] = stored_iteration(self.common.iteration)
         with open(self.directory / "common.pt", "wb") as f:
             save_archive(common, f)
+        # what Megatron-Bridge's loader builds the model from (it reads no Megatron-LM args without a model type)
+        save_run_config(self.directory, args, self.config, self.layout, self.te_names)
         (self.directory / "metadata.json").write_text(json.dumps(METADATA_JSON))
         manifest.save(self.directory)
         write_tracker(self.path, self.common.iteration)

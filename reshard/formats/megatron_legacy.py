@@ -33,7 +33,15 @@ from reshard.formats.base import (
     args_for_layout,
     cached,
 )
-from reshard.formats.megatron_tree import args_dict, args_namespace, iteration_dirname, locate, write_tracker
+from reshard.formats.megatron_tree import (
+    args_dict,
+    args_namespace,
+    found_iteration,
+    iteration_dirname,
+    locate,
+    stored_iteration,
+    write_tracker,
+)
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import ObjectKey, canonical, spell, uses_te_names
@@ -124,7 +132,7 @@ class LegacyReader(CheckpointReader):
             if self.config.is_moe:
                 self._holder(rank, experts=True)
         extra = {k: v for k, v in first.items() if k not in _NOT_COMMON and not k.startswith("model")}
-        self.common = CommonState(args=args, iteration=first.get("iteration", tree.iteration), extra=extra)
+        self.common = CommonState(args=args, iteration=found_iteration(tree, first.get("iteration", tree.iteration)), extra=extra)
         # Legacy optimizer state is keyed by parameter index within each rank: tied to its layout.
         self.unsupported_optimizer = ["optimizer (legacy per-rank state)"] if "optimizer" in first else []
         self.manifest = Manifest.load(tree.iteration_dir)
@@ -479,7 +487,7 @@ class LegacyWriter(CheckpointWriter):
             | {"transformer_impl": "transformer_engine" if self.te_names else "local"}
         )
         for rank, stream in self._streams.items():
-            state: dict[str, Any] = {"args": args, "iteration": self.common.iteration}
+            state: dict[str, Any] = {"args": args, "iteration": stored_iteration(self.common.iteration)}
             state.update(self.common.extra)
             state.setdefault("checkpoint_version", 3.0)
             if rank in rng:

@@ -49,6 +49,17 @@ def locate(path: Path) -> MegatronTree | None:
     return None
 
 
+def stored_iteration(iteration: int | str) -> int:
+    """The int a checkpoint's files hold: 0 for a release checkpoint (what Megatron-LM's read_metadata makes of
+    a `release` tracker; its tools/checkpoint loaders take the int from the files)."""
+    return 0 if iteration == "release" else int(iteration)
+
+
+def found_iteration(tree: MegatronTree, stored: Any) -> int | str:
+    """The iteration of a checkpoint: its files' int, or "release" for a `release` directory (whatever it stores)."""
+    return "release" if tree.iteration == "release" else stored
+
+
 def write_tracker(root: Path, iteration: int | str) -> None:
     (root / TRACKER).write_text(f"{iteration}\n")
 

@@ -12,12 +12,22 @@ import json
 from pathlib import Path
 from typing import Any
 
+from reshard.config import _UNMODELED, ModelConfig, pad_vocab
 from reshard.errors import ReshardError
+from reshard.layout import Layout
 
 RUN_CONFIG = "run_config.yaml"
 
 # Megatron-Bridge keeps megatron-core's TransformerConfig names where Megatron-LM's arguments differ.
-_RENAMED = {"layernorm_epsilon": "norm_epsilon", "num_moe_experts": "num_experts"}
+_RENAMED = {
+    "layernorm_epsilon": "norm_epsilon",
+    "num_moe_experts": "num_experts",
+    "layernorm_zero_centered_gamma": "apply_layernorm_1p",
+    "seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor",
+    "num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
+    "num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers",
+}
+_BRIDGE_NAMES = {megatron: bridge for bridge, megatron in _RENAMED.items()}
 # Options that change what the tensors mean; a provider that sets one is refused rather than misread.
 _REFUSED = {"multi_latent_attention": False, "mtp_num_layers": None, "pipeline_model_parallel_layout": None}
 
@@ -58,9 +68,68 @@ def bridge_args(path: Path) -> dict[str, Any]:
         args["params_dtype"] = dtype.removeprefix("torch.")
     if model.get("max_position_embeddings") is None and model.get("seq_length") is not None:
         args["max_position_embeddings"] = model["seq_length"]
-    if model.get("should_pad_vocab") is False and model.get("vocab_size") is not None:
-        args["padded_vocab_size"] = model["vocab_size"]  # Bridge stores the vocabulary unpadded
+    if model.get("vocab_size") is not None:
+        if model.get("should_pad_vocab"):  # padded as Megatron-LM pads it, at the saved TP
+            tp = model.get("tensor_model_parallel_size") or 1
+            args["padded_vocab_size"] = pad_vocab(model["vocab_size"], model.get("make_vocab_size_divisible_by") or 128, tp)
+        else:
+            args["padded_vocab_size"] = model["vocab_size"]  # Bridge stores the vocabulary unpadded
     return args
+
+
+def _name(target: str) -> dict[str, Any]:
+    """A provider field naming a function or dtype, as Bridge writes one (`_call_: false`: not called)."""
+    return {"_target_": target, "_call_": False}
+
+
+def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, layout: Layout, te_names: bool) -> None:
+    """Write a Megatron-Bridge `run_config.yaml` whose `model:` section (a GPTModelProvider, as Bridge's
+    `load_megatron_model` instantiates it) describes this model at this layout: what `bridge_args` reads back."""
+    import yaml
+
+    activation = "silu" if config.swiglu else "gelu"
+    padded = config.vocab_size is not None and config.padded_vocab_for(layout.tp) == config.padded_vocab_size
+    model = {
+        "_target_": "megatron.bridge.models.gpt_provider.GPTModelProvider",
+        "transformer_layer_spec": _name(
+            f"megatron.bridge.models.gpt_provider.{'transformer_engine' if te_names else 'local'}_layer_spec"
+        ),
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_query_groups": config.groups,
+        "kv_channels": config.head_dim,
+        "ffn_hidden_size": config.ffn_hidden_size,
+        # Bridge pads the vocabulary as Megatron-LM does, or takes the stored rows as they are
+        "vocab_size": config.vocab_size if padded else config.padded_vocab_size,
+        "should_pad_vocab": padded,
+        "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by,
+        "seq_length": args.get("seq_length") or config.max_position_embeddings,
+        "position_embedding_type": config.position_embedding_type,
+        "rotary_base": config.rotary_base,
+        "rotary_percent": config.rotary_percent,
+        "rope_scaling": config.rope_scaling,
+        "rope_scaling_factor": config.rope_scaling_factor,
+        "normalization": config.normalization,
+        "layernorm_epsilon": config.norm_epsilon,
+        "gated_linear_unit": config.swiglu,
+        "activation_func": _name(f"torch.nn.functional.{activation}"),
+        "share_embeddings_and_output_weights": config.tied_embeddings,
+        "add_bias_linear": config.add_bias_linear,
+        "add_qkv_bias": config.add_qkv_bias,
+        "qk_layernorm": config.qk_layernorm,
+        "params_dtype": _name(f"torch.{config.params_dtype}"),
+        "bf16": config.params_dtype == "bfloat16",
+        "fp16": config.params_dtype == "float16",
+        "num_moe_experts": config.num_experts,
+        "moe_router_topk": config.moe_router_topk,
+        "moe_ffn_hidden_size": config.moe_ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
+        "moe_layer_freq": config.moe_layer_freq,
+    }
+    chosen = {key: args.get(key, default) for key, default in _UNMODELED.items()} | layout.megatron_args()
+    model.update({_BRIDGE_NAMES.get(key, key): value for key, value in chosen.items()})
+    (directory / RUN_CONFIG).write_text(yaml.safe_dump({"model": model}, sort_keys=False))
 
 
 def args_from_file(path: Path) -> dict[str, Any]:

@@ -113,3 +113,62 @@ def test_common_state_in_neither_place_is_refused(tmp_path):
     with pytest.raises(ReshardError, match="has neither common.pt nor a common_state object"):
         convert(source, tmp_path / "out", Target(format="hf"))
     assert not (tmp_path / "out").exists()
+
+
+def _saved(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_megatron_output_carries_megatron_lm_arguments_and_an_int_iteration(tmp_path, fmt):
+    """What Megatron-LM's tools/checkpoint needs of the args (its whole argument set, derived values included)
+    and of the iteration (an int; a release checkpoint keeps its directory and tracker)."""
+    convert(HF, tmp_path / "out", Target(format=fmt, layout=Layout(tp=2, pp=2 if fmt == "legacy" else 1)))
+    assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
+    name = "mp_rank_00_000/model_optim_rng.pt" if fmt == "legacy" else "common.pt"
+    ours = _saved(tmp_path / "out" / "release" / name)
+    golden = _saved(GOLDEN / "mlm-core-legacy-tp2pp2" / "iter_0000001" / "mp_rank_00_000" / "model_optim_rng.pt")
+    assert ours["iteration"] == 0
+    args, theirs = vars(ours["args"]), vars(golden["args"])
+    assert set(theirs) - set(args) <= {"blendable_index_path", "variable_seq_lengths"}  # set by validate_args only
+    assert args["encoder_seq_length"] == args["seq_length"] == 4096
+    assert (args["sequence_parallel"], args["apply_query_key_layer_scaling"], args["multi_latent_attention"]) == (False,) * 3
+    assert (args["num_query_groups"], args["group_query_attention"], args["padded_vocab_size"]) == (2, True, 256)
+    assert (args["rotary_base"], args["norm_epsilon"], args["params_dtype"]) == (500000.0, 1e-6, theirs["params_dtype"])
+    assert args["model_type"] == theirs["model_type"] and args["world_size"] == 2 * (2 if fmt == "legacy" else 1)
+
+
+def test_torch_dist_output_has_a_bridge_run_config_that_reads_back(tmp_path):
+    from reshard.config import ModelConfig
+    from reshard.formats import open_checkpoint
+    from reshard.formats.model_args import bridge_args
+
+    convert(HF, tmp_path / "out", Target(format="torch_dist", layout=Layout(tp=2)))
+    args = bridge_args(tmp_path / "out" / "release" / "run_config.yaml")
+    with open_checkpoint(tmp_path / "out") as reader:
+        assert ModelConfig.from_megatron_args(args) == reader.config
+        assert str(Layout.from_megatron_args(args)) == str(reader.layout) == str(Layout(tp=2))
+
+
+def test_torch_dist_for_bridge_keeps_the_true_vocabulary_and_exports_the_original(tmp_path):
+    """Megatron-Bridge saves, loads and exports the vocabulary unpadded (should_pad_vocab: false) and finds
+    iter_* directories only: --for bridge writes it so (Bridge loading it: make_golden.py --only peers-load)."""
+    from reshard.formats import open_checkpoint
+    from reshard.formats.model_args import bridge_args
+
+    convert(HF, tmp_path / "out", Target(format="torch_dist", layout=Layout(tp=2), for_bridge=True))
+    assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
+    run_config = bridge_args(tmp_path / "out" / "iter_0000000" / "run_config.yaml")
+    assert (run_config["vocab_size"], run_config["should_pad_vocab"]) == (250, False)
+    with open_checkpoint(tmp_path / "out") as reader:
+        assert reader.specs["embedding.word_embeddings.weight"].shape == (250, 64) and reader.common.iteration == 0
+    convert(tmp_path / "out", tmp_path / "hf", Target(format="hf"))
+    _same_as_original(tmp_path / "hf")
+
+
+def test_for_bridge_refuses_a_format_bridge_does_not_load(tmp_path):
+    with pytest.raises(ReshardError, match="--for bridge writes torch_dist, the one format Megatron-Bridge loads, not legacy"):
+        convert(HF, tmp_path / "out", Target(format="legacy", for_bridge=True))
+    assert not (tmp_path / "out").exists()
