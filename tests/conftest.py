@@ -45,3 +45,25 @@ def oracle(tmp_path_factory):
         return cache[key]
 
     return result
+
+
+
+@pytest.fixture(scope="session")
+def distrib_optim(tmp_path_factory):
+    """distrib_optim(preset, tp=.., pp=..) -> {'dp': dp_reshardable, 'full': fully_reshardable}: the preset trained
+    two steps by Megatron-Core's DistributedOptimizer on 4 ranks (gloo, CPU; DP = 4 / (TP x PP)), the same
+    state saved in both forms. Made once per session per (preset, layout)."""
+    root = tmp_path_factory.mktemp("distrib_optim")
+    cache = {}
+
+    def made(preset="tiny-llama", tp=2, pp=1):
+        key = (preset, tp, pp)
+        if key not in cache:
+            out = root / f"{preset}-tp{tp}pp{pp}"
+            cache[key] = {"dp": out / "dp", "full": out / "full"}
+            run("fixtures.distrib_optim_checkpoint", ["--preset", preset, "--tp", tp, "--pp", pp, "--steps", 2,
+                                                      "--dp-out", cache[key]["dp"], "--full-out", cache[key]["full"]],
+                nproc=4, timeout=600)
+        return cache[key]
+
+    return made

@@ -136,7 +136,7 @@ class DpReshardable:
         if self.dp < 1:
             raise ReshardError("the checkpoint's args record no data_parallel_size: its dp_reshardable optimizer state cannot be decoded")
         self.bucket_keys: dict[tuple[int, int], dict[str, str]] = {}  # (group, bucket) -> state key -> tensor key
-        self.bucket_numel: dict[tuple[int, int], int] = {}
+        self.bucket_numel: dict[tuple[int, int], set[int]] = {}  # the stored lengths of its state tensors
         dtypes = set()
         for key, entry in tensors.items():
             m = _BUCKET.match(key)
@@ -147,7 +147,7 @@ class DpReshardable:
             dtypes.add(m["dtype"])
             where = (int(m["group"]), int(m["bucket"]))
             self.bucket_keys.setdefault(where, {})[m["key"]] = key
-            self.bucket_numel[where] = int(entry.size[0])
+            self.bucket_numel.setdefault(where, set()).add(int(entry.size[0]))
         if len(dtypes) > 1:
             raise ReshardError(f"the DistributedOptimizer state holds several dtype buffers ({', '.join(sorted(dtypes))}): not decoded yet")
         for where, keys in self.bucket_keys.items():
@@ -230,8 +230,9 @@ class DpReshardable:
             last_name.append(pending)
         for b, (derived, label) in enumerate(zip(sizes, last_name)):
             stored = saved_sizes[b] if b < len(saved_sizes) else None
-            tensor = self.bucket_numel.get((group, b))
-            if stored != derived or tensor != derived:
+            stored_lengths = self.bucket_numel.get((group, b), set())
+            tensor = ", ".join(map(str, sorted(stored_lengths))) or "no tensor"
+            if stored != derived or stored_lengths != {derived}:
                 raise ReshardError(
                     f"{label}: the DistributedOptimizer layout derived from the model puts bucket {b} of dp_group_idx_{group} "
                     f"at {derived} elements, but the checkpoint records {stored} (per_bucket_numel_unpadded) and stores "
