@@ -55,12 +55,18 @@ def test_the_fixture_saved_both_forms(distrib_optim):
     assert not any(k.startswith("optimizer.distributed.") for k in full.tensors)
 
 
-CASES = [("tiny-llama", 2, 1, 9), ("tiny-odd", 2, 1, 21), ("tiny-odd", 1, 2, 21), ("tiny-odd", 2, 2, 21)]
+CASES = [("tiny-llama", 2, 1, 9, False), ("tiny-odd", 2, 1, 21, False), ("tiny-odd", 1, 2, 21, False),
+         ("tiny-odd", 2, 2, 21, False), ("tiny-odd", 2, 1, 21, True)]
 
 
-@pytest.mark.parametrize("preset, tp, pp, params", CASES, ids=[f"{c[0]}-tp{c[1]}pp{c[2]}dp{4 // (c[1] * c[2])}" for c in CASES])
-def test_dp_reshardable_reads_bit_for_bit_as_megatrons_fully_reshardable(distrib_optim, preset, tp, pp, params):
-    made = distrib_optim(preset, tp=tp, pp=pp)
+@pytest.mark.parametrize(
+    "preset, tp, pp, params, bf16", CASES,
+    ids=[f"{c[0]}-tp{c[1]}pp{c[2]}dp{4 // (c[1] * c[2])}{'-bf16' if c[4] else ''}" for c in CASES],
+)
+def test_dp_reshardable_reads_bit_for_bit_as_megatrons_fully_reshardable(distrib_optim, preset, tp, pp, params, bf16):
+    made = distrib_optim(preset, tp=tp, pp=pp, bf16=bf16)
+    if bf16:  # the buckets of a bf16 run with fp32 grads; its master weights and moments are fp32 all the same
+        assert any("dtype_(torch.bfloat16, torch.float32)" in k for k in dcp_metadata.load(made["dp"] / ITER / ".metadata").tensors)
     dp, dp_common = optimizer_tensors(made["dp"])
     full, full_common = optimizer_tensors(made["full"])
     assert len(dp) == 3 * params and {name.split(".")[2] for name in dp} == set(STATES)
@@ -71,13 +77,13 @@ def test_dp_reshardable_reads_bit_for_bit_as_megatrons_fully_reshardable(distrib
 
 
 @pytest.mark.parametrize(
-    "preset, tp, pp, target",
-    [("tiny-llama", 2, 1, ["--to-tp", "1"]), ("tiny-llama", 2, 1, ["--to-tp", "1", "--to-pp", "2"]),
-     ("tiny-odd", 1, 2, ["--to-tp", "2", "--to-pp", "1"])],
-    ids=["tiny-llama-tp2-to-tp1", "tiny-llama-tp2-to-pp2", "tiny-odd-pp2-to-tp2"],
+    "preset, tp, pp, bf16, target",
+    [("tiny-llama", 2, 1, False, ["--to-tp", "1"]), ("tiny-llama", 2, 1, False, ["--to-tp", "1", "--to-pp", "2"]),
+     ("tiny-odd", 1, 2, False, ["--to-tp", "2", "--to-pp", "1"]), ("tiny-odd", 2, 1, True, ["--to-tp", "1", "--to-pp", "2"])],
+    ids=["tiny-llama-tp2-to-tp1", "tiny-llama-tp2-to-pp2", "tiny-odd-pp2-to-tp2", "tiny-odd-bf16-tp2-to-pp2"],
 )
-def test_convert_dp_reshardable_equals_converting_fully_reshardable(distrib_optim, tmp_path, preset, tp, pp, target):
-    made = distrib_optim(preset, tp=tp, pp=pp)
+def test_convert_dp_reshardable_equals_converting_fully_reshardable(distrib_optim, tmp_path, preset, tp, pp, bf16, target):
+    made = distrib_optim(preset, tp=tp, pp=pp, bf16=bf16)
     for form in ("dp", "full"):
         out = reshard("convert", made[form], tmp_path / form, *target)
         assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
