@@ -10,7 +10,9 @@ from the checkpoint's own model tensors and args (megatron-core 0.16's param_and
    **reverse** order;
 2. each parameter starts on a multiple of 64 elements, as its local (TP-sharded) tensor, row-major;
 3. a bucket closes when it reaches `bucket_size` (only with `overlap_grad_reduce`, never on pipeline
-   stages > 0), and is padded to `lcm(dp, 128)` (`lcm(dp, 128, 2**16)` with
+   stages > 0); with tied embeddings and PP > 1 the embedding (first stage) and its output-layer copy (last
+   stage) each get a bucket of their own, the bucket before ending after the parameter's 64-alignment;
+   every bucket is padded to `lcm(dp, 128)` (`lcm(dp, 128, 2**16)` with
    `pad_buckets_for_high_nccl_busbw`); the saved tensor stops before that padding;
 4. the derived bucket lengths must equal the saved `per_bucket_numel_unpadded`, else the checkpoint is
    refused naming the bucket's last parameter.
@@ -21,7 +23,7 @@ exp_avg_sq>.<model key>` with the model tensor's global shape, so that everythin
 parameter it needs (streaming per parameter, never a whole bucket).
 
 Not yet decoded (refused by name): expert (MoE) optimizers and chained prefixes, VPP chunks, several
-gradient buffers or dtypes, tied embeddings with PP > 1 (their own bucket), Transformer-Engine module
+gradient buffers or dtypes, Transformer-Engine module
 order (`transformer_impl=transformer_engine`: not yet verified against megatron-core).
 """
 
@@ -30,7 +32,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -175,8 +177,6 @@ class DpReshardable:
             raise ReshardError("dp_reshardable optimizer state of a MoE model (chained expert optimizer) is not decoded yet")
         if layout.vpp > 1:
             raise ReshardError("dp_reshardable optimizer state with virtual pipeline stages (one buffer per chunk) is not decoded yet")
-        if layout.pp > 1 and not config.untie_embeddings_and_output_weights:
-            raise ReshardError("dp_reshardable optimizer state with tied embeddings and PP > 1 (their own bucket) is not decoded yet")
         if args.get("transformer_impl", "transformer_engine") != "local":
             raise ReshardError(
                 "dp_reshardable optimizer state of a Transformer-Engine model: its buffer order is not yet verified "
@@ -185,18 +185,24 @@ class DpReshardable:
         if args.get("use_distributed_optimizer") is False:
             raise ReshardError("the checkpoint holds DistributedOptimizer buckets but its args say use_distributed_optimizer=False")
 
-    def _local_params(self, tp: int, pp: int) -> list[tuple[str, int | None, tuple[Piece, ...]]]:
-        """The rank's parameters in named_parameters() order: (name, global layer, its pieces)."""
+    def _local_params(self, tp: int, pp: int) -> list[tuple[str, int | None, tuple[Piece, ...], bool]]:
+        """The rank's parameters in named_parameters() order: (name, global layer, its pieces, shared embedding).
+        With tied embeddings and PP > 1 the last stage's output layer is its copy of the word embeddings
+        (stored under the embedding's name; it and the first stage's embedding are `shared_embedding`)."""
         found: dict[tuple[str, int | None], list[Piece]] = {}
-        specs: dict[str, TensorSpec] = {}
+        order: dict[tuple[str, int | None], tuple[int, int, int]] = {}
         for name, spec in self.model_specs.items():
             for piece in pieces(spec, self.config, self.layout):
-                if piece.rank.tp == tp and piece.rank.pp == pp and piece.alias is None:
+                if piece.rank.tp == tp and piece.rank.pp == pp:
                     layer = piece.region[0][0] if spec.stacked else None
                     found.setdefault((name, layer), []).append(piece)
-                    specs[name] = spec
-        ordered = sorted(found, key=lambda nl: _order_key(specs[nl[0]], nl[1]))
-        return [(name, layer, tuple(found[(name, layer)])) for name, layer in ordered]
+                    ordered_as = spec if piece.alias is None else replace(spec, param=piece.alias)
+                    order[(name, layer)] = _order_key(ordered_as, layer)
+        shared = self.layout.pp > 1 and not self.config.untie_embeddings_and_output_weights
+        return [
+            (name, layer, tuple(found[(name, layer)]), shared and name == "embedding.word_embeddings.weight")
+            for name, layer in sorted(found, key=order.__getitem__)
+        ]
 
     def _layout_of(self, group: int, tp: int, pp: int, args: dict[str, Any], saved: Any) -> list[Placed]:
         """Megatron's bucket layout of one model-parallel rank, checked against its saved bucket sizes."""
@@ -211,13 +217,18 @@ class DpReshardable:
         sizes: list[int] = []
         last_name: list[str] = []  # each bucket's last parameter, to name in a refusal
         pending = None  # the last parameter of the bucket still open
-        for name, layer, parts in reversed(self._local_params(tp, pp)):
+        for name, layer, parts, shared in reversed(self._local_params(tp, pp)):
             numel = math.prod(parts[0].local_shape)
             start = -(-start // PARAM_ALIGN) * PARAM_ALIGN
+            if shared and pending is not None:  # the shared embedding gets a bucket of its own
+                sizes.append(start - bucket_start)  # (the previous one ends after this parameter's alignment)
+                last_name.append(pending)
+                start = bucket_start = self._pad_bucket(start, args)
+                bucket += 1
             placed.append(Placed(name, layer, parts, bucket, start - bucket_start, numel))
             end = start + numel
             pending = name if layer is None else f"{name} (layer {layer})"
-            if bucket_size is not None and end - bucket_start >= bucket_size:
+            if (bucket_size is not None and end - bucket_start >= bucket_size) or shared:
                 sizes.append(end - bucket_start)
                 last_name.append(pending)
                 start = bucket_start = self._pad_bucket(end, args)

@@ -2,7 +2,8 @@
 buckets, against Megatron's own fully_reshardable save of the same state (fixture `distrib_optim`).
 
 tiny-llama's parameters are all multiples of 64 elements; tiny-odd's are not (alignment gaps), and it has
-every parameter kind of the local spec (LayerNorm, biases, q/k norms, learned positions)."""
+every parameter kind of the local spec (LayerNorm, biases, q/k norms, learned positions). With tied
+embeddings and PP2 (tiny-odd-tied) the embedding and its last-stage copy are buckets of their own."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def test_the_fixture_saved_both_forms(distrib_optim):
 
 
 CASES = [("tiny-llama", 2, 1, 9, False), ("tiny-odd", 2, 1, 21, False), ("tiny-odd", 1, 2, 21, False),
-         ("tiny-odd", 2, 2, 21, False), ("tiny-odd", 2, 1, 21, True)]
+         ("tiny-odd", 2, 2, 21, False), ("tiny-odd", 2, 1, 21, True), ("tiny-tied", 2, 1, 8, False),
+         ("tiny-odd-tied", 1, 2, 20, False)]
 
 
 @pytest.mark.parametrize(
@@ -79,8 +81,10 @@ def test_dp_reshardable_reads_bit_for_bit_as_megatrons_fully_reshardable(distrib
 @pytest.mark.parametrize(
     "preset, tp, pp, bf16, target",
     [("tiny-llama", 2, 1, False, ["--to-tp", "1"]), ("tiny-llama", 2, 1, False, ["--to-tp", "1", "--to-pp", "2"]),
-     ("tiny-odd", 1, 2, False, ["--to-tp", "2", "--to-pp", "1"]), ("tiny-odd", 2, 1, True, ["--to-tp", "1", "--to-pp", "2"])],
-    ids=["tiny-llama-tp2-to-tp1", "tiny-llama-tp2-to-pp2", "tiny-odd-pp2-to-tp2", "tiny-odd-bf16-tp2-to-pp2"],
+     ("tiny-odd", 1, 2, False, ["--to-tp", "2", "--to-pp", "1"]), ("tiny-odd", 2, 1, True, ["--to-tp", "1", "--to-pp", "2"]),
+     ("tiny-odd-tied", 1, 2, False, ["--to-tp", "2", "--to-pp", "1"])],
+    ids=["tiny-llama-tp2-to-tp1", "tiny-llama-tp2-to-pp2", "tiny-odd-pp2-to-tp2", "tiny-odd-bf16-tp2-to-pp2",
+         "tiny-odd-tied-pp2-to-tp2"],
 )
 def test_convert_dp_reshardable_equals_converting_fully_reshardable(distrib_optim, tmp_path, preset, tp, pp, bf16, target):
     made = distrib_optim(preset, tp=tp, pp=pp, bf16=bf16)
