@@ -22,8 +22,9 @@ exp_avg_sq>.<model key>` with the model tensor's global shape, so that everythin
 (resharding, writing, checksums) treats both forms alike. Each read touches only the spans of the
 parameter it needs (streaming per parameter, never a whole bucket).
 
-Not yet decoded (refused by name): expert (MoE) optimizers and chained prefixes, VPP chunks, several
-gradient buffers or dtypes, Transformer-Engine module
+With virtual pipeline stages each model chunk is its own buffer (`gbuf_idx_<chunk>`, never bucketed past the
+first chunk). Not yet decoded (refused by name): expert (MoE) optimizers and chained prefixes, several
+parameter dtypes in one chunk, Transformer-Engine module
 order (`transformer_impl=transformer_engine`: not yet verified against megatron-core).
 """
 
@@ -137,33 +138,47 @@ class DpReshardable:
         self.dp = int(args.get("data_parallel_size") or 0)
         if self.dp < 1:
             raise ReshardError("the checkpoint's args record no data_parallel_size: its dp_reshardable optimizer state cannot be decoded")
-        self.bucket_keys: dict[tuple[int, int], dict[str, str]] = {}  # (group, bucket) -> state key -> tensor key
-        self.bucket_numel: dict[tuple[int, int], set[int]] = {}  # the stored lengths of its state tensors
-        dtypes = set()
+        # (group, gbuf, bucket) -> state key -> tensor key; gbuf: the model chunk's buffer (one dtype each)
+        self.bucket_keys: dict[tuple[int, int, int], dict[str, str]] = {}
+        self.bucket_numel: dict[tuple[int, int, int], set[int]] = {}  # the stored lengths of its state tensors
+        dtypes: dict[tuple[int, int], set[str]] = {}
         for key, entry in tensors.items():
             m = _BUCKET.match(key)
             if m is None:
                 raise ReshardError(f"{key}: not a DistributedOptimizer bucket tensor reshard knows; the checkpoint is foreign or damaged")
-            if int(m["gbuf"]) != 0:
-                raise ReshardError(f"{key}: a second gradient buffer (several parameter dtypes) is not decoded yet")
-            dtypes.add(m["dtype"])
-            where = (int(m["group"]), int(m["bucket"]))
+            dtypes.setdefault((int(m["group"]), int(m["gbuf"])), set()).add(m["dtype"])
+            where = (int(m["group"]), int(m["gbuf"]), int(m["bucket"]))
             self.bucket_keys.setdefault(where, {})[m["key"]] = key
             self.bucket_numel.setdefault(where, set()).add(int(entry.size[0]))
-        if len(dtypes) > 1:
-            raise ReshardError(f"the DistributedOptimizer state holds several dtype buffers ({', '.join(sorted(dtypes))}): not decoded yet")
-        for where, keys in self.bucket_keys.items():
+        for (group, gbuf), found in dtypes.items():
+            if len(found) > 1 or gbuf >= layout.vpp:
+                raise ReshardError(
+                    f"dp_group_idx_{group} gbuf_idx_{gbuf}: DistributedOptimizer buffers of several parameter dtypes "
+                    f"({', '.join(sorted(found))}), or more than one per model chunk, are not decoded yet"
+                )
+        for (group, gbuf, bucket), keys in self.bucket_keys.items():
             missing = [k for k in STATE_KEYS if k not in keys]
             if missing:
-                raise ReshardError(f"bucket {where[1]} of dp_group_idx_{where[0]} lacks {', '.join(missing)}: the checkpoint is damaged")
+                raise ReshardError(
+                    f"bucket {bucket} of dp_group_idx_{group} gbuf_idx_{gbuf} lacks {', '.join(missing)}: the checkpoint is damaged"
+                )
         self.model_specs = {n: s for n, s in model_specs.items() if not s.is_optimizer}
-        self.placed: dict[tuple[str, int | None, int, int], tuple[int, Placed]] = {}  # (name, layer, tp, pp) -> (group, place)
+        # (name, layer, tp, pp) -> (group, gbuf, place)
+        self.placed: dict[tuple[str, int | None, int, int], tuple[int, int, Placed]] = {}
         for pp in range(layout.pp):
             for tp in range(layout.tp):
                 group = tp + layout.tp * pp  # the rank in the model-parallel group (order tp-..-pp)
                 saved = objects(f"{PREFIX}dp_group_idx_{group}.per_bucket_numel_unpadded")
-                for place in self._layout_of(group, tp, pp, args, saved):
-                    self.placed[(place.name, place.layer, tp, pp)] = (group, place)
+                if not (isinstance(saved, list) and len(saved) == layout.vpp
+                        and all(isinstance(b, dict) and len(b) == 1 for b in saved)):
+                    raise ReshardError(
+                        f"dp_group_idx_{group}: per_bucket_numel_unpadded is not one buffer of one dtype per model chunk "
+                        f"({layout.vpp}): not decoded yet"
+                    )
+                for vstage in range(layout.vpp):
+                    sizes = list(next(iter(saved[vstage].values())))
+                    for place in self._layout_of(group, vstage, tp, pp, args, sizes):
+                        self.placed[(place.name, place.layer, tp, pp)] = (group, vstage, place)
         self.specs: dict[str, TensorSpec] = {}
         for name, spec in self.model_specs.items():
             for k in STATE_KEYS:
@@ -175,8 +190,6 @@ class DpReshardable:
     def _refuse_unsupported(tensors, object_keys, config, layout, args) -> None:
         if any(k.startswith("chained_") for k in list(tensors) + object_keys) or config.is_moe:
             raise ReshardError("dp_reshardable optimizer state of a MoE model (chained expert optimizer) is not decoded yet")
-        if layout.vpp > 1:
-            raise ReshardError("dp_reshardable optimizer state with virtual pipeline stages (one buffer per chunk) is not decoded yet")
         if args.get("transformer_impl", "transformer_engine") != "local":
             raise ReshardError(
                 "dp_reshardable optimizer state of a Transformer-Engine model: its buffer order is not yet verified "
@@ -185,7 +198,7 @@ class DpReshardable:
         if args.get("use_distributed_optimizer") is False:
             raise ReshardError("the checkpoint holds DistributedOptimizer buckets but its args say use_distributed_optimizer=False")
 
-    def _local_params(self, tp: int, pp: int) -> list[tuple[str, int | None, tuple[Piece, ...], bool]]:
+    def _local_params(self, tp: int, pp: int, vstage: int) -> list[tuple[str, int | None, tuple[Piece, ...], bool]]:
         """The rank's parameters in named_parameters() order: (name, global layer, its pieces, shared embedding).
         With tied embeddings and PP > 1 the last stage's output layer is its copy of the word embeddings
         (stored under the embedding's name; it and the first stage's embedding are `shared_embedding`)."""
@@ -193,7 +206,7 @@ class DpReshardable:
         order: dict[tuple[str, int | None], tuple[int, int, int]] = {}
         for name, spec in self.model_specs.items():
             for piece in pieces(spec, self.config, self.layout):
-                if piece.rank.tp == tp and piece.rank.pp == pp:
+                if piece.rank.tp == tp and piece.rank.pp == pp and piece.rank.vstage == vstage:
                     layer = piece.region[0][0] if spec.stacked else None
                     found.setdefault((name, layer), []).append(piece)
                     ordered_as = spec if piece.alias is None else replace(spec, param=piece.alias)
@@ -204,20 +217,18 @@ class DpReshardable:
             for name, layer in sorted(found, key=order.__getitem__)
         ]
 
-    def _layout_of(self, group: int, tp: int, pp: int, args: dict[str, Any], saved: Any) -> list[Placed]:
-        """Megatron's bucket layout of one model-parallel rank, checked against its saved bucket sizes."""
-        if not (isinstance(saved, list) and len(saved) == 1 and isinstance(saved[0], dict) and len(saved[0]) == 1):
-            raise ReshardError(f"dp_group_idx_{group}: per_bucket_numel_unpadded is not one buffer of one dtype: not decoded yet")
-        saved_sizes = list(next(iter(saved[0].values())))
+    def _layout_of(self, group: int, gbuf: int, tp: int, pp: int, args: dict[str, Any], saved_sizes: list[int]) -> list[Placed]:
+        """Megatron's bucket layout of one model-parallel rank's model chunk `gbuf`, checked against its saved
+        bucket sizes."""
         bucket_size = None
-        if args.get("overlap_grad_reduce") and pp == 0:
+        if args.get("overlap_grad_reduce") and pp == 0 and gbuf == 0:  # Megatron-LM disables bucketing on later chunks
             bucket_size = args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * self.dp)
         placed: list[Placed] = []
         start = bucket_start = bucket = 0
         sizes: list[int] = []
         last_name: list[str] = []  # each bucket's last parameter, to name in a refusal
         pending = None  # the last parameter of the bucket still open
-        for name, layer, parts, shared in reversed(self._local_params(tp, pp)):
+        for name, layer, parts, shared in reversed(self._local_params(tp, pp, gbuf)):
             numel = math.prod(parts[0].local_shape)
             start = -(-start // PARAM_ALIGN) * PARAM_ALIGN
             if shared and pending is not None:  # the shared embedding gets a bucket of its own
@@ -239,19 +250,20 @@ class DpReshardable:
         if pending is not None:
             sizes.append(start - bucket_start)
             last_name.append(pending)
+        where = f" gbuf_idx_{gbuf}" if gbuf else ""
         for b, (derived, label) in enumerate(zip(sizes, last_name)):
             stored = saved_sizes[b] if b < len(saved_sizes) else None
-            stored_lengths = self.bucket_numel.get((group, b), set())
+            stored_lengths = self.bucket_numel.get((group, gbuf, b), set())
             tensor = ", ".join(map(str, sorted(stored_lengths))) or "no tensor"
             if stored != derived or stored_lengths != {derived}:
                 raise ReshardError(
-                    f"{label}: the DistributedOptimizer layout derived from the model puts bucket {b} of dp_group_idx_{group} "
+                    f"{label}: the DistributedOptimizer layout derived from the model puts bucket {b} of dp_group_idx_{group}{where} "
                     f"at {derived} elements, but the checkpoint records {stored} (per_bucket_numel_unpadded) and stores "
                     f"{tensor}; the optimizer state cannot be decoded safely"
                 )
         if len(saved_sizes) != len(sizes):
             raise ReshardError(
-                f"dp_group_idx_{group}: the checkpoint records {len(saved_sizes)} buckets where the layout derived from "
+                f"dp_group_idx_{group}{where}: the checkpoint records {len(saved_sizes)} buckets where the layout derived from "
                 f"the model has {len(sizes)}; the optimizer state cannot be decoded safely"
             )
         return placed
@@ -272,9 +284,9 @@ class DpReshardable:
             if inside is None:
                 continue
             layer = piece.region[0][0] if model.stacked else None
-            group, place = self.placed[(model.name, layer, piece.rank.tp, piece.rank.pp)]
+            group, gbuf, place = self.placed[(model.name, layer, piece.rank.tp, piece.rank.pp)]
             local = np.empty(place.numel, dtype=np.float32)
-            key = self.bucket_keys[(group, place.bucket)][state]
+            key = self.bucket_keys[(group, gbuf, place.bucket)][state]
             self.read_raw(key, ((place.start, place.start + place.numel),), local)
             local = local.reshape(piece.local_shape)
             prefix = model.prefix_axes

@@ -56,23 +56,38 @@ def test_the_fixture_saved_both_forms(distrib_optim):
     assert not any(k.startswith("optimizer.distributed.") for k in full.tensors)
 
 
-CASES = [("tiny-llama", 2, 1, 9, False), ("tiny-odd", 2, 1, 21, False), ("tiny-odd", 1, 2, 21, False),
-         ("tiny-odd", 2, 2, 21, False), ("tiny-odd", 2, 1, 21, True), ("tiny-tied", 2, 1, 8, False),
-         ("tiny-odd-tied", 1, 2, 20, False)]
+CASES = [("tiny-llama", 2, 1, 1, 9, False), ("tiny-odd", 2, 1, 1, 21, False), ("tiny-odd", 1, 2, 1, 21, False),
+         ("tiny-odd", 2, 2, 1, 21, False), ("tiny-odd", 2, 1, 1, 21, True), ("tiny-tied", 2, 1, 1, 8, False),
+         ("tiny-odd-tied", 1, 2, 1, 20, False), ("tiny-odd", 1, 2, 2, 21, False)]
+
+
+def master_weights_are_the_model(path: Path, optimizer: dict[str, np.ndarray]) -> list[str]:
+    """The model tensors whose fp32 master weights (`optimizer.state.param.*`) differ from the saved weights."""
+    with TorchDistReader(path) as reader:
+        differ = []
+        for name, spec in reader.specs.items():
+            if not spec.is_optimizer and not name.startswith("optimizer."):
+                weights = np.empty(spec.shape, numpy_dtype(spec.dtype))
+                reader.read_into(name, full_region(spec.shape), weights)
+                if optimizer[f"optimizer.state.param.{name}"].tobytes() != weights.tobytes():
+                    differ.append(name)
+        return differ
 
 
 @pytest.mark.parametrize(
-    "preset, tp, pp, params, bf16", CASES,
-    ids=[f"{c[0]}-tp{c[1]}pp{c[2]}dp{4 // (c[1] * c[2])}{'-bf16' if c[4] else ''}" for c in CASES],
+    "preset, tp, pp, vpp, params, bf16", CASES,
+    ids=[f"{c[0]}-tp{c[1]}pp{c[2]}{f'vpp{c[3]}' if c[3] > 1 else ''}dp{4 // (c[1] * c[2])}{'-bf16' if c[5] else ''}" for c in CASES],
 )
-def test_dp_reshardable_reads_bit_for_bit_as_megatrons_fully_reshardable(distrib_optim, preset, tp, pp, params, bf16):
-    made = distrib_optim(preset, tp=tp, pp=pp, bf16=bf16)
+def test_dp_reshardable_reads_bit_for_bit_as_megatrons_fully_reshardable(distrib_optim, preset, tp, pp, vpp, params, bf16):
+    made = distrib_optim(preset, tp=tp, pp=pp, vpp=vpp, bf16=bf16)
     if bf16:  # the buckets of a bf16 run with fp32 grads; its master weights and moments are fp32 all the same
         assert any("dtype_(torch.bfloat16, torch.float32)" in k for k in dcp_metadata.load(made["dp"] / ITER / ".metadata").tensors)
     dp, dp_common = optimizer_tensors(made["dp"])
     full, full_common = optimizer_tensors(made["full"])
     assert len(dp) == 3 * params and {name.split(".")[2] for name in dp} == set(STATES)
     assert_same(dp, full)
+    if not bf16:  # an fp32 run's master weights are its weights
+        assert master_weights_are_the_model(made["dp"], dp) == []
     assert dp_common == full_common and dp_common["param_state_sharding_type"] == "fully_reshardable"
     assert {g["step"] for g in dp_common["optimizer"]["param_groups"]} == {2.0}
     assert all(np.any(t != 0) for name, t in dp.items() if ".exp_avg" in name)  # two real Adam steps
@@ -154,9 +169,26 @@ def test_many_buckets_decode_as_the_one_bucket_runs_state(distrib_optim):
     many-bucket run is not the truth: its values past the first bucket are shifted, the known upstream bug.)"""
     bucketed = distrib_optim("tiny-odd", tp=2, bucket_size=6000)["dp"]
     with TorchDistReader(bucketed) as reader:
-        buckets = {place.bucket for _, place in reader.dp_reshardable.placed.values()}
+        buckets = {place.bucket for _, _, place in reader.dp_reshardable.placed.values()}
         assert len(buckets) == 7
     dp, dp_common = optimizer_tensors(bucketed)
     full, full_common = optimizer_tensors(distrib_optim("tiny-odd", tp=2)["full"])
     assert_same(dp, full)
     assert dp_common == full_common
+
+
+def test_tied_embeddings_with_vpp_decode_to_the_models_weights(distrib_optim):
+    """Tied embeddings, PP2 x VPP2, the first chunk in ~3000-element buckets: every tensor equals Megatron's own
+    fully_reshardable save of a one-bucket run but the word embeddings' state, where decoding gives master weights
+    equal to the saved embedding bit for bit and Megatron 0.16's fully_reshardable save does not (found here: its
+    save of a tied embedding with VPP takes other values; not asserted here, being megatron-core's to fix)."""
+    one_bucket = distrib_optim("tiny-odd-tied", tp=1, pp=2, vpp=2)
+    bucketed = distrib_optim("tiny-odd-tied", tp=1, pp=2, vpp=2, bucket_size=3000)["dp"]
+    with TorchDistReader(bucketed) as reader:
+        assert len(set(reader.dp_reshardable.bucket_keys)) > 4  # (rank, chunk, bucket)
+    dp, _ = optimizer_tensors(bucketed)
+    assert_same(dp, optimizer_tensors(one_bucket["dp"])[0])
+    full, _ = optimizer_tensors(one_bucket["full"])
+    embedding = {f"optimizer.state.{k}.embedding.word_embeddings.weight" for k in STATES}
+    assert_same({n: t for n, t in dp.items() if n not in embedding}, {n: t for n, t in full.items() if n not in embedding})
+    assert master_weights_are_the_model(bucketed, dp) == []
