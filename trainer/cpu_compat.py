@@ -11,11 +11,14 @@ with gloo on a CPU-only torch). `apply()` redirects exactly those calls:
   This covers GlobalMemoryBuffer (core/utils.py), TP gathers (tensor_parallel/mappings.py), the pipeline schedules and p2p communication,
   filesystem_async's synchronize and the torch_dist saver's result all-reduce, RoPE's and the MoE
   router's first-use move of CPU tensors to the GPU, MoE dispatcher/shared-expert streams, the
-  default causal mask, and the DDP grad buffers and non-distributed optimizer of an Adam step.
+  default causal mask, the DDP grad buffers and non-distributed optimizer of an Adam step, and the
+  DistributedOptimizer's gather of its shards for a `fully_reshardable` save.
 * `tensor_parallel.random.CudaRNGStatesTracker` is replaced by a subclass that keeps CPU RNG
   states, so `model_parallel_cuda_manual_seed()` and `get_cuda_rng_tracker().fork()` work.
 * `LanguageModule.setup_embeddings_and_output_layer` (tied embeddings with PP>1) calls
   `weight.data.cuda()`; on the CPU it runs with `Tensor.cuda` answering the tensor itself.
+* `DistributedOptimizer.get_parameter_state_dp_zero` (the gather behind a `fully_reshardable` save)
+  moves its shards with `.cuda()`; it runs with `Tensor.cuda` answering the tensor itself.
 * `transformer.moe.moe_utils.te_general_gemm` is defined as None when Transformer Engine is absent.
 * `Float16OptimizerWithFloat16Params.__init__` (bf16/fp16 mixed precision) and the DistributedOptimizer's
   param-group building accept only `param.type()` names `torch.cuda.*Tensor`; they run with
@@ -54,6 +57,7 @@ _CUDA_MODULES = (
     "megatron.core.distributed.distributed_data_parallel",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
 )
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand", "zeros_like", "empty_like", "ones_like")
 
@@ -192,7 +196,9 @@ def _with_cuda_type_names(method, is_classmethod: bool = False):
 
         def type_(self, *a, **k):
             name = original(self, *a, **k)
-            if a or k or self.is_cuda or not isinstance(name, str):
+            # nested wrapped calls (DistributedOptimizer.__init__ calls its wrapped param-group builder) see
+            # a name already spelled the CUDA way
+            if a or k or self.is_cuda or not isinstance(name, str) or name.startswith("torch.cuda."):
                 return name
             return name.replace("torch.", "torch.cuda.", 1)
 
@@ -281,6 +287,10 @@ def apply() -> list[str]:
         if method is not None and not getattr(getattr(method, "__func__", method), "_reshard_cpu", False):
             setattr(cls, attr, _with_cuda_type_names(method, isinstance(method, classmethod)))
             _applied.append(f"megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.{attr}")
+    gather = cls.__dict__.get("get_parameter_state_dp_zero") if cls is not None else None
+    if gather is not None and not getattr(gather, "_reshard_cpu", False):
+        cls.get_parameter_state_dp_zero = _with_tensor_cuda_as_identity(gather)
+        _applied.append("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.get_parameter_state_dp_zero")
     for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
         module = _import(name)
         clip = getattr(module, "clip_grad_by_total_norm_fp32", None)

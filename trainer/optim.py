@@ -7,17 +7,20 @@ import torch
 
 def build_optimizer(models: list, *, lr: float = 1e-2, min_lr: float = 0.0, weight_decay: float = 0.0,
                     adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
-                    clip_grad: float = 0.0, bf16: bool = False, use_distributed_optimizer: bool = False):
+                    clip_grad: float = 0.0, bf16: bool = False, use_distributed_optimizer: bool = False,
+                    bucket_size: int | None = None):
     """Wrap the chunks in Megatron's DistributedDataParallel and build `get_megatron_optimizer` (Adam).
 
     Returns (ddp_chunks, optimizer). bf16 uses Megatron's mixed-precision optimizer (fp32 master
-    weights, grads reduced in fp32).
+    weights, grads reduced in fp32). `bucket_size` (elements) overlaps the gradient reduce with the backward
+    pass in buckets of about that size, as Megatron-LM's --overlap-grad-reduce --ddp-bucket-size.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=use_distributed_optimizer, overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer, overlap_grad_reduce=bucket_size is not None,
+        bucket_size=bucket_size,
         grad_reduce_in_fp32=bf16,
     )
     ddp = [

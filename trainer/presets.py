@@ -37,6 +37,12 @@ TINY_GQA4_PAD128 = TINY_GQA4.replace(make_vocab_size_divisible_by=128)
 SMALL_LLAMA = TINY_LLAMA.replace(hidden_size=512, num_attention_heads=8, num_query_groups=4, kv_channels=64,
                                  ffn_hidden_size=1408, max_position_embeddings=512)
 
+# sizes that are not multiples of 64, LayerNorm, biases, q/k norms and learned positions: every parameter
+# kind of the local spec, with DistributedOptimizer alignment gaps between them
+TINY_ODD = TINY_LLAMA.replace(hidden_size=40, kv_channels=10, ffn_hidden_size=72, normalization="LayerNorm",
+                              add_bias_linear=True, qk_layernorm=True, position_embedding_type="learned_absolute")
+TINY_ODD_TIED = TINY_ODD.replace(untie_embeddings_and_output_weights=False)
+
 PRESETS = {
     "tiny-llama": TINY_LLAMA,
     "tiny-tied": TINY_TIED,
@@ -44,4 +50,6 @@ PRESETS = {
     "tiny-gqa4": TINY_GQA4,
     "tiny-gqa4-pad128": TINY_GQA4_PAD128,
     "small-llama": SMALL_LLAMA,
+    "tiny-odd": TINY_ODD,
+    "tiny-odd-tied": TINY_ODD_TIED,
 }

@@ -38,6 +38,7 @@ from reshard.formats.base import (
     args_for_layout,
     cached,
 )
+from reshard.formats.distrib_optim import DpReshardable, is_dp_reshardable
 from reshard.formats.megatron_tree import (
     args_dict,
     args_namespace,
@@ -134,6 +135,35 @@ class TorchDistReader(CheckpointReader):
             ]
             self._index[name] = RegionIndex(self._chunks[name])
         check_shapes(self.config, {name: spec.shape for name, spec in self.specs.items()}, str(path))
+        self.dp_reshardable = None
+        if any(is_dp_reshardable(key) for key in self.unsupported_optimizer):
+            self._decode_dp_reshardable(objects, by_offset)
+
+    def _decode_dp_reshardable(self, objects: dict[str, Storage], by_offset: dict[str, list]) -> None:
+        """The DistributedOptimizer's dp_reshardable buckets, read as its fully_reshardable tensors
+        (distrib_optim.py); the raw bucket tensors are indexed here and read by `_read_chunks`."""
+        keys = [key for key in self.unsupported_optimizer if is_dp_reshardable(key)]
+        for key in keys:
+            if key in self.metadata.tensors:
+                entry = self.metadata.tensors[key]
+                sizes = {c.offsets: c.sizes for c in entry.chunks}
+                self._chunks[key] = [(tuple((o, o + s) for o, s in zip(offsets, sizes[offsets])), info) for offsets, info in by_offset[key]]
+                self._index[key] = RegionIndex(self._chunks[key])
+
+        def saved_object(prefix: str) -> object:
+            found = [key for key in keys if key.startswith(prefix + "/")]
+            if len(found) != 1:
+                raise ReshardError(f"{self.path}: {prefix} is missing from the checkpoint; its dp_reshardable optimizer state cannot be decoded")
+            return self._object(objects[found[0]])
+
+        self.dp_reshardable = DpReshardable(
+            {key: self.metadata.tensors[key] for key in keys if key in self.metadata.tensors}, saved_object,
+            [key for key in keys if key not in self.metadata.tensors], self.specs, self.config, self.layout,
+            self.common.args, self._read_chunks,
+        )
+        self.specs.update(self.dp_reshardable.specs)
+        self.common.extra["optimizer"] = self.dp_reshardable.common_optimizer()
+        self.unsupported_optimizer = [key for key in self.unsupported_optimizer if key not in keys]
 
     def _common_state(self, directory: Path, objects: dict[str, Storage]) -> dict[str, Any]:
         """Megatron's non-tensor state: `common.pt` (megatron-core up to 0.18), or from 0.19 on (Megatron-
@@ -182,6 +212,12 @@ class TorchDistReader(CheckpointReader):
         return values[0]
 
     def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
+        if self.dp_reshardable is not None and name in self.dp_reshardable.specs:
+            self.dp_reshardable.read_into(name, region, out)
+        else:
+            self._read_chunks(name, region, out)
+
+    def _read_chunks(self, name: str, region: Region, out: np.ndarray) -> None:
         filled = 0
         for chunk_region, inside, info in self._index[name].overlapping(region):
             file, record = self._record(info)
@@ -197,7 +233,7 @@ class TorchDistReader(CheckpointReader):
         random places, which would otherwise stall a reader thread once per chunk (thousands of chunks
         in a MoE checkpoint: benchmarks/README.md). A record torch itself must decode (not stored dense)
         is loaded whole there, as the reader would load it."""
-        if self._closed:
+        if self._closed or name not in self._index:
             return
         if self._header_pool is None:
             self._header_pool = ThreadPoolExecutor(HEADER_THREADS, thread_name_prefix="reshard-headers")
@@ -208,10 +244,14 @@ class TorchDistReader(CheckpointReader):
                 self._header_pool.submit(self._record, info)  # a failure is raised again by the reader that needs it
 
     def stored_regions(self, name: str) -> list[Region]:
+        if name not in self._chunks:  # decoded from DistributedOptimizer buckets
+            return super().stored_regions(name)
         chunks = sorted(self._chunks[name], key=lambda chunk: (chunk[1].relative_path, chunk[1].offset))
         return [part for region, _ in chunks for part in split_by_slab(self.specs[name], region)]
 
-    def stored_records(self, name: str) -> list[StoredRecord]:
+    def stored_records(self, name: str) -> list[StoredRecord] | None:
+        if name not in self._chunks:  # decoded from DistributedOptimizer buckets: not plain records
+            return None
         records = []
         for region, info in self._chunks[name]:
             file, record = self._record(info)

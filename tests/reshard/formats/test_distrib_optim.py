@@ -1,0 +1,194 @@
+"""dp_reshardable DistributedOptimizer state (Megatron's default since megatron-core 0.15), decoded from its
+buckets, against Megatron's own fully_reshardable save of the same state (fixture `distrib_optim`).
+
+tiny-llama's parameters are all multiples of 64 elements; tiny-odd's are not (alignment gaps), and it has
+every parameter kind of the local spec (LayerNorm, biases, q/k norms, learned positions). With tied
+embeddings and PP2 (tiny-odd-tied) the embedding and its last-stage copy are buckets of their own."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from reshard.dtypes import numpy_dtype
+from reshard.formats.megatron_dist import TorchDistReader
+from reshard.sharding import full_region
+from reshard.torchfile import dcp_metadata
+from reshard.torchfile.dcp_metadata import Storage
+from tests.reshard.test_cli import _digest, _one_line_error, reshard
+
+STATES = ("param", "exp_avg", "exp_avg_sq")
+ITER = "iter_0000002"
+
+
+def optimizer_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict]:
+    """Every logical optimizer tensor reshard reads from `path`, and common.pt's optimizer entry as read."""
+    with TorchDistReader(path) as reader:
+        assert reader.unsupported_optimizer == []
+        out = {}
+        for name, spec in reader.specs.items():
+            if spec.is_optimizer:
+                out[name] = np.empty(spec.shape, numpy_dtype(spec.dtype))
+                reader.read_into(name, full_region(spec.shape), out[name])
+        return out, reader.common.extra.get("optimizer")
+
+
+def assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert a[name].tobytes() == b[name].tobytes(), f"{name} differs"
+
+
+def test_the_fixture_saved_both_forms(distrib_optim):
+    made = distrib_optim()
+    dp = dcp_metadata.load(made["dp"] / ITER / ".metadata")
+    full = dcp_metadata.load(made["full"] / ITER / ".metadata")
+    assert any(k.startswith("optimizer.distributed.dp_group_idx_1.gbuf_idx_0.") for k in dp.tensors)
+    assert not any(k.startswith("optimizer.state.") for k in dp.tensors)
+    assert "optimizer.state.exp_avg_sq.decoder.layers.mlp.linear_fc1.weight" in full.tensors
+    assert not any(k.startswith("optimizer.distributed.") for k in full.tensors)
+
+
+CASES = [("tiny-llama", 2, 1, 1, 9, False), ("tiny-odd", 2, 1, 1, 21, False), ("tiny-odd", 1, 2, 1, 21, False),
+         ("tiny-odd", 2, 2, 1, 21, False), ("tiny-odd", 2, 1, 1, 21, True), ("tiny-tied", 2, 1, 1, 8, False),
+         ("tiny-odd-tied", 1, 2, 1, 20, False), ("tiny-odd", 1, 2, 2, 21, False)]
+
+
+def master_weights_are_the_model(path: Path, optimizer: dict[str, np.ndarray]) -> list[str]:
+    """The model tensors whose fp32 master weights (`optimizer.state.param.*`) differ from the saved weights."""
+    with TorchDistReader(path) as reader:
+        differ = []
+        for name, spec in reader.specs.items():
+            if not spec.is_optimizer and not name.startswith("optimizer."):
+                weights = np.empty(spec.shape, numpy_dtype(spec.dtype))
+                reader.read_into(name, full_region(spec.shape), weights)
+                if optimizer[f"optimizer.state.param.{name}"].tobytes() != weights.tobytes():
+                    differ.append(name)
+        return differ
+
+
+@pytest.mark.parametrize(
+    "preset, tp, pp, vpp, params, bf16", CASES,
+    ids=[f"{c[0]}-tp{c[1]}pp{c[2]}{f'vpp{c[3]}' if c[3] > 1 else ''}dp{4 // (c[1] * c[2])}{'-bf16' if c[5] else ''}" for c in CASES],
+)
+def test_dp_reshardable_reads_bit_for_bit_as_megatrons_fully_reshardable(distrib_optim, preset, tp, pp, vpp, params, bf16):
+    made = distrib_optim(preset, tp=tp, pp=pp, vpp=vpp, bf16=bf16)
+    if bf16:  # the buckets of a bf16 run with fp32 grads; its master weights and moments are fp32 all the same
+        assert any("dtype_(torch.bfloat16, torch.float32)" in k for k in dcp_metadata.load(made["dp"] / ITER / ".metadata").tensors)
+    dp, dp_common = optimizer_tensors(made["dp"])
+    full, full_common = optimizer_tensors(made["full"])
+    assert len(dp) == 3 * params and {name.split(".")[2] for name in dp} == set(STATES)
+    assert_same(dp, full)
+    if not bf16:  # an fp32 run's master weights are its weights
+        assert master_weights_are_the_model(made["dp"], dp) == []
+    assert dp_common == full_common and dp_common["param_state_sharding_type"] == "fully_reshardable"
+    assert {g["step"] for g in dp_common["optimizer"]["param_groups"]} == {2.0}
+    assert all(np.any(t != 0) for name, t in dp.items() if ".exp_avg" in name)  # two real Adam steps
+
+
+@pytest.mark.parametrize(
+    "preset, tp, pp, bf16, target",
+    [("tiny-llama", 2, 1, False, ["--to-tp", "1"]), ("tiny-llama", 2, 1, False, ["--to-tp", "1", "--to-pp", "2"]),
+     ("tiny-odd", 1, 2, False, ["--to-tp", "2", "--to-pp", "1"]), ("tiny-odd", 2, 1, True, ["--to-tp", "1", "--to-pp", "2"]),
+     ("tiny-odd-tied", 1, 2, False, ["--to-tp", "2", "--to-pp", "1"])],
+    ids=["tiny-llama-tp2-to-tp1", "tiny-llama-tp2-to-pp2", "tiny-odd-pp2-to-tp2", "tiny-odd-bf16-tp2-to-pp2",
+         "tiny-odd-tied-pp2-to-tp2"],
+)
+def test_convert_dp_reshardable_equals_converting_fully_reshardable(distrib_optim, tmp_path, preset, tp, pp, bf16, target):
+    made = distrib_optim(preset, tp=tp, pp=pp, bf16=bf16)
+    for form in ("dp", "full"):
+        out = reshard("convert", made[form], tmp_path / form, *target)
+        assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
+    dp, dp_common = optimizer_tensors(tmp_path / "dp")
+    full, full_common = optimizer_tensors(tmp_path / "full")
+    assert dp and all(name.startswith("optimizer.state.") for name in dp)
+    assert_same(dp, full)
+    assert dp_common == full_common
+    assert reshard("verify", tmp_path / "dp").returncode == 0
+
+
+def _damage_bucket_sizes(source: Path, dest: Path, group: int, sizes: list[int]) -> None:
+    """A copy of `source` whose dp_group_idx_<group>.per_bucket_numel_unpadded records `sizes`: the new value
+    appended to the .distcp file that held the old one, .metadata pointed at it."""
+    shutil.copytree(source, dest)
+    directory = dest / ITER
+    metadata = dcp_metadata.load(directory / ".metadata")
+    prefix = f"optimizer.distributed.dp_group_idx_{group}.per_bucket_numel_unpadded/"
+    key = next(k for k in metadata.storage if k[1] is None and k[0].startswith(prefix))
+    old = metadata.storage[key]
+    blob = io.BytesIO()
+    torch.save([[{(torch.float32, torch.float32): sizes}]], blob)
+    path = directory / old.relative_path
+    offset = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(blob.getvalue())
+    metadata.storage[key] = Storage(old.relative_path, offset, len(blob.getvalue()))
+    dcp_metadata.save(directory / ".metadata", metadata)
+
+
+def test_a_damaged_bucket_size_is_refused_in_one_line_naming_the_tensor(distrib_optim, tmp_path):
+    _damage_bucket_sizes(distrib_optim()["dp"], tmp_path / "bad", 1, [90624])
+    before = _digest(tmp_path / "bad")
+    result = reshard("convert", tmp_path / "bad", tmp_path / "out", "--to-tp", "1")
+    _one_line_error(result, "embedding.word_embeddings.weight", "dp_group_idx_1", "per_bucket_numel_unpadded", "90624", "90688")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.reshard-*"))
+    assert _digest(tmp_path / "bad") == before
+
+
+def test_a_missing_bucket_is_refused(distrib_optim, tmp_path):
+    _damage_bucket_sizes(distrib_optim()["dp"], tmp_path / "bad", 0, [90688, 128])
+    result = reshard("convert", tmp_path / "bad", tmp_path / "out", "--to-tp", "1")
+    _one_line_error(result, "dp_group_idx_0", "2 buckets")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bucket_stored_shorter_than_its_layout_is_refused(distrib_optim, tmp_path):
+    shutil.copytree(distrib_optim()["dp"], tmp_path / "bad")
+    path = tmp_path / "bad" / ITER / ".metadata"
+    metadata = dcp_metadata.load(path)
+    key = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0.exp_avg_sq"
+    entry = metadata.tensors[key]
+    metadata.tensors[key] = dataclasses.replace(entry, size=(entry.size[0] - 64,))
+    dcp_metadata.save(path, metadata)
+    result = reshard("convert", tmp_path / "bad", tmp_path / "out", "--to-tp", "1")
+    _one_line_error(result, "embedding.word_embeddings.weight", "dp_group_idx_0", "stores 90624, 90688")
+    assert not (tmp_path / "out").exists()
+
+
+def test_many_buckets_decode_as_the_one_bucket_runs_state(distrib_optim):
+    """With --overlap-grad-reduce in ~6000-element buckets (7 per rank) the run computes the same state bit for bit
+    as with one bucket (DP2 sums two values, in any order alike): decoding the many-bucket dp_reshardable save must
+    give the one-bucket run's fully_reshardable tensors. (Megatron 0.16's own fully_reshardable save of the
+    many-bucket run is not the truth: its values past the first bucket are shifted, the known upstream bug.)"""
+    bucketed = distrib_optim("tiny-odd", tp=2, bucket_size=6000)["dp"]
+    with TorchDistReader(bucketed) as reader:
+        buckets = {place.bucket for _, _, place in reader.dp_reshardable.placed.values()}
+        assert len(buckets) == 7
+    dp, dp_common = optimizer_tensors(bucketed)
+    full, full_common = optimizer_tensors(distrib_optim("tiny-odd", tp=2)["full"])
+    assert_same(dp, full)
+    assert dp_common == full_common
+
+
+def test_tied_embeddings_with_vpp_decode_to_the_models_weights(distrib_optim):
+    """Tied embeddings, PP2 x VPP2, the first chunk in ~3000-element buckets: every tensor equals Megatron's own
+    fully_reshardable save of a one-bucket run but the word embeddings' state, where decoding gives master weights
+    equal to the saved embedding bit for bit and Megatron 0.16's fully_reshardable save does not (found here: its
+    save of a tied embedding with VPP takes other values; not asserted here, being megatron-core's to fix)."""
+    one_bucket = distrib_optim("tiny-odd-tied", tp=1, pp=2, vpp=2)
+    bucketed = distrib_optim("tiny-odd-tied", tp=1, pp=2, vpp=2, bucket_size=3000)["dp"]
+    with TorchDistReader(bucketed) as reader:
+        assert len(set(reader.dp_reshardable.bucket_keys)) > 4  # (rank, chunk, bucket)
+    dp, _ = optimizer_tensors(bucketed)
+    assert_same(dp, optimizer_tensors(one_bucket["dp"])[0])
+    full, _ = optimizer_tensors(one_bucket["full"])
+    embedding = {f"optimizer.state.{k}.embedding.word_embeddings.weight" for k in STATES}
+    assert_same({n: t for n, t in dp.items() if n not in embedding}, {n: t for n, t in full.items() if n not in embedding})
+    assert master_weights_are_the_model(bucketed, dp) == []
