@@ -38,7 +38,6 @@ from reshard.formats.base import (
     CommonState,
     Manifest,
     StoredRecord,
-    WriteOptions,
     args_for_layout,
     cached,
     precision_args,
@@ -489,19 +488,13 @@ class _Entry:
 class HFWriter(CheckpointWriter):
     format_name = "hf"
 
-    def __init__(
-        self,
-        path: Path,
-        config: ModelConfig,
-        layout: Layout,
-        specs: dict[str, TensorSpec],
-        common: CommonState,
-        options: WriteOptions = WriteOptions(),  # its te_names mean nothing here: --naming never breaks an export
-        rank: int = 0,  # of a multi-rank export: every rank writes the same headers, and its tensors where they go
-    ):
+    def __init__(self, *args: Any, **kwargs: Any):
+        """As every writer; `options.te_names` means nothing here (so --naming never breaks an export), and each
+        rank of a multi-rank export writes the same headers, and its tensors where they go."""
         from reshard.converters import family_for_model
 
-        super().__init__(path, config, layout, specs, common, options, rank)
+        super().__init__(*args, **kwargs)
+        config, specs, common, options = self.config, self.specs, self.common, self.options
         optimizer = [n for n, s in specs.items() if s.is_optimizer]
         if optimizer:
             raise ReshardError(f"the HF format holds no optimizer state ({optimizer[0]}, ...); pass --no-optimizer")
