@@ -190,15 +190,15 @@ class TorchDistReader(CheckpointReader):
             raise ReshardError(f"{self.path} records its architecture in its args; drop --config")
         if args is not None:
             return args_dict(args)
-        bridge = [d / RUN_CONFIG for d in (self.tree.iteration_dir, self.tree.root) if (d / RUN_CONFIG).is_file()]
         if config_file is not None:
             args = args_from_file(config_file)
             embedding = self.metadata.tensors.get("embedding.word_embeddings.weight")
             if embedding is not None:  # its padding is the saving run's choice, not the architecture's
                 args["padded_vocab_size"] = embedding.size[0]
             return args
-        if bridge:
-            return bridge_args(bridge[0])
+        for directory in (self.tree.iteration_dir, self.tree.root):
+            if (directory / RUN_CONFIG).is_file():
+                return bridge_args(directory / RUN_CONFIG)
         raise ReshardError(
             f"{self.path} records no architecture (no Megatron-LM args, no {RUN_CONFIG}): pass --config with the "
             "model's HF config.json or a YAML of its Megatron arguments"
