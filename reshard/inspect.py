@@ -11,6 +11,8 @@ from reshard.dtypes import itemsize
 from reshard.formats import open_checkpoint
 from reshard.plan import human_bytes
 
+NO_ARCHITECTURE = "the tensors are global; pass --config with its HF config.json or Megatron args YAML to convert it"
+
 
 @dataclass(frozen=True)
 class TensorRow:
@@ -54,10 +56,11 @@ class CheckpointInfo:
         c = self.config
         lines = [
             f"{self.path}: {self.format} checkpoint, iteration {self.iteration}, layout {self.layout}",
-            f"model: {c['num_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads "
-            f"({c['num_query_groups'] or c['num_attention_heads']} query groups), ffn {c['ffn_hidden_size']}, "
-            f"vocab {c['vocab_size'] or '?'} (padded {c['padded_vocab_size']})"
-            + (f", {c['num_experts']} experts top-{c['moe_router_topk']}" if c.get("num_experts") else ""),
+            (f"model: {c['num_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads "
+             f"({c['num_query_groups'] or c['num_attention_heads']} query groups), ffn {c['ffn_hidden_size']}, "
+             f"vocab {c['vocab_size'] or '?'} (padded {c['padded_vocab_size']})"
+             + (f", {c['num_experts']} experts top-{c['moe_router_topk']}" if c.get("num_experts") else ""))
+            if c else f"model: architecture not recorded ({NO_ARCHITECTURE})",
             f"{len(self.tensors)} tensors, {human_bytes(self.total_bytes)}, dtypes "
             + ", ".join(f"{k}: {v}" for k, v in Counter(t.dtype for t in self.tensors).items())
             + ("; checksums recorded" if self.has_manifest else "; no checksums recorded"),
@@ -72,7 +75,7 @@ class CheckpointInfo:
 
 def inspect(path: Path | str, config_file: Path | None = None) -> CheckpointInfo:
     """What the checkpoint at `path` is; `config_file` gives the architecture of one that records none."""
-    with open_checkpoint(path, config_file=config_file) as reader:
+    with open_checkpoint(path, config_file=config_file, need_architecture=False) as reader:
         rows = [
             TensorRow(name, spec.shape, spec.dtype, spec.split.value, spec.numel * itemsize(spec.dtype))
             for name, spec in sorted(reader.specs.items())
@@ -81,8 +84,8 @@ def inspect(path: Path | str, config_file: Path | None = None) -> CheckpointInfo
             path=Path(path),
             format=reader.format_name,
             iteration=reader.common.iteration,
-            config=reader.config.to_dict(),
-            layout=str(reader.layout),
+            config=reader.config.to_dict() if reader.config else {},
+            layout=str(reader.layout) if reader.config else "not recorded",
             tensors=rows,
             dropped=list(reader.common.dropped) + list(reader.unsupported_optimizer),
             has_manifest=reader.manifest is not None,

@@ -113,8 +113,9 @@ def param_name(name: str) -> str:
     return match.group("param") if match else name
 
 
-def describe(name: str, shape: tuple[int, ...], dtype: str, config: ModelConfig) -> TensorSpec:
-    """Build the spec of a logical tensor from its name, refusing names the partition table lacks."""
+def describe(name: str, shape: tuple[int, ...], dtype: str, config: ModelConfig | None) -> TensorSpec:
+    """Build the spec of a logical tensor from its name, refusing names the partition table lacks. `config`
+    is None for a checkpoint read without its architecture (global tensors, never split)."""
     param = param_name(name)
     stacked, layer = False, None
     layer_match = _LAYER.match(param)
@@ -132,7 +133,7 @@ def describe(name: str, shape: tuple[int, ...], dtype: str, config: ModelConfig)
             f"tensor {name!r} is not in reshard's partition table, so it cannot be resharded safely; "
             "please report it (or convert with --no-optimizer if it is optimizer state)"
         )
-    gated = rule.gated and (config.swiglu)
+    gated = rule.gated and config is not None and config.swiglu  # unknown without an architecture: never split then
     if rule.split is Split.COLUMN and len(shape) - int(stacked) - int(experts) < 1:
         raise ReshardError(f"tensor {name!r} has shape {tuple(shape)}, too few dimensions for its partition")
     return TensorSpec(

@@ -23,6 +23,7 @@ def compute_checksums(
     names: Iterable[str] | None = None,
     pool: Pool | None = None,
     written: dict[StoredRecord, TensorChecksum] | None = None,
+    vocab_rows: int | None = None,
 ) -> dict[str, Checksum]:
     """Layout-invariant checksums of every logical tensor, reading one stored region (a chunk, or a slab)
     at a time per worker. Buffers come from `pool` (a conversion passes the one its writing used, already
@@ -31,11 +32,16 @@ def compute_checksums(
     `written` (a conversion's `CheckpointWriter.written_records`) spares reading back the values of a
     record the reader finds, from the metadata and headers on disk, exactly where the writer put it, with
     the same tensor, region and dtype: its checksum as written counts instead. Every other record, and
-    every record of a format that cannot say where its values lie, is read back."""
+    every record of a format that cannot say where its values lie, is read back.
+
+    Vocabulary tensors count their first `vocab_rows` rows (default: the reader's true vocabulary; every row
+    where it opened without an architecture), so that checksums ignore padding."""
     pool = pool or Pool()
+    if vocab_rows is None and reader.config is not None:
+        vocab_rows = reader.config.vocab_rows
 
     def content(spec: TensorSpec) -> int | None:
-        return reader.config.vocab_rows if spec.vocab else None
+        return vocab_rows if spec.vocab else None
 
     def hash_region(job: tuple[TensorSpec, Region]) -> tuple[str, TensorChecksum, int]:
         spec, region = job
@@ -159,19 +165,22 @@ class VerifyReport:
 
 def verify(path, against=None, config_file=None) -> VerifyReport:
     """Recompute `path`'s checksums; compare with its recorded ones, or with checkpoint `against`.
-    `config_file` gives the architecture of a `path` that records none."""
+    `config_file` gives the architecture of a `path` that records none; none is needed (the tensors are
+    global), but without one the vocabulary's padding counts unless `against` knows the true size."""
     from reshard.formats import open_checkpoint
 
-    with open_checkpoint(path, config_file=config_file) as reader:
-        if against is None and reader.manifest is None:
-            raise ReshardError(f"{path} has no recorded checksums; compare it with another checkpoint using --against")
-        actual = compute_checksums(reader)
-        recorded = reader.manifest.checksums if reader.manifest else None
-    if against is None:
-        assert recorded is not None
-        return VerifyReport(compare(actual, recorded, str(path), "recorded"), "against the checksums recorded at save")
-    with open_checkpoint(against) as other:
-        reference = compute_checksums(other)
+    with open_checkpoint(path, config_file=config_file, need_architecture=False) as reader:
+        if against is None:
+            if reader.manifest is None:
+                raise ReshardError(f"{path} has no recorded checksums; compare it with another checkpoint using --against")
+            return VerifyReport(compare(compute_checksums(reader), reader.manifest.checksums, str(path), "recorded"),
+                                "against the checksums recorded at save")
+        with open_checkpoint(against, need_architecture=False) as other:
+            rows = None  # each side's own true vocabulary, where it knows it; else the other's tells both
+            if (reader.config is None) != (other.config is None):
+                rows = (reader.config or other.config).vocab_rows
+            actual = compute_checksums(reader, vocab_rows=rows)
+            reference = compute_checksums(other, vocab_rows=rows)
     label = f"against {against}"
     # An HF export or a --no-optimizer copy holds no optimizer state: compare the model then.
     if not any(spec_is_optimizer(n) for n in actual) or not any(spec_is_optimizer(n) for n in reference):

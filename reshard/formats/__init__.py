@@ -41,15 +41,18 @@ def detect(path: Path) -> str:
     )
 
 
-def open_checkpoint(path: Path | str, format: str | None = None, config_file: Path | None = None) -> CheckpointReader:
+def open_checkpoint(
+    path: Path | str, format: str | None = None, config_file: Path | None = None, need_architecture: bool = True
+) -> CheckpointReader:
     """The checkpoint at `path`, in `format` (default: detected). `config_file` gives the architecture of a
-    torch_dist checkpoint that records none (`--config`)."""
+    torch_dist checkpoint that records none (`--config`); without `need_architecture` such a checkpoint
+    opens with `config` None (enough to inspect and checksum its global tensors)."""
     path = Path(path)
     name = format or detect(path)
     if name not in READERS:
         raise ReshardError(f"unknown format {name!r}; choose one of {', '.join(sorted(READERS))}")
-    if config_file is None:
-        return READERS[name](path)
-    if name != "torch_dist":
+    if name == "torch_dist":
+        return TorchDistReader(path, config_file, need_architecture)
+    if config_file is not None:
         raise ReshardError(f"--config is for torch_dist checkpoints that record no architecture; {path} is {name}: drop it")
-    return TorchDistReader(path, config_file)
+    return READERS[name](path)

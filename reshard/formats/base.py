@@ -190,7 +190,7 @@ class CheckpointReader(abc.ABC):
 
     format_name: ClassVar[str]
     path: Path
-    config: ModelConfig
+    config: ModelConfig | None  # None only where opened without an architecture (`open_checkpoint`)
     layout: Layout  # the layout it was saved at (Layout() for layout-free formats)
     specs: dict[str, TensorSpec]
     common: CommonState

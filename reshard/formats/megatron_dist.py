@@ -75,8 +75,10 @@ _COMMON_STATE = "common_state/"  # megatron-core 0.19's ShardedObject of the com
 class TorchDistReader(CheckpointReader):
     format_name = "torch_dist"
 
-    def __init__(self, path: Path, config_file: Path | None = None):
-        """`config_file` (`--config`): the architecture of a checkpoint that records none (see `model_args`)."""
+    def __init__(self, path: Path, config_file: Path | None = None, need_architecture: bool = True):
+        """`config_file` (`--config`): the architecture of a checkpoint that records none (see `model_args`).
+        Without `need_architecture`, a checkpoint that records none opens with `config` None: its tensors are
+        global, so inspecting and checksumming them needs none (their TP splits are then unknown)."""
         tree = locate(path)
         if tree is None or not (tree.iteration_dir / ".metadata").is_file():
             raise ReshardError(f"{path} is not a torch_dist checkpoint (no .metadata found)")
@@ -99,11 +101,11 @@ class TorchDistReader(CheckpointReader):
         self._prefetched: set[tuple[str, int]] = set()
         self._closed = False
         common = self._common_state(directory, objects)
-        args = self._architecture(common.pop("args", None), config_file)
+        args = self._architecture(common.pop("args", None), config_file, need_architecture)
         iteration = found_iteration(tree, common.pop("iteration", tree.iteration))
-        self.config = ModelConfig.from_megatron_args(args)
-        self.layout = Layout.from_megatron_args(args)
-        self.common = CommonState(args=args, iteration=iteration, extra=common)
+        self.config: ModelConfig | None = ModelConfig.from_megatron_args(args) if args else None
+        self.layout = Layout.from_megatron_args(args) if args else Layout()
+        self.common = CommonState(args=args or {}, iteration=iteration, extra=common)
         self.manifest = Manifest.load(directory)
         self.unsupported_optimizer = []
         kept = []
@@ -117,7 +119,7 @@ class TorchDistReader(CheckpointReader):
             else:
                 self.common.dropped.append(key)
         self.common.objects = LazyObjects(kept, lambda key: self._object(objects[key]))
-        moe = self.config.is_moe
+        moe = self.config.is_moe if self.config else any(".experts." in key for key in self.metadata.tensors)
         for key, entry in self.metadata.tensors.items():
             name = canonical(key, "dist", moe)
             if name != key:  # the MoE pre-MLP norm gives the spec away
@@ -134,9 +136,11 @@ class TorchDistReader(CheckpointReader):
                 (tuple((o, o + s) for o, s in zip(offsets, sizes[offsets])), info) for offsets, info in by_offset[key]
             ]
             self._index[name] = RegionIndex(self._chunks[name])
-        check_shapes(self.config, {name: spec.shape for name, spec in self.specs.items()}, str(path))
+        if self.config is not None:
+            check_shapes(self.config, {name: spec.shape for name, spec in self.specs.items()}, str(path))
         self.dp_reshardable = None
-        if any(is_dp_reshardable(key) for key in self.unsupported_optimizer):
+        # decoding the buffers needs the saving run's layout and architecture; without them they stay listed as not read
+        if self.config is not None and any(is_dp_reshardable(key) for key in self.unsupported_optimizer):
             self._decode_dp_reshardable(objects, by_offset)
 
     def _decode_dp_reshardable(self, objects: dict[str, Storage], by_offset: dict[str, list]) -> None:
@@ -183,9 +187,9 @@ class TorchDistReader(CheckpointReader):
             raise ReshardError(f"{where} does not hold Megatron's common state: the checkpoint is damaged")
         return common
 
-    def _architecture(self, args: Any, config_file: Path | None) -> dict[str, Any]:
+    def _architecture(self, args: Any, config_file: Path | None, needed: bool) -> dict[str, Any] | None:
         """Megatron-LM's args where it saved them, else Megatron-Bridge's run_config.yaml (beside the
-        iteration or the save directory), else `--config`."""
+        iteration or the save directory), else `--config`, else (when not `needed`) None."""
         if config_file is not None and args is not None:
             raise ReshardError(f"{self.path} records its architecture in its args; drop --config")
         if args is not None:
@@ -199,6 +203,8 @@ class TorchDistReader(CheckpointReader):
         for directory in (self.tree.iteration_dir, self.tree.root):
             if (directory / RUN_CONFIG).is_file():
                 return bridge_args(directory / RUN_CONFIG)
+        if not needed:
+            return None
         raise ReshardError(
             f"{self.path} records no architecture (no Megatron-LM args, no {RUN_CONFIG}): pass --config with the "
             "model's HF config.json or a YAML of its Megatron arguments"

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from reshard.convert import convert
 from reshard.errors import ReshardError
 from reshard.inspect import inspect
 from reshard.layout import Layout
 from reshard.request import SourceHints, Target
+from reshard.verify import verify
 
 GOLDEN = Path(__file__).resolve().parents[3] / "fixtures" / "golden"
 HF = GOLDEN / "hf-llama-tiny"
@@ -49,8 +50,6 @@ def test_a_flipped_bit_in_the_golden_weights_is_caught(tmp_path):
     tensors = load_file(tmp_path / "hf" / "model.safetensors")
     name = "model.layers.1.self_attn.k_proj.weight"
     tensors[name].view(np.uint32)[3, 5] ^= 1
-    from safetensors.numpy import save_file
-
     save_file(tensors, tmp_path / "hf" / "model.safetensors")
     with pytest.raises(AssertionError, match=name):
         _same_as_original(tmp_path / "hf")
@@ -77,10 +76,27 @@ def test_megatron_bridge_output_reshards_to_megatron_lm_layouts(tmp_path):
 def test_a_bare_dist_checkpointing_directory_converts_with_config(tmp_path):
     bare = GOLDEN / "mcore019-torch_dist-bare"
     with pytest.raises(ReshardError, match="records no architecture .*pass --config"):
-        inspect(bare)
+        convert(bare, tmp_path / "refused", Target(format="hf"))
+    assert not (tmp_path / "refused").exists()
     assert inspect(bare, HF / "config.json").layout == str(Layout())
     convert(bare, tmp_path / "hf", Target(format="hf"), hints=SourceHints(config=HF / "config.json"))
     _same_as_original(tmp_path / "hf")
+
+
+def test_a_bare_dist_checkpointing_directory_is_inspected_and_verified_without_an_architecture(tmp_path):
+    """Its tensors are global: listing them and checksumming them needs no config (the HF side tells the
+    true vocabulary, so padding rows do not count), and a changed value in the HF side is still caught."""
+    bare = GOLDEN / "mcore019-torch_dist-bare"
+    info = inspect(bare)
+    assert info.config == {} and info.layout == "not recorded" and "architecture not recorded" in info.render()
+    assert {t.name: t.shape for t in info.tensors}["decoder.layers.mlp.linear_fc1.weight"] == (2, 256, 64)
+    assert verify(bare, against=HF).comparison.ok
+    changed = tmp_path / "hf"
+    shutil.copytree(HF, changed)
+    tensors = load_file(HF / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.weight"].view(np.uint32)[1, 2] ^= 1
+    save_file(tensors, changed / "model.safetensors")
+    assert verify(bare, against=changed).comparison.mismatched == ["decoder.layers.mlp.linear_fc2.weight"]
 
 
 def test_a_config_that_contradicts_the_tensors_is_refused_naming_the_field(tmp_path):
