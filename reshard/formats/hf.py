@@ -44,6 +44,7 @@ from reshard.formats.base import (
 )
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe, normalize_dtype
+from reshard.paths import inside
 from reshard.sharding import Piece, Region, full_region, slab_of, slabs
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord
 
@@ -92,25 +93,6 @@ def is_hf(path: Path) -> bool:
 def recorded_digests(directory: Path) -> dict[str, str]:
     """The sha256 of each of RECORDED_FILES the directory has."""
     return {name: hashlib.sha256((directory / name).read_bytes()).hexdigest() for name in RECORDED_FILES if (directory / name).is_file()}
-
-
-def inside(directory: Path, name: str) -> Path:
-    """`directory / name`, refused unless it stays in the directory: `name` is relative without `..`, and the file
-    it leads to, through any symlinks, lies in the directory, or, for a snapshot of huggingface_hub's cache
-    (`models--<org>--<name>/snapshots/<commit>`), in that repository's blobs."""
-    where = directory / name
-    if Path(name).is_absolute() or ".." in Path(name).parts or not Path(name).parts:
-        raise ReshardError(f"{directory} names {name!r}, a path outside the checkpoint; refusing it")
-    home = directory.resolve()
-    if home.parent.name == "snapshots" and home.parent.parent.name.startswith("models--"):
-        home = home.parent.parent / "blobs"
-    try:
-        real = where.resolve()
-    except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, a NUL in the name
-        raise ReshardError(f"{directory} names {name!r}, which cannot be followed ({exc}); refusing it") from None
-    if not real.is_relative_to(home):
-        raise ReshardError(f"{where} leads outside the checkpoint (to {real}); refusing it")
-    return where
 
 
 # Every dtype the safetensors library knows, in bits per value (a file naming another is refused).

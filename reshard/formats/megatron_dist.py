@@ -52,6 +52,7 @@ from reshard.formats.model_args import RUN_CONFIG, args_from_file, bridge_args, 
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, spell, uses_te_names
+from reshard.paths import inside
 from reshard.sharding import Piece, Region, RegionIndex, region_size, shift, split_by_slab, to_slices
 from reshard.torchfile import PARSE_ERRORS, dcp_metadata
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord, load_archive
@@ -225,12 +226,12 @@ class TorchDistReader(CheckpointReader):
 
     def _read_chunks(self, name: str, region: Region, out: np.ndarray) -> None:
         filled = 0
-        for chunk_region, inside, info in self._index[name].overlapping(region):
+        for chunk_region, wanted, info in self._index[name].overlapping(region):
             file, record = self._record(info)
             if record.shape != tuple(b - a for a, b in chunk_region) or numpy_dtype(record.dtype) != out.dtype:
                 raise ReshardError(f"{file.path}: chunk of {name} has the wrong shape or dtype; the file is damaged")
-            file.read_into(record, shift(inside, chunk_region), out[to_slices(shift(inside, region))])
-            filled += region_size(inside)
+            file.read_into(record, shift(wanted, chunk_region), out[to_slices(shift(wanted, region))])
+            filled += region_size(wanted)
         if filled != region_size(region):
             raise ReshardError(f"{name}: the checkpoint's chunks do not cover the tensor; a .distcp file is missing or truncated")
 
@@ -278,7 +279,7 @@ class TorchDistReader(CheckpointReader):
         or undecodable blob is refused in a line."""
         if info.transformed:
             raise ReshardError(f"{info.relative_path}: DCP stream transforms (compression) are not supported")
-        path = self.tree.iteration_dir / info.relative_path
+        path = inside(self.tree.iteration_dir, info.relative_path)  # .metadata names it: untrusted
         if not path.is_file():
             raise ReshardError(f"{path} is missing: the checkpoint is incomplete")
         if path.stat().st_size < info.offset + info.length:

@@ -19,6 +19,8 @@ from reshard.formats.megatron_dist import TorchDistReader
 from reshard.layout import Layout
 from reshard.request import Target
 from reshard.sharding import full_region
+from reshard.torchfile import dcp_metadata
+from reshard.torchfile.dcp_metadata import Storage
 from tests.arrays import same
 
 
@@ -124,3 +126,29 @@ def test_objects_are_loaded_only_when_a_conversion_needs_them(tmp_path, monkeypa
         convert(tmp_path / "ckpt", tmp_path / "out", Target(layout=Layout(ep=1)))
     assert not (tmp_path / "out").exists()
 
+
+
+@pytest.mark.parametrize("named", ["../outside/__0_0.distcp", "/ABSOLUTE/__0_0.distcp", "link.distcp"])
+def test_a_storage_file_outside_the_checkpoint_is_refused(tmp_path, named):
+    """.metadata names the files its chunks lie in: one that leads outside the checkpoint (by `..`, an absolute
+    path or a symlink) is refused in one line before anything is read or written, the source unchanged."""
+    from tests.reshard.test_cli import _digest, _one_line_error, reshard
+
+    source = tmp_path / "src"
+    write_synthetic(source, TINY_LLAMA, Layout(), "torch_dist")
+    directory = next(p for p in source.iterdir() if p.is_dir())
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    real = sorted(directory.glob("*.distcp"))[0]
+    (outside / "__0_0.distcp").write_bytes(real.read_bytes())
+    named = named.replace("/ABSOLUTE", str(outside))
+    if named == "link.distcp":
+        (directory / named).symlink_to(outside / "__0_0.distcp")
+    metadata = dcp_metadata.load(directory / ".metadata")
+    metadata.storage = {key: Storage(named if info.relative_path == real.name else info.relative_path, info.offset, info.length)
+                        for key, info in metadata.storage.items()}
+    dcp_metadata.save(directory / ".metadata", metadata)
+    before = _digest(source)
+    result = reshard("convert", source, tmp_path / "out", "--to-format", "zarr")
+    _one_line_error(result, "outside the checkpoint")
+    assert not (tmp_path / "out").exists() and _digest(source) == before
