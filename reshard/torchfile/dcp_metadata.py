@@ -14,6 +14,7 @@ import pickle
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from sys import intern
 from typing import Any
 
 from reshard.dtypes import DTYPE_NAMES
@@ -177,9 +178,12 @@ def _size(values: tuple[int, ...]) -> Call:
 
 def save(path: Path, metadata: DcpMetadata) -> None:
     """Write `.metadata` as DCP pickles its `Metadata` (torch 2.x: dataclass states, `TensorProperties`
-    as its tuple, `_StorageInfo` without its unset fields), naming DCP's classes without importing them."""
+    as its tuple, `_StorageInfo` without its unset fields), naming DCP's classes without importing them.
+
+    Names are interned: pickle writes a string object once and refers back to it after, so equal names held as
+    one object or as several (a resumed run reads them back from its work log) would give different bytes."""
     state: dict[str, Any] = {
-        fqn: _new(
+        intern(fqn): _new(
             _TENSOR_STORAGE,
             {
                 "properties": _new(_PROPERTIES, (named("torch", entry.dtype), _STRIDED, False, _CONTIGUOUS, False)),
@@ -189,10 +193,10 @@ def save(path: Path, metadata: DcpMetadata) -> None:
         )
         for fqn, entry in metadata.tensors.items()
     }
-    state.update({fqn: _new(_BYTES, {}) for fqn in metadata.objects})
+    state.update({intern(fqn): _new(_BYTES, {}) for fqn in metadata.objects})
     storage = {
-        _new(_INDEX, {"fqn": fqn, "offset": None if offsets is None else _size(offsets), "index": None}): _new(
-            _STORAGE_INFO, {"relative_path": s.relative_path, "offset": s.offset, "length": s.length}
+        _new(_INDEX, {"fqn": intern(fqn), "offset": None if offsets is None else _size(offsets), "index": None}): _new(
+            _STORAGE_INFO, {"relative_path": intern(s.relative_path), "offset": s.offset, "length": s.length}
         )
         for (fqn, offsets), s in metadata.storage.items()
     }

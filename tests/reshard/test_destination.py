@@ -3,13 +3,19 @@ whenever the run stops."""
 
 import errno
 import hashlib
+import json
+import os
+import random
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from fixtures.models import TINY_LLAMA
+from fixtures.models import PRESETS, TINY_LLAMA
 from fixtures.synthetic import write_synthetic
 from fixtures.torchrun import REPO, pythonpath
 from reshard.convert import DestinationLock, convert, partial_path
@@ -159,3 +165,60 @@ def test_a_destination_that_cannot_be_written_is_one_line(pair, tmp_path, where)
     dst = tmp_path / "afile" / "out" if where == "under-a-file" else Path("/proc/out")  # not even root may create files there
     with pytest.raises(ReshardError, match=rf"cannot write {dst}: .*; choose another destination"):
         convert(src, dst, Target(layout=Layout(tp=1)))
+
+
+def _content(path):
+    """`_digest` of a checkpoint without the manifest's wall-clock time (in reshard_manifest.json, or zarr.json's
+    attributes), the one value two runs may differ in."""
+
+    def timeless(value):
+        if isinstance(value, dict):
+            return {k: timeless(v) for k, v in value.items() if not (k == "time" and "tool" in value)}
+        return [timeless(v) for v in value] if isinstance(value, list) else value
+
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f.relative_to(path).as_posix().encode())
+        if f.name in ("reshard_manifest.json", "zarr.json"):
+            h.update(json.dumps(timeless(json.loads(f.read_text())), sort_keys=True).encode())
+        else:
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("fmt,kills", [("torch_dist", 12), ("zarr", 8)])
+def test_kill_9_at_random_points_leaves_the_old_checkpoint_or_the_new_one(tmp_path, fmt, kills):
+    """`convert --overwrite` killed (SIGKILL, no cleanup) at random moments, from start-up to past the rename:
+    the destination then holds the previous checkpoint or the complete new one, nothing else; the rerun
+    resumes or redoes the work and ends equal byte for byte to an uninterrupted run's output (the manifest's
+    clock aside), leaving nothing beside the destination."""
+    src, old = tmp_path / "src", tmp_path / "old"
+    write_synthetic(src, PRESETS["small-llama"], Layout(tp=2), "torch_dist", optimizer=fmt == "torch_dist")
+    write_synthetic(old, PRESETS["small-llama"], Layout(tp=1), fmt, seed=1)
+    env = dict(os.environ, PYTHONPATH=pythonpath())
+    dst = tmp_path / "dst"
+    command = [sys.executable, "-m", "reshard", "convert", str(src), str(dst), "--to-format", fmt,
+               "--to-tp", "1", "--to-pp", "2", "--overwrite", "-q"]
+    started = time.monotonic()
+    subprocess.run(command, check=True, env=env, capture_output=True)
+    took = time.monotonic() - started
+    new = _content(dst)
+    shutil.rmtree(dst)
+    previous = _content(old)
+    rng = random.Random(20261125)
+    seen = []
+    for _ in range(kills):
+        shutil.copytree(old, dst, symlinks=True)
+        run = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.2, 1.1) * took)
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+        after_kill = _content(dst)
+        assert after_kill in (previous, new), "a kill left the destination neither the old checkpoint nor the new one"
+        seen.append("new" if after_kill == new else "partial" if partial_path(dst).exists() else "old")
+        subprocess.run(command, check=True, env=env, capture_output=True)
+        assert _content(dst) == new, f"the rerun after a kill ({seen[-1]}) differs from an uninterrupted run"
+        assert _leftovers(dst) == []
+        shutil.rmtree(dst)
+    assert _content(old) == previous
+    assert "partial" in seen, seen  # some kills did land while the conversion was writing
