@@ -1,5 +1,7 @@
 """Legacy rank files are checked with plain torch.load and slicing written here, independent of sharding.py."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -145,3 +147,16 @@ def test_expert_tp_below_tp_reads_the_files_megatron_writes(tmp_path):
     shutil.rmtree(iteration / "mp_rank_01_001")
     with pytest.raises(ReshardError, match=r"mp_rank_0\d_00\d/model_optim_rng.pt is missing but args say TP2PP1EP2ETP1"):
         open_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_rank_file_linked_from_outside_the_checkpoint_is_refused(tmp_path):
+    """A rank file that is a symlink to a file elsewhere is refused in one line; the link target is not read."""
+    source, elsewhere = tmp_path / "src", tmp_path / "elsewhere"
+    write_synthetic(source, TINY_LLAMA, Layout(tp=2), "legacy")
+    rank_file = next(source.rglob("mp_rank_01/model_optim_rng.pt"))
+    elsewhere.mkdir()
+    shutil.move(rank_file, elsewhere / rank_file.name)
+    rank_file.symlink_to(elsewhere / rank_file.name)
+    with pytest.raises(ReshardError, match="leads outside the checkpoint"):
+        convert(source, tmp_path / "out", Target(format="zarr"))
+    assert not (tmp_path / "out").exists()
