@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from reshard import master_weights
 from reshard.atomic import put_back, replace_dir
 from reshard.buffers import Pool
 from reshard.checksum import Checksum
@@ -307,6 +308,7 @@ def convert(
         if dry_run:
             return ConversionResult(plan, None, time.perf_counter() - start)
         with joined() as team:
+            master_weights.check(reader, plan.moves, team)
             manifest = transact(reader, plan, overwrite, run, progress, team)
     return ConversionResult(plan, manifest, time.perf_counter() - start)
 
