@@ -467,6 +467,8 @@ class Family:
             "position_embedding_type": config.position_embedding_type,
             "moe": config.is_moe,
             "shared_experts": bool(config.moe_shared_expert_intermediate_size),
+            "shared_expert_gate": config.moe_shared_expert_gate,
+            "router_pre_softmax": config.moe_router_pre_softmax,
         }
 
     def matches(self, config: ModelConfig) -> bool:

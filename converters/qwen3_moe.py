@@ -12,7 +12,7 @@ from reshard.converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head
 class Qwen3Moe(Family):
     model_type = "qwen3_moe"
     architectures = ("Qwen3MoeForCausalLM",)
-    signature = {**LLAMA_SIGNATURE, "qk_layernorm": True, "moe": True, "shared_experts": False}
+    signature = {**LLAMA_SIGNATURE, "qk_layernorm": True, "moe": True, "shared_experts": False, "router_pre_softmax": False}
 
     def check_hf(self, hf):
         super().check_hf(hf)
