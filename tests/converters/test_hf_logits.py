@@ -30,6 +30,7 @@ CASES = [
     ("qwen3_moe", "legacy", dict(tp=2)),
     ("qwen2_moe", "legacy", dict(ep=2)),  # shared expert and its sigmoid gate, softmax before top-k, q/k/v biases
     ("qwen2_moe", "torch_dist", dict(pp=2)),
+    ("qwen2_moe_topk_norm", "legacy", dict(tp=2)),  # the shared expert split over TP, its gate replicated
     ("gpt2", "legacy", dict(pp=2)),  # LayerNorm + biases, learned positions, tied, Conv1D
     ("llama", "torch_dist", dict(pp=2)),  # megatron's own dist_checkpointing.load
 ]
