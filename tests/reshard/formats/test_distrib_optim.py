@@ -192,3 +192,27 @@ def test_tied_embeddings_with_vpp_decode_to_the_models_weights(distrib_optim):
     embedding = {f"optimizer.state.{k}.embedding.word_embeddings.weight" for k in STATES}
     assert_same({n: t for n, t in dp.items() if n not in embedding}, {n: t for n, t in full.items() if n not in embedding})
     assert master_weights_are_the_model(bucketed, dp) == []
+
+
+def test_inspect_names_the_optimizer_form_its_buckets_and_dp_size(distrib_optim, tmp_path):
+    import json
+
+    from fixtures.models import TINY_LLAMA
+    from fixtures.synthetic import write_synthetic
+    from reshard.layout import Layout
+
+    def form(path):
+        out = reshard("inspect", path, "--json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["optimizer"]
+
+    bucketed = distrib_optim("tiny-odd", tp=2, bucket_size=6000)["dp"]  # 7 buckets on each of the 2 TP ranks
+    assert form(bucketed) == {"form": "dp_reshardable", "dp": 2, "buckets": 14, "ranks": 2}
+    assert "optimizer: dp_reshardable, DP 2, 14 buckets over 2 model-parallel ranks" in reshard("inspect", bucketed).stdout
+    assert form(distrib_optim("tiny-odd", tp=2)["full"]) == {"form": "fully_reshardable", "dp": 2, "buckets": None, "ranks": None}
+    assert reshard("convert", bucketed, tmp_path / "tp1", "--to-tp", "1", "-q").returncode == 0
+    assert form(tmp_path / "tp1")["form"] == "fully_reshardable"  # what reshard writes
+    write_synthetic(tmp_path / "plain", TINY_LLAMA, Layout(), "torch_dist", optimizer=True)
+    assert form(tmp_path / "plain")["form"] == "plain"
+    assert reshard("convert", tmp_path / "plain", tmp_path / "model-only", "--no-optimizer", "-q").returncode == 0
+    assert form(tmp_path / "model-only") is None
