@@ -281,6 +281,12 @@ def expert_count(hf: dict[str, Any]) -> int:
     return int(experts)
 
 
+def check_all_moe(hf: dict[str, Any], family: str) -> None:
+    """Qwen-style MoE configs may put dense MLPs between MoE layers; every decoder layer here is stacked as one kind."""
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise refuse("dense layers between MoE layers (mlp_only_layers/decoder_sparse_step)", f"only all-MoE {family} models are mapped")
+
+
 def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from a v4 (`rope_theta`, `rope_scaling`) or v5 (`rope_parameters`) config."""
     params = hf.get("rope_parameters")

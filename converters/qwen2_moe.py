@@ -12,6 +12,7 @@ from reshard.converters.base import (
     LLAMA_SIGNATURE,
     Family,
     bad_value,
+    check_all_moe,
     embeddings_and_head,
     expert_count,
     llama_attention,
@@ -33,8 +34,7 @@ class Qwen2Moe(Family):
                 raise bad_value(flag, hf[flag], "true or false")
         if not hf.get("qkv_bias", True):  # transformers before v5 had no such option: the biases were always there
             raise refuse("qkv_bias=false", "only Qwen2-MoE models with q/k/v biases are mapped")
-        if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
-            raise refuse("dense layers between MoE layers (mlp_only_layers/decoder_sparse_step)", "only all-MoE Qwen2-MoE models are mapped")
+        check_all_moe(hf, "Qwen2-MoE")
 
     def adjust_from_hf(self, config, hf):
         return config.replace(
