@@ -16,6 +16,7 @@ from reshard.converters.llama import Llama
 from reshard.converters.mistral import Mistral
 from reshard.converters.mixtral import Mixtral
 from reshard.converters.qwen2 import Qwen2
+from reshard.converters.qwen2_moe import Qwen2Moe
 from reshard.converters.qwen3 import Qwen3
 from reshard.converters.qwen3_moe import Qwen3Moe
 from reshard.errors import ReshardError
@@ -32,7 +33,7 @@ def register(family: Family) -> Family:
 
 
 # Order matters for `family_for_model`: the first family whose signature matches is the default export.
-_BUILTIN = (Llama(), Mistral(), Qwen2(), Qwen3(), Mixtral(), Qwen3Moe(), GPT2())
+_BUILTIN = (Llama(), Mistral(), Qwen2(), Qwen3(), Mixtral(), Qwen3Moe(), Qwen2Moe(), GPT2())
 for _family in _BUILTIN:
     register(_family)
 

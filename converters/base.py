@@ -226,7 +226,7 @@ def refuse(what: str, hint: str) -> ReshardError:
 # default for a missing value (the field is read as `hf.get(...) or default`).
 HF_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
            "moe_intermediate_size", "vocab_size", "max_position_embeddings", "num_local_experts", "num_experts",
-           "num_experts_per_tok", "decoder_sparse_step", "n_embd", "n_layer", "n_head", "n_inner", "n_positions")
+           "num_experts_per_tok", "decoder_sparse_step", "shared_expert_intermediate_size", "n_embd", "n_layer", "n_head", "n_inner", "n_positions")
 HF_NULLABLE = ("num_key_value_heads", "head_dim", "n_inner", "num_local_experts", "num_experts")
 HF_POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
 MAX_INT = 1 << 31  # far past any model's sizes; a product of a few stays within numpy's int64 shapes
@@ -279,6 +279,12 @@ def expert_count(hf: dict[str, Any]) -> int:
     if not experts:
         raise refuse("a MoE config without num_local_experts/num_experts", "the config.json must name its expert count")
     return int(experts)
+
+
+def check_all_moe(hf: dict[str, Any], family: str) -> None:
+    """Qwen-style MoE configs may put dense MLPs between MoE layers; every decoder layer here is stacked as one kind."""
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise refuse("dense layers between MoE layers (mlp_only_layers/decoder_sparse_step)", f"only all-MoE {family} models are mapped")
 
 
 def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -467,6 +473,8 @@ class Family:
             "position_embedding_type": config.position_embedding_type,
             "moe": config.is_moe,
             "shared_experts": bool(config.moe_shared_expert_intermediate_size),
+            "shared_expert_gate": config.moe_shared_expert_gate,
+            "router_pre_softmax": config.moe_router_pre_softmax,
         }
 
     def matches(self, config: ModelConfig) -> bool:
@@ -573,3 +581,16 @@ def moe_mlp(config: ModelConfig, block: str, router: str, gate: str, up: str, do
         GatedMLP(f"{m}experts.experts.linear_fc1.weight", f"{ex}{gate}.weight", f"{ex}{up}.weight"),
         Rename(f"{m}experts.experts.linear_fc2.weight", f"{ex}{down}.weight"),
     ]
+
+
+def shared_expert_mlp(config: ModelConfig, module: str, gate: str, prefix: str = "model.") -> list[Mapping]:
+    """The shared expert every token of a MoE layer also passes through: `module` is its HF MLP and `gate` the
+    HF [1, hidden] linear whose sigmoid scales its output (Megatron's moe_shared_expert_gate), both relative to the layer."""
+    m, p = "decoder.layers.mlp.shared_experts.", f"{prefix}layers.{L}."
+    out: list[Mapping] = [
+        GatedMLP(f"{m}linear_fc1.weight", f"{p}{module}.gate_proj.weight", f"{p}{module}.up_proj.weight"),
+        Rename(f"{m}linear_fc2.weight", f"{p}{module}.down_proj.weight"),
+    ]
+    if config.moe_shared_expert_gate:
+        out.append(Rename(f"{m}gate_weight", f"{p}{gate}.weight"))
+    return out

@@ -8,7 +8,7 @@ from reshard.converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head
 class Mixtral(Family):
     model_type = "mixtral"
     architectures = ("MixtralForCausalLM",)
-    signature = {**LLAMA_SIGNATURE, "moe": True, "shared_experts": False}
+    signature = {**LLAMA_SIGNATURE, "moe": True, "shared_experts": False, "router_pre_softmax": False}
 
     def adjust_from_hf(self, config, hf):
         return config.replace(

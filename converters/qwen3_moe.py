@@ -6,13 +6,13 @@ which is what Megatron's default router computes (top-k of the logits, softmax o
 
 from __future__ import annotations
 
-from reshard.converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head, expert_count, llama_attention, moe_mlp, refuse
+from reshard.converters.base import LLAMA_SIGNATURE, Family, check_all_moe, embeddings_and_head, expert_count, llama_attention, moe_mlp, refuse
 
 
 class Qwen3Moe(Family):
     model_type = "qwen3_moe"
     architectures = ("Qwen3MoeForCausalLM",)
-    signature = {**LLAMA_SIGNATURE, "qk_layernorm": True, "moe": True, "shared_experts": False}
+    signature = {**LLAMA_SIGNATURE, "qk_layernorm": True, "moe": True, "shared_experts": False, "router_pre_softmax": False}
 
     def check_hf(self, hf):
         super().check_hf(hf)
@@ -21,8 +21,7 @@ class Qwen3Moe(Family):
                 "norm_topk_prob=false",
                 "Megatron-Core's default router renormalises the top-k weights; only norm_topk_prob=true models map exactly",
             )
-        if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
-            raise refuse("dense layers between MoE layers (mlp_only_layers/decoder_sparse_step)", "only all-MoE Qwen3-MoE models are mapped")
+        check_all_moe(hf, "Qwen3-MoE")
 
     def adjust_from_hf(self, config, hf):
         return config.replace(

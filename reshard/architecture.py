@@ -53,6 +53,8 @@ def model_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shared = c.moe_shared_expert_intermediate_size
             out.update(_linear(f"{mlp}shared_experts.linear_fc1.", gate * shared, h, c.add_bias_linear, L))
             out.update(_linear(f"{mlp}shared_experts.linear_fc2.", h, shared, c.add_bias_linear, L))
+            if c.moe_shared_expert_gate:
+                out[f"{mlp}shared_experts.gate_weight"] = (c.num_layers, 1, h)
     else:
         out.update(_norm(f"{mlp}linear_fc1.layer_norm_", c, h, L))
         out.update(_linear(f"{mlp}linear_fc1.", gate * c.ffn_hidden_size, h, c.add_bias_linear, L))

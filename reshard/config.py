@@ -26,7 +26,6 @@ _UNMODELED: dict[str, Any] = {
     "rotary_interleaved": False,
     "rotary_seq_len_interpolation_factor": None,
     "apply_layernorm_1p": False,
-    "moe_router_pre_softmax": False,
     "moe_router_score_function": "softmax",
     "moe_router_topk_scaling_factor": None,
 }
@@ -61,6 +60,8 @@ class ModelConfig:
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False  # the shared experts' output scaled by sigmoid(gate_weight . x)
+    moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (no renormalising)
     moe_layer_freq: int = 1
     params_dtype: str = "float32"
     # Megatron options set away from their defaults that change the model's math in ways this tool does

@@ -24,6 +24,38 @@ class TensorRow:
 
 
 @dataclass(frozen=True)
+class OptimizerForm:
+    """How a torch_dist checkpoint stores its optimizer state: `fully_reshardable` (per-parameter tensors, any
+    layout), `dp_reshardable` (the DistributedOptimizer's flat buckets, tied to their DP size), `plain` (the
+    non-distributed optimizer's per-parameter tensors), or the name Megatron records for another form."""
+
+    form: str
+    dp: int | None  # the data-parallel size the state was saved at
+    buckets: int | None = None  # dp_reshardable: buckets over every model-parallel rank and model chunk
+    ranks: int | None = None  # dp_reshardable: model-parallel ranks holding buckets
+
+    def render(self) -> str:
+        where = f", {self.buckets} buckets over {self.ranks} model-parallel ranks" if self.buckets is not None else ""
+        return f"optimizer: {self.form}, DP {self.dp or '?'}{where}"
+
+
+def optimizer_form(reader) -> OptimizerForm | None:
+    """The optimizer form of an open torch_dist `reader`; None for other formats or without optimizer state."""
+    if reader.format_name != "torch_dist":
+        return None
+    dp = reader.common.args.get("data_parallel_size")
+    if reader.dp_reshardable is not None:  # the reader presents it as fully_reshardable: name what is stored
+        buckets = reader.dp_reshardable.bucket_keys
+        return OptimizerForm("dp_reshardable", reader.dp_reshardable.dp, len(buckets), len({group for group, _, _ in buckets}))
+    recorded = (reader.common.extra.get("optimizer") or {}).get("param_state_sharding_type")
+    if recorded:
+        return OptimizerForm(str(recorded), dp)
+    if any(spec.is_optimizer for spec in reader.specs.values()):
+        return OptimizerForm("plain", dp)
+    return None
+
+
+@dataclass(frozen=True)
 class CheckpointInfo:
     path: Path
     format: str
@@ -33,6 +65,7 @@ class CheckpointInfo:
     tensors: list[TensorRow]
     dropped: list[str]
     has_manifest: bool
+    optimizer: OptimizerForm | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -48,6 +81,7 @@ class CheckpointInfo:
             "total_bytes": self.total_bytes,
             "dtypes": dict(Counter(t.dtype for t in self.tensors)),
             "has_checksums": self.has_manifest,
+            "optimizer": self.optimizer.__dict__ if self.optimizer else None,
             "not_tensors": self.dropped,
             "tensors": [t.__dict__ | {"shape": list(t.shape)} for t in self.tensors],
         }
@@ -65,6 +99,8 @@ class CheckpointInfo:
             + ", ".join(f"{k}: {v}" for k, v in Counter(t.dtype for t in self.tensors).items())
             + ("; checksums recorded" if self.has_manifest else "; no checksums recorded"),
         ]
+        if self.optimizer:
+            lines.append(self.optimizer.render())
         width = max((len(t.name) for t in self.tensors), default=0)
         for t in self.tensors:
             lines.append(f"  {t.name:<{width}}  {str(list(t.shape)):<22} {t.dtype:<9} {t.split:<10} {human_bytes(t.bytes)}")
@@ -89,4 +125,5 @@ def inspect(path: Path | str, config_file: Path | None = None) -> CheckpointInfo
             tensors=rows,
             dropped=list(reader.common.dropped) + list(reader.unsupported_optimizer),
             has_manifest=reader.manifest is not None,
+            optimizer=optimizer_form(reader),
         )

@@ -100,6 +100,8 @@ def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype =
             moe_router_topk=config.moe_router_topk,
             moe_ffn_hidden_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
             moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+            moe_shared_expert_gate=config.moe_shared_expert_gate,
+            moe_router_pre_softmax=config.moe_router_pre_softmax,
             moe_layer_freq=config.moe_layer_freq,
             # gloo cannot run the all-to-all dispatcher (see the shared doc); GPUs use Megatron's default.
             moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",

@@ -125,6 +125,8 @@ def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, 
         "moe_router_topk": config.moe_router_topk,
         "moe_ffn_hidden_size": config.moe_ffn_hidden_size,
         "moe_shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
+        "moe_shared_expert_gate": config.moe_shared_expert_gate,
+        "moe_router_pre_softmax": config.moe_router_pre_softmax,
         "moe_layer_freq": config.moe_layer_freq,
     }
     chosen = {key: args.get(key, default) for key, default in _UNMODELED.items()} | layout.megatron_args()

@@ -15,6 +15,8 @@ def _configs():
 
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 8192}
+    qwen2_moe = dict(COMMON, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_hidden_layers=2,
+                     num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=128, tie_word_embeddings=False)
     return {
         "llama": tf.LlamaConfig(**COMMON, intermediate_size=128, num_hidden_layers=4, num_key_value_heads=2,
                                 max_position_embeddings=16384, rope_theta=500000.0, rope_scaling=llama3),
@@ -31,14 +33,16 @@ def _configs():
         "qwen3_moe": tf.Qwen3MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
                                        num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                        norm_topk_prob=True, max_position_embeddings=128, tie_word_embeddings=False),
+        "qwen2_moe": tf.Qwen2MoeConfig(**qwen2_moe),  # norm_topk_prob false, as transformers defaults it
+        "qwen2_moe_topk_norm": tf.Qwen2MoeConfig(**qwen2_moe, norm_topk_prob=True),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
                               activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
 
 
 FAMILY_OF = {"llama_tied": "llama"}
-MOE = {"mixtral", "qwen3_moe"}
-NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gpt2"]
+MOE = {"mixtral", "qwen3_moe", "qwen2_moe"}
+NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "gpt2"]
 
 
 def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:

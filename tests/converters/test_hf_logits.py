@@ -12,6 +12,8 @@ import torch
 from click.testing import CliRunner
 
 from reshard.cli import main
+from reshard.converters.base import GatedMLP
+from reshard.converters.qwen2_moe import Qwen2Moe
 
 from hf_models import build
 
@@ -26,13 +28,16 @@ CASES = [
     ("qwen3", "legacy", dict(pp=2)),  # q/k norms
     ("mixtral", "legacy", dict(ep=2)),
     ("qwen3_moe", "legacy", dict(tp=2)),
+    ("qwen2_moe", "legacy", dict(ep=2)),  # shared expert and its sigmoid gate, softmax before top-k, q/k/v biases
+    ("qwen2_moe", "torch_dist", dict(pp=2)),
+    ("qwen2_moe_topk_norm", "legacy", dict(tp=2)),  # the shared expert split over TP, its gate replicated
     ("gpt2", "legacy", dict(pp=2)),  # LayerNorm + biases, learned positions, tied, Conv1D
     ("llama", "torch_dist", dict(pp=2)),  # megatron's own dist_checkpointing.load
 ]
 
 
-@pytest.mark.parametrize("name,fmt,layout", CASES, ids=[f"{n}-{f}-" + "".join(f"{k}{v}" for k, v in lay.items()) for n, f, lay in CASES])
-def test_megatron_logits_match_hf(tmp_path, name, fmt, layout):
+def max_logits_diff(tmp_path, name: str, fmt: str, layout: dict) -> float:
+    """Import HF model `name` with reshard at `layout`; max |Megatron-Core's logits - transformers' logits|."""
     from transformers import AutoModelForCausalLM
 
     source = build(name, tmp_path / "hf")
@@ -50,5 +55,32 @@ def test_megatron_logits_match_hf(tmp_path, name, fmt, layout):
     with torch.no_grad():
         logits = model(input_ids=oracle["tokens"][:, :-1]).logits.float()
     assert oracle["logits"].shape == logits.shape == (2, 16, 250)
-    diff = (oracle["logits"] - logits).abs().max().item()
+    return (oracle["logits"] - logits).abs().max().item()
+
+
+@pytest.mark.parametrize("name,fmt,layout", CASES, ids=[f"{n}-{f}-" + "".join(f"{k}{v}" for k, v in lay.items()) for n, f, lay in CASES])
+def test_megatron_logits_match_hf(tmp_path, name, fmt, layout):
+    diff = max_logits_diff(tmp_path, name, fmt, layout)
     assert diff <= 1e-4, f"max abs logits diff {diff}"
+
+
+def _swap_shared_gate_and_up(table):
+    return [GatedMLP(m.megatron, m.hf[1], m.hf[0]) if "shared_experts.linear_fc1" in m.megatron else m for m in table]
+
+
+# Each a mapping error a Qwen2-MoE converter could plausibly make, and which still loads strictly.
+SABOTAGE = {
+    "shared_expert_gate_up_swapped": ("mappings", lambda original: lambda self, config: _swap_shared_gate_and_up(original(self, config))),
+    "norm_topk_prob_ignored": ("adjust_from_hf", lambda original: lambda self, config, hf: original(self, config, hf).replace(
+        moe_router_pre_softmax=False)),
+}
+
+
+@pytest.mark.parametrize("sabotage", sorted(SABOTAGE))
+def test_a_mapping_error_fails_the_logits_check(tmp_path, monkeypatch, sabotage):
+    """The oracle is sharp enough to catch the Qwen2-MoE specifics: the shared expert's fused [gate; up] order
+    and the router's softmax-then-top-k (norm_topk_prob=false) each move the logits far past the tolerance."""
+    method, wrap = SABOTAGE[sabotage]
+    monkeypatch.setattr(Qwen2Moe, method, wrap(getattr(Qwen2Moe, method)))
+    diff = max_logits_diff(tmp_path, "qwen2_moe", "legacy", {})
+    assert diff > 1e-3, f"a wrong mapping gave logits within {diff} of transformers'"

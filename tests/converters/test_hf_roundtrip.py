@@ -168,6 +168,27 @@ def test_megatron_model_without_hf_origin_exports_as_llama(tmp_path):
     assert_loads_cleanly(tmp_path / "hf")
 
 
+def test_megatron_moe_with_a_gated_shared_expert_exports_as_qwen2_moe(tmp_path):
+    """A Megatron-LM MoE with q/k/v biases and a gated shared expert, trained at TP2 EP2 and never imported from HF,
+    is a Qwen2-MoE: its export names the family, keeps the router form, and loads without a missing or extra key."""
+    from fixtures.models import TINY_MOE
+    from fixtures.synthetic import write_synthetic
+    from reshard.layout import Layout
+
+    config = TINY_MOE.replace(add_qkv_bias=True, moe_shared_expert_intermediate_size=96, moe_shared_expert_gate=True, moe_router_pre_softmax=True)
+    write_synthetic(tmp_path / "syn", config, Layout(tp=2, ep=2), "torch_dist")
+    cli("convert", tmp_path / "syn", tmp_path / "hf", "--to-format", "hf", "-q")
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["architectures"] == ["Qwen2MoeForCausalLM"] and hf["norm_topk_prob"] is False
+    assert hf["shared_expert_intermediate_size"] == 96 and hf["num_experts"] == 4
+    assert hf_tensors(tmp_path / "hf")["model.layers.3.mlp.shared_expert_gate.weight"].shape == (1, 64)
+    assert_loads_cleanly(tmp_path / "hf")
+    without_gate = tmp_path / "no-gate"
+    write_synthetic(without_gate, config.replace(moe_shared_expert_gate=False), Layout(), "torch_dist")
+    with pytest.raises(ReshardError, match="no HF family matches"):
+        cli("convert", without_gate, tmp_path / "hf2", "--to-format", "hf", "-q")
+
+
 def test_unmapped_tensor_is_refused(models, tmp_path):
     import shutil
 

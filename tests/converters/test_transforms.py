@@ -141,6 +141,12 @@ BASE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "nu
     ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
     ("LlamaForCausalLM", {"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization"),
     ("Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32, "norm_topk_prob": False}, "norm_topk_prob"),
+    ("Qwen2MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+                             "decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("Qwen2MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+                             "mlp_only_layers": [1]}, "mlp_only_layers"),
+    ("Qwen2MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+                             "qkv_bias": False}, "qkv_bias"),
     ("GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "scale_attn_by_inverse_layer_idx": True}, "inverse_layer"),
     ("FalconForCausalLM", {}, "not supported"),
 ])
@@ -158,6 +164,8 @@ HF_CONFIGS = {
     "mixtral": dict(BASE, architectures=["MixtralForCausalLM"], num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(BASE, architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen2_moe": dict(BASE, architectures=["Qwen2MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=48),
     "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 250},
 }
 

@@ -214,3 +214,27 @@ def test_megatrons_own_damaged_fully_reshardable_save_is_refused_naming_the_tens
     assert first.returncode == 0, first.stderr
     again = reshard("convert", tmp_path / "dp", tmp_path / "again", "--to-pp", "2")
     assert again.returncode == 0 and "checksums verified" in again.stdout, again.stderr
+
+
+def test_inspect_names_the_optimizer_form_its_buckets_and_dp_size(distrib_optim, tmp_path):
+    import json
+
+    from fixtures.models import TINY_LLAMA
+    from fixtures.synthetic import write_synthetic
+    from reshard.layout import Layout
+
+    def form(path):
+        out = reshard("inspect", path, "--json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["optimizer"]
+
+    bucketed = distrib_optim("tiny-odd", tp=2, bucket_size=6000)["dp"]  # 7 buckets on each of the 2 TP ranks
+    assert form(bucketed) == {"form": "dp_reshardable", "dp": 2, "buckets": 14, "ranks": 2}
+    assert "optimizer: dp_reshardable, DP 2, 14 buckets over 2 model-parallel ranks" in reshard("inspect", bucketed).stdout
+    assert form(distrib_optim("tiny-odd", tp=2)["full"]) == {"form": "fully_reshardable", "dp": 2, "buckets": None, "ranks": None}
+    assert reshard("convert", bucketed, tmp_path / "tp1", "--to-tp", "1", "-q").returncode == 0
+    assert form(tmp_path / "tp1")["form"] == "fully_reshardable"  # what reshard writes
+    write_synthetic(tmp_path / "plain", TINY_LLAMA, Layout(), "torch_dist", optimizer=True)
+    assert form(tmp_path / "plain")["form"] == "plain"
+    assert reshard("convert", tmp_path / "plain", tmp_path / "model-only", "--no-optimizer", "-q").returncode == 0
+    assert form(tmp_path / "model-only") is None
