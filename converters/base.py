@@ -229,6 +229,7 @@ HF_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_v
            "num_experts_per_tok", "decoder_sparse_step", "shared_expert_intermediate_size", "n_embd", "n_layer", "n_head", "n_inner", "n_positions")
 HF_NULLABLE = ("num_key_value_heads", "head_dim", "n_inner", "num_local_experts", "num_experts")
 HF_POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
+HF_BOOLS = ("tie_word_embeddings", "norm_topk_prob", "qkv_bias")
 MAX_INT = 1 << 31  # far past any model's sizes; a product of a few stays within numpy's int64 shapes
 
 
@@ -249,8 +250,9 @@ def check_values(hf: dict[str, Any]) -> None:
         value = hf.get(field)
         if field in hf and (type(value) not in (int, float) or not 0 < value < math.inf):
             raise bad_value(field, value, "a positive number")
-    if "tie_word_embeddings" in hf and not isinstance(hf["tie_word_embeddings"], bool):
-        raise bad_value("tie_word_embeddings", hf["tie_word_embeddings"], "true or false")
+    for field in HF_BOOLS:
+        if field in hf and not isinstance(hf[field], bool):
+            raise bad_value(field, hf[field], "true or false")
     for field in ("rms_norm_eps", "layer_norm_epsilon"):
         if field in hf and hf[field] >= 1:
             raise bad_value(field, hf[field], "an epsilon below 1")

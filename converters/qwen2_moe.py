@@ -11,7 +11,6 @@ from __future__ import annotations
 from reshard.converters.base import (
     LLAMA_SIGNATURE,
     Family,
-    bad_value,
     check_all_moe,
     embeddings_and_head,
     expert_count,
@@ -29,9 +28,6 @@ class Qwen2Moe(Family):
 
     def check_hf(self, hf):
         super().check_hf(hf)
-        for flag in ("norm_topk_prob", "qkv_bias"):
-            if not isinstance(hf.get(flag, False), bool):
-                raise bad_value(flag, hf[flag], "true or false")
         if not hf.get("qkv_bias", True):  # transformers before v5 had no such option: the biases were always there
             raise refuse("qkv_bias=false", "only Qwen2-MoE models with q/k/v biases are mapped")
         check_all_moe(hf, "Qwen2-MoE")

@@ -1,26 +1,22 @@
 """Qwen3-MoE (Qwen3MoeForCausalLM): q/k norms and an MoE block `mlp` (gate; experts.N.gate/up/down_proj) on every layer.
 
-Qwen3-MoE has no shared experts. Routing must renormalise the top-k probabilities (`norm_topk_prob`),
-which is what Megatron's default router computes (top-k of the logits, softmax over those).
+Qwen3-MoE has no shared experts. Routing is Qwen2-MoE's (`qwen2_moe`): a softmax over all experts, top-k, and
+with `norm_topk_prob` the k weights renormalised; Megatron-Core's default router computes the renormalised
+form and `moe_router_pre_softmax` the other.
 """
 
 from __future__ import annotations
 
-from reshard.converters.base import LLAMA_SIGNATURE, Family, check_all_moe, embeddings_and_head, expert_count, llama_attention, moe_mlp, refuse
+from reshard.converters.base import LLAMA_SIGNATURE, Family, check_all_moe, embeddings_and_head, expert_count, llama_attention, moe_mlp
 
 
 class Qwen3Moe(Family):
     model_type = "qwen3_moe"
     architectures = ("Qwen3MoeForCausalLM",)
-    signature = {**LLAMA_SIGNATURE, "qk_layernorm": True, "moe": True, "shared_experts": False, "router_pre_softmax": False}
+    signature = {**LLAMA_SIGNATURE, "qk_layernorm": True, "moe": True, "shared_experts": False}
 
     def check_hf(self, hf):
         super().check_hf(hf)
-        if not hf.get("norm_topk_prob", False):
-            raise refuse(
-                "norm_topk_prob=false",
-                "Megatron-Core's default router renormalises the top-k weights; only norm_topk_prob=true models map exactly",
-            )
         check_all_moe(hf, "Qwen3-MoE")
 
     def adjust_from_hf(self, config, hf):
@@ -29,6 +25,7 @@ class Qwen3Moe(Family):
             num_experts=expert_count(hf),
             moe_router_topk=int(hf.get("num_experts_per_tok", 8)),
             moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
+            moe_router_pre_softmax=not hf.get("norm_topk_prob", False),  # transformers' default: false
         )
 
     def mappings(self, config):
@@ -43,7 +40,7 @@ class Qwen3Moe(Family):
         out[key] = config.num_experts
         out["num_experts_per_tok"] = config.moe_router_topk
         out["moe_intermediate_size"] = config.moe_ffn_hidden_size or config.ffn_hidden_size
-        out["norm_topk_prob"] = True
+        out["norm_topk_prob"] = not config.moe_router_pre_softmax
         out["decoder_sparse_step"] = 1
         out["mlp_only_layers"] = []
         out["attention_bias"] = False

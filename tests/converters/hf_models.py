@@ -17,6 +17,8 @@ def _configs():
               "original_max_position_embeddings": 8192}
     qwen2_moe = dict(COMMON, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_hidden_layers=2,
                      num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=128, tie_word_embeddings=False)
+    qwen3_moe = dict(COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
+                     num_experts=4, num_experts_per_tok=2, max_position_embeddings=128, tie_word_embeddings=False)
     return {
         "llama": tf.LlamaConfig(**COMMON, intermediate_size=128, num_hidden_layers=4, num_key_value_heads=2,
                                 max_position_embeddings=16384, rope_theta=500000.0, rope_scaling=llama3),
@@ -30,9 +32,8 @@ def _configs():
                                 head_dim=32, max_position_embeddings=128, tie_word_embeddings=False),
         "mixtral": tf.MixtralConfig(**COMMON, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2,
                                     num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128),
-        "qwen3_moe": tf.Qwen3MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-                                       num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                       norm_topk_prob=True, max_position_embeddings=128, tie_word_embeddings=False),
+        "qwen3_moe": tf.Qwen3MoeConfig(**qwen3_moe, norm_topk_prob=True),
+        "qwen3_moe_softmax": tf.Qwen3MoeConfig(**qwen3_moe),  # norm_topk_prob false, as transformers defaults it
         "qwen2_moe": tf.Qwen2MoeConfig(**qwen2_moe),  # norm_topk_prob false, as transformers defaults it
         "qwen2_moe_topk_norm": tf.Qwen2MoeConfig(**qwen2_moe, norm_topk_prob=True),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
@@ -40,7 +41,6 @@ def _configs():
     }
 
 
-FAMILY_OF = {"llama_tied": "llama"}
 MOE = {"mixtral", "qwen3_moe", "qwen2_moe"}
 NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "gpt2"]
 

@@ -28,6 +28,7 @@ CASES = [
     ("qwen3", "legacy", dict(pp=2)),  # q/k norms
     ("mixtral", "legacy", dict(ep=2)),
     ("qwen3_moe", "legacy", dict(tp=2)),
+    ("qwen3_moe_softmax", "legacy", dict(ep=2)),  # norm_topk_prob=false: softmax over all experts, then top-k
     ("qwen2_moe", "legacy", dict(ep=2)),  # shared expert and its sigmoid gate, softmax before top-k, q/k/v biases
     ("qwen2_moe", "torch_dist", dict(pp=2)),
     ("qwen2_moe_topk_norm", "legacy", dict(tp=2)),  # the shared expert split over TP, its gate replicated

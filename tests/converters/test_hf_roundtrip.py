@@ -276,3 +276,15 @@ def test_a_damaged_hf_directory_is_refused_in_one_line(tmp_path, damage, message
     damage(source)
     with pytest.raises(ReshardError, match=message):
         open_checkpoint(source)
+
+
+def test_qwen3_moe_without_renormalised_routing_round_trips_with_its_router_form(tmp_path):
+    """norm_topk_prob=false (transformers' default) is Megatron's softmax-then-top-k router: the export says so again."""
+    source = build("qwen3_moe_softmax", tmp_path / "hf")
+    cli("convert", source, tmp_path / "megatron", "--to-format", "torch_dist", "--to-ep", "2", "-q")
+    with open_checkpoint(tmp_path / "megatron") as reader:
+        assert reader.common.args["moe_router_pre_softmax"] is True
+    cli("convert", tmp_path / "megatron", tmp_path / "back", "--to-format", "hf", "-q")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["norm_topk_prob"] is False
+    original, exported = hf_tensors(source), hf_tensors(tmp_path / "back")
+    assert exported.keys() == original.keys() and all(same(exported[k], v) for k, v in original.items())

@@ -140,7 +140,7 @@ BASE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "nu
     ("LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
     ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
     ("LlamaForCausalLM", {"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization"),
-    ("Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32, "norm_topk_prob": False}, "norm_topk_prob"),
+    ("Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32, "decoder_sparse_step": 2}, "decoder_sparse_step"),
     ("Qwen2MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
                              "decoder_sparse_step": 2}, "decoder_sparse_step"),
     ("Qwen2MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
