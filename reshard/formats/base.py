@@ -196,6 +196,7 @@ class CheckpointReader(abc.ABC):
     common: CommonState
     manifest: Manifest | None  # checksums recorded when it was written, if any
     unsupported_optimizer: list[str] = []  # optimizer state in a form that cannot be resharded
+    default_dtype: str | None = None  # what a conversion told no dtype writes (None: each tensor's own)
     # the buffer each reading thread stages a strided record in, at most (every reader reads records by RecordFile)
     scratch_bytes: ClassVar[int] = READ_BLOCK
 
@@ -242,6 +243,7 @@ class WriteOptions:
     te_names: bool | None = None  # Megatron: Transformer-Engine or local-spec names (None: the source's transformer_impl)
     dtype: str | None = None  # the precision recorded for the model (HF config.json's dtype; None: its tensors')
     max_shard_bytes: int | None = None  # HF: the largest safetensors file (None: the writer's default)
+    fp8_blocks: bool = False  # HF: the decoder's linear weights re-quantized to fp8 per block (`reshard.fp8_blocks`)
 
 
 class CheckpointWriter(abc.ABC):
@@ -295,6 +297,12 @@ class CheckpointWriter(abc.ABC):
         that the one thread writing does only the writing. `reserved` is what `reserve` returned; `hashed`,
         `data`'s checksums by part (see `vouch`)."""
         return None
+
+    def written_dtype(self, spec: TensorSpec) -> str:
+        """The dtype the output's reader gives tensor `spec` in: its own, unless the writer stores other values
+        than it is given (fp8 blocks, read back dequantized to float32); then `prepare` returns the
+        TensorChecksum of the values stored, which counts as written instead of the given ones'."""
+        return spec.dtype
 
     @abc.abstractmethod
     def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
