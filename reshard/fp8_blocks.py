@@ -78,8 +78,13 @@ def dequantize(
     q: np.ndarray, scale: np.ndarray, block: tuple[int, int], origin: tuple[int, int] = (0, 0), out: np.ndarray | None = None
 ) -> np.ndarray:
     """float32 values of the float8 weight values `q` that lie at `origin` of their weight, whose scale grid is
-    `scale`: one float32 product each (into `out` if given)."""
-    return np.multiply(q.astype(np.float32), _expanded(scale, block, origin, q.shape), out=out)
+    `scale`: one float32 product each (into `out` if given), cast and multiplied a buffer at a time by numpy, a
+    block row at a time here, so that nothing as large as `q` in float32 is made besides `out`."""
+    out = np.empty(q.shape, np.float32) if out is None else out
+    columns = np.arange(origin[1], origin[1] + q.shape[1]) // block[1]
+    for rows in block_rows(q.shape[0], block, origin[0]):
+        np.multiply(q[rows], scale[(origin[0] + rows.start) // block[0], columns], out=out[rows], dtype=np.float32)
+    return out
 
 
 def quantize(x: np.ndarray, block: tuple[int, int], name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -87,7 +92,7 @@ def quantize(x: np.ndarray, block: tuple[int, int], name: str) -> tuple[np.ndarr
     at a time; `name` is the tensor's, for the refusal of non-finite values, which float8 cannot hold."""
     q = np.empty(x.shape, FP8)
     scale = np.empty(scale_shape(x.shape, block), np.float32)
-    for i, rows in enumerate(_block_rows(x.shape[0], block)):
+    for i, rows in enumerate(block_rows(x.shape[0], block)):
         values = x[rows].astype(np.float32)
         amax = np.maximum.reduceat(np.abs(values).max(axis=0), np.arange(0, x.shape[1], block[1]))
         if not np.isfinite(amax).all():
@@ -102,7 +107,7 @@ def check_error(x: np.ndarray, q: np.ndarray, scale: np.ndarray, block: tuple[in
     """The float32 values the quantized weight holds, once each is within the bound of the module docstring
     of the value `x` it stands for (refused in one line naming the tensor otherwise)."""
     held = np.empty(x.shape, np.float32)
-    for rows in _block_rows(x.shape[0], block):
+    for rows in block_rows(x.shape[0], block):
         dequantize(q[rows], scale, block, (rows.start, 0), out=held[rows])
         exact = x[rows].astype(np.float32)
         bound = (np.abs(exact) * 2.0**-4 + _expanded(scale, block, (rows.start, 0), exact.shape) * 2.0**-10) * (1 + 2.0**-10)
@@ -114,5 +119,7 @@ def check_error(x: np.ndarray, q: np.ndarray, scale: np.ndarray, block: tuple[in
     return held
 
 
-def _block_rows(rows: int, block: tuple[int, int]) -> list[slice]:
-    return [slice(start, min(start + block[0], rows)) for start in range(0, rows, block[0])]
+def block_rows(rows: int, block: tuple[int, int], first: int = 0) -> list[slice]:
+    """Slices of `rows` rows of a weight from its row `first` on, one per block row they touch."""
+    cuts = [first, *range(first - first % block[0] + block[0], first + rows, block[0]), first + rows]
+    return [slice(a - first, b - first) for a, b in zip(cuts, cuts[1:])]

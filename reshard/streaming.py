@@ -87,7 +87,7 @@ class _Reading:
             as_written, written_parts = self.checksum(move, move.target.dtype), None
             as_written.add(slab, data)
         prepared = self.writer.prepare(move.target, slab, data, unit.pieces, reserved, written_parts)
-        if self.writer.written_dtype(move.target) != move.target.dtype:
+        if self.writer.stored_dtype(move.target) is not None:
             as_written = prepared  # the checksum of the values the writer stored instead
         return _Prepared(move, slab, unit.pieces, data, buffer, prepared, as_read, as_written)
 
@@ -150,7 +150,7 @@ def write_moves(
     pool = pool or Pool()
     reading = _Reading(reader, plan, writer, pool, workers)
     read_sums = {m.target.name: reading.checksum(m, m.source.dtype) for m in plan.moves}
-    written_sums = {m.target.name: reading.checksum(m, writer.written_dtype(m.target)) for m in plan.moves}
+    written_sums = {m.target.name: reading.checksum(m, writer.stored_dtype(m.target) or m.target.dtype) for m in plan.moves}
     current: str | None = None
 
     def close(name: str) -> None:

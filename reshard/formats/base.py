@@ -298,11 +298,11 @@ class CheckpointWriter(abc.ABC):
         `data`'s checksums by part (see `vouch`)."""
         return None
 
-    def written_dtype(self, spec: TensorSpec) -> str:
-        """The dtype the output's reader gives tensor `spec` in: its own, unless the writer stores other values
-        than it is given (fp8 blocks, read back dequantized to float32); then `prepare` returns the
-        TensorChecksum of the values stored, which counts as written instead of the given ones'."""
-        return spec.dtype
+    def stored_dtype(self, spec: TensorSpec) -> str | None:
+        """None where the writer stores the values of tensor `spec` it is given. A writer that stores others
+        (fp8 blocks) says the dtype its output's reader gives them in, and its `prepare` returns their
+        TensorChecksum, which counts as written instead of the given values'."""
+        return None
 
     @abc.abstractmethod
     def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:

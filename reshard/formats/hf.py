@@ -477,13 +477,10 @@ class HFReader(CheckpointReader):
             return
         grid = self._tensor(scales)
         (r0, r1), (c0, c1) = region
-        start = r0
-        while start < r1:
-            stop = min(r1, (start // self._block[0] + 1) * self._block[0])
-            values = self._rows.array([stop - start, c1 - c0], fp8_blocks.FP8)
-            file.read_into(record, ((start, stop), (c0, c1)), values)
-            fp8_blocks.dequantize(values, grid, self._block, (start, c0), out=out[start - r0 : stop - r0])
-            start = stop
+        for rows in fp8_blocks.block_rows(r1 - r0, self._block, r0):
+            values = self._rows.array([rows.stop - rows.start, c1 - c0], fp8_blocks.FP8)
+            file.read_into(record, ((r0 + rows.start, r0 + rows.stop), (c0, c1)), values)
+            fp8_blocks.dequantize(values, grid, self._block, (r0 + rows.start, c0), out=out[rows])
 
     def close(self) -> None:
         for file in self._handles.values():
@@ -690,8 +687,8 @@ class HFWriter(CheckpointWriter):
         checksum.add(slab, self._mappings[spec.name].to_megatron(held, self.config).reshape([b - a for a, b in slab]))
         return checksum
 
-    def written_dtype(self, spec: TensorSpec) -> str:
-        return "float32" if spec.name in self._quantized else spec.dtype
+    def stored_dtype(self, spec: TensorSpec) -> str | None:
+        return "float32" if spec.name in self._quantized else None
 
     def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
         layer, expert = slab_of(spec, slab)
