@@ -67,23 +67,21 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, in
     return -(-shape[0] // block[0]), -(-shape[1] // block[1])
 
 
-def _expanded(scale: np.ndarray, block: tuple[int, int], origin: tuple[int, int], shape: tuple[int, ...]) -> np.ndarray:
-    """Each element's scale, for the values of `shape` at `origin` of the weight."""
-    rows = np.arange(origin[0], origin[0] + shape[0]) // block[0]
-    cols = np.arange(origin[1], origin[1] + shape[1]) // block[1]
-    return scale[np.ix_(rows, cols)]
+# Every float8 value in float32, by its bits: a lookup is exact and about 3x faster than numpy's cast from float8.
+_VALUES = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float32)
 
 
 def dequantize(
     q: np.ndarray, scale: np.ndarray, block: tuple[int, int], origin: tuple[int, int] = (0, 0), out: np.ndarray | None = None
 ) -> np.ndarray:
     """float32 values of the float8 weight values `q` that lie at `origin` of their weight, whose scale grid is
-    `scale`: one float32 product each (into `out` if given), cast and multiplied a buffer at a time by numpy, a
-    block row at a time here, so that nothing as large as `q` in float32 is made besides `out`."""
+    `scale`: one float32 product each (into `out` if given), a block row at a time, so that no more than a block
+    row of `q` in float32 is made besides `out`."""
     out = np.empty(q.shape, np.float32) if out is None else out
     columns = np.arange(origin[1], origin[1] + q.shape[1]) // block[1]
     for rows in block_rows(q.shape[0], block, origin[0]):
-        np.multiply(q[rows], scale[(origin[0] + rows.start) // block[0], columns], out=out[rows], dtype=np.float32)
+        # indexing by the uint8 bits as they are (np.take would copy them as int64 first)
+        np.multiply(_VALUES[q[rows].view(np.uint8)], scale[(origin[0] + rows.start) // block[0], columns], out=out[rows])
     return out
 
 
@@ -92,25 +90,26 @@ def quantize(x: np.ndarray, block: tuple[int, int], name: str) -> tuple[np.ndarr
     at a time; `name` is the tensor's, for the refusal of non-finite values, which float8 cannot hold."""
     q = np.empty(x.shape, FP8)
     scale = np.empty(scale_shape(x.shape, block), np.float32)
+    columns = np.arange(x.shape[1]) // block[1]
     for i, rows in enumerate(block_rows(x.shape[0], block)):
         values = x[rows].astype(np.float32)
         amax = np.maximum.reduceat(np.abs(values).max(axis=0), np.arange(0, x.shape[1], block[1]))
         if not np.isfinite(amax).all():
             raise ReshardError(f"{name} holds non-finite values, which float8 cannot hold; it cannot be quantized")
         scale[i] = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1))
-        scaled = values / _expanded(scale, block, (rows.start, 0), values.shape)
-        q[rows] = np.clip(scaled, -FP8_MAX, FP8_MAX).astype(FP8)
+        values /= scale[i, columns]
+        q[rows] = np.clip(values, -FP8_MAX, FP8_MAX, out=values).astype(FP8)
     return q, scale
 
 
 def check_error(x: np.ndarray, q: np.ndarray, scale: np.ndarray, block: tuple[int, int], name: str) -> np.ndarray:
     """The float32 values the quantized weight holds, once each is within the bound of the module docstring
     of the value `x` it stands for (refused in one line naming the tensor otherwise)."""
-    held = np.empty(x.shape, np.float32)
-    for rows in block_rows(x.shape[0], block):
-        dequantize(q[rows], scale, block, (rows.start, 0), out=held[rows])
+    held = dequantize(q, scale, block)
+    columns = np.arange(x.shape[1]) // block[1]
+    for i, rows in enumerate(block_rows(x.shape[0], block)):
         exact = x[rows].astype(np.float32)
-        bound = (np.abs(exact) * 2.0**-4 + _expanded(scale, block, (rows.start, 0), exact.shape) * 2.0**-10) * (1 + 2.0**-10)
+        bound = (np.abs(exact) * 2.0**-4 + scale[i, columns] * 2.0**-10) * (1 + 2.0**-10)
         excess = np.abs(exact.astype(np.float64) - held[rows]) > bound
         if excess.any():
             row, col = (int(i) for i in np.argwhere(excess)[0])

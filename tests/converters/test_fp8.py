@@ -170,8 +170,8 @@ def test_malformed_fp8_models_are_refused_in_one_line(models, tmp_path, damage, 
 
 def test_a_slab_is_dequantized_one_block_row_at_a_time(tmp_path):
     """Reading one layer of a 1024 x 4096 fp8 weight takes the slab and the HF tensor as float32 and a block row
-    of float8 more (1/32 of the weight), not the whole weight dequantized at once (a float32 copy of its float8
-    values and per-element scales: two weights more)."""
+    in float8 and float32 more (5/32 of the weight), not the whole weight dequantized at once (a float32 copy of
+    its float8 values and per-element scales: two weights more)."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -189,4 +189,4 @@ def test_a_slab_is_dequantized_one_block_row_at_a_time(tmp_path):
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     assert values.nbytes == weight
-    assert peak < 2 * weight + weight // 16, peak
+    assert peak < 2 * weight + weight // 5, peak
