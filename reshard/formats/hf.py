@@ -315,7 +315,7 @@ class HFReader(CheckpointReader):
         self._block = fp8_blocks.block_size(quantization) if quantization else None
         self._scales = self._pair_scales()  # quantized weight -> its scales, by their names in the files
         self._rows = PerThread()  # a block row of float8 values being dequantized
-        # A conversion of fp8 weights writes them as what the model's other tensors are in (DeepSeek-V3: bf16).
+        # Told no dtype, a conversion writes bf16: DeepSeek-V3's unquantized tensors are, and it runs in it.
         self.default_dtype = "bfloat16" if self._scales else None
 
         prefix = self.family.prefix
@@ -468,8 +468,8 @@ class HFReader(CheckpointReader):
         return out
 
     def _read(self, hf_name: str, region: Region, out: np.ndarray) -> None:
-        """`region` of an HF tensor into `out`: as stored, or a float8 weight dequantized to float32 one block row
-        at a time (never more of it in memory as float8)."""
+        """`region` of an HF tensor into `out`: as stored, or a float8 weight dequantized to float32, read a block
+        row at a time."""
         file, record = self._record(hf_name)
         scales = self._scales.get(self._alias.get(hf_name, hf_name))
         if scales is None:

@@ -90,6 +90,19 @@ def test_to_fp8_blocks_gives_the_source_bytes_back(models, tmp_path):
         assert verify(back).comparison.ok  # its manifest holds the dequantized values' checksums
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_experts_round_trip_through_expert_parallel_megatron(tmp_path, name):
+    """Every expert's projections quantized, the router not; resharded to EP2 and back, the same bytes."""
+    source = make_fp8(build(name, tmp_path / "plain"), tmp_path / "fp8", (16, 24))
+    cli("convert", source, tmp_path / "mcore", "--to-format", "torch_dist", "--to-ep", "2", "--dtype", "fp32", "-q")
+    cli("convert", tmp_path / "mcore", tmp_path / "back", "--to-format", "hf", "--to-fp8-blocks", "-q")
+    original, exported = load(source), load(tmp_path / "back")
+    assert exported.keys() == original.keys()
+    assert sum(".experts." in n and t.dtype == torch.float8_e4m3fn for n, t in original.items()) == 2 * 4 * 3
+    for hf_name, value in original.items():
+        assert same_bits(exported[hf_name], value if value.dtype != torch.bfloat16 else value.float()), hf_name
+
+
 def test_to_fp8_blocks_from_an_unquantized_model(models, tmp_path):
     """DeepSeek's choice of tensors in DeepSeek's blocks (128 x 128: one partial block each here), quantized as
     the tests' own recipe does it, each value within the stated bound."""
