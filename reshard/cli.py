@@ -172,6 +172,8 @@ def convert(source: str, destination: Path, **opts: Any) -> None:
         return  # rank 0 speaks for a multi-rank conversion
     if opts["as_json"]:
         out = plan.to_json() | {"seconds": round(result.seconds, 3), "dry_run": opts["dry_run"]}
+        if target.fp8_blocks:
+            out["fp8_blocks"] = {"bit_identical": False, "bound": fp8_blocks.BOUND}
         click.echo(json.dumps(out, indent=1))
     elif opts["dry_run"]:
         click.echo(plan.render())

@@ -74,8 +74,8 @@ TOKENIZER_FILES = (
 # and an upload refuses one that differs or that the export did not write.
 RECORDED_FILES = (CONFIG, INDEX, *TOKENIZER_FILES)
 DEFAULT_SHARD_BYTES = 5 * 1024**3
-# What fp8 block export quantizes: every linear weight of the decoder layers (experts' too), as DeepSeek-V3 and
-# transformers' FineGrainedFP8 do; never embeddings, the output layer, norms or the router.
+# What fp8 block export quantizes: every linear weight of the decoder layers (experts' too), as DeepSeek-V3 is
+# released; never embeddings, the output layer, norms or the router.
 FP8_LINEAR = re.compile(r"^decoder\.layers\..*\blinear_(qkv|proj|fc1|fc2)\.weight$")
 STAGE_BYTES = 64 << 20  # a larger tensor not placed for direct I/O goes through the page cache instead of a copy
 
@@ -673,18 +673,26 @@ class HFWriter(CheckpointWriter):
 
     def _quantize(self, spec: TensorSpec, slab: Region, hf_names: list[str], tensors: list[np.ndarray]) -> TensorChecksum:
         """Write a slab's HF weights as float8 blocks and their scales, each value first held to the error bound;
-        the checksum of the slab as the output holds it (dequantized, as its reader gives it)."""
+        the checksum of the slab as the output holds it (dequantized, as its reader gives it), hashed weight by
+        weight where the slab is its weights stacked (`stacks_rows`), else regrouped as the reader does."""
+        mapping = self._mappings[spec.name]
+        checksum = TensorChecksum(spec.shape, "float32")
+        regions = stacked_regions(spec, slab, [t.shape for t in tensors])
         held = []
-        for hf_name, tensor in zip(hf_names, tensors):
+        for hf_name, tensor, region in zip(hf_names, tensors, regions):
             if tensor.shape != self._entries[hf_name].shape:
                 raise ReshardError(f"{hf_name}: got shape {tensor.shape}, expected {self._entries[hf_name].shape}")
             values, scales = fp8_blocks.quantize(tensor, self._block, hf_name)
-            held.append(fp8_blocks.check_error(tensor, values, scales, self._block, hf_name))
             for name, stored in ((hf_name, values), (fp8_blocks.scale_name(hf_name), scales)):
                 entry = self._entries[name]
                 self._files[entry.file].pwrite(stored.reshape(-1).view(np.uint8), entry.offset)
-        checksum = TensorChecksum(spec.shape, "float32")
-        checksum.add(slab, self._mappings[spec.name].to_megatron(held, self.config).reshape([b - a for a, b in slab]))
+            dequantized = fp8_blocks.check_error(tensor, values, scales, self._block, hf_name)
+            if mapping.stacks_rows:
+                checksum.add(region, dequantized.reshape([b - a for a, b in region]))
+            else:
+                held.append(dequantized)
+        if held:
+            checksum.add(slab, mapping.to_megatron(held, self.config).reshape([b - a for a, b in slab]))
         return checksum
 
     def stored_dtype(self, spec: TensorSpec) -> str | None:
@@ -752,6 +760,8 @@ class HFWriter(CheckpointWriter):
             (self.path / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
         manifest.provenance = dict(manifest.provenance, hf_family=self.family.model_type, hf_files_copied=copied,
                                    hf_files=recorded_digests(self.path))
+        if self._block:  # its checksums are of the values dequantized, held to the bound, not the source's
+            manifest.provenance["fp8_blocks"] = {"weight_block_size": list(self._block), "bound": fp8_blocks.BOUND}
         manifest.save(self.path)
 
     def _source_dir(self, manifest: Manifest) -> Path | None:

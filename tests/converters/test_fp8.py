@@ -88,6 +88,8 @@ def test_to_fp8_blocks_gives_the_source_bytes_back(models, tmp_path):
         config = json.loads((back / "config.json").read_text())
         assert config["quantization_config"] == json.loads((source / "config.json").read_text())["quantization_config"]
         assert verify(back).comparison.ok  # its manifest holds the dequantized values' checksums
+        provenance = json.loads((back / "reshard_manifest.json").read_text())["provenance"]
+        assert provenance["fp8_blocks"]["weight_block_size"] == list(EDGES)
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
