@@ -128,9 +128,13 @@ def test_to_fp8_blocks_from_an_unquantized_model(models, tmp_path):
     assert json.loads((back / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
 
 
-def test_to_fp8_blocks_is_for_hf_output(models, tmp_path):
+def test_to_fp8_blocks_is_for_hf_linear_weights(models, tmp_path):
     with pytest.raises(ReshardError, match="--to-fp8-blocks writes HF safetensors, not zarr"):
         cli("convert", models["llama"], tmp_path / "out", "--to-format", "zarr", "--to-fp8-blocks", "-q")
+    gpt2 = build("gpt2", tmp_path / "gpt2")
+    with pytest.raises(ReshardError, match=r"^HF gpt2 stores decoder\.layers\..* as a Conv1D weight"):
+        cli("convert", gpt2, tmp_path / "out", "--to-format", "hf", "--to-fp8-blocks", "-q")
+    assert not (tmp_path / "out").exists()
 
 
 Q = "model.layers.1.self_attn.q_proj.weight"
