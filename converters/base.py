@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from reshard import fp8_blocks
 from reshard.config import ModelConfig, pad_vocab
 from reshard.errors import ReshardError
 from reshard.logical import PRECISIONS
@@ -380,7 +381,7 @@ class Family:
     def check_hf(self, hf: dict[str, Any]) -> None:
         """Refuse HF config features the mapping does not cover."""
         if hf.get("quantization_config"):
-            raise refuse("quantization_config", "dequantize the model (save it unquantized) first")
+            fp8_blocks.block_size(hf["quantization_config"])  # fp8 block scales are read dequantized; all else refused
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise refuse(f"hidden_act={act!r}", "this family converts SwiGLU (silu) MLPs only")

@@ -86,6 +86,10 @@ def inspect(path: Path, as_json: bool, config_file: Path | None) -> None:
     help="store the model's weights in this dtype and record it as the model's precision (default: the "
     "source's); optimizer state is not cast: a change of precision needs --no-optimizer.",
 )
+@click.option("--to-fp8-blocks", "fp8_blocks", is_flag=True,
+              help="HF output: the decoder's linear weights as float8_e4m3fn with a float32 weight_scale_inv per block "
+              "(DeepSeek-V3's form; the source's blocks, else 128x128). Lossy: each value is held to the re-quantization "
+              "error bound instead of the source's checksums. An fp8 SOURCE is read dequantized, to bf16 unless --dtype.")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty destination (only after the new one verifies).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes, peak memory) and write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -113,6 +117,7 @@ def convert(source: str, destination: Path, **opts: Any) -> None:
 
     Example: reshard convert ckpts/run1 ckpts/run1-tp8 --tp 4 --to-tp 8
     """
+    from reshard import fp8_blocks
     from reshard.collective import world
     from reshard.convert import convert as do_convert
     from reshard.hub import Access, local_source
@@ -140,6 +145,7 @@ def convert(source: str, destination: Path, **opts: Any) -> None:
         optimizer=not opts["no_optimizer"],
         naming=opts["naming"],
         for_bridge=opts["for_tool"] == "bridge",
+        fp8_blocks=opts["fp8_blocks"],
     )
     run = Run(
         workers=opts["workers"],
@@ -166,14 +172,20 @@ def convert(source: str, destination: Path, **opts: Any) -> None:
         return  # rank 0 speaks for a multi-rank conversion
     if opts["as_json"]:
         out = plan.to_json() | {"seconds": round(result.seconds, 3), "dry_run": opts["dry_run"]}
+        if target.fp8_blocks:
+            out["fp8_blocks"] = {"bit_identical": False, "bound": fp8_blocks.BOUND}
         click.echo(json.dumps(out, indent=1))
     elif opts["dry_run"]:
         click.echo(plan.render())
     else:
         rate = plan.bytes_moved / max(result.seconds, 1e-9) / 1e6
+        checked = "checksums verified"
+        if target.fp8_blocks:  # lossy: the bound holds the output to the source, the checksums only to what was stored
+            checked = (f"linear weights re-quantized to fp8 blocks, NOT bit-identical: every value within "
+                       f"{fp8_blocks.BOUND} of the source, checksums verified against the values stored")
         click.echo(
             f"wrote {destination} ({plan.target_format}, {plan.target_layout}): {len(plan.moves)} tensors, "
-            f"checksums verified, {result.seconds:.1f} s ({rate:.0f} MB/s)"
+            f"{checked}, {result.seconds:.1f} s ({rate:.0f} MB/s)"
         )
         if plan.dropped:
             click.echo(f"not carried: {summarize(plan.dropped)}")

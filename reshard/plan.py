@@ -288,8 +288,10 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
     if format_name not in WRITERS:
         raise ReshardError(f"unknown format {format_name!r}; choose one of {', '.join(sorted(WRITERS))}")
     writer = WRITERS[format_name]
+    if target.fp8_blocks and format_name != "hf":
+        raise ReshardError(f"--to-fp8-blocks writes HF safetensors, not {format_name}; add --to-format hf")
     layout = target.layout_for(reader.layout)
-    optimizer, dtype = target.optimizer, target.dtype
+    optimizer, dtype = target.optimizer, target.dtype or reader.default_dtype
     layout.validate(reader.config)
     config = target_config(reader.config, layout, reader.layout.tp)
     if target.for_bridge:
@@ -344,7 +346,7 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         config=config,
         moves=moves,
         common=common,
-        options=WriteOptions(te_names=te_names, dtype=dtype, max_shard_bytes=target.max_shard_bytes),
+        options=WriteOptions(te_names=te_names, dtype=dtype, max_shard_bytes=target.max_shard_bytes, fp8_blocks=target.fp8_blocks),
         dropped=dropped,
         workers=run.workers,
         scratch_bytes=reader.scratch_bytes,

@@ -45,6 +45,9 @@ class Target:
     # torch_dist output for Megatron-Bridge: the vocabulary unpadded, as Bridge saves, loads and exports it, and
     # a release checkpoint as its iteration 0 (Bridge's loader finds iter_* directories only)
     for_bridge: bool = False
+    # HF output: the decoder's linear weights re-quantized to fp8 per block, as DeepSeek-V3 releases them (lossy:
+    # the output is held to an error bound, not to the source's checksums)
+    fp8_blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype is not None:

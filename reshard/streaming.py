@@ -53,7 +53,7 @@ class _Prepared:
     buffer: np.ndarray  # the pool's slab buffer, given back once written (`data` unless cast)
     prepared: Any  # the writer's `prepare` result
     as_read: TensorChecksum  # of the source values
-    as_written: TensorChecksum  # of the values after a dtype cast (the same object when there is none)
+    as_written: TensorChecksum  # of the values after a dtype cast (the same object when there is none), or as stored
 
 
 class _Reading:
@@ -87,6 +87,8 @@ class _Reading:
             as_written, written_parts = self.checksum(move, move.target.dtype), None
             as_written.add(slab, data)
         prepared = self.writer.prepare(move.target, slab, data, unit.pieces, reserved, written_parts)
+        if self.writer.stored_dtype(move.target) is not None:
+            as_written = prepared  # the checksum of the values the writer stored instead
         return _Prepared(move, slab, unit.pieces, data, buffer, prepared, as_read, as_written)
 
     def read_and_hash_parts(self, move: TensorMove, unit: Unit, out: np.ndarray) -> tuple[TensorChecksum, HashedParts]:
@@ -148,7 +150,7 @@ def write_moves(
     pool = pool or Pool()
     reading = _Reading(reader, plan, writer, pool, workers)
     read_sums = {m.target.name: reading.checksum(m, m.source.dtype) for m in plan.moves}
-    written_sums = {m.target.name: reading.checksum(m, m.target.dtype) for m in plan.moves}
+    written_sums = {m.target.name: reading.checksum(m, writer.stored_dtype(m.target) or m.target.dtype) for m in plan.moves}
     current: str | None = None
 
     def close(name: str) -> None:

@@ -196,6 +196,7 @@ class CheckpointReader(abc.ABC):
     common: CommonState
     manifest: Manifest | None  # checksums recorded when it was written, if any
     unsupported_optimizer: list[str] = []  # optimizer state in a form that cannot be resharded
+    default_dtype: str | None = None  # what a conversion told no dtype writes (None: each tensor's own)
     # the buffer each reading thread stages a strided record in, at most (every reader reads records by RecordFile)
     scratch_bytes: ClassVar[int] = READ_BLOCK
 
@@ -242,6 +243,7 @@ class WriteOptions:
     te_names: bool | None = None  # Megatron: Transformer-Engine or local-spec names (None: the source's transformer_impl)
     dtype: str | None = None  # the precision recorded for the model (HF config.json's dtype; None: its tensors')
     max_shard_bytes: int | None = None  # HF: the largest safetensors file (None: the writer's default)
+    fp8_blocks: bool = False  # HF: the decoder's linear weights re-quantized to fp8 per block (`reshard.fp8_blocks`)
 
 
 class CheckpointWriter(abc.ABC):
@@ -294,6 +296,12 @@ class CheckpointWriter(abc.ABC):
         """Work on a slab that a reader thread can do before `write` gets it (it receives the result), so
         that the one thread writing does only the writing. `reserved` is what `reserve` returned; `hashed`,
         `data`'s checksums by part (see `vouch`)."""
+        return None
+
+    def stored_dtype(self, spec: TensorSpec) -> str | None:
+        """None where the writer stores the values of tensor `spec` it is given. A writer that stores others
+        (fp8 blocks) says the dtype its output's reader gives them in, and its `prepare` returns their
+        TensorChecksum, which counts as written instead of the given values'."""
         return None
 
     @abc.abstractmethod

@@ -2,12 +2,16 @@
 
 `HFReader` presents the canonical logical tensors of the model's family (`converters/`): a slab read
 reads only that layer's (and expert's) HF tensors, with `pread` at the offsets the safetensors headers give.
+A model of fp8 block-scaled weights (DeepSeek-V3's form, `reshard.fp8_blocks`) is read dequantized to float32,
+one block row at a time; its scales never reach the logical view, and a conversion casts the values to
+bfloat16 unless told another dtype.
 
 `HFWriter` streams: every output tensor's name, shape and dtype is known before the first slab
 arrives, so each shard's safetensors header is computed up front and slab data is written at its
 offset; memory is bounded by a slab. Vocabulary padding is cut back to the true vocabulary, the dtype
 is selectable (writer option `dtype`), tied models get no `lm_head`, and tokenizer files are copied
-from the HF directory the model came from when it can be found.
+from the HF directory the model came from when it can be found. With `fp8_blocks` the decoder's linear
+weights are re-quantized per block, each value held to the error bound of `reshard.fp8_blocks`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import struct
 from collections.abc import Iterator
@@ -25,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from reshard import fp8_blocks
 from reshard.buffers import PerThread, copy
-from reshard.checksum import HashedParts
+from reshard.checksum import HashedParts, TensorChecksum
 from reshard.config import ModelConfig
 from reshard.direct_io import ALIGN, DirectFile
 from reshard.dtypes import itemsize, numpy_dtype
@@ -69,6 +75,9 @@ TOKENIZER_FILES = (
 # and an upload refuses one that differs or that the export did not write.
 RECORDED_FILES = (CONFIG, INDEX, *TOKENIZER_FILES)
 DEFAULT_SHARD_BYTES = 5 * 1024**3
+# What fp8 block export quantizes: every linear weight of the decoder layers (experts' too), as DeepSeek-V3 is
+# released; never embeddings, the output layer, norms or the router.
+FP8_LINEAR = re.compile(r"^decoder\.layers\..*\blinear_(qkv|proj|fc1|fc2)\.weight$")
 STAGE_BYTES = 64 << 20  # a larger tensor not placed for direct I/O goes through the page cache instead of a copy
 
 _ST_DTYPES = {
@@ -82,6 +91,7 @@ _ST_DTYPES = {
     "I8": "int8",
     "U8": "uint8",
     "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
 }
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
@@ -283,6 +293,12 @@ class HFReader(CheckpointReader):
                     raise ReshardError(f"tensor {name} is in both {self._stored[name].file.name} and {file.name}")
                 self._stored[name] = _Stored(file, info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0])
         self._handles: dict[Path, RecordFile] = {}
+        quantization = self.hf_config.get("quantization_config")
+        self._block = fp8_blocks.block_size(quantization) if quantization else None
+        self._scales = self._pair_scales()  # quantized weight -> its scales, by their names in the files
+        self._rows = PerThread()  # a block row of float8 values being dequantized
+        # Told no dtype, a conversion writes bf16: DeepSeek-V3's unquantized tensors are, and it runs in it.
+        self.default_dtype = "bfloat16" if self._scales else None
 
         prefix = self.family.prefix
         self._alias: dict[str, str] = {}  # canonical HF name -> name in the files (old GPT-2 keys lack "transformer.")
@@ -317,11 +333,12 @@ class HFReader(CheckpointReader):
             for layer in layers:
                 for expert in experts:
                     for hf_name in mapping.hf_names(layer, expert):
+                        stored = self._alias.get(hf_name, hf_name)
                         kinds.add(self._stored_as(hf_name).st_dtype)
-                        used.add(self._alias.get(hf_name, hf_name))
-            if len(kinds) != 1 or next(iter(kinds)) not in ("F32", "BF16", "F16"):
+                        used.update([stored, fp8_blocks.scale_name(stored)] if stored in self._scales else [stored])
+            if len(kinds) != 1 or next(iter(kinds)) not in ("F32", "BF16", "F16", "F8_E4M3"):
                 raise ReshardError(f"{name}: HF tensors have dtypes {sorted(kinds)}; expected one floating-point dtype")
-            dtypes[name] = _ST_DTYPES[next(iter(kinds))]
+            dtypes[name] = "float32" if kinds == {"F8_E4M3"} else _ST_DTYPES[next(iter(kinds))]  # fp8: dequantized
         leftover = sorted(n for n in self._stored if n not in used)
         dropped = []
         for name in leftover:
@@ -361,6 +378,33 @@ class HFReader(CheckpointReader):
         args = args_for_layout(args, self.layout, config, "hf")
         self.common = CommonState(args=args, iteration="release", extra={"checkpoint_version": 3.0}, dropped=dropped)
 
+    def _pair_scales(self) -> dict[str, str]:
+        """Each float8 weight's scales (`fp8_blocks.scale_name`), found and checked against the weight's shape;
+        a weight without them, scales without their weight or of another shape are refused naming the tensor."""
+        scales = {}
+        for name, stored in self._stored.items():
+            if stored.st_dtype.startswith("F8_") and stored.st_dtype != "F8_E4M3":
+                raise ReshardError(f"{self.path}: tensor {name} is {stored.st_dtype}; reshard reads float8_e4m3fn (F8_E4M3) weights only")
+            if stored.st_dtype == "F8_E4M3":
+                if self._block is None:
+                    raise ReshardError(f"{self.path}: tensor {name} is float8 but config.json has no quantization_config to scale it")
+                scale = self._stored.get(fp8_blocks.scale_name(name))
+                if scale is None:
+                    raise ReshardError(f"{self.path}: tensor {name} is float8 without its scales {fp8_blocks.scale_name(name)}")
+                if len(stored.shape) != 2:
+                    raise ReshardError(f"{self.path}: tensor {name} is float8 of shape {list(stored.shape)}; only 2-D weights are block-scaled")
+                want = fp8_blocks.scale_shape(stored.shape, self._block)
+                if scale.shape != want or scale.st_dtype != "F32":
+                    raise ReshardError(
+                        f"{self.path}: tensor {fp8_blocks.scale_name(name)} is {scale.st_dtype} {list(scale.shape)}, but {name} "
+                        f"{list(stored.shape)} in blocks of {list(self._block)} needs F32 {list(want)}"
+                    )
+                scales[name] = fp8_blocks.scale_name(name)
+        for name in self._stored:
+            if name.endswith("_scale_inv") and name.removesuffix("_scale_inv") not in scales:
+                raise ReshardError(f"{self.path}: tensor {name} scales no float8 weight {name.removesuffix('_scale_inv')}")
+        return scales
+
     # -- files ------------------------------------------------------------------------------------
     def _files(self) -> list[Path]:
         index = self.path / INDEX
@@ -399,10 +443,26 @@ class HFReader(CheckpointReader):
         return file, stored.record
 
     def _tensor(self, hf_name: str) -> np.ndarray:
-        file, record = self._record(hf_name)
-        out = np.empty(record.shape, dtype=numpy_dtype(record.dtype))
-        file.read_into(record, full_region(record.shape), out)
+        shape = self._shape(hf_name)
+        quantized = self._alias.get(hf_name, hf_name) in self._scales
+        out = np.empty(shape, dtype=np.float32 if quantized else numpy_dtype(self._stored_as(hf_name).record.dtype))
+        self._read(hf_name, full_region(shape), out)
         return out
+
+    def _read(self, hf_name: str, region: Region, out: np.ndarray) -> None:
+        """`region` of an HF tensor into `out`: as stored, or a float8 weight dequantized to float32, read a block
+        row at a time."""
+        file, record = self._record(hf_name)
+        scales = self._scales.get(self._alias.get(hf_name, hf_name))
+        if scales is None:
+            file.read_into(record, region, out)
+            return
+        grid = self._tensor(scales)
+        (r0, r1), (c0, c1) = region
+        for rows in fp8_blocks.block_rows(r1 - r0, self._block, r0):
+            values = self._rows.array([rows.stop - rows.start, c1 - c0], fp8_blocks.FP8)
+            file.read_into(record, ((r0 + rows.start, r0 + rows.stop), (c0, c1)), values)
+            fp8_blocks.dequantize(values, grid, self._block, (r0 + rows.start, c0), out=out[rows])
 
     def close(self) -> None:
         for file in self._handles.values():
@@ -438,6 +498,8 @@ class HFReader(CheckpointReader):
         for slab in slabs(spec):
             layer, expert = slab_of(spec, slab)
             stored = [self._stored_as(hf_name) for hf_name in mapping.hf_names(layer, expert)]
+            if any(s.st_dtype == "F8_E4M3" for s in stored):
+                return None  # dequantized values are not the bytes stored
             for where, region in zip(stored, stacked_regions(spec, slab, [s.shape for s in stored])):
                 records.append(StoredRecord(name, region, where.record.dtype, where.file.name, where.offset))
         return records
@@ -449,8 +511,7 @@ class HFReader(CheckpointReader):
         hf_name = mapping.hf_names()[0]
         rows = max(0, min(r1, self._shape(hf_name)[0]) - r0)
         if rows:
-            file, record = self._record(hf_name)
-            file.read_into(record, ((r0, r0 + rows), *cols), out[:rows])
+            self._read(hf_name, ((r0, r0 + rows), *cols), out[:rows])
         out[rows:] = 0
 
 
@@ -474,6 +535,7 @@ class HFWriter(CheckpointWriter):
         """As every writer; `options.te_names` means nothing here (so --naming never breaks an export), and each
         rank of a multi-rank export writes the same headers, and its tensors where they go."""
         from reshard.converters import family_for_model
+        from reshard.converters.base import FusedQKV, Transposed
 
         super().__init__(*args, **kwargs)
         config, specs, common, options = self.config, self.specs, self.common, self.options
@@ -484,7 +546,20 @@ class HFWriter(CheckpointWriter):
         self.dtype = normalize_dtype(options.dtype) if options.dtype else None
         saved = common.args.get("hf_config") if isinstance(common.args.get("hf_config"), dict) else None
         self.hf_config = self.family.config_to_hf(config, saved, common.args)
+        self.hf_config.pop("quantization_config", None)  # the weights are written unquantized unless below
         self._mappings = {m.megatron: m for m in self.family.mappings(config)}
+        self._block = None  # of fp8 blocks, when written
+        self._quantized: set[str] = set()  # tensors written as fp8 blocks
+        if options.fp8_blocks:
+            source = (saved or {}).get("quantization_config")  # an fp8 model's own blocks, for its bytes back
+            self._block = fp8_blocks.block_size(source) if source else fp8_blocks.DEFAULT_BLOCK
+            self.hf_config["quantization_config"] = fp8_blocks.hf_config(self._block)
+            self._quantized = {name for name in self._mappings if FP8_LINEAR.match(name)}
+            for name in self._quantized:
+                mapping = self._mappings[name]
+                if isinstance(mapping, Transposed) or (isinstance(mapping, FusedQKV) and mapping.conv1d):
+                    raise ReshardError(f"HF {self.family.model_type} stores {name} as a Conv1D weight ([in, out]), which "
+                                       "fp8 blocks do not scale; export it without --to-fp8-blocks")
         if set(self._mappings) != set(specs):
             missing = sorted(set(self._mappings) - set(specs))
             extra = sorted(set(specs) - set(self._mappings))
@@ -507,7 +582,12 @@ class HFWriter(CheckpointWriter):
         for name, spec, layer, hf_name, shape in hf_tensors(self.specs, self._mappings, self.config):
             group = 0 if name.startswith("embedding.") else (2 if not spec.stacked else 1)
             key = (group, layer if layer is not None else -1, hf_name)
-            out.append((key, hf_name, shape, self._out_dtype(spec)))
+            if name in self._quantized:  # the float8 weight, its scales after it
+                out.append((key, hf_name, shape, "float8_e4m3fn"))
+                scales = fp8_blocks.scale_name(hf_name)
+                out.append(((*key[:2], scales), scales, fp8_blocks.scale_shape(shape, self._block), "float32"))
+            else:
+                out.append((key, hf_name, shape, self._out_dtype(spec)))
         out.sort(key=lambda t: t[0])
         return out
 
@@ -557,6 +637,8 @@ class HFWriter(CheckpointWriter):
         if spec.vocab:
             value = value[: self.config.vocab_rows]  # the padding never reaches HF
         hf_names = mapping.hf_names(layer, expert)
+        if spec.name in self._quantized:
+            return self._quantize(spec, slab, hf_names, mapping.to_hf(value, self.config))
         regions = stacked_regions(spec, slab, [self._entries[hf_name].shape for hf_name in hf_names])
         for hf_name, tensor, region in zip(hf_names, mapping.to_hf(value, self.config), regions):
             entry = self._entries[hf_name]
@@ -571,9 +653,38 @@ class HFWriter(CheckpointWriter):
             if mapping.stacks_rows:
                 self.vouch(spec, region, self._file_names[entry.file], entry.offset, out.reshape([b - a for a, b in region]), hashed)
 
+    def _quantize(self, spec: TensorSpec, slab: Region, hf_names: list[str], tensors: list[np.ndarray]) -> TensorChecksum:
+        """Write a slab's HF weights as float8 blocks and their scales, each value first held to the error bound;
+        the checksum of the slab as the output holds it (dequantized, as its reader gives it), hashed weight by
+        weight where the slab is its weights stacked (`stacks_rows`), else regrouped as the reader does."""
+        mapping = self._mappings[spec.name]
+        checksum = TensorChecksum(spec.shape, "float32")
+        regions = stacked_regions(spec, slab, [t.shape for t in tensors])
+        held = []
+        for hf_name, tensor, region in zip(hf_names, tensors, regions):
+            if tensor.shape != self._entries[hf_name].shape:
+                raise ReshardError(f"{hf_name}: got shape {tensor.shape}, expected {self._entries[hf_name].shape}")
+            values, scales = fp8_blocks.quantize(tensor, self._block, hf_name)
+            for name, stored in ((hf_name, values), (fp8_blocks.scale_name(hf_name), scales)):
+                entry = self._entries[name]
+                self._files[entry.file].pwrite(stored.reshape(-1).view(np.uint8), entry.offset)
+            dequantized = fp8_blocks.check_error(tensor, values, scales, self._block, hf_name)
+            if mapping.stacks_rows:
+                checksum.add(region, dequantized.reshape([b - a for a, b in region]))
+            else:
+                held.append(dequantized)
+        if held:
+            checksum.add(slab, mapping.to_megatron(held, self.config).reshape([b - a for a, b in slab]))
+        return checksum
+
+    def stored_dtype(self, spec: TensorSpec) -> str | None:
+        return "float32" if spec.name in self._quantized else None
+
     def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
         layer, expert = slab_of(spec, slab)
         names = self._mappings[spec.name].hf_names(layer, expert)
+        if spec.name in self._quantized:
+            names += [fp8_blocks.scale_name(name) for name in names]
         for hf_name in names:
             self._entries[hf_name].written = True
         self._facts.extend(names)
@@ -631,6 +742,8 @@ class HFWriter(CheckpointWriter):
             (self.path / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
         manifest.provenance = dict(manifest.provenance, hf_family=self.family.model_type, hf_files_copied=copied,
                                    hf_files=recorded_digests(self.path))
+        if self._block:  # its checksums are of the values dequantized, held to the bound, not the source's
+            manifest.provenance["fp8_blocks"] = {"weight_block_size": list(self._block), "bound": fp8_blocks.BOUND}
         manifest.save(self.path)
 
     def _source_dir(self, manifest: Manifest) -> Path | None:
