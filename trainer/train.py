@@ -415,7 +415,9 @@ def run(args) -> None:
         tokenizer_type="HuggingFaceTokenizer", data_path=[str(args.data)],
     )
 
-    optimizer_form = "fully_reshardable" if args.ckpt_optim_fully_reshardable else "dp_reshardable"
+    # the DistributedOptimizer's form only: a chained plain optimizer told dp_reshardable prefixes its keys
+    dp_reshardable = args.use_distributed_optimizer and not args.ckpt_optim_fully_reshardable
+    optimizer_form = "dp_reshardable" if dp_reshardable else "fully_reshardable"
 
     def save(it: int) -> None:
         margs.iteration = it
