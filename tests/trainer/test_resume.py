@@ -154,6 +154,14 @@ def test_distributed_optimizer_resumes_its_dp_reshardable_checkpoint(distopt, tm
     assert_continues(resume(tmp_path, corpus, load, 4, layout, ["--use-distributed-optimizer"]), ref)
 
 
+def test_ckpt_optim_fully_reshardable_saves_per_parameter_tensors_that_resume(tmp_path_factory, tmp_path, corpus):
+    distopt = ["--use-distributed-optimizer"]
+    src, ref = reference(tmp_path_factory, corpus, "distopt_full", 2, [], [*distopt, "--ckpt-optim-fully-reshardable"])
+    saved = _optimizer_keys(src / f"iter_{K:07d}")
+    assert saved and all(k.startswith("optimizer.state.") for k in saved), sorted(saved)[:3]
+    assert_continues(resume(tmp_path, corpus, src / f"iter_{K:07d}", 2, [], distopt), ref)
+
+
 def test_distributed_optimizer_fresh_state_breaks_continuity(distopt, tmp_path, corpus):
     """Control: the converted resume without the optimizer state does not continue the run."""
     src, ref = distopt
