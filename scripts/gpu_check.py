@@ -102,7 +102,7 @@ def cpu_to_gpu(checks: Checks) -> None:
 
 
 def distributed_optimizer_to_cpu(checks: Checks) -> None:
-    """bf16: Megatron's DistributedOptimizer (CUDA only) on the GPU -> reshard TP=2 -> the plain
+    """bf16: Megatron's DistributedOptimizer (dp_reshardable) on the GPU -> reshard TP=2 -> the plain
     mixed-precision optimizer on the CPU, against the uninterrupted GPU run."""
     distopt = ["--bf16", "--use-distributed-optimizer"]
     reference = train("gpu-bf16-reference", *distopt, "--train-iters", 6)
@@ -117,8 +117,7 @@ def distributed_optimizer_to_cpu(checks: Checks) -> None:
 
 
 def cpu_to_gpu_bf16(checks: Checks) -> None:
-    """bf16: CPU TP=2 -> reshard TP=1 -> GPU with the plain optimizer (megatron-core's DistributedOptimizer
-    over torch's AdamW cannot load optimizer state: reshard.trainer.checkpoint refuses it). Against the uninterrupted
+    """bf16: CPU TP=2 -> reshard TP=1 -> GPU with the plain optimizer. Against the uninterrupted
     CPU run, whose first 4 iterations are the resumed run's, so only 2 iterations of GPU kernels separate
     them; and against the uninterrupted GPU run, which differs from the start."""
     cpu_reference = train("cpu-bf16-reference", "--bf16", "--tp", 2, "--train-iters", 6, nproc=2, env=CPU)

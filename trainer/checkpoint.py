@@ -8,7 +8,8 @@ Layout on disk (what Megatron-LM writes, so `reshard` and Megatron-LM read it):
 `common.pt` holds `args` (a Megatron-LM Namespace), `checkpoint_version`, `iteration`,
 `opt_param_scheduler`, `data_state` and the non-tensor part of the optimizer; model and optimizer tensors
 (`optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<param>`, "fully reshardable"; `param` for the fp32
-master weights of the DistributedOptimizer) are global ShardedTensors;
+master weights of the DistributedOptimizer) are global ShardedTensors; the DistributedOptimizer saves
+by default, as Megatron-LM does, its flat buckets instead (`optimizer.distributed.*`, "dp_reshardable");
 `rng_state` is a per-rank ShardedObject (layout-bound: `reshard convert` drops it on a layout change).
 
 Atomicity: every rank writes into `<save>/iter_NNNNNNN.tmp`; once all shards are on disk (fsynced),
@@ -175,26 +176,16 @@ def model_sharded_state_dict(models: list) -> dict:
     return {key: unwrap(m).sharded_state_dict() for key, m in zip(model_keys(len(models)), models)}
 
 
-def optimizer_sharded_state_dict(models: list, optimizer, is_loading: bool) -> dict:
+def optimizer_sharded_state_dict(models: list, optimizer, is_loading: bool, form: str = "fully_reshardable") -> dict:
+    """`form`: the DistributedOptimizer's `distrib_optim_sharding_type` (the plain optimizer has one form)."""
     return optimizer.sharded_state_dict(model_sharded_state_dict(models), is_loading=is_loading,
-                                        metadata=SHARDED_SD_METADATA)
+                                        metadata={**SHARDED_SD_METADATA, "distrib_optim_sharding_type": form})
 
 
-def refuse_unloadable_distributed_optimizer(optimizer) -> None:
-    """megatron-core's DistributedOptimizer over torch's AdamW (no Transformer Engine or Apex) cannot load
-    optimizer state: building the load request asserts on its still empty state, and the load itself
-    wants a per-parameter `step` tensor that no checkpoint holds (seen with 0.16.1 on an H100). Refuse
-    with what to do instead; the plain optimizer loads the same state."""
-    from megatron.core.optimizer import distrib_optimizer
-
-    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
-        return
-    if any(isinstance(sub, distrib_optimizer.DistributedOptimizer)
-           for sub in getattr(optimizer, "chained_optimizers", [optimizer])):
-        raise CheckpointError(
-            "--use-distributed-optimizer cannot resume optimizer state without Transformer Engine or Apex "
-            "(megatron-core's DistributedOptimizer over torch's AdamW fails to load it): resume without "
-            "--use-distributed-optimizer, which loads the same state, or pass --no-load-optim")
+def saved_optimizer_form(saved_keys: set[str]) -> str:
+    """The DistributedOptimizer form a checkpoint holds, from its tensor keys: Megatron-LM builds its load
+    request in the checkpoint's form, not its own flags', and so does the trainer."""
+    return "dp_reshardable" if any(k.startswith("optimizer.distributed.") for k in saved_keys) else "fully_reshardable"
 
 
 def spell_as_saved(optimizer_state: dict, saved_keys: set[str]) -> None:
@@ -366,8 +357,10 @@ def _in_process_results_queue() -> None:
 
 
 def save_checkpoint(save_dir: Path, iteration: int, models: list, optimizer, scheduler, layout: Layout,
-                    config: ModelConfig, args: argparse.Namespace, data_state: dict) -> dict:
-    """Save atomically (see the module docstring); returns {'seconds', 'bytes'}."""
+                    config: ModelConfig, args: argparse.Namespace, data_state: dict,
+                    optimizer_form: str = "fully_reshardable") -> dict:
+    """Save atomically (see the module docstring); returns {'seconds', 'bytes'}. `optimizer_form`: the
+    DistributedOptimizer's `dp_reshardable` or `fully_reshardable`."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -391,9 +384,14 @@ def save_checkpoint(save_dir: Path, iteration: int, models: list, optimizer, sch
     }
     state.update(model_sharded_state_dict(models))
     if optimizer is not None:
-        state["optimizer"] = optimizer_sharded_state_dict(models, optimizer, is_loading=False)
+        state["optimizer"] = optimizer_sharded_state_dict(models, optimizer, is_loading=False, form=optimizer_form)
     state["rng_state"] = sharded_rng_state(layout)
-    local = local_checksums(state, config)  # applies the factories, which save would do anyway
+    checked = state
+    if optimizer is not None and optimizer_form != "fully_reshardable":
+        # the manifest records optimizer state per parameter, as reshard reads every form (the buckets'
+        # gaps are uninitialised memory besides): this form's state is gathered once more for it
+        checked = {**state, "optimizer": optimizer_sharded_state_dict(models, optimizer, is_loading=False)}
+    local = local_checksums(checked, config)  # applies the factories, which save would do anyway
 
     _in_process_results_queue()
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
@@ -464,7 +462,7 @@ def load_checkpoint(ckpt: Path, models: list, optimizer, scheduler, layout: Layo
     common = read_common(ckpt)
     keys = saved_tensor_keys(ckpt)
     saved_args = vars(common.get("args") or argparse.Namespace())
-    has_optim = any(k.startswith("optimizer.state.") for k in keys)
+    has_optim = any(k.startswith(("optimizer.state.", "optimizer.distributed.")) for k in keys)
     saved_dtype = "bfloat16" if saved_args.get("bf16") else "float16" if saved_args.get("fp16") else "float32"
     if saved_dtype != config.params_dtype:
         raise CheckpointError(
@@ -479,8 +477,8 @@ def load_checkpoint(ckpt: Path, models: list, optimizer, scheduler, layout: Layo
 
     request = model_sharded_state_dict(models)
     if load_optim:
-        refuse_unloadable_distributed_optimizer(optimizer)
-        request["optimizer"] = optimizer_sharded_state_dict(models, optimizer, is_loading=True)
+        request["optimizer"] = optimizer_sharded_state_dict(models, optimizer, is_loading=True,
+                                                            form=saved_optimizer_form(keys))
         spell_as_saved(request["optimizer"], keys)
     if load_rng:
         request["rng_state"] = sharded_rng_state(layout)
@@ -488,7 +486,9 @@ def load_checkpoint(ckpt: Path, models: list, optimizer, scheduler, layout: Layo
     for key, m in zip(model_keys(len(models)), models):
         unwrap(m).load_state_dict(loaded[key], strict=True)
     if load_optim:
-        optimizer.load_state_dict(align_optimizer_state(loaded["optimizer"], request["optimizer"], optimizer))
+        # no_grad: an fp32 DistributedOptimizer's master weights are views of the parameters, leaves that need grads
+        with torch.no_grad():
+            optimizer.load_state_dict(align_optimizer_state(loaded["optimizer"], request["optimizer"], optimizer))
         if scheduler is not None and common.get("opt_param_scheduler"):
             scheduler.load_state_dict(common["opt_param_scheduler"])
     elif optimizer is not None:  # mixed precision keeps fp32 master copies of the initial weights: refresh them

@@ -71,8 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard optimizer state over DP (Megatron's DistributedOptimizer; CUDA only, and it resumes "
-                        "optimizer state only with Transformer Engine or Apex; its checkpoints resume without it)")
+                   help="shard optimizer state over DP (Megatron's DistributedOptimizer); it saves its state as "
+                        "dp_reshardable buckets, as Megatron-LM does (`reshard convert` changes their layout)")
     g.add_argument("--train-iters", type=int, required=True, help="total iterations (a resumed run continues to it)")
     g.add_argument("--seed", type=int, default=1234)
     g = p.add_argument_group("checkpointing")
@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--save-interval", type=int, default=None, help="also saves at the last iteration")
     g.add_argument("--load", type=Path, default=None,
                    help="Megatron checkpoint dir (torch_dist) or a HuggingFace dir (weights cast to the run's precision)")
+    g.add_argument("--ckpt-optim-fully-reshardable", "--dist-ckpt-optim-fully-reshardable",
+                   dest="ckpt_optim_fully_reshardable", action="store_true",
+                   help="the DistributedOptimizer saves per-parameter tensors (fully_reshardable) instead of its buckets")
     g.add_argument("--no-load-optim", action="store_true", help="load the model only: fresh optimizer and scheduler")
     g.add_argument("--no-load-rng", action="store_true")
     g = p.add_argument_group("logging")
@@ -326,10 +329,6 @@ def run(args) -> None:
     from reshard.trainer.model import build_model, init_parallel
 
     layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp)
-    if args.use_distributed_optimizer and not torch.cuda.is_available():
-        raise TrainerError(
-            "--use-distributed-optimizer needs CUDA: megatron-core 0.16's DistributedOptimizer accepts only "
-            "torch.cuda.* parameter types (distrib_optimizer.py, _build_model_and_main_param_groups)")
     check_launch(args, layout, int(os.environ.get("WORLD_SIZE", "1")))
     init_parallel(layout, seed=args.seed)
     world = torch.distributed.get_world_size()
@@ -411,15 +410,22 @@ def run(args) -> None:
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         train_iters=args.train_iters, seed=args.seed, save=str(args.save) if args.save else None,
         save_interval=args.save_interval, use_distributed_optimizer=args.use_distributed_optimizer,
+        dist_ckpt_optim_fully_reshardable=args.ckpt_optim_fully_reshardable, overlap_grad_reduce=False,
+        grad_reduce_in_fp32=args.bf16,
         tokenizer_type="HuggingFaceTokenizer", data_path=[str(args.data)],
     )
+
+    # the DistributedOptimizer's form only: a chained plain optimizer told dp_reshardable prefixes its keys
+    dp_reshardable = args.use_distributed_optimizer and not args.ckpt_optim_fully_reshardable
+    optimizer_form = "dp_reshardable" if dp_reshardable else "fully_reshardable"
 
     def save(it: int) -> None:
         margs.iteration = it
         margs.consumed_train_samples = consumed
         data_state = {"consumed_samples": consumed, "fingerprint": dataset.fingerprint(), "seed": args.seed,
                       "num_samples": len(dataset)}
-        info = ckpt.save_checkpoint(args.save, it, ddp, optimizer, scheduler, layout, config, margs, data_state)
+        info = ckpt.save_checkpoint(args.save, it, ddp, optimizer, scheduler, layout, config, margs, data_state,
+                                    optimizer_form=optimizer_form)
         logger.event({"event": "checkpoint_save", "iteration": it, **info})
         log(f"saved {args.save / ckpt.iter_dirname(it)} ({info['bytes'] / 1e6:.1f} MB) in {info['seconds']:.2f} s")
 

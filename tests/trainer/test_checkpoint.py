@@ -1,6 +1,6 @@
 """How a checkpoint of one Megatron optimizer is fitted to the other (unit tests, no torchrun).
 
-The DistributedOptimizer (CUDA only, run by scripts/gpu_check.py) saves the fp32 master weights as
+The DistributedOptimizer saves the fp32 master weights as
 `optimizer.state.param.*` and its step in every param group; the plain mixed-precision optimizer saves
 `optimizer.state.fp32_param.*` and one `state.common_step`. The dicts below have the shapes megatron-core
 0.16's optimizers build (its code, and the keys of a GPU run's checkpoint).
@@ -8,16 +8,14 @@ The DistributedOptimizer (CUDA only, run by scripts/gpu_check.py) saves the fp32
 
 from __future__ import annotations
 
-import pytest
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from reshard.trainer.checkpoint import (
-    CheckpointError,
     align_optimizer_state,
-    refuse_unloadable_distributed_optimizer,
     spell_as_saved,
 )
+from reshard.trainer.optim import _let_distributed_optimizer_over_torch_adam_load
 
 
 class _Sub:
@@ -63,12 +61,13 @@ def test_plain_optimizer_common_step_goes_to_every_distributed_optimizer_group()
     assert "state" not in out["optimizer"]
 
 
-def test_distributed_optimizer_without_te_or_apex_is_refused_before_loading(monkeypatch):
+def test_the_torch_adam_load_fixes_leave_fused_adam_alone(monkeypatch):
+    """With Transformer Engine or Apex (FusedAdam, a GPU) the DistributedOptimizer is megatron's own."""
     from megatron.core.optimizer import distrib_optimizer
 
-    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
-    with pytest.raises(CheckpointError, match="resume without --use-distributed-optimizer"):
-        refuse_unloadable_distributed_optimizer(object.__new__(distrib_optimizer.DistributedOptimizer))
-    refuse_unloadable_distributed_optimizer(object())  # any other optimizer loads
+    cls = distrib_optimizer.DistributedOptimizer
+    names = ("state_dict", "load_state_dict", "_set_main_param_and_optimizer_states")
+    before = {name: cls.__dict__[name] for name in names}
     monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
-    refuse_unloadable_distributed_optimizer(object.__new__(distrib_optimizer.DistributedOptimizer))
+    _let_distributed_optimizer_over_torch_adam_load()
+    assert {name: cls.__dict__[name] for name in names} == before

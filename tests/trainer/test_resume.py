@@ -125,6 +125,53 @@ def test_fresh_optimizer_breaks_continuity(tp2, tmp_path, corpus):
     assert worst > 100 * REL, f"losses still agree ({worst:.2e}): the continuity check would not notice"
 
 
+@pytest.fixture(scope="module")
+def distopt(tmp_path_factory, corpus):
+    """TP2 DP2 with Megatron's DistributedOptimizer, saved in its default dp_reshardable form."""
+    return reference(tmp_path_factory, corpus, "distopt", 4, ["--tp", 2], ["--use-distributed-optimizer"])
+
+
+def _optimizer_keys(iter_dir: Path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return {k for k in FileSystemReader(str(iter_dir)).read_metadata().state_dict_metadata if k.startswith("optimizer.")}
+
+
+@pytest.mark.parametrize("to,layout", [
+    ((), ["--tp", 2]),
+    (("--to-tp", 1, "--to-pp", 2), ["--pp", 2]),
+    (("--to-tp", 1), []),
+], ids=["same-layout", "tp2dp2->tp1pp2dp2", "tp2dp2->dp4"])
+def test_distributed_optimizer_resumes_its_dp_reshardable_checkpoint(distopt, tmp_path, corpus, to, layout):
+    """The buckets resume as they are, or converted by `reshard convert` to per-parameter tensors at a new
+    layout, into the DistributedOptimizer again (over torch's Adam on the CPU)."""
+    src, ref = distopt
+    saved = _optimizer_keys(src / f"iter_{K:07d}")
+    assert saved and all(k.startswith("optimizer.distributed.") for k in saved), sorted(saved)[:3]
+    load = converted(src, tmp_path / "converted", *map(str, to)) if to else src / f"iter_{K:07d}"
+    if to:
+        assert any(k.startswith("optimizer.state.param.") for k in _optimizer_keys(load / f"iter_{K:07d}"))
+    assert_continues(resume(tmp_path, corpus, load, 4, layout, ["--use-distributed-optimizer"]), ref)
+
+
+def test_ckpt_optim_fully_reshardable_saves_per_parameter_tensors_that_resume(tmp_path_factory, tmp_path, corpus):
+    distopt = ["--use-distributed-optimizer"]
+    src, ref = reference(tmp_path_factory, corpus, "distopt_full", 2, [], [*distopt, "--ckpt-optim-fully-reshardable"])
+    saved = _optimizer_keys(src / f"iter_{K:07d}")
+    assert saved and all(k.startswith("optimizer.state.") for k in saved), sorted(saved)[:3]
+    assert_continues(resume(tmp_path, corpus, src / f"iter_{K:07d}", 2, [], distopt), ref)
+
+
+def test_distributed_optimizer_fresh_state_breaks_continuity(distopt, tmp_path, corpus):
+    """Control: the converted resume without the optimizer state does not continue the run."""
+    src, ref = distopt
+    dst = converted(src, tmp_path / "converted", "--to-tp", "1", "--to-pp", "2")
+    resumed = resume(tmp_path, corpus, dst, 4, ["--pp", 2], ["--use-distributed-optimizer", "--no-load-optim"])
+    assert resumed[K + 1] == pytest.approx(ref[K + 1], rel=REL)  # same weights, same data
+    worst = max(abs(resumed[i] - ref[i]) / abs(ref[i]) for i in range(K + 2, TOTAL + 1))
+    assert worst > 100 * REL, f"losses still agree ({worst:.2e}): the continuity check would not notice"
+
+
 def test_a_resume_keeps_the_checkpoints_global_batch(dp2, tmp_path, corpus):
     """Without --global-batch-size, DP2 -> DP1 keeps the 8 samples per step the schedule and order count in."""
     src, ref = dp2
