@@ -57,7 +57,7 @@ MAX_CHUNK_BYTES = 64 << 20
 # 256 experts' fc1 is 15 GB a layer in bf16, twice that per fp32 optimizer state.
 MAX_SHARD_BYTES = 4 << 30
 INDEX_DTYPE = "<u8"  # a shard index holds each chunk's (offset, length) as two of these
-INDEX_ENTRY = 16
+INDEX_ENTRY = 2 * np.dtype(INDEX_DTYPE).itemsize
 MISSING = 2**64 - 1  # an index entry's offset and length for a chunk not stored (the fill value)
 COMMON_FILE = "common.pt"
 _BITS = {"bfloat16": "uint16"}  # dtypes zarr-python cannot name, stored as raw bits
@@ -389,7 +389,7 @@ class ZarrWriter(CheckpointWriter):
     def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:
         if not spec.shape:
             return [slab]
-        return [inside for _, _, inside in chunk_grid(slab, chunk_shape(spec), list(spec.shape))]  # each is one file
+        return [inside for _, _, inside in chunk_grid(slab, chunk_shape(spec), list(spec.shape))]  # each is one chunk
 
     def _folder(self, path: Path) -> None:
         """A directory per row of chunks or shards: made once, not checked per file."""
