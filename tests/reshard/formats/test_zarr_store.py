@@ -3,6 +3,7 @@ into a file per tensor and layer."""
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -225,3 +226,30 @@ def test_a_store_written_before_sharding_still_reads_and_converts(tmp_path):
     source = SyntheticReader(TINY_MOE, optimizer=True)
     final = tensors(tmp_path / "dst")
     assert all(same(final[name], source.read(name, full_region(spec.shape))) for name, spec in source.specs.items())
+
+
+
+def test_a_shard_whose_index_does_not_match_is_read_back_and_refused(tmp_path):
+    """A chunk its shard's index gives another length is not vouched for (offset -1) and reading it is
+    refused as damage, as is a shard cut shorter than its index; the shard's other chunks are found."""
+    from reshard.errors import ReshardError
+
+    store = tmp_path / "model.zarr"
+    write_synthetic(store, TINY_LLAMA, Layout(), "zarr")
+    name = "decoder.layers.self_attention.linear_qkv.weight"
+    meta = json.loads((store / name / "zarr.json").read_text())
+    inner = meta["codecs"][0]["configuration"]["chunk_shape"]
+    chunks = math.prod(s // c for s, c in zip(meta["chunk_grid"]["configuration"]["chunk_shape"], inner))
+    with open(store / name / "c" / "0" / "0" / "0", "r+b") as f:  # layer 0's shard: its first chunk's length
+        f.seek(-16 * chunks + 8, os.SEEK_END)
+        length = int(np.frombuffer(f.read(8), "<u8")[0])
+        f.seek(-8, os.SEEK_CUR)
+        f.write(np.array([length - 4], "<u8").tobytes())
+    with ZarrReader(store) as reader:
+        offsets = [r.offset for r in reader.stored_records(name) if r.file == f"{name}/c/0/0/0"]
+        assert len(offsets) == chunks and offsets[0] == -1 and min(offsets[1:]) >= 0
+        with pytest.raises(ReshardError, match="not stored whole"):
+            reader.read(name, ((0, 1), *full_region(tuple(meta["shape"][1:]))))
+    os.truncate(store / name / "c" / "1" / "0" / "0", 8)
+    with ZarrReader(store) as reader, pytest.raises(ReshardError, match="shorter than its shard index"):
+        reader.stored_records(name)
