@@ -134,7 +134,7 @@ class ZarrReader(CheckpointReader):
     def __init__(self, path: Path):
         if not is_zarr(path):
             raise ReshardError(f"{path} is not a reshard zarr store (no zarr.json with reshard attributes)")
-        self.path = path
+        self.path = self.tokenizer_dir = path
         attrs = json.loads((path / "zarr.json").read_text())["attributes"]["reshard"]
         self.config = ModelConfig.from_dict(attrs["config"])
         self.layout = Layout(**attrs["layout"])
