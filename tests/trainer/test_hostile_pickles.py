@@ -6,8 +6,10 @@ file and the global; the payload never runs and the checkpoint is left as it was
 from __future__ import annotations
 
 import builtins
+import collections
 import hashlib
 import io
+import json
 import os
 import pathlib
 import pickle
@@ -141,6 +143,28 @@ def test_reshard_refuses_a_pickle_that_would_run(sources, tmp_path, kind, payloa
     assert named in lines[0], lines[0]
     assert not marker.exists() and not (tmp_path / "out").exists()
     assert _digest(ckpt) == before
+
+
+class _Unknown:
+    """An instance of a class of a module that no checkpoint names (this test's)."""
+
+
+@pytest.mark.parametrize("plant, named", [
+    (lambda state: state.update(extra=json.dumps), "json.dumps"),  # a function reference
+    (lambda state: state.update(extra={"nested": [_Unknown()]}), f"{__name__}._Unknown"),
+    (lambda state: setattr(state["args"], "hook", {"on_load": [collections.Counter("ab")]}), "collections.Counter"),  # inside args
+])
+def test_reshard_refuses_what_it_does_not_know_rather_than_carry_it(sources, tmp_path, plant, named):
+    """A valid checkpoint with an object the allow-list does not know: refused by name, not converted with
+    "checksums verified" and the object written into the output's common.pt."""
+    ckpt = Path(shutil.copytree(sources / "dist", tmp_path / "dist"))
+    common = ckpt / ITER / "common.pt"
+    state = torch.load(common, weights_only=False)
+    plant(state)
+    torch.save(state, common)
+    proc = _reshard("convert", ckpt, tmp_path / "out", "--to-tp", 1, "-q")
+    assert proc.returncode == 1 and proc.stderr.strip() == proc.stderr.strip().splitlines()[0], proc.stderr
+    assert f"common.pt pickles {named}," in proc.stderr and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("kind, payload", [(".metadata", "os.system"), ("common.pt", "exec"), ("distcp object", "touch")])
