@@ -23,6 +23,7 @@ from reshard.collective import Collective, joined, shares
 from reshard.errors import KeepsPartial, ReshardError
 from reshard.formats import open_checkpoint
 from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
+from reshard.formats.hf import copy_tokenizer
 from reshard.plan import ConversionPlan, human_bytes, make_plan
 from reshard.request import Run, SourceHints, Target
 from reshard.streaming import Progress, manifest_for, write_moves
@@ -245,6 +246,8 @@ class _Transaction:
                 f"{self.plan.source} does not match the checksums recorded when it was written"
             )
         self.writer.finish(manifest, [part for part, _, _ in results])
+        if self.plan.target_format != "hf":  # the HF writer copies an HF model's tokenizer files itself
+            copy_tokenizer(self.reader.tokenizer_dir, self.tmp)
 
     def check(self) -> dict[str, Checksum]:
         """This rank's share of the output opened as any checkpoint is, its checksums recomputed (records

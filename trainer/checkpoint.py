@@ -42,6 +42,7 @@ from reshard.formats.base import Manifest
 from reshard.layout import Layout
 from reshard.logical import describe
 from reshard.naming import canonical
+from reshard.torchfile.screen import screen
 from reshard.verify import compare
 
 CHECKPOINT_VERSION = 3.0
@@ -426,22 +427,28 @@ def save_checkpoint(save_dir: Path, iteration: int, models: list, optimizer, sch
 # ---------------------------------------------------------------------------------------- load
 
 def find_checkpoint(load_dir: Path) -> Path | None:
-    """The iteration directory `latest_checkpointed_iteration.txt` points at (or an iter_* dir itself)."""
+    """The iteration directory `latest_checkpointed_iteration.txt` points at (or an iter_* dir itself),
+    its pickles screened: torch loads `.metadata` and DCP's objects with plain pickle, which would run
+    whatever a hostile one names (`reshard.torchfile.screen`; refused in one line, a ReshardError)."""
     load_dir = Path(load_dir)
     if (load_dir / ".metadata").is_file():
-        return load_dir
-    tracker = load_dir / TRACKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
-    directory = load_dir / ("release" if text == "release" else iter_dirname(int(text)))
-    if not (directory / ".metadata").is_file():
-        raise CheckpointError(f"{tracker} points at {directory.name}, which is not a complete torch_dist checkpoint")
+        directory = load_dir
+    else:
+        tracker = load_dir / TRACKER
+        if not tracker.is_file():
+            return None
+        text = tracker.read_text().strip()
+        directory = load_dir / ("release" if text == "release" else iter_dirname(int(text)))
+        if not (directory / ".metadata").is_file():
+            raise CheckpointError(f"{tracker} points at {directory.name}, which is not a complete torch_dist checkpoint")
+    screen(directory)
     return directory
 
 
 def read_common(ckpt: Path) -> dict:
-    return torch.load(Path(ckpt) / "common.pt", map_location="cpu", weights_only=False)
+    import megatron.core  # noqa: F401  registers the classes of Megatron-LM's args as safe for weights_only
+
+    return torch.load(Path(ckpt) / "common.pt", map_location="cpu", weights_only=True)
 
 
 def saved_tensor_keys(ckpt: Path) -> set[str]:

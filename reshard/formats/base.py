@@ -197,6 +197,9 @@ class CheckpointReader(abc.ABC):
     manifest: Manifest | None  # checksums recorded when it was written, if any
     unsupported_optimizer: list[str] = []  # optimizer state in a form that cannot be resharded
     default_dtype: str | None = None  # what a conversion told no dtype writes (None: each tensor's own)
+    # where the tokenizer files (`hf.TOKENIZER_FILES`) it was trained with lie, if anywhere: the trainer saves
+    # tokenizer.json beside its iterations, and a run resumed without it would train another (other token ids)
+    tokenizer_dir: Path | None = None
     # the buffer each reading thread stages a strided record in, at most (every reader reads records by RecordFile)
     scratch_bytes: ClassVar[int] = READ_BLOCK
 

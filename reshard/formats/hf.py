@@ -105,6 +105,17 @@ def recorded_digests(directory: Path) -> dict[str, str]:
     return {name: hashlib.sha256((directory / name).read_bytes()).hexdigest() for name in RECORDED_FILES if (directory / name).is_file()}
 
 
+def copy_tokenizer(source: Path | None, destination: Path) -> list[str]:
+    """Copy the tokenizer files (TOKENIZER_FILES) that `source` has into `destination`; the names copied. One
+    that leads outside `source` (a symlink) is refused (`inside`)."""
+    copied = []
+    for name in TOKENIZER_FILES if source is not None else ():
+        if (source / name).is_file():
+            shutil.copyfile(inside(source, name), destination / name)
+            copied.append(name)
+    return copied
+
+
 # Every dtype the safetensors library knows, in bits per value (a file naming another is refused).
 _ST_BITS = {
     "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
@@ -727,13 +738,7 @@ class HFWriter(CheckpointWriter):
         config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = out_dtype
         config.pop("_name_or_path", None)
         (self.path / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        source = self._source_dir(manifest)
-        copied = []
-        if source is not None:
-            for name in TOKENIZER_FILES:
-                if (source / name).is_file():
-                    shutil.copyfile(inside(source, name), self.path / name)
-                    copied.append(name)
+        copied = copy_tokenizer(self._source_dir(manifest), self.path)
         if GENERATION_CONFIG not in copied:
             generation = {"_from_model_config": True}
             for key in ("bos_token_id", "eos_token_id", "pad_token_id"):

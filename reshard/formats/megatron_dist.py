@@ -83,7 +83,7 @@ class TorchDistReader(CheckpointReader):
         tree = locate(path)
         if tree is None or not (tree.iteration_dir / ".metadata").is_file():
             raise ReshardError(f"{path} is not a torch_dist checkpoint (no .metadata found)")
-        self.path, self.tree = path, tree
+        self.path, self.tree, self.tokenizer_dir = path, tree, tree.root
         directory = tree.iteration_dir
         self.metadata = dcp_metadata.load(directory / ".metadata")
         by_offset: dict[str, list[tuple[tuple[int, ...], Storage]]] = defaultdict(list)

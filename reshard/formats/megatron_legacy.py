@@ -119,7 +119,7 @@ class LegacyReader(CheckpointReader):
         tree = locate(path)
         if tree is None or not is_legacy(path):
             raise ReshardError(f"{path} is not a legacy Megatron checkpoint (no mp_rank_* directories)")
-        self.path, self.tree = path, tree
+        self.path, self.tree, self.tokenizer_dir = path, tree, tree.root
         first = self._load_path(self._rank_file(sorted(p.name for p in tree.iteration_dir.iterdir() if _RANK_DIR.match(p.name))[0]))
         args = args_dict(first.get("args"))
         self.config = ModelConfig.from_megatron_args(args)

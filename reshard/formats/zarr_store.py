@@ -236,12 +236,17 @@ class ZarrReader(CheckpointReader):
     def __init__(self, path: Path):
         if not is_zarr(path):
             raise ReshardError(f"{path} is not a reshard zarr store (no zarr.json with reshard attributes)")
-        self.path = path
+        self.path = self.tokenizer_dir = path
         attrs = json.loads((path / "zarr.json").read_text())["attributes"]["reshard"]
         self.config = ModelConfig.from_dict(attrs["config"])
         self.layout = Layout(**attrs["layout"])
         self.manifest = Manifest.from_json(attrs["manifest"]) if "manifest" in attrs else None
         common = load_archive(path / COMMON_FILE, str(path / COMMON_FILE)) if (path / COMMON_FILE).is_file() else {}
+        # what `finish` writes, checked before a damaged or foreign file's values reach code that takes them for that
+        iteration = common.get("iteration", 0) if isinstance(common, dict) else None
+        parts = ("args", "extra", "objects")
+        if not (isinstance(iteration, int) or iteration == "release") or not all(isinstance(common.get(k, {}), dict) for k in parts):
+            raise ReshardError(f"{path / COMMON_FILE} does not hold reshard's common state: the store is damaged")
         self.common = CommonState(
             args=common.get("args", {}), iteration=common.get("iteration", 0), extra=common.get("extra", {}), objects=common.get("objects", {})
         )

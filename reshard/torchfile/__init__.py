@@ -1,16 +1,18 @@
 """torch's own file formats, read and written without torch: `torch.save` archives and DCP's `.metadata`.
 
 Trust model: a checkpoint is data, never code. Nothing in a file runs, and nothing it names is imported:
-a pickle's globals become stand-ins that only remember their names (`pickles`), and only the few on an
-allow-list are built for real (`argparse.Namespace`, `collections.OrderedDict`; in `.metadata`, DCP's
-records as plain records and torch's dtypes as their names, any other global refused). A storage is
-only noted where it lies in its file until its bytes are asked for.
+a pickle may name only the globals of an allow-list (`pickles.SAFE_GLOBALS`; in `.metadata`, DCP's records),
+any other is refused by name; those become stand-ins that only remember their names (`pickles`), and a
+few are built for real (`argparse.Namespace`, `collections.OrderedDict`; in `.metadata`, DCP's records as
+plain records and torch's dtypes as their names). A storage is only noted where it lies in its file until
+its bytes are asked for. `screen` reads a checkpoint's every pickle so before torch loads any of them.
 
   pickles         the stand-ins, and the unpickler and pickler that read and write them
   zip_structs     the zip records (headers, directory entries, end records) as the reader and writer spell them
   archive_reader  `torch.save` archives read: the pickle as stand-ins, a tensor's region by `pread`
   archive_writer  `torch.save` archives written from our buffers (no clone; Zip64)
   dcp_metadata    DCP's `.metadata`, read through its allow-list and written as DCP pickles it
+  screen          every pickle of a checkpoint read through the allow-list, before torch or Megatron-Core loads it
 """
 
 import pickle

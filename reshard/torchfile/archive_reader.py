@@ -26,8 +26,8 @@ from reshard.dtypes import bits, itemsize, numpy_dtype
 from reshard.errors import ReshardError
 from reshard.sharding import Region, cut, long_axis, shift, to_slices
 from reshard.torchfile import PARSE_ERRORS
-from reshard.torchfile.archive_writer import LEGACY_STORAGE_TYPES, Stored
-from reshard.torchfile.pickles import Call, Named, Unpickler, named, nonnegative_ints
+from reshard.torchfile.archive_writer import Stored
+from reshard.torchfile.pickles import LEGACY_STORAGE_TYPES, Call, Named, Unpickler, named, nonnegative_ints
 from reshard.torchfile.zip_structs import (
     CENTRAL_ENTRY,
     CENTRAL_ENTRY_SIGNATURE,
@@ -262,7 +262,7 @@ class RecordFile:
             offset, size = records[f"data/{key}"]
             return functools.partial(_read_range, self.path, offset, size), offset, size
 
-        return _ArchiveUnpickler(ends.read(pkl_offset - start, pkl_size), storage).load()
+        return _ArchiveUnpickler(ends.read(pkl_offset - start, pkl_size), storage, str(self.path)).load()
 
     def read_into(self, record: TensorRecord, region: Region, dest: np.ndarray) -> None:
         """Copy `region` (in the record's own coordinates) of the record's tensor into `dest`."""
@@ -333,8 +333,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 class _ArchiveUnpickler(Unpickler):
     """Stand-ins for every object (`pickles`); each storage a `Stored` whose bytes `storage(key)` gives."""
 
-    def __init__(self, data: bytes, storage: Callable[[str], tuple[Callable[[], bytes], int | None, int]]):
-        super().__init__(io.BytesIO(data))
+    def __init__(self, data: bytes, storage: Callable[[str], tuple[Callable[[], bytes], int | None, int]], what: str):
+        super().__init__(io.BytesIO(data), what)
         self.storage = storage
         self.storages: dict[str, Stored] = {}  # one per key: views of one storage stay views of one storage
 
@@ -366,7 +366,7 @@ def load_archive(source: Path | BinaryIO, what: str) -> Any:
                 data = archive.read(f"{prefix}/data/{key}")
                 return (lambda: data), None, len(data)
 
-            return _ArchiveUnpickler(archive.read(pickled[0]), storage).load()
+            return _ArchiveUnpickler(archive.read(pickled[0]), storage, what).load()
     except PARSE_ERRORS as exc:  # a truncated, foreign or damaged file
         raise ReshardError(f"{what} cannot be loaded ({exc.__class__.__name__}): the checkpoint is damaged") from None
 

@@ -33,7 +33,7 @@ from isal.isal_zlib import crc32 as _crc32  # zlib's CRC-32, several times faste
 from reshard import direct_io
 from reshard.buffers import Scratch, copy
 from reshard.dtypes import dtype_name, itemsize
-from reshard.torchfile.pickles import Call, Named, Pickler, named
+from reshard.torchfile.pickles import LEGACY_STORAGE_TYPES, Call, Named, Pickler, named
 from reshard.torchfile.zip_structs import (
     CENTRAL_CRC_AT,
     CENTRAL_ENTRY,
@@ -190,30 +190,6 @@ def tensor_call(key: str, dtype: str, shape: tuple[int, ...]) -> Call:
     if dtype in LEGACY_STORAGE_TYPES:
         return named("torch._utils", "_rebuild_tensor_v2")(*args)
     return named("torch._utils", "_rebuild_tensor_v3")(*args, named("torch", dtype))  # torch's own pickle for these
-
-
-# torch pickles a storage by the name of its legacy typed class ("BFloat16Storage") where the dtype has
-# one; newer dtypes (float8, unsigned ints) as an UntypedStorage of bytes, the dtype in `_rebuild_tensor_v3`
-# (a test checks this table against torch's `_dtype_to_storage_type_map`).
-LEGACY_STORAGE_TYPES: dict[str, str] = {
-    "float64": "DoubleStorage",
-    "float32": "FloatStorage",
-    "float16": "HalfStorage",
-    "bfloat16": "BFloat16Storage",
-    "int64": "LongStorage",
-    "int32": "IntStorage",
-    "int16": "ShortStorage",
-    "int8": "CharStorage",
-    "uint8": "ByteStorage",
-    "bool": "BoolStorage",
-    "complex64": "ComplexFloatStorage",
-    "complex128": "ComplexDoubleStorage",
-    "qint8": "QInt8Storage",
-    "qint32": "QInt32Storage",
-    "quint8": "QUInt8Storage",
-    "quint4x2": "QUInt4x2Storage",
-    "quint2x4": "QUInt2x4Storage",
-}
 
 
 class _ArchivePickler(Pickler):

@@ -10,7 +10,6 @@ background thread raced the conversion's own imports: benchmarks/README.md, "Mea
 
 from __future__ import annotations
 
-import pickle
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 from reshard.dtypes import DTYPE_NAMES
 from reshard.errors import ReshardError
 from reshard.torchfile import PARSE_ERRORS
-from reshard.torchfile.pickles import Call, Named, Pickler, Unpickler, named, nonnegative_ints
+from reshard.torchfile.pickles import Call, Named, Pickler, Unpickler, UnsafeGlobal, named, nonnegative_ints, python3_name
 
 _DCP = "torch.distributed.checkpoint"
 
@@ -88,14 +87,27 @@ def _standin(name: str) -> type[_Pickled]:
     return _STANDINS[name]
 
 
+# DCP's records a `.metadata` holds (its metadata, storage and planner dataclasses and enums; megatron-core
+# <= 0.15 saves DCP's Metadata and SavePlan as subclasses of its own): read as records, as harmless for
+# torch's plain `pickle.load` to build as they are for us. Any other name in DCP's modules, a function
+# among them, is refused like any global off the list.
+_RECORDS = {
+    f"{_DCP}.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                         "BytesStorageMetadata", "ChunkStorageMetadata"},
+    f"{_DCP}.planner": {"SavePlan", "LoadPlan", "WriteItem", "ReadItem", "WriteItemType", "LoadItemType", "TensorWriteData",
+                        "BytesIOWriteData"},
+    f"{_DCP}.filesystem": {"_StorageInfo", "_StoragePrefix"},
+    "megatron.core.dist_checkpointing.strategies.torch": {"MCoreMetadata", "MCoreSavePlan"},
+}
+
+
 class _Unpickler(Unpickler):  # its `load`; globals from this allow-list only
     def find_class(self, module: str, name: str) -> Any:
+        module, name = python3_name(module, name)
         if module == f"{_DCP}.metadata" and name == "_MEM_FORMAT_ENCODING":
             return lambda value: value
-        if module.startswith(_DCP):  # metadata, storage info, planner data: records only
+        if name in _RECORDS.get(module, ()):
             return _standin(name)
-        if module == "megatron.core.dist_checkpointing.strategies.torch" and name in ("MCoreMetadata", "MCoreSavePlan"):
-            return _standin(name)  # megatron-core <= 0.15 saves DCP's Metadata and SavePlan as these subclasses
         if module == "torch.serialization" and name == "_get_layout":
             return lambda layout: layout
         if module == "torch" and name == "Size":
@@ -104,7 +116,7 @@ class _Unpickler(Unpickler):  # its `load`; globals from this allow-list only
             return name
         if module == "collections" and name == "OrderedDict":
             return OrderedDict
-        raise pickle.UnpicklingError(f"unexpected {module}.{name}")
+        raise UnsafeGlobal(self.what, module, name)
 
 
 def _checked(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
@@ -148,7 +160,7 @@ def load(path: Path) -> DcpMetadata:
     """Read a `.metadata` file; a foreign or damaged one is refused in a line."""
     try:
         with open(path, "rb") as f:
-            return _metadata(_Unpickler(f).load())
+            return _metadata(_Unpickler(f, str(path)).load())
     except PARSE_ERRORS as exc:  # a truncated, foreign or damaged file
         raise ReshardError(f"{path} cannot be read ({exc.__class__.__name__}): the checkpoint is damaged") from None
 

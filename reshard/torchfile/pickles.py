@@ -8,18 +8,94 @@ one a `Call` that only remembers the call, its state and its items. `Pickler` wr
 same opcodes. Nothing in the file runs (unlike `torch.load(weights_only=False)`), and nothing is
 imported: importing torch was a fifth of a 3 GB conversion (benchmarks/README.md, "Measurements behind defaults").
 
+Only the globals of `SAFE_GLOBALS` are read; any other is refused by name (`UnsafeGlobal`): torch and
+Megatron-Core load these files with `weights_only=False` or plain `pickle` in places (DCP's objects and
+`.metadata`), where a global such as `os.system` would run, and reshard must neither carry one into
+what it writes nor vouch for a checkpoint holding one (`screen`).
+
 `argparse.Namespace` and `collections.OrderedDict` are built for real: readers look into the arguments.
 """
 
 from __future__ import annotations
 
+import _compat_pickle
 import functools
 import pickle
 from argparse import Namespace
 from collections import OrderedDict
 from typing import Any
 
+from reshard.dtypes import DTYPE_NAMES
+from reshard.errors import ReshardError
+
 _UNSET = object()
+
+# torch pickles a storage by the name of its legacy typed class ("BFloat16Storage") where the dtype has
+# one; newer dtypes (float8, unsigned ints) as an UntypedStorage of bytes, the dtype in `_rebuild_tensor_v3`
+# (a test checks this table against torch's `_dtype_to_storage_type_map`).
+LEGACY_STORAGE_TYPES: dict[str, str] = {
+    "float64": "DoubleStorage",
+    "float32": "FloatStorage",
+    "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage",
+    "int64": "LongStorage",
+    "int32": "IntStorage",
+    "int16": "ShortStorage",
+    "int8": "CharStorage",
+    "uint8": "ByteStorage",
+    "bool": "BoolStorage",
+    "complex64": "ComplexFloatStorage",
+    "complex128": "ComplexDoubleStorage",
+    "qint8": "QInt8Storage",
+    "qint32": "QInt32Storage",
+    "quint8": "QUInt8Storage",
+    "quint4x2": "QUInt4x2Storage",
+    "quint2x4": "QUInt2x4Storage",
+}
+# What a checkpoint's pickles may name: each harmless for torch to call with any arguments (a type that only
+# keeps its arguments, an enum looked up by value, torch's tensor rebuilders). It is torch's own `weights_only`
+# list and megatron-core's `safe_globals.SAFE_GLOBALS` (which megatron-core adds to it), less what those
+# hold that no checkpoint does (tensor subclasses, devices).
+SAFE_GLOBALS = frozenset(
+    {
+        ("argparse", "Namespace"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),  # how protocol 2 pickles a set, bytes and a complex number
+        ("_codecs", "encode"),
+        ("builtins", "complex"),
+        ("types", "SimpleNamespace"),
+        ("pathlib", "PosixPath"),
+        ("_io", "BytesIO"),
+        ("signal", "Signals"),
+        ("torch", "Size"),
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch._utils", "_rebuild_tensor_v3"),
+        ("torch.serialization", "_get_layout"),
+        *(("torch", name) for name in (*DTYPE_NAMES, *LEGACY_STORAGE_TYPES.values())),
+        ("torch.storage", "UntypedStorage"),  # of the dtypes without a legacy storage
+        ("numpy.core.multiarray", "_reconstruct"),  # numpy 1's name, and numpy 2's
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.dtypes", "UInt32DType"),
+        ("megatron.core.enums", "ModelType"),
+        ("megatron.core.transformer.enums", "AttnBackend"),
+        ("megatron.core.transformer.enums", "CudaGraphScope"),
+        ("megatron.core.optimizer.optimizer_config", "OptimizerConfig"),
+        *(("megatron.core.rerun_state_machine", name) for name in ("RerunDiagnostic", "RerunMode", "RerunState")),
+    }
+)
+
+
+class UnsafeGlobal(ReshardError):
+    """A pickle names a global off the allow-list: refused before anything is built from it."""
+
+    def __init__(self, what: str, module: str, name: str):
+        super().__init__(
+            f"{what} pickles {module}.{name}, which is not on reshard's list of what a checkpoint may hold "
+            "(loading it with torch could run code): refusing the checkpoint; if you trust it, load it with torch "
+            "and save it again without that object"
+        )
 
 
 class Named(type):
@@ -81,7 +157,16 @@ _REAL = {("argparse", "Namespace"): Namespace, ("collections", "OrderedDict"): O
 
 
 class Unpickler(pickle.Unpickler):
+    """`what` names the file in the refusal of a global off the allow-list."""
+
+    def __init__(self, file: Any, what: str):
+        super().__init__(file)
+        self.what = what
+
     def find_class(self, module: str, name: str) -> Any:
+        module, name = python3_name(module, name)
+        if (module, name) not in SAFE_GLOBALS:
+            raise UnsafeGlobal(self.what, module, name)
         return _REAL.get((module, name)) or named(module, name)
 
     def load(self) -> Any:
@@ -94,6 +179,14 @@ class Unpickler(pickle.Unpickler):
             if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
                 raise  # raised in a frame below this one: Python code of ours, not the C pickle machine
             raise pickle.UnpicklingError(f"{exc.__class__.__name__}: {exc}") from exc
+
+
+def python3_name(module: str, name: str) -> tuple[str, str]:
+    """A global as Python 3 names it: protocol 2 (torch.save's) spells Python 2's (`__builtin__.set`), which
+    `pickle`'s own `find_class` maps back as here."""
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
 
 
 def nonnegative_ints(values: Any) -> tuple[int, ...]:

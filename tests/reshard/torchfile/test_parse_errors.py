@@ -136,3 +136,16 @@ def test_the_cli_reports_damage_as_an_error_and_a_bug_as_an_internal_one(ckpt, m
     code, lines = _cli(monkeypatch, capsys, "inspect", ckpt)
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("reshard: internal error: TypeError: a bug of ours") and "damaged" not in lines[0]
+
+
+@pytest.mark.parametrize("common", [[1, 2], {"args": 5}, {"iteration": [1]}, {"extra": 3}, {"objects": [1]}, b"xx"],
+                         ids=["list", "args", "iteration", "extra", "objects", "bytes"])
+def test_a_zarr_store_whose_common_state_is_damaged_is_refused_in_one_line(tmp_path, monkeypatch, capsys, common):
+    """A common.pt holding anything but what the zarr writer writes gave an AttributeError or a TypeError."""
+    import torch
+
+    store = tmp_path / "store"
+    write_synthetic(store, TINY_LLAMA, Layout(), "zarr")
+    torch.save(common, store / "common.pt")
+    code, lines = _cli(monkeypatch, capsys, "inspect", store)
+    assert code == 1 and lines == [f"reshard: error: {store / 'common.pt'} does not hold reshard's common state: the store is damaged"]

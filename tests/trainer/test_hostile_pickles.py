@@ -1,0 +1,180 @@
+"""Checkpoints whose pickles would run code when torch loads them (issue 22): `.metadata` (plain `pickle.load` in
+DCP), `common.pt`, the objects in the `.distcp` files (DCP's `torch.load(weights_only=False)`), a legacy rank
+file and zarr's common state. `reshard convert` and the trainer's `--load` refuse each in one line naming the
+file and the global; the payload never runs and the checkpoint is left as it was."""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import hashlib
+import io
+import json
+import os
+import pathlib
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fixtures.corpus import write_corpus
+from fixtures.torchrun import REPO, run
+from tests.trainer.test_resume import assert_one_line
+
+ITER = "iter_0000002"
+
+
+class _System:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+class _Exec(_System):
+    def __reduce__(self):
+        return builtins.exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+class _Touch(_System):
+    def __reduce__(self):
+        return pathlib.Path(self.marker).touch, ()  # pickled as getattr(PosixPath(marker), "touch")
+
+
+PAYLOADS = {"os.system": (_System, "posix.system"), "exec": (_Exec, "builtins.exec"), "touch": (_Touch, "builtins.getattr")}
+
+
+def _into_torch_file(path: Path, payload) -> None:
+    state = torch.load(path, weights_only=False)  # our own file, before the payload is in it
+    state["extra"] = {"nested": [payload]}
+    torch.save(state, path)
+
+
+def _into_metadata(directory: Path, payload) -> None:
+    with open(directory / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    metadata.planner_data = {"nested": [payload]}
+    with open(directory / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def _into_object(directory: Path, payload) -> None:
+    """rng_state's blob replaced by one holding the payload, appended to its .distcp file."""
+    with open(directory / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    index = next(i for i in metadata.storage_data if i.fqn.startswith("rng_state"))
+    info = metadata.storage_data[index]
+    blob = io.BytesIO()
+    torch.save([payload], blob)
+    target = directory / info.relative_path
+    offset = target.stat().st_size
+    with open(target, "ab") as f:
+        f.write(blob.getvalue())
+    metadata.storage_data[index] = type(info)(info.relative_path, offset, len(blob.getvalue()))
+    with open(directory / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def _digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def _reshard(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], cwd=REPO, text=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt", docs=100, seed=0)
+
+
+def _train_args(corpus) -> list:
+    return ["--data", corpus, "--seq-length", 16, "--micro-batch-size", 2, "--global-batch-size", 4, "--lr", 3e-3,
+            "--lr-warmup-iters", 1, "--seed", 7]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, corpus):
+    """A trainer checkpoint (torch_dist, with rng_state objects), and reshard's legacy and zarr forms of it."""
+    root = tmp_path_factory.mktemp("sources")
+    run("reshard.trainer", [*_train_args(corpus), "--train-iters", 2, "--save", root / "dist"], nproc=1)
+    for fmt in ("legacy", "zarr"):
+        proc = _reshard("convert", root / "dist", root / fmt, "--to-format", fmt, "--no-optimizer", "-q")
+        assert proc.returncode == 0, proc.stderr
+    return root
+
+
+KINDS = {
+    ".metadata": ("dist", lambda ckpt, p: _into_metadata(ckpt / ITER, p), f"{ITER}/.metadata"),
+    "common.pt": ("dist", lambda ckpt, p: _into_torch_file(ckpt / ITER / "common.pt", p), f"{ITER}/common.pt"),
+    "distcp object": ("dist", lambda ckpt, p: _into_object(ckpt / ITER, p), f"{ITER}/__0_0.distcp"),
+    "legacy rank file": ("legacy", lambda ckpt, p: _into_torch_file(ckpt / ITER / "mp_rank_00" / "model_optim_rng.pt", p),
+                         f"{ITER}/mp_rank_00/model_optim_rng.pt"),
+    "zarr common.pt": ("zarr", lambda ckpt, p: _into_torch_file(ckpt / "common.pt", p), "zarr/common.pt"),
+}
+
+
+def _hostile(sources: Path, tmp_path: Path, kind: str, payload: str) -> tuple[Path, Path, str]:
+    """A copy of the source of `kind` with `payload` planted; its marker file; what the refusal must name."""
+    fmt, plant, where = KINDS[kind]
+    ckpt = Path(shutil.copytree(sources / fmt, tmp_path / fmt))
+    marker = tmp_path / "ran"
+    cls, named = PAYLOADS[payload]
+    plant(ckpt, cls(marker))
+    return ckpt, marker, f"{where.removeprefix('zarr/')} pickles {named},"
+
+
+@pytest.mark.parametrize("payload", sorted(PAYLOADS))
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_reshard_refuses_a_pickle_that_would_run(sources, tmp_path, kind, payload):
+    ckpt, marker, named = _hostile(sources, tmp_path, kind, payload)
+    before = _digest(ckpt)
+    proc = _reshard("convert", ckpt, tmp_path / "out", "--to-format", "torch_dist", "-q")  # the same layout: rng_state is carried
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("reshard: error:"), proc.stderr
+    assert named in lines[0], lines[0]
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    assert _digest(ckpt) == before
+
+
+class _Unknown:
+    """An instance of a class of a module that no checkpoint names (this test's)."""
+
+
+@pytest.mark.parametrize("plant, named", [
+    (lambda state: state.update(extra=json.dumps), "json.dumps"),  # a function reference
+    (lambda state: state.update(extra={"nested": [_Unknown()]}), f"{__name__}._Unknown"),
+    (lambda state: setattr(state["args"], "hook", {"on_load": [collections.Counter("ab")]}), "collections.Counter"),  # inside args
+])
+def test_reshard_refuses_what_it_does_not_know_rather_than_carry_it(sources, tmp_path, plant, named):
+    """A valid checkpoint with an object the allow-list does not know: refused by name, not converted with
+    "checksums verified" and the object written into the output's common.pt."""
+    ckpt = Path(shutil.copytree(sources / "dist", tmp_path / "dist"))
+    common = ckpt / ITER / "common.pt"
+    state = torch.load(common, weights_only=False)
+    plant(state)
+    torch.save(state, common)
+    proc = _reshard("convert", ckpt, tmp_path / "out", "--to-tp", 1, "-q")
+    assert proc.returncode == 1 and proc.stderr.strip() == proc.stderr.strip().splitlines()[0], proc.stderr
+    assert f"common.pt pickles {named}," in proc.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind, payload", [(".metadata", "os.system"), ("common.pt", "exec"), ("distcp object", "touch")])
+def test_the_trainer_refuses_to_load_a_pickle_that_would_run(sources, tmp_path, corpus, kind, payload):
+    """The trainer screens the checkpoint before torch or Megatron-Core reads any of it (the rng_state object is
+    one the resume at the same layout loads)."""
+    ckpt, marker, named = _hostile(sources, tmp_path, kind, payload)
+    before = _digest(ckpt)
+    with pytest.raises(RuntimeError, match="trainer: error: .*" + named.replace(".", r"\.")) as info:
+        run("reshard.trainer", [*_train_args(corpus), "--train-iters", 3, "--load", ckpt], nproc=1)
+    assert_one_line(str(info.value))
+    assert not marker.exists()
+    assert _digest(ckpt) == before
