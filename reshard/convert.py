@@ -246,8 +246,8 @@ class _Transaction:
                 f"{self.plan.source} does not match the checksums recorded when it was written"
             )
         self.writer.finish(manifest, [part for part, _, _ in results])
-        if self.plan.target_format != "hf":  # the HF writer copies an HF model's tokenizer files itself
-            copy_tokenizer(self.reader.tokenizer_dir, self.tmp)
+        if self.plan.target_format != "hf":  # the HF writer copies them itself, before it records its files' digests
+            copy_tokenizer(self.plan.options.tokenizer_from, self.tmp)
 
     def check(self) -> dict[str, Checksum]:
         """This rank's share of the output opened as any checkpoint is, its checksums recomputed (records

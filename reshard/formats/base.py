@@ -246,6 +246,9 @@ class WriteOptions:
     te_names: bool | None = None  # Megatron: Transformer-Engine or local-spec names (None: the source's transformer_impl)
     dtype: str | None = None  # the precision recorded for the model (HF config.json's dtype; None: its tensors')
     max_shard_bytes: int | None = None  # HF: the largest safetensors file (None: the writer's default)
+    # the source's tokenizer files' directory (`CheckpointReader.tokenizer_dir`): the HF writer copies them before it
+    # records its files' digests; for other formats the conversion copies them
+    tokenizer_from: Path | None = None
     fp8_blocks: bool = False  # HF: the decoder's linear weights re-quantized to fp8 per block (`reshard.fp8_blocks`)
 
 

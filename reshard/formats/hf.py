@@ -279,7 +279,7 @@ class HFReader(CheckpointReader):
     def __init__(self, path: Path):
         from reshard.converters import family_for_hf
 
-        self.path = Path(path)
+        self.path = self.tokenizer_dir = Path(path)
         if not (self.path / CONFIG).is_file():
             raise ReshardError(f"{self.path} has no config.json: not a HuggingFace model directory")
         try:
@@ -738,7 +738,7 @@ class HFWriter(CheckpointWriter):
         config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = out_dtype
         config.pop("_name_or_path", None)
         (self.path / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        copied = copy_tokenizer(self._source_dir(manifest), self.path)
+        copied = copy_tokenizer(self.options.tokenizer_from, self.path)
         if GENERATION_CONFIG not in copied:
             generation = {"_from_model_config": True}
             for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -750,11 +750,3 @@ class HFWriter(CheckpointWriter):
         if self._block:  # its checksums are of the values dequantized, held to the bound, not the source's
             manifest.provenance["fp8_blocks"] = {"weight_block_size": list(self._block), "bound": fp8_blocks.BOUND}
         manifest.save(self.path)
-
-    def _source_dir(self, manifest: Manifest) -> Path | None:
-        """The HF directory this model came from (tokenizer files live there), if it still exists."""
-        candidates = [manifest.provenance.get("source"), self.common.args.get("hf_source"), self.common.args.get("tokenizer_model")]
-        for candidate in candidates:
-            if candidate and Path(candidate).is_dir() and (Path(candidate) / CONFIG).is_file():
-                return Path(candidate)
-        return None

@@ -6,6 +6,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 from fixtures.models import TINY_LLAMA
 from fixtures.synthetic import write_synthetic
@@ -56,3 +57,24 @@ def test_a_tokenizer_file_leading_outside_the_checkpoint_is_refused(source, tmp_
     code, lines = _convert(monkeypatch, capsys, ckpt, tmp_path / "out")
     assert code == 1 and len(lines) == 1 and "leads outside the checkpoint" in lines[0], lines
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_an_export_takes_tokenizer_files_from_the_checkpoint_never_from_a_directory_its_args_name(source, tmp_path, monkeypatch, capsys):
+    """A checkpoint's args name directories (`tokenizer_model`, `hf_source`: where an import came from); a hostile
+    one names another model's. The HF export carries the checkpoint's own tokenizer files and nothing from there."""
+    elsewhere = tmp_path / "other-model"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text("{}")
+    (elsewhere / "tokenizer.model").write_text("someone else's")
+    (elsewhere / "special_tokens_map.json").write_text("{}")
+    ckpt = shutil.copytree(source, tmp_path / "ckpt", symlinks=True)
+    code, lines = _convert(monkeypatch, capsys, ckpt, tmp_path / "named", "--to-format", "torch_dist")
+    assert code == 0, lines
+    common = next((tmp_path / "named").glob("iter_*/common.pt"))
+    state = torch.load(common, weights_only=False)
+    state["args"].tokenizer_model = state["args"].hf_source = str(elsewhere)
+    torch.save(state, common)
+    code, lines = _convert(monkeypatch, capsys, tmp_path / "named", tmp_path / "hf", "--to-format", "hf")
+    assert code == 0, lines
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == '{"model": "ours"}'
+    assert not (tmp_path / "hf" / "tokenizer.model").exists() and not (tmp_path / "hf" / "special_tokens_map.json").exists()
