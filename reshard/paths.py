@@ -8,7 +8,7 @@ from pathlib import Path
 from reshard.errors import ReshardError
 
 
-def inside(directory: Path, name: str) -> Path:
+def confined(directory: Path, name: str) -> Path:
     """`directory / name`, refused unless it stays in the directory: `name` is relative without `..`, and the file
     it leads to, through any symlinks, lies in the directory, or, for a snapshot of huggingface_hub's cache
     (`models--<org>--<name>/snapshots/<commit>`), in that repository's blobs."""

@@ -50,7 +50,7 @@ from reshard.formats.base import (
 )
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe, normalize_dtype
-from reshard.paths import inside
+from reshard.paths import confined
 from reshard.sharding import Piece, Region, full_region, slab_of, slabs
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord
 
@@ -107,11 +107,11 @@ def recorded_digests(directory: Path) -> dict[str, str]:
 
 def copy_tokenizer(source: Path | None, destination: Path) -> list[str]:
     """Copy the tokenizer files (TOKENIZER_FILES) that `source` has into `destination`; the names copied. One
-    that leads outside `source` (a symlink) is refused (`inside`)."""
+    that leads outside `source` (a symlink) is refused (`reshard.paths.confined`)."""
     copied = []
     for name in TOKENIZER_FILES if source is not None else ():
         if (source / name).is_file():
-            shutil.copyfile(inside(source, name), destination / name)
+            shutil.copyfile(confined(source, name), destination / name)
             copied.append(name)
     return copied
 
@@ -283,7 +283,7 @@ class HFReader(CheckpointReader):
         if not (self.path / CONFIG).is_file():
             raise ReshardError(f"{self.path} has no config.json: not a HuggingFace model directory")
         try:
-            self.hf_config = json.loads(inside(self.path, CONFIG).read_text())
+            self.hf_config = json.loads(confined(self.path, CONFIG).read_text())
         except ValueError as exc:
             raise ReshardError(f"{self.path / CONFIG} is not valid JSON ({exc})") from None
         self.family = family_for_hf(self.hf_config)
@@ -293,7 +293,7 @@ class HFReader(CheckpointReader):
             raise ReshardError(f"{self.path / CONFIG} lacks {exc.args[0]!r}, which a {self.family.model_type} config needs") from None
         self.layout = Layout()
         if (self.path / MANIFEST_NAME).exists():
-            inside(self.path, MANIFEST_NAME)
+            confined(self.path, MANIFEST_NAME)
         self.manifest = Manifest.load(self.path)
         # Where each HF tensor lives, from the index or the file headers.
         self._stored: dict[str, _Stored] = {}
@@ -421,14 +421,14 @@ class HFReader(CheckpointReader):
         index = self.path / INDEX
         if index.is_file():
             try:
-                weight_map = json.loads(inside(self.path, INDEX).read_text())["weight_map"]
+                weight_map = json.loads(confined(self.path, INDEX).read_text())["weight_map"]
                 names = sorted(set(weight_map.values()))
             except (ValueError, KeyError, TypeError, AttributeError):
                 raise ReshardError(f"{index} is not a safetensors index (no weight_map of tensor -> file)") from None
             for name in names:
                 if not isinstance(name, str) or not name.endswith(".safetensors"):
                     raise ReshardError(f"{index} names {name!r}, not a safetensors file; refusing it")
-            files = [inside(self.path, n) for n in names]
+            files = [confined(self.path, n) for n in names]
             missing = [f for f in files if not os.path.isfile(f)]  # False for a name too long, too
             if missing:
                 raise ReshardError(f"{missing[0]} is missing: the model download is incomplete")
@@ -436,7 +436,7 @@ class HFReader(CheckpointReader):
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise ReshardError(f"{self.path} has no *.safetensors files (PyTorch .bin weights are not supported; re-save with safetensors)")
-        return [inside(self.path, f.name) for f in files]
+        return [confined(self.path, f.name) for f in files]
 
     def _stored_as(self, hf_name: str) -> _Stored:
         stored = self._stored.get(self._alias.get(hf_name, hf_name))

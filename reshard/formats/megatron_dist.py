@@ -52,7 +52,7 @@ from reshard.formats.model_args import RUN_CONFIG, args_from_file, bridge_args, 
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, spell, uses_te_names
-from reshard.paths import inside
+from reshard.paths import confined
 from reshard.sharding import Piece, Region, RegionIndex, region_size, shift, split_by_slab, to_slices
 from reshard.torchfile import PARSE_ERRORS, dcp_metadata
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord, load_archive
@@ -279,7 +279,7 @@ class TorchDistReader(CheckpointReader):
         or undecodable blob is refused in a line."""
         if info.transformed:
             raise ReshardError(f"{info.relative_path}: DCP stream transforms (compression) are not supported")
-        path = inside(self.tree.iteration_dir, info.relative_path)  # .metadata names it: untrusted
+        path = confined(self.tree.iteration_dir, info.relative_path)  # .metadata names it: untrusted
         if not path.is_file():
             raise ReshardError(f"{path} is missing: the checkpoint is incomplete")
         if path.stat().st_size < info.offset + info.length:

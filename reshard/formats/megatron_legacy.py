@@ -45,7 +45,7 @@ from reshard.formats.megatron_tree import (
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import ObjectKey, canonical, spell, uses_te_names
-from reshard.paths import inside
+from reshard.paths import confined
 from reshard.sharding import (
     Piece,
     Region,
@@ -162,7 +162,7 @@ class LegacyReader(CheckpointReader):
         return RankCoord(pp=plain.pp, tp=plain.tp, ep=plain.ep, vstage=rank.vstage)
 
     def _rank_file(self, dirname: str) -> Path:
-        return inside(self.tree.iteration_dir, f"{dirname}/{RANK_FILE}")  # a link in the checkpoint may not lead out of it
+        return confined(self.tree.iteration_dir, f"{dirname}/{RANK_FILE}")  # a link in the checkpoint may not lead out of it
 
     @staticmethod
     def _load_path(path: Path) -> dict[str, Any]:

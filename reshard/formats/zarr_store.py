@@ -43,6 +43,7 @@ from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, StoredRecord, cached
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe
+from reshard.paths import confined
 from reshard.sharding import Piece, Region, contiguous_offset, full_region, intersect, shift, to_slices
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord, load_archive
 from reshard.torchfile.archive_writer import save_archive
@@ -255,6 +256,7 @@ class ZarrReader(CheckpointReader):
         self._grids: dict[str, Grid | None] = {}
         self._indexes: dict[Path, tuple[np.ndarray, int] | None] = {}
         for name, entry in attrs["tensors"].items():
+            confined(path, name)  # a tensor's name is its array's directory: one leading out of the store is refused
             self.specs[name] = describe(name, tuple(entry["shape"]), entry["dtype"], self.config)
 
     def _array(self, name: str) -> ts.TensorStore:

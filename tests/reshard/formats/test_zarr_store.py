@@ -253,3 +253,27 @@ def test_a_shard_whose_index_does_not_match_is_read_back_and_refused(tmp_path):
     os.truncate(store / name / "c" / "1" / "0" / "0", 8)
     with ZarrReader(store) as reader, pytest.raises(ReshardError, match="shorter than its shard index"):
         reader.stored_records(name)
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
+def test_an_array_leading_out_of_the_store_is_refused(tmp_path, how):
+    """zarr.json names the tensors, and each name is its array's directory: a name with `..`, an absolute one or an
+    array directory linked elsewhere would read another store's files. Refused in one line; nothing written."""
+    from reshard.errors import ReshardError
+
+    store, other = tmp_path / "store", tmp_path / "other"
+    write_synthetic(store, TINY_LLAMA, Layout(), "zarr")
+    write_synthetic(other, TINY_LLAMA, Layout(), "zarr", seed=1)
+    meta = json.loads((store / "zarr.json").read_text())
+    tensors = meta["attributes"]["reshard"]["tensors"]
+    name = "decoder.final_layernorm.weight"
+    if how == "symlink":
+        os.rename(store / name, tmp_path / "moved")
+        (store / name).symlink_to(other / name)
+    else:
+        named = f"../other/{name}" if how == "dotdot" else str(other / name)
+        tensors[named] = tensors.pop(name)
+        (store / "zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(ReshardError, match="outside the checkpoint"):
+        convert(store, tmp_path / "out", Target(format="torch_dist"))
+    assert not (tmp_path / "out").exists()
