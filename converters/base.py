@@ -226,8 +226,9 @@ def refuse(what: str, hint: str) -> ReshardError:
 # default for a missing value (the field is read as `hf.get(...) or default`).
 HF_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
            "moe_intermediate_size", "vocab_size", "max_position_embeddings", "num_local_experts", "num_experts",
-           "num_experts_per_tok", "decoder_sparse_step", "n_embd", "n_layer", "n_head", "n_inner", "n_positions")
-HF_NULLABLE = ("num_key_value_heads", "head_dim", "n_inner", "num_local_experts", "num_experts")
+           "num_experts_per_tok", "decoder_sparse_step", "n_embd", "n_layer", "n_head", "n_inner", "n_positions",
+           "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+HF_NULLABLE = ("num_key_value_heads", "head_dim", "n_inner", "num_local_experts", "num_experts", "q_lora_rank")
 HF_POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
 MAX_INT = 1 << 31  # far past any model's sizes; a product of a few stays within numpy's int64 shapes
 
@@ -353,6 +354,7 @@ LLAMA_SIGNATURE: dict[str, Any] = {
     "qk_layernorm": False,
     "position_embedding_type": "rope",
     "moe": False,
+    "multi_latent_attention": False,
 }
 
 
@@ -405,7 +407,6 @@ class Family:
         hidden = int(hf["hidden_size"])
         head_dim = int(hf.get("head_dim") or hidden // heads)
         theta, scaling = rope_from_hf(hf)
-        rope_scaling, factor = check_rope_scaling(scaling)
         vocab = int(hf["vocab_size"])
         config = ModelConfig(
             num_layers=int(hf["num_hidden_layers"]),
@@ -420,8 +421,7 @@ class Family:
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             position_embedding_type="rope",
             rotary_base=theta,
-            rope_scaling=rope_scaling,
-            rope_scaling_factor=factor,
+            **self.rope_scaling_from_hf(scaling, hf),
             normalization="RMSNorm",
             norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
             swiglu=True,
@@ -431,6 +431,11 @@ class Family:
         config = self.adjust_from_hf(config, hf)
         extras = {"hf_rope_scaling": copy.deepcopy(scaling)} if scaling else {}
         return config, extras
+
+    def rope_scaling_from_hf(self, scaling: dict[str, Any] | None, hf: dict[str, Any]) -> dict[str, Any]:
+        """The ModelConfig fields of an HF rope scaling dict (None: no scaling) of config `hf`."""
+        rope_scaling, factor = check_rope_scaling(scaling)
+        return {"rope_scaling": rope_scaling, "rope_scaling_factor": factor}
 
     def adjust_from_hf(self, config: ModelConfig, hf: dict[str, Any]) -> ModelConfig:
         """Family-specific fields (biases, q/k norms, experts)."""
@@ -467,6 +472,7 @@ class Family:
             "position_embedding_type": config.position_embedding_type,
             "moe": config.is_moe,
             "shared_experts": bool(config.moe_shared_expert_intermediate_size),
+            "multi_latent_attention": config.multi_latent_attention,
         }
 
     def matches(self, config: ModelConfig) -> bool:
@@ -504,14 +510,16 @@ class Family:
     def adjust_to_hf(self, out: dict[str, Any], config: ModelConfig) -> None:
         return None
 
-    @staticmethod
-    def _rope_to_hf(out: dict[str, Any], config: ModelConfig, saved_scaling: dict[str, Any] | None) -> None:
-        scaling = None
-        if config.rope_scaling:
-            if saved_scaling and float(saved_scaling.get("factor", 8.0)) == config.rope_scaling_factor:
-                scaling = copy.deepcopy(saved_scaling)
-            else:
-                scaling = {"rope_type": "llama3", "factor": config.rope_scaling_factor, **MEGATRON_LLAMA3_ROPE}
+    def rope_scaling_to_hf(self, config: ModelConfig, saved_scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The HF rope scaling dict of `config` (None: none); `saved_scaling` is the imported one, kept where it agrees."""
+        if not config.rope_scaling:
+            return None
+        if saved_scaling and float(saved_scaling.get("factor", 8.0)) == config.rope_scaling_factor:
+            return copy.deepcopy(saved_scaling)
+        return {"rope_type": "llama3", "factor": config.rope_scaling_factor, **MEGATRON_LLAMA3_ROPE}
+
+    def _rope_to_hf(self, out: dict[str, Any], config: ModelConfig, saved_scaling: dict[str, Any] | None) -> None:
+        scaling = self.rope_scaling_to_hf(config, saved_scaling)
         if isinstance(out.get("rope_parameters"), dict):  # transformers v5 style, kept as the source had it
             out["rope_parameters"] = {"rope_theta": config.rotary_base, **(scaling or {"rope_type": "default"})}
             out.pop("rope_scaling", None)

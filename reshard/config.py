@@ -32,6 +32,11 @@ _UNMODELED: dict[str, Any] = {
 }
 
 
+# The MLATransformerConfig fields a multi-latent-attention model is built with (besides rope_type).
+MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+              "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     num_layers: int
@@ -62,6 +67,20 @@ class ModelConfig:
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
     moe_layer_freq: int = 1
+    # Multi-latent attention (DeepSeek-V2/V3), under Megatron-LM's argument names and defaults.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # None: queries projected straight from the hidden state (linear_q_proj)
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128  # the per-head query/key dims without position embedding
+    qk_pos_emb_head_dim: int = 64  # the decoupled rotary dims, shared by all heads on the key side
+    v_head_dim: int = 128
+    rope_type: str | None = None  # "rope" | "yarn"; None: yarn with MLA, rope otherwise (Megatron-LM)
+    rotary_scaling_factor: float = 1.0  # YaRN's factor
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
     params_dtype: str = "float32"
     # Megatron options set away from their defaults that change the model's math in ways this tool does
     # not model (`_UNMODELED`): resharding carries them in the args; an HF export refuses them.
@@ -74,6 +93,10 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def mla_rope_type(self) -> str:
+        return self.rope_type or ("yarn" if self.multi_latent_attention else "rope")
 
     @property
     def tied_embeddings(self) -> bool:

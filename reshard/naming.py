@@ -36,31 +36,43 @@ _SPELLINGS: dict[tuple[str, bool, bool], dict[str, str]] = {
         "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     },
 }
+# Multi-latent attention's local spec keeps its norms as modules and maps no names in either format, where
+# Transformer Engine fuses the q/kv latent norms into the up projections and a dense pre-MLP norm into fc1.
+_MLA_LOCAL = {
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
+}
+_MLA_LOCAL_DENSE = {
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
 _LAYER_NAME = re.compile(r"^(?P<head>(?:.*\.)?decoder\.layers\.)(?P<index>\d+\.)?(?P<tail>.+)$")
 
 
-def _spelling(family: str, te: bool, moe: bool) -> dict[str, str]:
+def _spelling(family: str, te: bool, moe: bool, mla: bool) -> dict[str, str]:
+    if mla:
+        return {} if te else {**_MLA_LOCAL, **({} if moe else _MLA_LOCAL_DENSE)}
     return _SPELLINGS.get((family, te, moe), {})
 
 
-def spell(name: str, family: str, te: bool, moe: bool) -> str:
+def spell(name: str, family: str, te: bool, moe: bool, mla: bool = False) -> str:
     """Canonical name -> the name a `family` ("dist"/"legacy") checkpoint of that spec uses."""
     match = _LAYER_NAME.match(name)
     if not match:
         return name
     tail = match.group("tail")
-    tail = _spelling(family, te, moe).get(tail, tail)
+    tail = _spelling(family, te, moe, mla).get(tail, tail)
     return f"{match.group('head')}{match.group('index') or ''}{tail}"
 
 
-def canonical(name: str, family: str, moe: bool) -> str:
+def canonical(name: str, family: str, moe: bool, mla: bool = False) -> str:
     """A name as stored (either spec) -> canonical. The two specs never spell different things alike."""
     match = _LAYER_NAME.match(name)
     if not match:
         return name
     tail = match.group("tail")
     for te in (False, True):
-        inverse = {spelled: canon for canon, spelled in _spelling(family, te, moe).items()}
+        inverse = {spelled: canon for canon, spelled in _spelling(family, te, moe, mla).items()}
         if tail in inverse:
             tail = inverse[tail]
             break
@@ -104,6 +116,14 @@ def is_layout_bound(key: str) -> bool:
     return key.startswith("rng_state")
 
 
+def attention_linears(config: ModelConfig) -> list[str]:
+    """The linear modules of a layer's self-attention."""
+    if not config.multi_latent_attention:
+        return ["linear_qkv", "linear_proj"]
+    queries = ["linear_q_down_proj", "linear_q_up_proj"] if config.q_lora_rank else ["linear_q_proj"]
+    return [*queries, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]
+
+
 def default_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
     """The `_extra_state` entries Megatron-Core expects, for sources that have none (HF, synthetic).
 
@@ -111,7 +131,7 @@ def default_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
     Megatron's loader refuses a checkpoint that lacks them, and `None` is what an unused one holds.
     """
     L = config.num_layers
-    modules = ["self_attention.linear_qkv", "self_attention.linear_proj"]
+    modules = [f"self_attention.{name}" for name in attention_linears(config)]
     if te:
         modules.append("self_attention.core_attention")
     keys: list[ObjectKey] = []

@@ -9,7 +9,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from reshard.config import ModelConfig
+from reshard.config import MLA_FIELDS, ModelConfig
 from reshard.layout import Layout
 from reshard.trainer import cpu_compat
 
@@ -53,7 +53,7 @@ def activation(config: ModelConfig):
 
 def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype = torch.float32):
     """Megatron's TransformerConfig for `config` at `layout` (no dropout, no fusions)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     on_gpu = torch.cuda.is_available()
     kwargs = dict(
@@ -107,6 +107,12 @@ def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype =
             moe_aux_loss_coeff=0.0,
             moe_router_load_balancing_type="none",
         )
+    if config.multi_latent_attention:
+        # The local core attention's output width is heads * kv_channels: the value head dim under MLA.
+        kwargs.update({key: getattr(config, key) for key in MLA_FIELDS}, rope_type=config.mla_rope_type,
+                      kv_channels=config.v_head_dim, rotary_base=config.rotary_base,
+                      rotary_percent=config.rotary_percent)
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
 
 
@@ -121,8 +127,11 @@ def build_model(config: ModelConfig, layout: Layout, dtype: torch.dtype = torch.
         num_experts=config.num_experts if config.is_moe else None,
         moe_grouped_gemm=False,
         qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=config.multi_latent_attention,
         normalization=config.normalization,
     )
+    if config.multi_latent_attention:
+        spec.submodules.self_attention.submodules.core_attention = cpu_compat.local_mla_core_attention()
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     models = []
     for vstage in range(layout.vpp):

@@ -119,7 +119,7 @@ class TorchDistReader(CheckpointReader):
         self.common.objects = LazyObjects(kept, lambda key: self._object(objects[key]))
         moe = self.config.is_moe
         for key, entry in self.metadata.tensors.items():
-            name = canonical(key, "dist", moe)
+            name = canonical(key, "dist", moe, self.config.multi_latent_attention)
             if name != key:  # the MoE pre-MLP norm gives the spec away
                 self.common.args.setdefault("transformer_impl", "local")
             try:
@@ -384,7 +384,7 @@ class TorchDistWriter(CheckpointWriter):
         self._sizes[record.index] = record.storage.offset + record.storage.length
 
     def _key(self, name: str) -> str:
-        return spell(name, "dist", self.te_names, self.config.is_moe)
+        return spell(name, "dist", self.te_names, self.config.is_moe, self.config.multi_latent_attention)
 
     def _write_objects(self) -> list[str]:
         """Per-module objects go into the first rank's file, as Megatron's replica 0 saves them."""

@@ -76,11 +76,21 @@ def is_legacy(path: Path) -> bool:
     return tree is not None and any(_RANK_DIR.match(p.name) for p in tree.iteration_dir.iterdir())
 
 
-def local_name(name: str, piece: Piece, te_names: bool, moe: bool) -> str:
+def refuse_te_mla(config: ModelConfig, layout: Layout, te_names: bool) -> None:
+    """Transformer Engine's MLA keeps the down projections whole on every TP rank where the local spec splits
+    them (`logical.PARTITION_RULES`); torch_dist stores both alike, per-rank files do not."""
+    if te_names and config.multi_latent_attention and layout.tp > 1:
+        raise ReshardError(
+            "multi_latent_attention with Transformer Engine names in the legacy format at TP>1 is not supported "
+            "(its linear_q_down_proj/linear_kv_down_proj are not TP-split); use torch_dist or --naming local"
+        )
+
+
+def local_name(name: str, piece: Piece, te_names: bool, moe: bool, mla: bool = False) -> str:
     """The name of a piece of logical tensor `name` in its rank's `model` state dict."""
     if piece.alias:
         return piece.alias
-    return _localize(spell(name, "legacy", te_names, moe), piece.local_layer, piece.local_expert)
+    return _localize(spell(name, "legacy", te_names, moe, mla), piece.local_layer, piece.local_expert)
 
 
 def _localize(name: str, local_layer: int | None, local_expert: int | None) -> str:
@@ -94,7 +104,7 @@ def _localize(name: str, local_layer: int | None, local_expert: int | None) -> s
     return f"{name.split('decoder.layers.', 1)[0]}decoder.layers.{local_layer}.{tail}"
 
 
-def _globalize(name: str, moe: bool) -> tuple[str, int | None, int | None]:
+def _globalize(name: str, moe: bool, mla: bool = False) -> tuple[str, int | None, int | None]:
     """Local name -> (canonical stacked name, stage-local layer, rank-local expert)."""
     match = _LOCAL_LAYER.match(name)
     if not match:
@@ -104,7 +114,7 @@ def _globalize(name: str, moe: bool) -> tuple[str, int | None, int | None]:
     if expert_match:
         expert = int(expert_match.group("index"))
         tail = _LOCAL_EXPERT.sub("mlp.experts.experts.", tail)
-    return canonical(f"{match.group('head')}{tail}", "legacy", moe), int(match.group("index")), expert
+    return canonical(f"{match.group('head')}{tail}", "legacy", moe, mla), int(match.group("index")), expert
 
 
 def _model_keys(vpp: int) -> list[str]:
@@ -124,6 +134,7 @@ class LegacyReader(CheckpointReader):
         self.config = ModelConfig.from_megatron_args(args)
         self.layout = Layout.from_megatron_args(args)
         self.te_names = uses_te_names(args)
+        refuse_te_mla(self.config, self.layout, self.te_names)
         self._states: dict[RankCoord, dict[str, Any]] = {}
         self._files: dict[RankCoord, RecordFile] = {}
         self._present = {rank for rank in ranks(self.layout) if self._rank_file(rank.legacy_dirname(self.layout)).is_file()}
@@ -198,7 +209,7 @@ class LegacyReader(CheckpointReader):
                 rank = RankCoord(pp=chunk % layout.pp, tp=0, ep=ep, vstage=chunk // layout.pp)
                 dense, experts = self._holder(rank, experts=False), self._holder(rank, experts=moe)
                 for name, value in self._entries(dense, experts):
-                    logical, local_layer, local_expert = _globalize(name, moe)
+                    logical, local_layer, local_expert = _globalize(name, moe, config.multi_latent_attention)
                     local = archive_tensor(value)
                     if name.endswith("_extra_state"):
                         self._add_object(logical, layers.start, local_layer, local_expert, ep, value)
@@ -278,7 +289,7 @@ class LegacyReader(CheckpointReader):
 
     def _local(self, name: str, piece: Piece) -> TensorRecord:
         """Where the rank's tensor that holds `piece` lies in its file."""
-        local_key = local_name(name, piece, self.te_names, self.config.is_moe)
+        local_key = local_name(name, piece, self.te_names, self.config.is_moe, self.config.multi_latent_attention)
         holder = self._piece_holder(name, piece)
         model = self._model(holder)
         if local_key not in model:
@@ -356,6 +367,7 @@ class LegacyWriter(CheckpointWriter):
         super().__init__(*args, **kwargs)
         te_names = self.options.te_names
         self.te_names = uses_te_names(self.common.args) if te_names is None else te_names
+        refuse_te_mla(self.config, self.layout, self.te_names)
         self.directory = self.path / iteration_dirname(self.common.iteration)
         self._streams: dict[RankCoord, StreamingTorchSave] = {}
         self._models: dict[RankCoord, list[dict[str, Any]]] = {}
@@ -375,7 +387,8 @@ class LegacyWriter(CheckpointWriter):
 
     def _local_key(self, spec: TensorSpec, group: list[Piece]) -> tuple[RankCoord, int, str]:
         rank = group[0].rank
-        return RankCoord(pp=rank.pp, tp=rank.tp, ep=rank.ep), rank.vstage, local_name(spec.name, group[0], self.te_names, self.config.is_moe)
+        key = local_name(spec.name, group[0], self.te_names, self.config.is_moe, self.config.multi_latent_attention)
+        return RankCoord(pp=rank.pp, tp=rank.tp, ep=rank.ep), rank.vstage, key
 
     @classmethod
     def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from reshard.config import _UNMODELED, ModelConfig, pad_vocab
+from reshard.config import _UNMODELED, MLA_FIELDS, ModelConfig, pad_vocab
 from reshard.errors import ReshardError
 from reshard.layout import Layout
 
@@ -127,6 +127,8 @@ def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, 
         "moe_shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
         "moe_layer_freq": config.moe_layer_freq,
     }
+    if config.multi_latent_attention:  # Bridge's MLA providers take Megatron-Core's MLATransformerConfig fields
+        model.update({key: getattr(config, key) for key in MLA_FIELDS}, rope_type=config.mla_rope_type, kv_channels=config.v_head_dim)
     chosen = {key: args.get(key, default) for key, default in _UNMODELED.items()} | layout.megatron_args()
     model.update({_BRIDGE_NAMES.get(key, key): value for key, value in chosen.items()})
     (directory / RUN_CONFIG).write_text(yaml.safe_dump({"model": model}, sort_keys=False))

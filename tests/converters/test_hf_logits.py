@@ -7,11 +7,14 @@ The checkpoints are written with local-spec names (--naming local), which is wha
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 
 from reshard.cli import main
+from reshard.converters.base import Rename
+from reshard.converters.deepseek_v3 import DeepseekV3
 
 from hf_models import build
 
@@ -28,11 +31,14 @@ CASES = [
     ("qwen3_moe", "legacy", dict(tp=2)),
     ("gpt2", "legacy", dict(pp=2)),  # LayerNorm + biases, learned positions, tied, Conv1D
     ("llama", "torch_dist", dict(pp=2)),  # megatron's own dist_checkpointing.load
+    ("deepseek_v3", "torch_dist", dict()),  # multi-latent attention, YaRN on the rotary dims
+    ("deepseek_v3", "legacy", dict(tp=2)),  # MLA split by heads, the local spec's down projections by rows
+    ("deepseek_v3_q", "torch_dist", dict(pp=2)),  # queries without a latent (q_lora_rank null), plain RoPE
 ]
 
 
-@pytest.mark.parametrize("name,fmt,layout", CASES, ids=[f"{n}-{f}-" + "".join(f"{k}{v}" for k, v in lay.items()) for n, f, lay in CASES])
-def test_megatron_logits_match_hf(tmp_path, name, fmt, layout):
+def logits_diff(tmp_path, name: str, fmt: str, layout: dict) -> float:
+    """Max abs difference between Megatron-Core's logits on the imported `name` model and transformers'."""
     from transformers import AutoModelForCausalLM
 
     source = build(name, tmp_path / "hf")
@@ -50,5 +56,29 @@ def test_megatron_logits_match_hf(tmp_path, name, fmt, layout):
     with torch.no_grad():
         logits = model(input_ids=oracle["tokens"][:, :-1]).logits.float()
     assert oracle["logits"].shape == logits.shape == (2, 16, 250)
-    diff = (oracle["logits"] - logits).abs().max().item()
+    return (oracle["logits"] - logits).abs().max().item()
+
+
+@pytest.mark.parametrize("name,fmt,layout", CASES, ids=[f"{n}-{f}-" + "".join(f"{k}{v}" for k, v in lay.items()) for n, f, lay in CASES])
+def test_megatron_logits_match_hf(tmp_path, name, fmt, layout):
+    diff = logits_diff(tmp_path, name, fmt, layout)
     assert diff <= 1e-4, f"max abs logits diff {diff}"
+
+
+class RopeFirst(Rename):
+    """A wrong q_b_proj mapping: each head's rows as [rope; nope] where Megatron wants [nope; rope]."""
+
+    def to_megatron(self, tensors, config):
+        heads = tensors[0].reshape(config.num_attention_heads, -1, tensors[0].shape[-1])
+        nope, rope = np.split(heads, [config.qk_head_dim], axis=1)
+        return np.concatenate([rope, nope], axis=1).reshape(tensors[0].shape)
+
+
+def test_the_oracle_sees_a_wrong_mla_mapping(tmp_path, monkeypatch):
+    right = DeepseekV3.mappings
+
+    def wrong(self, config):
+        return [RopeFirst(m.megatron, m.hf[0]) if m.hf[0].endswith("q_b_proj.weight") else m for m in right(self, config)]
+
+    monkeypatch.setattr(DeepseekV3, "mappings", wrong)
+    assert logits_diff(tmp_path, "deepseek_v3", "torch_dist", {}) > 1e-3

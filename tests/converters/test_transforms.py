@@ -20,6 +20,7 @@ from reshard.converters.base import (
     split_gated,
     split_qkv,
 )
+from reshard.converters.deepseek_v3 import yarn_from_hf
 from reshard.errors import ReshardError
 
 _rng = np.random.default_rng(0)
@@ -132,6 +133,12 @@ BASE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "nu
         "intermediate_size": 96, "vocab_size": 250, "max_position_embeddings": 128, "rms_norm_eps": 1e-6}
 
 
+YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+DEEPSEEK = {"num_key_value_heads": 4, "first_k_dense_replace": 2, "q_lora_rank": 24, "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "head_dim": 8}
+
+
 @pytest.mark.parametrize("arch,extra,match", [
     ("MistralForCausalLM", {"sliding_window": 4096}, "sliding_window"),
     ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 64}, "sliding_window"),
@@ -143,6 +150,14 @@ BASE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "nu
     ("Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32, "norm_topk_prob": False}, "norm_topk_prob"),
     ("GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "scale_attn_by_inverse_layer_idx": True}, "inverse_layer"),
     ("FalconForCausalLM", {}, "not supported"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, first_k_dense_replace=1), "first_k_dense_replace"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_interleave=False), "rope_interleave"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, num_key_value_heads=2), "num_key_value_heads"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rms_norm_eps=1e-5), "rms_norm_eps"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_scaling={"rope_type": "llama3", "factor": 8.0}), "llama3"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_scaling=dict(YARN, attention_factor=1.2)), "attention_factor"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_scaling=dict(YARN, truncate=False)), "truncate"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_scaling=dict(YARN, mscale=0.0)), "mscale_all_dim without mscale"),
 ])
 def test_unmapped_hf_features_are_refused(arch, extra, match):
     hf = dict(BASE, architectures=[arch], **extra)
@@ -158,6 +173,7 @@ HF_CONFIGS = {
     "mixtral": dict(BASE, architectures=["MixtralForCausalLM"], num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(BASE, architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, norm_topk_prob=True),
+    "deepseek_v3": dict(BASE, architectures=["DeepseekV3ForCausalLM"], **DEEPSEEK, rope_scaling=YARN),
     "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 250},
 }
 
@@ -186,3 +202,12 @@ def test_stacks_rows_says_exactly_when_the_hf_tensors_are_the_slab_cut_in_row_ba
         parts = [t.reshape(-1, *slab.shape[1:]) for t in mapping.to_hf(slab, config)]
         stacked = np.concatenate(parts) if all(p.shape[1:] == slab.shape[1:] for p in parts) else None
         assert mapping.stacks_rows == (stacked is not None and stacked.shape == slab.shape and np.array_equal(stacked, slab)), mapping.megatron
+
+
+def test_deepseek_yarn_maps_onto_mla_fields_as_transformers_reads_them():
+    fields = dict(rope_type="yarn", rotary_scaling_factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                  beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+    assert yarn_from_hf(YARN) == fields
+    # transformers ignores mscale without mscale_all_dim (cos/sin get yarn's default scale): Megatron's mscale 1, all_dim 0
+    alone = yarn_from_hf(dict(YARN, mscale=0.707, mscale_all_dim=0))
+    assert (alone["mscale"], alone["mscale_all_dim"]) == (1.0, 0.0)
