@@ -355,6 +355,11 @@ LLAMA_SIGNATURE: dict[str, Any] = {
     "position_embedding_type": "rope",
     "moe": False,
     "multi_latent_attention": False,
+    # Megatron's default router (softmax over the top-k logits), which Mixtral and Qwen-MoE use
+    "moe_router_score_function": "softmax",
+    "moe_router_enable_expert_bias": False,
+    "moe_router_num_groups": None,
+    "moe_router_topk_scaling_factor": None,
 }
 
 
@@ -473,6 +478,10 @@ class Family:
             "moe": config.is_moe,
             "shared_experts": bool(config.moe_shared_expert_intermediate_size),
             "multi_latent_attention": config.multi_latent_attention,
+            "moe_router_score_function": config.moe_router_score_function,
+            "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
+            "moe_router_num_groups": config.moe_router_num_groups,
+            "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor,
         }
 
     def matches(self, config: ModelConfig) -> bool:

@@ -7,8 +7,14 @@ laid out as [evens; odds]) is what Megatron-Core's MLA computes with `rotary_int
 de-interleaves the rotary dims itself before rotating halves. HF's YaRN dict maps onto MLA's own YaRN
 fields (rotary_scaling_factor, mscale, mscale_all_dim, beta_fast/slow, original_max_position_embeddings).
 
-Only models whose layers are all dense (first_k_dense_replace >= num_hidden_layers) are mapped so far;
-mixture-of-experts layers and multi-token-prediction weights are refused.
+Mixture-of-experts layers map onto Megatron-Core's sigmoid router: `e_score_correction_bias` is its
+`expert_bias` (added for the choice only), n_group/topk_group its group-limited top-k (transformers ranks a
+group by its top two scores, Megatron by its top topk/group_topk: they agree when topk = 2 * topk_group),
+routed_scaling_factor its topk scaling factor; Megatron renormalises the chosen sigmoid weights whenever
+top-k > 1, so norm_topk_prob must say the same. The shared experts are one shared-expert MLP of
+n_shared_experts * moe_intermediate_size. Models are mapped whole-dense or whole-MoE (first_k_dense_replace
+0 or >= num_hidden_layers): Megatron-Core keys a mixed model's every layer apart (`decoder.layers.{i}.`),
+which reshard's HF mapping does not produce yet, so a mix is refused, as are multi-token-prediction weights.
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ from reshard.config import ModelConfig
 from reshard.converters.base import (
     LLAMA_SIGNATURE,
     Family,
+    GatedMLP,
     L,
     Mapping,
     Rename,
     bad_value,
     embeddings_and_head,
     llama_dense_mlp,
+    moe_mlp,
     number,
     refuse,
 )
@@ -105,20 +113,42 @@ def mla_attention(config: ModelConfig, prefix: str = "model.") -> list[Mapping]:
     ]
 
 
+def deepseek_moe(config: ModelConfig, prefix: str = "model.") -> list[Mapping]:
+    """Routed experts, the router's correction bias, and the shared experts of MoE layer {layer}."""
+    m, p = "decoder.layers.mlp.", f"{prefix}layers.{L}.mlp."
+    return [
+        *moe_mlp(config, "mlp", "gate", "gate_proj", "up_proj", "down_proj", prefix),
+        Rename(f"{m}router.expert_bias", f"{p}gate.e_score_correction_bias"),
+        GatedMLP(f"{m}shared_experts.linear_fc1.weight", f"{p}shared_experts.gate_proj.weight", f"{p}shared_experts.up_proj.weight"),
+        Rename(f"{m}shared_experts.linear_fc2.weight", f"{p}shared_experts.down_proj.weight"),
+    ]
+
+
+# Megatron's router settings a DeepSeek-V3 MoE model fixes (the rest is checked in check_megatron).
+_MOE_ROUTER = {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}
+
+
 class DeepseekV3(Family):
     model_type = "deepseek_v3"
     architectures = ("DeepseekV3ForCausalLM",)
-    signature = {**LLAMA_SIGNATURE, "qk_layernorm": True, "multi_latent_attention": True}
+    # dense or MoE, with or without routing groups and scaling: check_megatron looks at those together
+    signature = {
+        **{k: v for k, v in LLAMA_SIGNATURE.items() if not k.startswith("moe")},
+        "qk_layernorm": True,
+        "multi_latent_attention": True,
+    }
 
     def check_hf(self, hf):
         super().check_hf(hf)
         layers = int(hf["num_hidden_layers"])
         dense = hf.get("first_k_dense_replace")
-        if type(dense) is not int or dense < layers:
+        if type(dense) is not int or 0 < dense < layers:
             raise refuse(
-                f"first_k_dense_replace={dense} with num_hidden_layers={layers} (mixture-of-experts layers)",
-                "only DeepSeek-V3 models whose layers are all dense are mapped so far",
+                f"first_k_dense_replace={dense} with num_hidden_layers={layers} (dense and MoE layers mixed)",
+                "only DeepSeek-V3 models whose layers are all dense or all MoE are mapped so far",
             )
+        if dense == 0:
+            self._check_hf_moe(hf)
         if hf.get("rope_interleave", True) is not True:
             raise refuse("rope_interleave=false", "Megatron-Core's MLA rotates the rotary dims as interleaved pairs")
         heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads")
@@ -129,6 +159,30 @@ class DeepseekV3(Family):
                 f"rms_norm_eps={hf['rms_norm_eps']}",
                 f"transformers normalises the q/kv latents with eps {HF_LATENT_NORM_EPS} whatever it says, Megatron with it",
             )
+
+    @staticmethod
+    def _check_hf_moe(hf):
+        experts, topk = hf.get("n_routed_experts"), hf.get("num_experts_per_tok")
+        for field in ("n_routed_experts", "num_experts_per_tok", "n_shared_experts", "n_group", "topk_group"):
+            if type(hf.get(field)) is not int or not 0 < hf[field] < 1 << 31:
+                raise bad_value(field, hf.get(field), "a whole number from 1")
+        if topk > experts:
+            raise bad_value("num_experts_per_tok", topk, f"at most the {experts} experts")
+        groups, group_topk = hf["n_group"], hf["topk_group"]
+        if experts % groups or group_topk > groups:
+            raise bad_value("n_group", groups, f"a divisor of n_routed_experts={experts} of at least topk_group={group_topk}")
+        if groups > 1 and topk != 2 * group_topk:
+            raise refuse(
+                f"num_experts_per_tok={topk} with topk_group={group_topk}",
+                "transformers ranks a group by its best two experts, Megatron-Core by its best topk/topk_group: "
+                "only topk = 2 * topk_group maps exactly",
+            )
+        if bool(hf.get("norm_topk_prob", True)) != (topk > 1):
+            raise refuse(
+                f"norm_topk_prob={hf.get('norm_topk_prob')} with num_experts_per_tok={topk}",
+                "Megatron-Core renormalises the chosen sigmoid weights exactly when top-k > 1",
+            )
+        number(hf.get("routed_scaling_factor", 2.5), "routed_scaling_factor")
 
     def rope_scaling_from_hf(self, scaling, hf):
         if not scaling:
@@ -149,17 +203,45 @@ class DeepseekV3(Family):
             qk_head_dim=int(hf["qk_nope_head_dim"]),
             qk_pos_emb_head_dim=int(hf["qk_rope_head_dim"]),
             v_head_dim=int(hf["v_head_dim"]),
+            **(self._moe_from_hf(hf) if hf["first_k_dense_replace"] == 0 else {}),
+        )
+
+    @staticmethod
+    def _moe_from_hf(hf):
+        ffn = int(hf["moe_intermediate_size"])
+        return dict(
+            _MOE_ROUTER,
+            num_experts=hf["n_routed_experts"],
+            moe_router_topk=hf["num_experts_per_tok"],
+            moe_ffn_hidden_size=ffn,
+            moe_shared_expert_intermediate_size=ffn * hf["n_shared_experts"],
+            moe_router_num_groups=hf["n_group"] if hf["n_group"] > 1 else None,
+            moe_router_group_topk=hf["topk_group"] if hf["n_group"] > 1 else None,
+            moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)),
         )
 
     def check_megatron(self, config):
         super().check_megatron(config)
         if config.norm_epsilon != HF_LATENT_NORM_EPS:
             raise refuse(f"norm_epsilon={config.norm_epsilon}", f"HF DeepSeek-V3 normalises the q/kv latents with eps {HF_LATENT_NORM_EPS}")
-        if config.is_moe:
-            raise refuse("a mixture-of-experts DeepSeek-V3", "only all-dense DeepSeek-V3 models are exported so far")
+        if not config.is_moe:
+            return
+        routing = {key: getattr(config, key) for key in _MOE_ROUTER}
+        shared, ffn = config.moe_shared_expert_intermediate_size, config.moe_ffn_hidden_size or config.ffn_hidden_size
+        if routing != _MOE_ROUTER or config.moe_layer_freq != 1 or not shared or shared % ffn:
+            raise refuse(
+                f"a MoE model with {routing}, moe_layer_freq={config.moe_layer_freq}, shared experts of {shared}",
+                "HF DeepSeek-V3 routes by sigmoid with an expert bias on every layer, with shared experts of a multiple of "
+                "moe_ffn_hidden_size",
+            )
+        groups, group_topk = config.moe_router_num_groups or 1, config.moe_router_group_topk or 1
+        if groups > 1 and config.moe_router_topk != 2 * group_topk:
+            raise refuse(f"moe_router_topk={config.moe_router_topk} with moe_router_group_topk={group_topk}",
+                         "HF DeepSeek-V3 ranks a group by its best two experts")
 
     def mappings(self, config):
-        return [*embeddings_and_head(config), *mla_attention(config), *llama_dense_mlp()]
+        mlp = deepseek_moe(config) if config.is_moe else llama_dense_mlp()
+        return [*embeddings_and_head(config), *mla_attention(config), *mlp]
 
     def rope_scaling_to_hf(self, config, saved_scaling):
         if config.mla_rope_type != "yarn":
@@ -185,7 +267,19 @@ class DeepseekV3(Family):
             v_head_dim=config.v_head_dim,
             rope_interleave=True,
             attention_bias=False,
-            first_k_dense_replace=config.num_layers,
+            first_k_dense_replace=0 if config.is_moe else config.num_layers,
         )
+        if config.is_moe:
+            ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
+            out.update(
+                n_routed_experts=config.num_experts,
+                num_experts_per_tok=config.moe_router_topk,
+                moe_intermediate_size=ffn,
+                n_shared_experts=config.moe_shared_expert_intermediate_size // ffn,
+                n_group=config.moe_router_num_groups or 1,
+                topk_group=config.moe_router_group_topk or 1,
+                routed_scaling_factor=config.moe_router_topk_scaling_factor or 1.0,
+                norm_topk_prob=config.moe_router_topk > 1,
+            )
         out.setdefault("num_nextn_predict_layers", 0)  # a saved count has no weights either: the import refuses them
 

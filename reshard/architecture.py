@@ -70,6 +70,8 @@ def model_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         ffn = c.moe_ffn_hidden_size or c.ffn_hidden_size
         out.update(_norm("decoder.layers.pre_mlp_layernorm.", c, h, L))
         out[f"{mlp}router.weight"] = (c.num_layers, c.num_experts, h)
+        if c.moe_router_enable_expert_bias:
+            out[f"{mlp}router.expert_bias"] = (c.num_layers, c.num_experts)
         lead = [c.num_layers, c.num_experts]
         out.update(_linear(f"{mlp}experts.experts.linear_fc1.", gate * ffn, h, c.add_bias_linear, lead))
         out.update(_linear(f"{mlp}experts.experts.linear_fc2.", h, ffn, c.add_bias_linear, lead))

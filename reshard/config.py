@@ -27,8 +27,6 @@ _UNMODELED: dict[str, Any] = {
     "rotary_seq_len_interpolation_factor": None,
     "apply_layernorm_1p": False,
     "moe_router_pre_softmax": False,
-    "moe_router_score_function": "softmax",
-    "moe_router_topk_scaling_factor": None,
 }
 
 
@@ -66,7 +64,14 @@ class ModelConfig:
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
-    moe_layer_freq: int = 1
+    moe_layer_freq: int | tuple[int, ...] = 1  # an MoE layer every N layers, or a 0/1 (dense/MoE) per layer
+    # Routing (DeepSeek-V3's): sigmoid scores, a per-expert bias added for the choice only, group-limited top-k,
+    # the chosen weights renormalised (sigmoid with top-k > 1) and scaled.
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None
     # Multi-latent attention (DeepSeek-V2/V3), under Megatron-LM's argument names and defaults.
     multi_latent_attention: bool = False
     q_lora_rank: int | None = None  # None: queries projected straight from the hidden state (linear_q_proj)
@@ -85,6 +90,10 @@ class ModelConfig:
     # Megatron options set away from their defaults that change the model's math in ways this tool does
     # not model (`_UNMODELED`): resharding carries them in the args; an HF export refuses them.
     unmodeled: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if isinstance(self.moe_layer_freq, list):  # Megatron's args and JSON give a list; the config stays hashable
+            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
 
     @property
     def groups(self) -> int:
@@ -164,4 +173,6 @@ class ModelConfig:
         out["kv_channels"] = self.head_dim
         out["use_rope_scaling"] = self.rope_scaling
         del out["unmodeled"]  # the source's own values of those options travel in its args
+        if isinstance(self.moe_layer_freq, tuple):
+            out["moe_layer_freq"] = list(self.moe_layer_freq)
         return out

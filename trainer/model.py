@@ -100,7 +100,12 @@ def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype =
             moe_router_topk=config.moe_router_topk,
             moe_ffn_hidden_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
             moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
-            moe_layer_freq=config.moe_layer_freq,
+            moe_layer_freq=list(config.moe_layer_freq) if isinstance(config.moe_layer_freq, tuple) else config.moe_layer_freq,
+            moe_router_score_function=config.moe_router_score_function,
+            moe_router_enable_expert_bias=config.moe_router_enable_expert_bias,
+            moe_router_num_groups=config.moe_router_num_groups,
+            moe_router_group_topk=config.moe_router_group_topk,
+            moe_router_topk_scaling_factor=config.moe_router_topk_scaling_factor,
             # gloo cannot run the all-to-all dispatcher (see the shared doc); GPUs use Megatron's default.
             moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
             moe_grouped_gemm=False,

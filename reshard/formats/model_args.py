@@ -125,7 +125,12 @@ def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, 
         "moe_router_topk": config.moe_router_topk,
         "moe_ffn_hidden_size": config.moe_ffn_hidden_size,
         "moe_shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
-        "moe_layer_freq": config.moe_layer_freq,
+        "moe_layer_freq": config.megatron_args()["moe_layer_freq"],
+        "moe_router_score_function": config.moe_router_score_function,
+        "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
+        "moe_router_num_groups": config.moe_router_num_groups,
+        "moe_router_group_topk": config.moe_router_group_topk,
+        "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor,
     }
     if config.multi_latent_attention:  # Bridge's MLA providers take Megatron-Core's MLATransformerConfig fields
         model.update({key: getattr(config, key) for key in MLA_FIELDS}, rope_type=config.mla_rope_type, kv_channels=config.v_head_dim)

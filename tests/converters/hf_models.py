@@ -43,14 +43,18 @@ def _configs():
                                        norm_topk_prob=True, max_position_embeddings=128, tie_word_embeddings=False),
         "deepseek_v3": tf.DeepseekV3Config(**DEEPSEEK, q_lora_rank=24, max_position_embeddings=512, rope_parameters=yarn),
         "deepseek_v3_q": tf.DeepseekV3Config(**DEEPSEEK, q_lora_rank=None, max_position_embeddings=128),
+        # every layer MoE: 4 routed experts in 2 groups (1 chosen), top-2, a shared expert, scaled weights
+        "deepseek_v3_moe": tf.DeepseekV3Config(**dict(DEEPSEEK, first_k_dense_replace=0), q_lora_rank=24,
+                                               max_position_embeddings=128, routed_scaling_factor=2.5),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
                               activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
 
 
-FAMILY_OF = {"llama_tied": "llama", "deepseek_v3_q": "deepseek_v3"}
-MOE = {"mixtral", "qwen3_moe"}
-NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3_q", "gpt2"]
+FAMILY_OF = {"llama_tied": "llama", "deepseek_v3_q": "deepseek_v3", "deepseek_v3_moe": "deepseek_v3"}
+MOE = {"mixtral", "qwen3_moe", "deepseek_v3_moe"}
+NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3_q", "deepseek_v3_moe",
+         "gpt2"]
 
 
 def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
@@ -66,6 +70,9 @@ def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
                 p.copy_((1.0 if pname.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.1 * torch.randn_like(p))
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # DeepSeek's routing bias, saved like a weight
+                b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(directory, **save_kwargs)
     (directory / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')  # stands in for tokenizer files
     return directory

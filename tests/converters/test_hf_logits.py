@@ -34,6 +34,8 @@ CASES = [
     ("deepseek_v3", "torch_dist", dict()),  # multi-latent attention, YaRN on the rotary dims
     ("deepseek_v3", "legacy", dict(tp=2)),  # MLA split by heads, the local spec's down projections by rows
     ("deepseek_v3_q", "torch_dist", dict(pp=2)),  # queries without a latent (q_lora_rank null), plain RoPE
+    ("deepseek_v3_moe", "torch_dist", dict(ep=2)),  # sigmoid routing with expert bias and groups, shared experts
+    ("deepseek_v3_moe", "legacy", dict(tp=2)),
 ]
 
 
@@ -74,11 +76,22 @@ class RopeFirst(Rename):
         return np.concatenate([rope, nope], axis=1).reshape(tensors[0].shape)
 
 
-def test_the_oracle_sees_a_wrong_mla_mapping(tmp_path, monkeypatch):
+class Dropped(Rename):
+    """A wrong mapping: the values lost (zeros), as a converter that skips a buffer leaves them."""
+
+    def to_megatron(self, tensors, config):
+        return np.zeros_like(tensors[0])
+
+
+@pytest.mark.parametrize("name,hf_tensor,wrong", [
+    ("deepseek_v3", "q_b_proj.weight", RopeFirst),
+    ("deepseek_v3_moe", "e_score_correction_bias", Dropped),
+], ids=["q_rope_first", "expert_bias_dropped"])
+def test_the_oracle_sees_a_wrong_deepseek_mapping(tmp_path, monkeypatch, name, hf_tensor, wrong):
     right = DeepseekV3.mappings
 
-    def wrong(self, config):
-        return [RopeFirst(m.megatron, m.hf[0]) if m.hf[0].endswith("q_b_proj.weight") else m for m in right(self, config)]
+    def mappings(self, config):
+        return [wrong(m.megatron, m.hf[0]) if m.hf[0].endswith(hf_tensor) else m for m in right(self, config)]
 
-    monkeypatch.setattr(DeepseekV3, "mappings", wrong)
-    assert logits_diff(tmp_path, "deepseek_v3", "torch_dist", {}) > 1e-3
+    monkeypatch.setattr(DeepseekV3, "mappings", mappings)
+    assert logits_diff(tmp_path, name, "torch_dist", {}) > 1e-3

@@ -175,9 +175,19 @@ def test_deepseek_mla_and_yarn_settings_carried(models, tmp_path):
         assert (c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim, c.kv_channels) == (16, 8, 12, 12)
         assert (c.mla_rope_type, c.rotary_scaling_factor, c.original_max_position_embeddings) == ("yarn", 4.0, 128)
         assert (c.mscale, c.mscale_all_dim, c.beta_fast, c.beta_slow) == (1.0, 1.0, 32.0, 1.0)
-    cli("convert", models["deepseek_v3"], tmp_path / "m", "--to-format", "zarr", "-q")
+    with open_checkpoint(models["deepseek_v3_moe"]) as reader:
+        c = reader.config
+        assert (c.num_experts, c.moe_router_topk, c.moe_ffn_hidden_size, c.moe_shared_expert_intermediate_size) == (4, 2, 32, 32)
+        assert (c.moe_router_score_function, c.moe_router_enable_expert_bias, c.moe_router_topk_scaling_factor) == ("sigmoid", True, 2.5)
+        assert (c.moe_router_num_groups, c.moe_router_group_topk, c.moe_layer_freq) == (2, 1, 1)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_moe"])
+def test_deepseek_config_json_comes_back_as_it_was(models, tmp_path, name):
+    """Through the layout-free store and back: every setting of config.json (MLA, YaRN, routing) survives."""
+    cli("convert", models[name], tmp_path / "m", "--to-format", "zarr", "-q")
     cli("convert", tmp_path / "m", tmp_path / "back", "--to-format", "hf", "-q")
-    a, b = (json.loads((path / "config.json").read_text()) for path in (models["deepseek_v3"], tmp_path / "back"))
+    a, b = (json.loads((path / "config.json").read_text()) for path in (models[name], tmp_path / "back"))
     assert {k: v for k, v in b.items() if k != "transformers_version"} == {k: v for k, v in a.items() if k != "transformers_version"}
 
 

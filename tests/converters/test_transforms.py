@@ -7,7 +7,7 @@ import pytest
 
 from reshard.architecture import model_tensors
 from reshard.config import ModelConfig
-from reshard.converters import FAMILIES, family_for_hf
+from reshard.converters import FAMILIES, family_by_name, family_for_hf
 from reshard.converters.base import (
     QKV,
     FusedQKV,
@@ -137,6 +137,8 @@ YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings":
         "mscale": 1.0, "mscale_all_dim": 1.0}
 DEEPSEEK = {"num_key_value_heads": 4, "first_k_dense_replace": 2, "q_lora_rank": 24, "kv_lora_rank": 32,
             "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "head_dim": 8}
+DEEPSEEK_MOE = dict(DEEPSEEK, first_k_dense_replace=0, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                    n_group=2, topk_group=1, moe_intermediate_size=32, norm_topk_prob=True, routed_scaling_factor=2.5)
 
 
 @pytest.mark.parametrize("arch,extra,match", [
@@ -151,6 +153,10 @@ DEEPSEEK = {"num_key_value_heads": 4, "first_k_dense_replace": 2, "q_lora_rank":
     ("GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "scale_attn_by_inverse_layer_idx": True}, "inverse_layer"),
     ("FalconForCausalLM", {}, "not supported"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, first_k_dense_replace=1), "first_k_dense_replace"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK_MOE, num_experts_per_tok=3), "topk_group"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK_MOE, norm_topk_prob=False), "norm_topk_prob"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK_MOE, n_group=3), "n_group"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK_MOE, n_shared_experts=0), "n_shared_experts"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_interleave=False), "rope_interleave"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, num_key_value_heads=2), "num_key_value_heads"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rms_norm_eps=1e-5), "rms_norm_eps"),
@@ -211,3 +217,15 @@ def test_deepseek_yarn_maps_onto_mla_fields_as_transformers_reads_them():
     # transformers ignores mscale without mscale_all_dim (cos/sin get yarn's default scale): Megatron's mscale 1, all_dim 0
     alone = yarn_from_hf(dict(YARN, mscale=0.707, mscale_all_dim=0))
     assert (alone["mscale"], alone["mscale_all_dim"]) == (1.0, 0.0)
+
+
+def test_deepseek_routing_is_no_other_family_s_and_the_other_routings_are_not_deepseek_s():
+    deepseek, _ = family_for_hf(HF_CONFIGS["deepseek_v3"]).config_from_hf(dict(HF_CONFIGS["deepseek_v3"], **DEEPSEEK_MOE))
+    mixtral, _ = family_for_hf(HF_CONFIGS["mixtral"]).config_from_hf(HF_CONFIGS["mixtral"])
+    sigmoid = mixtral.replace(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    with pytest.raises(ReshardError, match="moe_router_score_function='sigmoid'"):
+        family_by_name("mixtral").check_megatron(sigmoid)
+    with pytest.raises(ReshardError, match="sigmoid with an expert bias"):
+        family_by_name("deepseek_v3").check_megatron(deepseek.replace(moe_router_score_function="softmax"))
+    with pytest.raises(ReshardError, match="moe_layer_freq"):
+        family_by_name("deepseek_v3").check_megatron(deepseek.replace(moe_layer_freq=[0, 1]))
