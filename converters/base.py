@@ -345,6 +345,15 @@ L = "{layer}"
 E = "{expert}"
 
 
+def at_layer(mapping: Mapping, layer: int) -> Mapping:
+    """`mapping` for one layer of a model keyed per layer (`ModelConfig.per_layer_names`): the Megatron name
+    under `decoder.layers.{layer}.`, the HF names with the layer filled in."""
+    out = copy.copy(mapping)
+    object.__setattr__(out, "megatron", mapping.megatron.replace("decoder.layers.", f"decoder.layers.{layer}.", 1))
+    object.__setattr__(out, "hf", tuple(name.replace(L, str(layer)) for name in mapping.hf))
+    return out
+
+
 # The Megatron features of a Llama-style decoder; families state how they differ from it.
 LLAMA_SIGNATURE: dict[str, Any] = {
     "normalization": "RMSNorm",

@@ -12,9 +12,9 @@ Mixture-of-experts layers map onto Megatron-Core's sigmoid router: `e_score_corr
 group by its top two scores, Megatron by its top topk/group_topk: they agree when topk = 2 * topk_group),
 routed_scaling_factor its topk scaling factor; Megatron renormalises the chosen sigmoid weights whenever
 top-k > 1, so norm_topk_prob must say the same. The shared experts are one shared-expert MLP of
-n_shared_experts * moe_intermediate_size. Models are mapped whole-dense or whole-MoE (first_k_dense_replace
-0 or >= num_hidden_layers): Megatron-Core keys a mixed model's every layer apart (`decoder.layers.{i}.`),
-which reshard's HF mapping does not produce yet, so a mix is refused, as are multi-token-prediction weights.
+n_shared_experts * moe_intermediate_size. The first first_k_dense_replace layers are dense (Megatron's
+moe_layer_freq as a list); a model that mixes them is keyed layer by layer (`decoder.layers.{i}.`), as
+Megatron-Core's torch_dist keys it. Multi-token-prediction weights are not mapped yet and are refused.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from reshard.converters.base import (
     L,
     Mapping,
     Rename,
+    at_layer,
     bad_value,
     embeddings_and_head,
     llama_dense_mlp,
@@ -124,6 +125,13 @@ def deepseek_moe(config: ModelConfig, prefix: str = "model.") -> list[Mapping]:
     ]
 
 
+def dense_layers(config: ModelConfig) -> int | None:
+    """HF's first_k_dense_replace of a model: its leading dense layers, all others MoE (None: not so laid out)."""
+    kinds = config.moe_layers
+    first = kinds.index(True) if True in kinds else len(kinds)
+    return first if all(kinds[first:]) else None
+
+
 # Megatron's router settings a DeepSeek-V3 MoE model fixes (the rest is checked in check_megatron).
 _MOE_ROUTER = {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}
 
@@ -142,12 +150,9 @@ class DeepseekV3(Family):
         super().check_hf(hf)
         layers = int(hf["num_hidden_layers"])
         dense = hf.get("first_k_dense_replace")
-        if type(dense) is not int or 0 < dense < layers:
-            raise refuse(
-                f"first_k_dense_replace={dense} with num_hidden_layers={layers} (dense and MoE layers mixed)",
-                "only DeepSeek-V3 models whose layers are all dense or all MoE are mapped so far",
-            )
-        if dense == 0:
+        if type(dense) is not int or dense < 0:
+            raise bad_value("first_k_dense_replace", dense, "a whole number of leading dense layers")
+        if dense < layers:
             self._check_hf_moe(hf)
         if hf.get("rope_interleave", True) is not True:
             raise refuse("rope_interleave=false", "Megatron-Core's MLA rotates the rotary dims as interleaved pairs")
@@ -203,14 +208,15 @@ class DeepseekV3(Family):
             qk_head_dim=int(hf["qk_nope_head_dim"]),
             qk_pos_emb_head_dim=int(hf["qk_rope_head_dim"]),
             v_head_dim=int(hf["v_head_dim"]),
-            **(self._moe_from_hf(hf) if hf["first_k_dense_replace"] == 0 else {}),
+            **(self._moe_from_hf(hf) if hf["first_k_dense_replace"] < hf["num_hidden_layers"] else {}),
         )
 
     @staticmethod
     def _moe_from_hf(hf):
-        ffn = int(hf["moe_intermediate_size"])
+        ffn, dense, layers = int(hf["moe_intermediate_size"]), hf["first_k_dense_replace"], hf["num_hidden_layers"]
         return dict(
             _MOE_ROUTER,
+            moe_layer_freq=(0,) * dense + (1,) * (layers - dense) if dense else 1,
             num_experts=hf["n_routed_experts"],
             moe_router_topk=hf["num_experts_per_tok"],
             moe_ffn_hidden_size=ffn,
@@ -228,7 +234,7 @@ class DeepseekV3(Family):
             return
         routing = {key: getattr(config, key) for key in _MOE_ROUTER}
         shared, ffn = config.moe_shared_expert_intermediate_size, config.moe_ffn_hidden_size or config.ffn_hidden_size
-        if routing != _MOE_ROUTER or config.moe_layer_freq != 1 or not shared or shared % ffn:
+        if routing != _MOE_ROUTER or dense_layers(config) is None or not shared or shared % ffn:
             raise refuse(
                 f"a MoE model with {routing}, moe_layer_freq={config.moe_layer_freq}, shared experts of {shared}",
                 "HF DeepSeek-V3 routes by sigmoid with an expert bias on every layer, with shared experts of a multiple of "
@@ -240,8 +246,10 @@ class DeepseekV3(Family):
                          "HF DeepSeek-V3 ranks a group by its best two experts")
 
     def mappings(self, config):
-        mlp = deepseek_moe(config) if config.is_moe else llama_dense_mlp()
-        return [*embeddings_and_head(config), *mla_attention(config), *mlp]
+        kinds = {False: [*mla_attention(config), *llama_dense_mlp()], True: [*mla_attention(config), *deepseek_moe(config)]}
+        if not config.per_layer_names:
+            return [*embeddings_and_head(config), *kinds[config.is_moe]]
+        return [*embeddings_and_head(config), *(at_layer(m, i) for i, moe in enumerate(config.moe_layers) for m in kinds[moe])]
 
     def rope_scaling_to_hf(self, config, saved_scaling):
         if config.mla_rope_type != "yarn":
@@ -267,7 +275,7 @@ class DeepseekV3(Family):
             v_head_dim=config.v_head_dim,
             rope_interleave=True,
             attention_bias=False,
-            first_k_dense_replace=0 if config.is_moe else config.num_layers,
+            first_k_dense_replace=dense_layers(config),
         )
         if config.is_moe:
             ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size

@@ -46,7 +46,21 @@ def _mla(c: ModelConfig, L: list[int]) -> dict[str, tuple[int, ...]]:
 
 
 def model_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> global shape, with every decoder layer stacked on a leading layer axis."""
+    """Canonical name -> global shape, with every decoder layer stacked on a leading layer axis; where MoE and
+    dense layers mix (`per_layer_names`), each layer's tensors under `decoder.layers.{i}.` without it."""
+    if not config.per_layer_names:
+        return _stacked(config)
+    kinds = {moe: _stacked(config.replace(num_layers=1, moe_layer_freq=1, **({} if moe else {"num_experts": None})))
+             for moe in (False, True)}
+    out = {name: shape for name, shape in kinds[True].items() if not name.startswith("decoder.layers.")}
+    for layer, moe in enumerate(config.moe_layers):
+        for name, shape in kinds[moe].items():
+            if name.startswith("decoder.layers."):
+                out[name.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)] = shape[1:]
+    return out
+
+
+def _stacked(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     c = config
     h, L = c.hidden_size, [c.num_layers]
     gate = 2 if c.swiglu else 1

@@ -116,6 +116,23 @@ class ModelConfig:
         return bool(self.num_experts)
 
     @property
+    def moe_layers(self) -> list[bool]:
+        """Which layers are mixture-of-experts layers (Megatron's reading of moe_layer_freq)."""
+        if not self.is_moe:
+            return [False] * self.num_layers
+        if isinstance(self.moe_layer_freq, int):
+            return [i % self.moe_layer_freq == 0 for i in range(self.num_layers)]
+        if len(self.moe_layer_freq) != self.num_layers or set(self.moe_layer_freq) - {0, 1}:
+            raise ReshardError(f"moe_layer_freq={list(self.moe_layer_freq)} is not a 0 or 1 for each of the {self.num_layers} layers")
+        return [bool(flag) for flag in self.moe_layer_freq]
+
+    @property
+    def per_layer_names(self) -> bool:
+        """Megatron-Core keys every layer apart (`decoder.layers.{i}.`, no layer axis) in torch_dist when MoE and
+        dense layers may mix: for any list moe_layer_freq and any frequency above 1."""
+        return self.is_moe and (isinstance(self.moe_layer_freq, tuple) or self.moe_layer_freq > 1)
+
+    @property
     def vocab_rows(self) -> int:
         """Rows of the embedding that carry information (the rest is padding)."""
         return self.vocab_size or self.padded_vocab_size

@@ -121,29 +121,43 @@ def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype =
     return TransformerConfig(**kwargs)
 
 
+def layer_spec(config: ModelConfig, tconfig, vp_stage: int | None):
+    """Megatron-Core's local layer spec for the model; where MoE and dense layers mix, its block spec (one per
+    layer of the stage)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    if config.per_layer_names:
+        spec = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization=config.normalization,
+                                          vp_stage=vp_stage)
+        layers = spec.layer_specs
+    else:
+        spec = get_gpt_layer_local_spec(
+            num_experts=config.num_experts if config.is_moe else None,
+            moe_grouped_gemm=False,
+            qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=config.multi_latent_attention,
+            normalization=config.normalization,
+        )
+        layers = [spec]
+    if config.multi_latent_attention:
+        for layer in layers:
+            layer.submodules.self_attention.submodules.core_attention = cpu_compat.local_mla_core_attention()
+    return spec
+
+
 def build_model(config: ModelConfig, layout: Layout, dtype: torch.dtype = torch.float32) -> list:
     """One GPTModel per virtual pipeline stage of this rank (init_parallel must have run)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     tconfig = transformer_config(config, layout, dtype)
-    spec = get_gpt_layer_local_spec(
-        num_experts=config.num_experts if config.is_moe else None,
-        moe_grouped_gemm=False,
-        qk_layernorm=config.qk_layernorm,
-        multi_latent_attention=config.multi_latent_attention,
-        normalization=config.normalization,
-    )
-    if config.multi_latent_attention:
-        spec.submodules.self_attention.submodules.core_attention = cpu_compat.local_mla_core_attention()
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     models = []
     for vstage in range(layout.vpp):
         vp = vstage if layout.vpp > 1 else None
         model = GPTModel(
             config=tconfig,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=layer_spec(config, tconfig, vp),
             vocab_size=config.padded_vocab_for(layout.tp),
             max_sequence_length=config.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),

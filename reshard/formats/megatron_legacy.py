@@ -44,7 +44,7 @@ from reshard.formats.megatron_tree import (
 )
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
-from reshard.naming import ObjectKey, canonical, spell, uses_te_names
+from reshard.naming import ObjectKey, canonical, layer_is_moe, spell, uses_te_names
 from reshard.sharding import (
     Piece,
     Region,
@@ -210,6 +210,8 @@ class LegacyReader(CheckpointReader):
                 dense, experts = self._holder(rank, experts=False), self._holder(rank, experts=moe)
                 for name, value in self._entries(dense, experts):
                     logical, local_layer, local_expert = _globalize(name, moe, config.multi_latent_attention)
+                    if local_layer is not None and config.per_layer_names:  # a dense layer among MoE ones: its own spelling
+                        logical = _globalize(name, config.moe_layers[layers.start + local_layer], config.multi_latent_attention)[0]
                     local = archive_tensor(value)
                     if name.endswith("_extra_state"):
                         self._add_object(logical, layers.start, local_layer, local_expert, ep, value)
@@ -239,12 +241,12 @@ class LegacyReader(CheckpointReader):
         for name, tensor in singles.items():
             specs[name] = self._global_spec(name, tensor, layer_axis=False)
         for name, by_layer in per_layer.items():
-            if len(by_layer) == config.num_layers:
+            if len(by_layer) == config.num_layers and not config.per_layer_names:
                 specs[name] = self._global_spec(name, next(iter(by_layer.values())), layer_axis=True)
-            elif not (moe and config.moe_layer_freq != 1):
+            elif not config.per_layer_names:
                 missing = sorted(set(range(config.num_layers)) - set(by_layer))
                 raise ReshardError(f"{name} is missing for layer(s) {missing[:8]}: the checkpoint is incomplete")
-            else:  # MoE and dense layers interleaved: one logical tensor per layer, as torch_dist names them
+            else:  # MoE and dense layers mixed: one logical tensor per layer, as torch_dist names them
                 for layer, tensor in by_layer.items():
                     per_name = name.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
                     specs[per_name] = self._global_spec(per_name, tensor, layer_axis=False)
@@ -262,11 +264,16 @@ class LegacyReader(CheckpointReader):
             return  # output_layer's (always empty) extra state: the writer recreates it
         if local_expert is None and ep > 0:
             return
-        offsets, shape = (first_layer + local_layer,), (self.config.num_layers,)
+        config, layer = self.config, first_layer + local_layer
+        lead: tuple[tuple[int, ...], tuple[int, ...]] = ((layer,), (config.num_layers,))
+        if config.per_layer_names:  # keyed per layer, as torch_dist keys a model of mixed layers
+            module, lead = module.replace("decoder.layers.", f"decoder.layers.{layer}.", 1), ((), ())
+        offsets, shape = lead
         if local_expert is not None:
-            assert self.config.num_experts is not None
-            offsets += (ep * (self.config.num_experts // self.layout.ep) + local_expert,)
-            shape += (self.config.num_experts,)
+            assert config.num_experts is not None
+            offsets, shape = offsets + (ep * (config.num_experts // self.layout.ep) + local_expert,), shape + (config.num_experts,)
+        elif not offsets:
+            offsets, shape = (0,), (1,)
         self.common.objects[str(ObjectKey(module, offsets, shape))] = value
 
     def _global_spec(self, name: str, local: TensorRecord, layer_axis: bool) -> TensorSpec:
@@ -289,7 +296,7 @@ class LegacyReader(CheckpointReader):
 
     def _local(self, name: str, piece: Piece) -> TensorRecord:
         """Where the rank's tensor that holds `piece` lies in its file."""
-        local_key = local_name(name, piece, self.te_names, self.config.is_moe, self.config.multi_latent_attention)
+        local_key = local_name(name, piece, self.te_names, layer_is_moe(self.config, name), self.config.multi_latent_attention)
         holder = self._piece_holder(name, piece)
         model = self._model(holder)
         if local_key not in model:
@@ -387,7 +394,7 @@ class LegacyWriter(CheckpointWriter):
 
     def _local_key(self, spec: TensorSpec, group: list[Piece]) -> tuple[RankCoord, int, str]:
         rank = group[0].rank
-        key = local_name(spec.name, group[0], self.te_names, self.config.is_moe, self.config.multi_latent_attention)
+        key = local_name(spec.name, group[0], self.te_names, layer_is_moe(self.config, spec.name), self.config.multi_latent_attention)
         return RankCoord(pp=rank.pp, tp=rank.tp, ep=rank.ep), rank.vstage, key
 
     @classmethod
@@ -461,7 +468,7 @@ class LegacyWriter(CheckpointWriter):
             pp, vstage, local_layer = layout.chunk_of_layer(config.num_layers, key.layer)
             ep_ranks, local_expert = list(range(layout.ep)), None
             if key.expert is not None:
-                per_rank = key.shape[1] // layout.ep
+                per_rank = key.num_experts // layout.ep
                 ep_ranks, local_expert = [key.expert // per_rank], key.expert % per_rank
             name = _localize(key.module, local_layer, local_expert)
             for tp in range(layout.tp):

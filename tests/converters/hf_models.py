@@ -46,15 +46,19 @@ def _configs():
         # every layer MoE: 4 routed experts in 2 groups (1 chosen), top-2, a shared expert, scaled weights
         "deepseek_v3_moe": tf.DeepseekV3Config(**dict(DEEPSEEK, first_k_dense_replace=0), q_lora_rank=24,
                                                max_position_embeddings=128, routed_scaling_factor=2.5),
+        # DeepSeek-V3's layout in small: the first layer dense, the next MoE (Megatron keys each layer apart)
+        "deepseek_v3_mixed": tf.DeepseekV3Config(**dict(DEEPSEEK, first_k_dense_replace=1), q_lora_rank=24,
+                                                 max_position_embeddings=128),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
                               activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
 
 
-FAMILY_OF = {"llama_tied": "llama", "deepseek_v3_q": "deepseek_v3", "deepseek_v3_moe": "deepseek_v3"}
-MOE = {"mixtral", "qwen3_moe", "deepseek_v3_moe"}
+FAMILY_OF = {"llama_tied": "llama", "deepseek_v3_q": "deepseek_v3", "deepseek_v3_moe": "deepseek_v3",
+             "deepseek_v3_mixed": "deepseek_v3"}
+MOE = {"mixtral", "qwen3_moe", "deepseek_v3_moe", "deepseek_v3_mixed"}
 NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3_q", "deepseek_v3_moe",
-         "gpt2"]
+         "deepseek_v3_mixed", "gpt2"]
 
 
 def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:

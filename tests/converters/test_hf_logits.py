@@ -36,6 +36,8 @@ CASES = [
     ("deepseek_v3_q", "torch_dist", dict(pp=2)),  # queries without a latent (q_lora_rank null), plain RoPE
     ("deepseek_v3_moe", "torch_dist", dict(ep=2)),  # sigmoid routing with expert bias and groups, shared experts
     ("deepseek_v3_moe", "legacy", dict(tp=2)),
+    ("deepseek_v3_mixed", "torch_dist", dict(ep=2)),  # a dense layer, then an MoE one: keyed layer by layer
+    ("deepseek_v3_mixed", "legacy", dict(pp=2)),
 ]
 
 

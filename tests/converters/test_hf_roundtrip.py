@@ -182,7 +182,7 @@ def test_deepseek_mla_and_yarn_settings_carried(models, tmp_path):
         assert (c.moe_router_num_groups, c.moe_router_group_topk, c.moe_layer_freq) == (2, 1, 1)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_moe"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_moe", "deepseek_v3_mixed"])
 def test_deepseek_config_json_comes_back_as_it_was(models, tmp_path, name):
     """Through the layout-free store and back: every setting of config.json (MLA, YaRN, routing) survives."""
     cli("convert", models[name], tmp_path / "m", "--to-format", "zarr", "-q")

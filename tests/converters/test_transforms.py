@@ -22,6 +22,7 @@ from reshard.converters.base import (
 )
 from reshard.converters.deepseek_v3 import yarn_from_hf
 from reshard.errors import ReshardError
+from reshard.naming import ObjectKey, canonical, default_extra_state, layer_is_moe
 
 _rng = np.random.default_rng(0)
 
@@ -152,7 +153,7 @@ DEEPSEEK_MOE = dict(DEEPSEEK, first_k_dense_replace=0, n_routed_experts=4, num_e
     ("Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32, "norm_topk_prob": False}, "norm_topk_prob"),
     ("GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "scale_attn_by_inverse_layer_idx": True}, "inverse_layer"),
     ("FalconForCausalLM", {}, "not supported"),
-    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, first_k_dense_replace=1), "first_k_dense_replace"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, first_k_dense_replace=-1), "first_k_dense_replace"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK_MOE, num_experts_per_tok=3), "topk_group"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK_MOE, norm_topk_prob=False), "norm_topk_prob"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK_MOE, n_group=3), "n_group"),
@@ -228,4 +229,37 @@ def test_deepseek_routing_is_no_other_family_s_and_the_other_routings_are_not_de
     with pytest.raises(ReshardError, match="sigmoid with an expert bias"):
         family_by_name("deepseek_v3").check_megatron(deepseek.replace(moe_router_score_function="softmax"))
     with pytest.raises(ReshardError, match="moe_layer_freq"):
-        family_by_name("deepseek_v3").check_megatron(deepseek.replace(moe_layer_freq=[0, 1]))
+        family_by_name("deepseek_v3").check_megatron(deepseek.replace(moe_layer_freq=[1, 0]))  # MoE before dense
+
+
+def test_a_model_of_mixed_layers_is_keyed_layer_by_layer_as_megatron_saves_it():
+    """Names, shapes and object keys as a megatron-core 0.16.1 torch_dist save of a 3-layer MLA model with
+    moe_layer_freq=[0, 1, 1] (local spec, 4 experts, a shared expert) listed them."""
+    config, _ = family_for_hf(HF_CONFIGS["deepseek_v3"]).config_from_hf(
+        dict(HF_CONFIGS["deepseek_v3"], **dict(DEEPSEEK_MOE, num_hidden_layers=3, first_k_dense_replace=1)))
+    assert config.moe_layer_freq == (0, 1, 1) and config.per_layer_names and config.moe_layers == [False, True, True]
+    shapes = model_tensors(config)
+    assert not any(name.startswith("decoder.layers.") and not name[len("decoder.layers."):][0].isdigit() for name in shapes)
+    assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == (192, 64)
+    assert shapes["decoder.layers.1.mlp.experts.experts.linear_fc2.weight"] == (4, 64, 32)
+    assert shapes["decoder.layers.2.mlp.router.expert_bias"] == (4,)
+    assert "decoder.layers.0.mlp.router.weight" not in shapes and "decoder.layers.1.mlp.linear_fc1.weight" not in shapes
+    family = family_by_name("deepseek_v3")
+    assert {m.megatron for m in family.mappings(config)} == set(shapes)
+    router = next(m for m in family.mappings(config) if m.megatron == "decoder.layers.2.mlp.router.expert_bias")
+    assert router.hf_names() == ["model.layers.2.mlp.gate.e_score_correction_bias"]
+    objects = default_extra_state(config, te=False)
+    for key in ("decoder.layers.0.mlp.linear_fc1._extra_state/shard_0_1",
+                "decoder.layers.1.mlp.experts.experts.linear_fc1._extra_state/shard_3_4",
+                "decoder.layers.2.mlp.shared_experts.linear_fc2._extra_state/shard_0_1",
+                "decoder.layers.2.self_attention.linear_kv_up_proj._extra_state/shard_0_1"):
+        assert key in objects, key
+    key = ObjectKey.parse("decoder.layers.1.mlp.experts.experts.linear_fc1._extra_state/shard_3_4")
+    assert (key.layer, key.expert, key.num_experts) == (1, 3, 4)
+    key = ObjectKey.parse("decoder.layers.2.self_attention.linear_proj._extra_state/shard_0_1")
+    assert (key.layer, key.expert) == (2, None)
+    # the local spec spells a dense layer's pre-MLP norm like an MoE layer's; each comes back to its own canonical name
+    assert canonical("decoder.layers.0.pre_mlp_layernorm.weight", "dist", layer_is_moe(config, "decoder.layers.0.x"), True) \
+        == "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
+    assert canonical("decoder.layers.1.pre_mlp_layernorm.weight", "dist", layer_is_moe(config, "decoder.layers.1.x"), True) \
+        == "decoder.layers.1.pre_mlp_layernorm.weight"
