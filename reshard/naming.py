@@ -152,12 +152,12 @@ def default_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
     Linear layers carry an (empty) extra state in both specs; Transformer Engine's attention too.
     Megatron's loader refuses a checkpoint that lacks them, and `None` is what an unused one holds.
     """
+    if config.per_layer_names:
+        return _per_layer_extra_state(config, te)
     L = config.num_layers
     modules = [f"self_attention.{name}" for name in attention_linears(config)]
     if te:
         modules.append("self_attention.core_attention")
-    if config.per_layer_names:
-        return _per_layer_extra_state(config, te)
     keys: list[ObjectKey] = []
     if config.is_moe:
         assert config.num_experts is not None

@@ -265,14 +265,14 @@ class LegacyReader(CheckpointReader):
         if local_expert is None and ep > 0:
             return
         config, layer = self.config, first_layer + local_layer
-        lead: tuple[tuple[int, ...], tuple[int, ...]] = ((layer,), (config.num_layers,))
+        offsets, shape = (layer,), (config.num_layers,)
         if config.per_layer_names:  # keyed per layer, as torch_dist keys a model of mixed layers
-            module, lead = module.replace("decoder.layers.", f"decoder.layers.{layer}.", 1), ((), ())
-        offsets, shape = lead
+            module, offsets, shape = module.replace("decoder.layers.", f"decoder.layers.{layer}.", 1), (), ()
         if local_expert is not None:
             assert config.num_experts is not None
-            offsets, shape = offsets + (ep * (config.num_experts // self.layout.ep) + local_expert,), shape + (config.num_experts,)
-        elif not offsets:
+            offsets += (ep * (config.num_experts // self.layout.ep) + local_expert,)
+            shape += (config.num_experts,)
+        if not offsets:
             offsets, shape = (0,), (1,)
         self.common.objects[str(ObjectKey(module, offsets, shape))] = value
 
