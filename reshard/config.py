@@ -27,6 +27,7 @@ _UNMODELED: dict[str, Any] = {
     "rotary_seq_len_interpolation_factor": None,
     "apply_layernorm_1p": False,
     "moe_router_pre_softmax": False,
+    "mtp_num_layers": None,  # multi-token prediction: its mtp.layers.* are not mapped to HF (nor resharded) yet
 }
 
 

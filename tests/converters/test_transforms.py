@@ -263,3 +263,10 @@ def test_a_model_of_mixed_layers_is_keyed_layer_by_layer_as_megatron_saves_it():
         == "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
     assert canonical("decoder.layers.1.pre_mlp_layernorm.weight", "dist", layer_is_moe(config, "decoder.layers.1.x"), True) \
         == "decoder.layers.1.pre_mlp_layernorm.weight"
+
+
+def test_a_megatron_model_with_multi_token_prediction_is_not_exported_without_it():
+    deepseek, _ = family_for_hf(HF_CONFIGS["deepseek_v3"]).config_from_hf(HF_CONFIGS["deepseek_v3"])
+    config = ModelConfig.from_megatron_args({**deepseek.megatron_args(), "mtp_num_layers": 1})
+    with pytest.raises(ReshardError, match="mtp_num_layers"):
+        family_by_name("deepseek_v3").check_megatron(config)
