@@ -43,11 +43,9 @@ from reshard.errors import ReshardError
 # transformers builds q_a_layernorm and kv_a_layernorm with this epsilon whatever rms_norm_eps says; Megatron
 # uses its one layernorm_epsilon for every norm.
 HF_LATENT_NORM_EPS = 1e-6
-# The YaRN keys an HF dict may give, with transformers' defaults where it has them.
+# The keys of an HF yarn dict that reshard reads or checks; any other is refused.
 _YARN_KEYS = {"rope_type", "type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
               "mscale_all_dim", "truncate", "attention_factor", "rope_theta"}
-
-
 # HF yarn key -> MLA field.
 _YARN_TO_HF = {"factor": "rotary_scaling_factor", "original_max_position_embeddings": "original_max_position_embeddings",
                "beta_fast": "beta_fast", "beta_slow": "beta_slow", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim"}
