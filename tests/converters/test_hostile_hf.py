@@ -470,7 +470,7 @@ MUST_REFUSE = [
     ("qwen3", "partial_rotary_factor", "half", "partial_rotary_factor"),
     ("deepseek_v3", "kv_lora_rank", 0, "kv_lora_rank=0"),
     ("deepseek_v3", "q_lora_rank", "24", 'q_lora_rank="24"'),
-    ("deepseek_v3", "first_k_dense_replace", None, "first_k_dense_replace=None"),
+    ("deepseek_v3", "first_k_dense_replace", None, "first_k_dense_replace=null"),
     ("deepseek_v3", "rope_parameters.original_max_position_embeddings", 0, "original_max_position_embeddings=0"),
     ("deepseek_v3", "rope_parameters.mscale", "abc", "rope_scaling.mscale"),
 ]
