@@ -227,8 +227,9 @@ def refuse(what: str, hint: str) -> ReshardError:
 # default for a missing value (the field is read as `hf.get(...) or default`).
 HF_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
            "moe_intermediate_size", "vocab_size", "max_position_embeddings", "num_local_experts", "num_experts",
-           "num_experts_per_tok", "decoder_sparse_step", "shared_expert_intermediate_size", "n_embd", "n_layer", "n_head", "n_inner", "n_positions")
-HF_NULLABLE = ("num_key_value_heads", "head_dim", "n_inner", "num_local_experts", "num_experts")
+           "num_experts_per_tok", "decoder_sparse_step", "shared_expert_intermediate_size", "n_embd", "n_layer", "n_head", "n_inner",
+           "n_positions", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+HF_NULLABLE = ("num_key_value_heads", "head_dim", "n_inner", "num_local_experts", "num_experts", "q_lora_rank")
 HF_POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
 HF_BOOLS = ("tie_word_embeddings", "norm_topk_prob", "qkv_bias")
 MAX_INT = 1 << 31  # far past any model's sizes; a product of a few stays within numpy's int64 shapes
@@ -353,6 +354,15 @@ L = "{layer}"
 E = "{expert}"
 
 
+def at_layer(mapping: Mapping, layer: int) -> Mapping:
+    """`mapping` for one layer of a model keyed per layer (`ModelConfig.per_layer_names`): the Megatron name
+    under `decoder.layers.{layer}.`, the HF names with the layer filled in."""
+    out = copy.copy(mapping)
+    object.__setattr__(out, "megatron", mapping.megatron.replace("decoder.layers.", f"decoder.layers.{layer}.", 1))
+    object.__setattr__(out, "hf", tuple(name.replace(L, str(layer)) for name in mapping.hf))
+    return out
+
+
 # The Megatron features of a Llama-style decoder; families state how they differ from it.
 LLAMA_SIGNATURE: dict[str, Any] = {
     "normalization": "RMSNorm",
@@ -362,6 +372,12 @@ LLAMA_SIGNATURE: dict[str, Any] = {
     "qk_layernorm": False,
     "position_embedding_type": "rope",
     "moe": False,
+    "multi_latent_attention": False,
+    # Megatron's default router (softmax over the top-k logits), which Mixtral and Qwen-MoE use
+    "moe_router_score_function": "softmax",
+    "moe_router_enable_expert_bias": False,
+    "moe_router_num_groups": None,
+    "moe_router_topk_scaling_factor": None,
 }
 
 
@@ -414,7 +430,6 @@ class Family:
         hidden = int(hf["hidden_size"])
         head_dim = int(hf.get("head_dim") or hidden // heads)
         theta, scaling = rope_from_hf(hf)
-        rope_scaling, factor = check_rope_scaling(scaling)
         vocab = int(hf["vocab_size"])
         config = ModelConfig(
             num_layers=int(hf["num_hidden_layers"]),
@@ -429,8 +444,7 @@ class Family:
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             position_embedding_type="rope",
             rotary_base=theta,
-            rope_scaling=rope_scaling,
-            rope_scaling_factor=factor,
+            **self.rope_scaling_from_hf(scaling, hf),
             normalization="RMSNorm",
             norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
             swiglu=True,
@@ -440,6 +454,11 @@ class Family:
         config = self.adjust_from_hf(config, hf)
         extras = {"hf_rope_scaling": copy.deepcopy(scaling)} if scaling else {}
         return config, extras
+
+    def rope_scaling_from_hf(self, scaling: dict[str, Any] | None, hf: dict[str, Any]) -> dict[str, Any]:
+        """The ModelConfig fields of an HF rope scaling dict (None: no scaling) of config `hf`."""
+        rope_scaling, factor = check_rope_scaling(scaling)
+        return {"rope_scaling": rope_scaling, "rope_scaling_factor": factor}
 
     def adjust_from_hf(self, config: ModelConfig, hf: dict[str, Any]) -> ModelConfig:
         """Family-specific fields (biases, q/k norms, experts)."""
@@ -478,6 +497,11 @@ class Family:
             "shared_experts": bool(config.moe_shared_expert_intermediate_size),
             "shared_expert_gate": config.moe_shared_expert_gate,
             "router_pre_softmax": config.moe_router_pre_softmax,
+            "multi_latent_attention": config.multi_latent_attention,
+            "moe_router_score_function": config.moe_router_score_function,
+            "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
+            "moe_router_num_groups": config.moe_router_num_groups,
+            "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor,
         }
 
     def matches(self, config: ModelConfig) -> bool:
@@ -515,14 +539,16 @@ class Family:
     def adjust_to_hf(self, out: dict[str, Any], config: ModelConfig) -> None:
         return None
 
-    @staticmethod
-    def _rope_to_hf(out: dict[str, Any], config: ModelConfig, saved_scaling: dict[str, Any] | None) -> None:
-        scaling = None
-        if config.rope_scaling:
-            if saved_scaling and float(saved_scaling.get("factor", 8.0)) == config.rope_scaling_factor:
-                scaling = copy.deepcopy(saved_scaling)
-            else:
-                scaling = {"rope_type": "llama3", "factor": config.rope_scaling_factor, **MEGATRON_LLAMA3_ROPE}
+    def rope_scaling_to_hf(self, config: ModelConfig, saved_scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The HF rope scaling dict of `config` (None: none); `saved_scaling` is the imported one, kept where it agrees."""
+        if not config.rope_scaling:
+            return None
+        if saved_scaling and float(saved_scaling.get("factor", 8.0)) == config.rope_scaling_factor:
+            return copy.deepcopy(saved_scaling)
+        return {"rope_type": "llama3", "factor": config.rope_scaling_factor, **MEGATRON_LLAMA3_ROPE}
+
+    def _rope_to_hf(self, out: dict[str, Any], config: ModelConfig, saved_scaling: dict[str, Any] | None) -> None:
+        scaling = self.rope_scaling_to_hf(config, saved_scaling)
         if isinstance(out.get("rope_parameters"), dict):  # transformers v5 style, kept as the source had it
             out["rope_parameters"] = {"rope_theta": config.rotary_base, **(scaling or {"rope_type": "default"})}
             out.pop("rope_scaling", None)

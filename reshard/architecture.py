@@ -24,8 +24,43 @@ def _linear(prefix: str, out_features: int, in_features: int, bias: bool, lead: 
     return shapes
 
 
+def _mla(c: ModelConfig, L: list[int]) -> dict[str, tuple[int, ...]]:
+    """Multi-latent attention: queries through an optional low-rank latent, keys and values through one shared
+    latent plus the decoupled rotary key dims."""
+    attn, h, heads = "decoder.layers.self_attention.", c.hidden_size, c.num_attention_heads
+    q_rows = heads * (c.qk_head_dim + c.qk_pos_emb_head_dim)
+    out = _norm("decoder.layers.input_layernorm.", c, h, L)
+    if c.q_lora_rank:
+        out.update(_linear(f"{attn}linear_q_down_proj.", c.q_lora_rank, h, False, L))
+        if c.qk_layernorm:
+            out.update(_norm(f"{attn}linear_q_up_proj.layer_norm_", c, c.q_lora_rank, L))
+        out.update(_linear(f"{attn}linear_q_up_proj.", q_rows, c.q_lora_rank, False, L))
+    else:
+        out.update(_linear(f"{attn}linear_q_proj.", q_rows, h, False, L))
+    out.update(_linear(f"{attn}linear_kv_down_proj.", c.kv_lora_rank + c.qk_pos_emb_head_dim, h, False, L))
+    if c.qk_layernorm:  # Megatron's MLA normalises the latents only with qk_layernorm (DeepSeek sets it)
+        out.update(_norm(f"{attn}linear_kv_up_proj.layer_norm_", c, c.kv_lora_rank, L))
+    out.update(_linear(f"{attn}linear_kv_up_proj.", heads * (c.qk_head_dim + c.v_head_dim), c.kv_lora_rank, False, L))
+    out.update(_linear(f"{attn}linear_proj.", h, heads * c.v_head_dim, c.add_bias_linear, L))
+    return out
+
+
 def model_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> global shape, with every decoder layer stacked on a leading layer axis."""
+    """Canonical name -> global shape, with every decoder layer stacked on a leading layer axis; where MoE and
+    dense layers mix (`per_layer_names`), each layer's tensors under `decoder.layers.{i}.` without it."""
+    if not config.per_layer_names:
+        return _stacked(config)
+    kinds = {moe: _stacked(config.replace(num_layers=1, moe_layer_freq=1, **({} if moe else {"num_experts": None})))
+             for moe in (False, True)}
+    out = {name: shape for name, shape in kinds[True].items() if not name.startswith("decoder.layers.")}
+    for layer, moe in enumerate(config.moe_layers):
+        for name, shape in kinds[moe].items():
+            if name.startswith("decoder.layers."):
+                out[name.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)] = shape[1:]
+    return out
+
+
+def _stacked(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     c = config
     h, L = c.hidden_size, [c.num_layers]
     gate = 2 if c.swiglu else 1
@@ -33,19 +68,24 @@ def model_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if c.position_embedding_type == "learned_absolute":
         out["embedding.position_embeddings.weight"] = (c.max_position_embeddings, h)
     attn = "decoder.layers.self_attention."
-    out.update(_norm(f"{attn}linear_qkv.layer_norm_", c, h, L))
-    qkv_rows = (c.num_attention_heads + 2 * c.groups) * c.head_dim
-    out.update(_linear(f"{attn}linear_qkv.", qkv_rows, h, c.add_qkv_bias or c.add_bias_linear, L))
-    if c.qk_layernorm:
-        out.update(_norm(f"{attn}q_layernorm.", c, c.head_dim, L))
-        out.update(_norm(f"{attn}k_layernorm.", c, c.head_dim, L))
-    out.update(_linear(f"{attn}linear_proj.", h, c.num_attention_heads * c.head_dim, c.add_bias_linear, L))
+    if c.multi_latent_attention:
+        out.update(_mla(c, L))
+    else:
+        out.update(_norm(f"{attn}linear_qkv.layer_norm_", c, h, L))
+        qkv_rows = (c.num_attention_heads + 2 * c.groups) * c.head_dim
+        out.update(_linear(f"{attn}linear_qkv.", qkv_rows, h, c.add_qkv_bias or c.add_bias_linear, L))
+        if c.qk_layernorm:
+            out.update(_norm(f"{attn}q_layernorm.", c, c.head_dim, L))
+            out.update(_norm(f"{attn}k_layernorm.", c, c.head_dim, L))
+        out.update(_linear(f"{attn}linear_proj.", h, c.num_attention_heads * c.head_dim, c.add_bias_linear, L))
     mlp = "decoder.layers.mlp."
     if c.is_moe:
         assert c.num_experts is not None
         ffn = c.moe_ffn_hidden_size or c.ffn_hidden_size
         out.update(_norm("decoder.layers.pre_mlp_layernorm.", c, h, L))
         out[f"{mlp}router.weight"] = (c.num_layers, c.num_experts, h)
+        if c.moe_router_enable_expert_bias:
+            out[f"{mlp}router.expert_bias"] = (c.num_layers, c.num_experts)
         lead = [c.num_layers, c.num_experts]
         out.update(_linear(f"{mlp}experts.experts.linear_fc1.", gate * ffn, h, c.add_bias_linear, lead))
         out.update(_linear(f"{mlp}experts.experts.linear_fc2.", h, ffn, c.add_bias_linear, lead))
@@ -67,6 +107,11 @@ def model_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 # The arguments behind each axis of a tensor's shape, by a fragment of its name (first match).
 _AXIS_FIELDS = (
+    ("linear_q_down_proj.", ("q_lora_rank", "hidden_size")),
+    ("linear_q_up_proj.", ("num_attention_heads, qk_head_dim, qk_pos_emb_head_dim", "q_lora_rank")),
+    ("linear_q_proj.", ("num_attention_heads, qk_head_dim, qk_pos_emb_head_dim", "hidden_size")),
+    ("linear_kv_down_proj.", ("kv_lora_rank, qk_pos_emb_head_dim", "hidden_size")),
+    ("linear_kv_up_proj.", ("num_attention_heads, qk_head_dim, v_head_dim", "kv_lora_rank")),
     ("linear_qkv.", ("num_attention_heads, num_query_groups, kv_channels", "hidden_size")),
     ("linear_proj.", ("hidden_size", "num_attention_heads, kv_channels")),
     ("linear_fc1.", ("ffn_hidden_size (or moe_ffn_hidden_size), swiglu", "hidden_size")),

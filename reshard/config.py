@@ -26,9 +26,13 @@ _UNMODELED: dict[str, Any] = {
     "rotary_interleaved": False,
     "rotary_seq_len_interpolation_factor": None,
     "apply_layernorm_1p": False,
-    "moe_router_score_function": "softmax",
-    "moe_router_topk_scaling_factor": None,
+    "mtp_num_layers": None,  # multi-token prediction: its mtp.layers.* are not mapped to HF (nor resharded) yet
 }
+
+
+# The MLATransformerConfig fields a multi-latent-attention model is built with (besides rope_type).
+MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+              "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 @dataclass(frozen=True)
@@ -62,11 +66,36 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_gate: bool = False  # the shared experts' output scaled by sigmoid(gate_weight . x)
     moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (no renormalising)
-    moe_layer_freq: int = 1
+    moe_layer_freq: int | tuple[int, ...] = 1  # an MoE layer every N layers, or a 0/1 (dense/MoE) per layer
+    # Routing (DeepSeek-V3's): sigmoid scores, a per-expert bias added for the choice only, group-limited top-k,
+    # the chosen weights renormalised (sigmoid with top-k > 1) and scaled.
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    # Multi-latent attention (DeepSeek-V2/V3), under Megatron-LM's argument names and defaults.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # None: queries projected straight from the hidden state (linear_q_proj)
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128  # the per-head query/key dims without position embedding
+    qk_pos_emb_head_dim: int = 64  # the decoupled rotary dims, shared by all heads on the key side
+    v_head_dim: int = 128
+    rope_type: str | None = None  # "rope" | "yarn"; None: yarn with MLA, rope otherwise (Megatron-LM)
+    rotary_scaling_factor: float = 1.0  # YaRN's factor
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
     params_dtype: str = "float32"
     # Megatron options set away from their defaults that change the model's math in ways this tool does
     # not model (`_UNMODELED`): resharding carries them in the args; an HF export refuses them.
     unmodeled: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if isinstance(self.moe_layer_freq, list):  # Megatron's args and JSON give a list; the config stays hashable
+            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
 
     @property
     def groups(self) -> int:
@@ -77,12 +106,33 @@ class ModelConfig:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
+    def mla_rope_type(self) -> str:
+        return self.rope_type or ("yarn" if self.multi_latent_attention else "rope")
+
+    @property
     def tied_embeddings(self) -> bool:
         return not self.untie_embeddings_and_output_weights
 
     @property
     def is_moe(self) -> bool:
         return bool(self.num_experts)
+
+    @property
+    def moe_layers(self) -> list[bool]:
+        """Which layers are mixture-of-experts layers (Megatron's reading of moe_layer_freq)."""
+        if not self.is_moe:
+            return [False] * self.num_layers
+        if isinstance(self.moe_layer_freq, int):
+            return [i % self.moe_layer_freq == 0 for i in range(self.num_layers)]
+        if len(self.moe_layer_freq) != self.num_layers or set(self.moe_layer_freq) - {0, 1}:
+            raise ReshardError(f"moe_layer_freq={list(self.moe_layer_freq)} is not a 0 or 1 for each of the {self.num_layers} layers")
+        return [bool(flag) for flag in self.moe_layer_freq]
+
+    @property
+    def per_layer_names(self) -> bool:
+        """Megatron-Core keys every layer apart (`decoder.layers.{i}.`, no layer axis) in torch_dist when MoE and
+        dense layers may mix: for any list moe_layer_freq and any frequency above 1."""
+        return self.is_moe and (isinstance(self.moe_layer_freq, tuple) or self.moe_layer_freq > 1)
 
     @property
     def vocab_rows(self) -> int:
@@ -142,4 +192,6 @@ class ModelConfig:
         out["kv_channels"] = self.head_dim
         out["use_rope_scaling"] = self.rope_scaling
         del out["unmodeled"]  # the source's own values of those options travel in its args
+        if isinstance(self.moe_layer_freq, tuple):
+            out["moe_layer_freq"] = list(self.moe_layer_freq)
         return out

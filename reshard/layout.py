@@ -142,6 +142,11 @@ class Layout:
             (config.groups, self.tp, "query groups (GQA)"),
             (config.ffn_hidden_size, self.tp, "FFN hidden size"),
         ]
+        if config.multi_latent_attention:  # the local spec's down projections are column-parallel
+            if config.q_lora_rank:
+                checks.append((config.q_lora_rank, self.tp, "q_lora_rank rows (linear_q_down_proj)"))
+            checks.append((config.kv_lora_rank + config.qk_pos_emb_head_dim, self.tp,
+                           "kv_lora_rank + qk_pos_emb_head_dim rows (linear_kv_down_proj)"))
         if config.is_moe:
             checks.append((config.num_experts, self.ep, "experts"))
             checks.append((config.moe_ffn_hidden_size or config.ffn_hidden_size, self.expert_tp, "expert FFN hidden size"))

@@ -51,6 +51,10 @@ PARTITION_RULES: tuple[tuple[str, Rule], ...] = (
     (r"^output_layer\.weight$", Rule(Split.COLUMN, vocab=True)),
     (r"embedding\.position_embeddings\.weight$", Rule(Split.NONE)),
     (r"linear_qkv\.(weight|bias)$", Rule(Split.COLUMN)),
+    # Multi-latent attention: the up projections split by heads. The down projections are column-parallel in
+    # the local spec (their outputs gathered before the latent norms); Transformer Engine's spec keeps them
+    # whole on every rank, which only per-rank (legacy) files show (`megatron_legacy` refuses that case).
+    (r"(linear_q_proj|linear_q_up_proj|linear_kv_up_proj|linear_q_down_proj|linear_kv_down_proj)\.weight$", Rule(Split.COLUMN)),
     (r"linear_fc1\.(weight|bias)$", Rule(Split.COLUMN, gated=True)),
     (r"(linear_proj|linear_fc2)\.weight$", Rule(Split.ROW)),
     (r"(linear_proj|linear_fc2)\.bias$", Rule(Split.NONE)),  # row-parallel biases are added after the reduce

@@ -36,35 +36,56 @@ _SPELLINGS: dict[tuple[str, bool, bool], dict[str, str]] = {
         "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     },
 }
+# Multi-latent attention's local spec keeps its norms as modules and maps no names in either format, where
+# Transformer Engine fuses the q/kv latent norms into the up projections and a dense pre-MLP norm into fc1.
+_MLA_LOCAL = {
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
+}
+_MLA_LOCAL_DENSE = {
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+_INDEXED = re.compile(r"^(?:.*\.)?decoder\.layers\.(\d+)\.")
+_EXPERT_MODULE = re.compile(r"(?<!shared_)experts\.experts\.")
 _LAYER_NAME = re.compile(r"^(?P<head>(?:.*\.)?decoder\.layers\.)(?P<index>\d+\.)?(?P<tail>.+)$")
 
 
-def _spelling(family: str, te: bool, moe: bool) -> dict[str, str]:
+def _spelling(family: str, te: bool, moe: bool, mla: bool) -> dict[str, str]:
+    if mla:
+        return {} if te else {**_MLA_LOCAL, **({} if moe else _MLA_LOCAL_DENSE)}
     return _SPELLINGS.get((family, te, moe), {})
 
 
-def spell(name: str, family: str, te: bool, moe: bool) -> str:
+def spell(name: str, family: str, te: bool, moe: bool, mla: bool = False) -> str:
     """Canonical name -> the name a `family` ("dist"/"legacy") checkpoint of that spec uses."""
     match = _LAYER_NAME.match(name)
     if not match:
         return name
     tail = match.group("tail")
-    tail = _spelling(family, te, moe).get(tail, tail)
+    tail = _spelling(family, te, moe, mla).get(tail, tail)
     return f"{match.group('head')}{match.group('index') or ''}{tail}"
 
 
-def canonical(name: str, family: str, moe: bool) -> str:
+def canonical(name: str, family: str, moe: bool, mla: bool = False) -> str:
     """A name as stored (either spec) -> canonical. The two specs never spell different things alike."""
     match = _LAYER_NAME.match(name)
     if not match:
         return name
     tail = match.group("tail")
     for te in (False, True):
-        inverse = {spelled: canon for canon, spelled in _spelling(family, te, moe).items()}
+        inverse = {spelled: canon for canon, spelled in _spelling(family, te, moe, mla).items()}
         if tail in inverse:
             tail = inverse[tail]
             break
     return f"{match.group('head')}{match.group('index') or ''}{tail}"
+
+
+def layer_is_moe(config: ModelConfig, name: str) -> bool:
+    """Whether `name` (a tensor or object key) belongs to an MoE layer: the model's kind, or its layer's where
+    MoE and dense layers mix (the spellings of the pre-MLP norm differ between the two)."""
+    match = _INDEXED.match(name)
+    return config.moe_layers[int(match.group(1))] if match and config.per_layer_names else config.is_moe
 
 
 def uses_te_names(args: dict) -> bool:
@@ -91,17 +112,38 @@ class ObjectKey:
         return cls(match["module"], tuple(map(int, match["offsets"].split("."))), tuple(map(int, match["shape"].split("."))))
 
     @property
+    def indexed(self) -> bool:
+        """Keyed per layer (`decoder.layers.{i}.`, offsets without a layer axis), as in a model of mixed layers."""
+        return bool(_INDEXED.match(self.module))
+
+    @property
     def layer(self) -> int | None:
+        if self.indexed:
+            return int(_INDEXED.match(self.module).group(1))
         return self.offsets[0] if self.module.startswith("decoder.layers.") else None
 
     @property
     def expert(self) -> int | None:
+        if self.indexed:
+            return self.offsets[0] if _EXPERT_MODULE.search(self.module) else None
         return self.offsets[1] if self.layer is not None and len(self.offsets) >= 2 else None
+
+    @property
+    def num_experts(self) -> int | None:
+        return None if self.expert is None else self.shape[0 if self.indexed else 1]
 
 
 def is_layout_bound(key: str) -> bool:
     """Objects that belong to one rank of one layout (RNG states) cannot follow a reshard."""
     return key.startswith("rng_state")
+
+
+def attention_linears(config: ModelConfig) -> list[str]:
+    """The linear modules of a layer's self-attention."""
+    if not config.multi_latent_attention:
+        return ["linear_qkv", "linear_proj"]
+    queries = ["linear_q_down_proj", "linear_q_up_proj"] if config.q_lora_rank else ["linear_q_proj"]
+    return [*queries, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]
 
 
 def default_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
@@ -110,8 +152,10 @@ def default_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
     Linear layers carry an (empty) extra state in both specs; Transformer Engine's attention too.
     Megatron's loader refuses a checkpoint that lacks them, and `None` is what an unused one holds.
     """
+    if config.per_layer_names:
+        return _per_layer_extra_state(config, te)
     L = config.num_layers
-    modules = ["self_attention.linear_qkv", "self_attention.linear_proj"]
+    modules = [f"self_attention.{name}" for name in attention_linears(config)]
     if te:
         modules.append("self_attention.core_attention")
     keys: list[ObjectKey] = []
@@ -126,3 +170,20 @@ def default_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
         modules += ["mlp.linear_fc1", "mlp.linear_fc2"]
     keys += [ObjectKey(f"decoder.layers.{m}._extra_state", (i,), (L,)) for m in modules for i in range(L)]
     return {str(k): None for k in keys}
+
+
+def _per_layer_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
+    """`default_extra_state` of a model keyed per layer: each layer's own modules, offsets without a layer axis
+    (Megatron-Core saves a dense layer's linear as `decoder.layers.{i}.mlp.linear_fc1._extra_state/shard_0_1`
+    and an expert's as `decoder.layers.{i}.mlp.experts.experts.linear_fc1._extra_state/shard_{e}_{E}`)."""
+    kinds = {moe: default_extra_state(config.replace(num_layers=1, moe_layer_freq=1, **({} if moe else {"num_experts": None})), te)
+             for moe in (False, True)}
+    out: dict[str, None] = {}
+    for layer, moe in enumerate(config.moe_layers):
+        for text in kinds[moe]:
+            key = ObjectKey.parse(text)
+            assert key is not None
+            experts = key.offsets[1:], key.shape[1:]
+            offsets, shape = experts if key.expert is not None else ((0,), (1,))
+            out[str(ObjectKey(key.module.replace("decoder.layers.", f"decoder.layers.{layer}.", 1), offsets, shape))] = None
+    return out

@@ -26,6 +26,11 @@ with gloo on a CPU-only torch). `apply()` redirects exactly those calls:
 * `optimizer.clip_grads.clip_grad_by_total_norm_fp32` asserts `grad.type() == 'torch.cuda.FloatTensor'`;
   on the CPU the same clipping runs with the assertion asking for float32 grads instead.
 
+Multi-latent attention with the local spec (not a CUDA matter, so not part of `apply()`):
+`local_mla_core_attention()` gives the core attention to build it with. MLA passes `k_channels`/`v_channels`
+to its core attention, which only Transformer Engine's accepts; and without Transformer Engine installed
+`multi_latent_attention` still believes it present (its import finds a stand-in), so its `HAVE_TE` is set False.
+
 Nothing is done when `torch.cuda.is_available()`; calling `apply()` again is harmless. Call it before
 building models (before the first `get_cuda_rng_tracker()` / `model_parallel_cuda_manual_seed()`).
 Every patch is guarded: a module or attribute that a newer megatron-core lacks is skipped.
@@ -49,6 +54,7 @@ _CUDA_MODULES = (
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.transformer.utils",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
     "megatron.core.transformer.moe.router",
     "megatron.core.transformer.moe.experts",
     "megatron.core.transformer.moe.token_dispatcher",
@@ -298,3 +304,20 @@ def apply() -> list[str]:
             module.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
             _applied.append(f"{name}.clip_grad_by_total_norm_fp32")
     return list(_applied)
+
+
+def local_mla_core_attention():
+    """Megatron-Core's local DotProductAttention, as multi-latent attention can build it (see the module
+    docstring): it drops the per-head key/value widths, which it takes from the config (kv_channels must
+    be the value head dim; query and key widths need no setting in its matmuls)."""
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if _import("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
+
+    class LocalMLADotProductAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    return LocalMLADotProductAttention

@@ -9,7 +9,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from reshard.config import ModelConfig
+from reshard.config import MLA_FIELDS, ModelConfig
 from reshard.layout import Layout
 from reshard.trainer import cpu_compat
 
@@ -53,7 +53,7 @@ def activation(config: ModelConfig):
 
 def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype = torch.float32):
     """Megatron's TransformerConfig for `config` at `layout` (no dropout, no fusions)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     on_gpu = torch.cuda.is_available()
     kwargs = dict(
@@ -102,36 +102,64 @@ def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype =
             moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
             moe_shared_expert_gate=config.moe_shared_expert_gate,
             moe_router_pre_softmax=config.moe_router_pre_softmax,
-            moe_layer_freq=config.moe_layer_freq,
+            moe_layer_freq=list(config.moe_layer_freq) if isinstance(config.moe_layer_freq, tuple) else config.moe_layer_freq,
+            moe_router_score_function=config.moe_router_score_function,
+            moe_router_enable_expert_bias=config.moe_router_enable_expert_bias,
+            moe_router_num_groups=config.moe_router_num_groups,
+            moe_router_group_topk=config.moe_router_group_topk,
+            moe_router_topk_scaling_factor=config.moe_router_topk_scaling_factor,
             # gloo cannot run the all-to-all dispatcher (see the shared doc); GPUs use Megatron's default.
             moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
             moe_grouped_gemm=False,
             moe_aux_loss_coeff=0.0,
             moe_router_load_balancing_type="none",
         )
+    if config.multi_latent_attention:
+        # The local core attention's output width is heads * kv_channels: the value head dim under MLA.
+        kwargs.update({key: getattr(config, key) for key in MLA_FIELDS}, rope_type=config.mla_rope_type,
+                      kv_channels=config.v_head_dim, rotary_base=config.rotary_base,
+                      rotary_percent=config.rotary_percent)
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def layer_spec(config: ModelConfig, tconfig, vp_stage: int | None):
+    """Megatron-Core's local layer spec for the model; where MoE and dense layers mix, its block spec (one per
+    layer of the stage)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    if config.per_layer_names:
+        spec = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization=config.normalization,
+                                          vp_stage=vp_stage)
+        layers = spec.layer_specs
+    else:
+        spec = get_gpt_layer_local_spec(
+            num_experts=config.num_experts if config.is_moe else None,
+            moe_grouped_gemm=False,
+            qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=config.multi_latent_attention,
+            normalization=config.normalization,
+        )
+        layers = [spec]
+    if config.multi_latent_attention:
+        for layer in layers:
+            layer.submodules.self_attention.submodules.core_attention = cpu_compat.local_mla_core_attention()
+    return spec
 
 
 def build_model(config: ModelConfig, layout: Layout, dtype: torch.dtype = torch.float32) -> list:
     """One GPTModel per virtual pipeline stage of this rank (init_parallel must have run)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     tconfig = transformer_config(config, layout, dtype)
-    spec = get_gpt_layer_local_spec(
-        num_experts=config.num_experts if config.is_moe else None,
-        moe_grouped_gemm=False,
-        qk_layernorm=config.qk_layernorm,
-        normalization=config.normalization,
-    )
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     models = []
     for vstage in range(layout.vpp):
         vp = vstage if layout.vpp > 1 else None
         model = GPTModel(
             config=tconfig,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=layer_spec(config, tconfig, vp),
             vocab_size=config.padded_vocab_for(layout.tp),
             max_sequence_length=config.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),

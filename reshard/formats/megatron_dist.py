@@ -51,7 +51,7 @@ from reshard.formats.megatron_tree import (
 from reshard.formats.model_args import RUN_CONFIG, args_from_file, bridge_args, save_run_config
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
-from reshard.naming import canonical, is_layout_bound, spell, uses_te_names
+from reshard.naming import canonical, is_layout_bound, layer_is_moe, spell, uses_te_names
 from reshard.paths import confined
 from reshard.sharding import Piece, Region, RegionIndex, region_size, shift, split_by_slab, to_slices
 from reshard.torchfile import PARSE_ERRORS, dcp_metadata
@@ -120,9 +120,10 @@ class TorchDistReader(CheckpointReader):
             else:
                 self.common.dropped.append(key)
         self.common.objects = LazyObjects(kept, lambda key: self._object(objects[key]))
-        moe = self.config.is_moe if self.config else any(".experts." in key for key in self.metadata.tensors)
+        named_moe = any(".experts." in key for key in self.metadata.tensors)  # without an architecture, the names tell
+        mla = self.config is not None and self.config.multi_latent_attention
         for key, entry in self.metadata.tensors.items():
-            name = canonical(key, "dist", moe)
+            name = canonical(key, "dist", layer_is_moe(self.config, key) if self.config else named_moe, mla)
             if name != key:  # the MoE pre-MLP norm gives the spec away
                 self.common.args.setdefault("transformer_impl", "local")
             try:
@@ -391,7 +392,7 @@ class TorchDistWriter(CheckpointWriter):
         self._sizes[record.index] = record.storage.offset + record.storage.length
 
     def _key(self, name: str) -> str:
-        return spell(name, "dist", self.te_names, self.config.is_moe)
+        return spell(name, "dist", self.te_names, layer_is_moe(self.config, name), self.config.multi_latent_attention)
 
     def _write_objects(self) -> list[str]:
         """Per-module objects go into the first rank's file, as Megatron's replica 0 saves them."""

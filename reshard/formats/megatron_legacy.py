@@ -44,7 +44,7 @@ from reshard.formats.megatron_tree import (
 )
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
-from reshard.naming import ObjectKey, canonical, spell, uses_te_names
+from reshard.naming import ObjectKey, canonical, layer_is_moe, spell, uses_te_names
 from reshard.paths import confined
 from reshard.sharding import (
     Piece,
@@ -77,11 +77,21 @@ def is_legacy(path: Path) -> bool:
     return tree is not None and any(_RANK_DIR.match(p.name) for p in tree.iteration_dir.iterdir())
 
 
-def local_name(name: str, piece: Piece, te_names: bool, moe: bool) -> str:
+def refuse_te_mla(config: ModelConfig, layout: Layout, te_names: bool) -> None:
+    """Transformer Engine's MLA keeps the down projections whole on every TP rank where the local spec splits
+    them (`logical.PARTITION_RULES`); torch_dist stores both alike, per-rank files do not."""
+    if te_names and config.multi_latent_attention and layout.tp > 1:
+        raise ReshardError(
+            "multi_latent_attention with Transformer Engine names in the legacy format at TP>1 is not supported "
+            "(its linear_q_down_proj/linear_kv_down_proj are not TP-split); use torch_dist or --naming local"
+        )
+
+
+def local_name(name: str, piece: Piece, te_names: bool, moe: bool, mla: bool = False) -> str:
     """The name of a piece of logical tensor `name` in its rank's `model` state dict."""
     if piece.alias:
         return piece.alias
-    return _localize(spell(name, "legacy", te_names, moe), piece.local_layer, piece.local_expert)
+    return _localize(spell(name, "legacy", te_names, moe, mla), piece.local_layer, piece.local_expert)
 
 
 def _localize(name: str, local_layer: int | None, local_expert: int | None) -> str:
@@ -95,7 +105,7 @@ def _localize(name: str, local_layer: int | None, local_expert: int | None) -> s
     return f"{name.split('decoder.layers.', 1)[0]}decoder.layers.{local_layer}.{tail}"
 
 
-def _globalize(name: str, moe: bool) -> tuple[str, int | None, int | None]:
+def _globalize(name: str, moe: bool, mla: bool = False) -> tuple[str, int | None, int | None]:
     """Local name -> (canonical stacked name, stage-local layer, rank-local expert)."""
     match = _LOCAL_LAYER.match(name)
     if not match:
@@ -105,7 +115,7 @@ def _globalize(name: str, moe: bool) -> tuple[str, int | None, int | None]:
     if expert_match:
         expert = int(expert_match.group("index"))
         tail = _LOCAL_EXPERT.sub("mlp.experts.experts.", tail)
-    return canonical(f"{match.group('head')}{tail}", "legacy", moe), int(match.group("index")), expert
+    return canonical(f"{match.group('head')}{tail}", "legacy", moe, mla), int(match.group("index")), expert
 
 
 def _model_keys(vpp: int) -> list[str]:
@@ -125,6 +135,7 @@ class LegacyReader(CheckpointReader):
         self.config = ModelConfig.from_megatron_args(args)
         self.layout = Layout.from_megatron_args(args)
         self.te_names = uses_te_names(args)
+        refuse_te_mla(self.config, self.layout, self.te_names)
         self._states: dict[RankCoord, dict[str, Any]] = {}
         self._files: dict[RankCoord, RecordFile] = {}
         self._present = {rank for rank in ranks(self.layout) if self._rank_file(rank.legacy_dirname(self.layout)).is_file()}
@@ -199,7 +210,9 @@ class LegacyReader(CheckpointReader):
                 rank = RankCoord(pp=chunk % layout.pp, tp=0, ep=ep, vstage=chunk // layout.pp)
                 dense, experts = self._holder(rank, experts=False), self._holder(rank, experts=moe)
                 for name, value in self._entries(dense, experts):
-                    logical, local_layer, local_expert = _globalize(name, moe)
+                    logical, local_layer, local_expert = _globalize(name, moe, config.multi_latent_attention)
+                    if local_layer is not None and config.per_layer_names:  # a dense layer among MoE ones: its own spelling
+                        logical = _globalize(name, config.moe_layers[layers.start + local_layer], config.multi_latent_attention)[0]
                     local = archive_tensor(value)
                     if name.endswith("_extra_state"):
                         self._add_object(logical, layers.start, local_layer, local_expert, ep, value)
@@ -229,12 +242,12 @@ class LegacyReader(CheckpointReader):
         for name, tensor in singles.items():
             specs[name] = self._global_spec(name, tensor, layer_axis=False)
         for name, by_layer in per_layer.items():
-            if len(by_layer) == config.num_layers:
+            if len(by_layer) == config.num_layers and not config.per_layer_names:
                 specs[name] = self._global_spec(name, next(iter(by_layer.values())), layer_axis=True)
-            elif not (moe and config.moe_layer_freq != 1):
+            elif not config.per_layer_names:
                 missing = sorted(set(range(config.num_layers)) - set(by_layer))
                 raise ReshardError(f"{name} is missing for layer(s) {missing[:8]}: the checkpoint is incomplete")
-            else:  # MoE and dense layers interleaved: one logical tensor per layer, as torch_dist names them
+            else:  # MoE and dense layers mixed: one logical tensor per layer, as torch_dist names them
                 for layer, tensor in by_layer.items():
                     per_name = name.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
                     specs[per_name] = self._global_spec(per_name, tensor, layer_axis=False)
@@ -252,11 +265,16 @@ class LegacyReader(CheckpointReader):
             return  # output_layer's (always empty) extra state: the writer recreates it
         if local_expert is None and ep > 0:
             return
-        offsets, shape = (first_layer + local_layer,), (self.config.num_layers,)
+        config, layer = self.config, first_layer + local_layer
+        offsets, shape = (layer,), (config.num_layers,)
+        if config.per_layer_names:  # keyed per layer, as torch_dist keys a model of mixed layers
+            module, offsets, shape = module.replace("decoder.layers.", f"decoder.layers.{layer}.", 1), (), ()
         if local_expert is not None:
-            assert self.config.num_experts is not None
-            offsets += (ep * (self.config.num_experts // self.layout.ep) + local_expert,)
-            shape += (self.config.num_experts,)
+            assert config.num_experts is not None
+            offsets += (ep * (config.num_experts // self.layout.ep) + local_expert,)
+            shape += (config.num_experts,)
+        if not offsets:
+            offsets, shape = (0,), (1,)
         self.common.objects[str(ObjectKey(module, offsets, shape))] = value
 
     def _global_spec(self, name: str, local: TensorRecord, layer_axis: bool) -> TensorSpec:
@@ -279,7 +297,7 @@ class LegacyReader(CheckpointReader):
 
     def _local(self, name: str, piece: Piece) -> TensorRecord:
         """Where the rank's tensor that holds `piece` lies in its file."""
-        local_key = local_name(name, piece, self.te_names, self.config.is_moe)
+        local_key = local_name(name, piece, self.te_names, layer_is_moe(self.config, name), self.config.multi_latent_attention)
         holder = self._piece_holder(name, piece)
         model = self._model(holder)
         if local_key not in model:
@@ -357,6 +375,7 @@ class LegacyWriter(CheckpointWriter):
         super().__init__(*args, **kwargs)
         te_names = self.options.te_names
         self.te_names = uses_te_names(self.common.args) if te_names is None else te_names
+        refuse_te_mla(self.config, self.layout, self.te_names)
         self.directory = self.path / iteration_dirname(self.common.iteration)
         self._streams: dict[RankCoord, StreamingTorchSave] = {}
         self._models: dict[RankCoord, list[dict[str, Any]]] = {}
@@ -376,7 +395,8 @@ class LegacyWriter(CheckpointWriter):
 
     def _local_key(self, spec: TensorSpec, group: list[Piece]) -> tuple[RankCoord, int, str]:
         rank = group[0].rank
-        return RankCoord(pp=rank.pp, tp=rank.tp, ep=rank.ep), rank.vstage, local_name(spec.name, group[0], self.te_names, self.config.is_moe)
+        key = local_name(spec.name, group[0], self.te_names, layer_is_moe(self.config, spec.name), self.config.multi_latent_attention)
+        return RankCoord(pp=rank.pp, tp=rank.tp, ep=rank.ep), rank.vstage, key
 
     @classmethod
     def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:
@@ -449,7 +469,7 @@ class LegacyWriter(CheckpointWriter):
             pp, vstage, local_layer = layout.chunk_of_layer(config.num_layers, key.layer)
             ep_ranks, local_expert = list(range(layout.ep)), None
             if key.expert is not None:
-                per_rank = key.shape[1] // layout.ep
+                per_rank = key.num_experts // layout.ep
                 ep_ranks, local_expert = [key.expert // per_rank], key.expert % per_rank
             name = _localize(key.module, local_layer, local_expert)
             for tp in range(layout.tp):

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from reshard.config import _UNMODELED, ModelConfig, pad_vocab
+from reshard.config import _UNMODELED, MLA_FIELDS, ModelConfig, pad_vocab
 from reshard.errors import ReshardError
 from reshard.layout import Layout
 
@@ -127,8 +127,15 @@ def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, 
         "moe_shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
         "moe_shared_expert_gate": config.moe_shared_expert_gate,
         "moe_router_pre_softmax": config.moe_router_pre_softmax,
-        "moe_layer_freq": config.moe_layer_freq,
+        "moe_layer_freq": config.megatron_args()["moe_layer_freq"],
+        "moe_router_score_function": config.moe_router_score_function,
+        "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
+        "moe_router_num_groups": config.moe_router_num_groups,
+        "moe_router_group_topk": config.moe_router_group_topk,
+        "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor,
     }
+    if config.multi_latent_attention:  # Bridge's MLA providers take Megatron-Core's MLATransformerConfig fields
+        model.update({key: getattr(config, key) for key in MLA_FIELDS}, rope_type=config.mla_rope_type, kv_channels=config.v_head_dim)
     chosen = {key: args.get(key, default) for key, default in _UNMODELED.items()} | layout.megatron_args()
     model.update({_BRIDGE_NAMES.get(key, key): value for key, value in chosen.items()})
     (directory / RUN_CONFIG).write_text(yaml.safe_dump({"model": model}, sort_keys=False))

@@ -9,6 +9,12 @@ import torch
 VOCAB = 250  # not a multiple of 128 * tp: padding must be added on import and cut on export
 COMMON = dict(hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)
 
+# Multi-latent attention, all layers dense: distinct sizes for every MLA dim so a mix-up shows in the shapes
+DEEPSEEK = dict(COMMON, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=4, first_k_dense_replace=2,
+                kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4,
+                moe_intermediate_size=32, num_experts_per_tok=2, n_group=2, topk_group=1, num_nextn_predict_layers=0,
+                tie_word_embeddings=False)
+
 
 def _configs():
     import transformers as tf
@@ -19,6 +25,10 @@ def _configs():
                      num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=128, tie_word_embeddings=False)
     qwen3_moe = dict(COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
                      num_experts=4, num_experts_per_tok=2, max_position_embeddings=128, tie_word_embeddings=False)
+    # DeepSeek-V3's YaRN, scaled down: factor 4 over 128 original positions (the test sequences are shorter,
+    # but YaRN changes the frequencies and the attention scale at every position)
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
     return {
         "llama": tf.LlamaConfig(**COMMON, intermediate_size=128, num_hidden_layers=4, num_key_value_heads=2,
                                 max_position_embeddings=16384, rope_theta=500000.0, rope_scaling=llama3),
@@ -36,13 +46,22 @@ def _configs():
         "qwen3_moe_softmax": tf.Qwen3MoeConfig(**qwen3_moe),  # norm_topk_prob false, as transformers defaults it
         "qwen2_moe": tf.Qwen2MoeConfig(**qwen2_moe),  # norm_topk_prob false, as transformers defaults it
         "qwen2_moe_topk_norm": tf.Qwen2MoeConfig(**qwen2_moe, norm_topk_prob=True),
+        "deepseek_v3": tf.DeepseekV3Config(**DEEPSEEK, q_lora_rank=24, max_position_embeddings=512, rope_parameters=yarn),
+        "deepseek_v3_q": tf.DeepseekV3Config(**DEEPSEEK, q_lora_rank=None, max_position_embeddings=128),
+        # every layer MoE: 4 routed experts in 2 groups (1 chosen), top-2, a shared expert, scaled weights
+        "deepseek_v3_moe": tf.DeepseekV3Config(**dict(DEEPSEEK, first_k_dense_replace=0), q_lora_rank=24,
+                                               max_position_embeddings=128, routed_scaling_factor=2.5),
+        # DeepSeek-V3's layout in small: the first layer dense, the next MoE (Megatron keys each layer apart)
+        "deepseek_v3_mixed": tf.DeepseekV3Config(**dict(DEEPSEEK, first_k_dense_replace=1), q_lora_rank=24,
+                                                 max_position_embeddings=128),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
                               activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
 
 
-MOE = {"mixtral", "qwen3_moe", "qwen2_moe"}
-NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "gpt2"]
+MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3_moe", "deepseek_v3_mixed"}
+NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v3_q",
+         "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2"]
 
 
 def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
@@ -58,6 +77,9 @@ def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
                 p.copy_((1.0 if pname.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.1 * torch.randn_like(p))
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # DeepSeek's routing bias, saved like a weight
+                b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(directory, **save_kwargs)
     (directory / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')  # stands in for tokenizer files
     return directory

@@ -7,12 +7,14 @@ The checkpoints are written with local-spec names (--naming local), which is wha
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 
 from reshard.cli import main
-from reshard.converters.base import GatedMLP
+from reshard.converters.base import GatedMLP, Rename
+from reshard.converters.deepseek_v3 import DeepseekV3
 from reshard.converters.qwen2_moe import Qwen2Moe
 
 from hf_models import build
@@ -34,6 +36,13 @@ CASES = [
     ("qwen2_moe_topk_norm", "legacy", dict(tp=2)),  # the shared expert split over TP, its gate replicated
     ("gpt2", "legacy", dict(pp=2)),  # LayerNorm + biases, learned positions, tied, Conv1D
     ("llama", "torch_dist", dict(pp=2)),  # megatron's own dist_checkpointing.load
+    ("deepseek_v3", "torch_dist", dict()),  # multi-latent attention, YaRN on the rotary dims
+    ("deepseek_v3", "legacy", dict(tp=2)),  # MLA split by heads, the local spec's down projections by rows
+    ("deepseek_v3_q", "torch_dist", dict(pp=2)),  # queries without a latent (q_lora_rank null), plain RoPE
+    ("deepseek_v3_moe", "torch_dist", dict(ep=2)),  # sigmoid routing with expert bias and groups, shared experts
+    ("deepseek_v3_moe", "legacy", dict(tp=2)),
+    ("deepseek_v3_mixed", "torch_dist", dict(ep=2)),  # a dense layer, then an MoE one: keyed layer by layer
+    ("deepseek_v3_mixed", "legacy", dict(pp=2)),
 ]
 
 
@@ -85,3 +94,33 @@ def test_a_mapping_error_fails_the_logits_check(tmp_path, monkeypatch, sabotage)
     monkeypatch.setattr(Qwen2Moe, method, wrap(getattr(Qwen2Moe, method)))
     diff = max_logits_diff(tmp_path, "qwen2_moe", "legacy", {})
     assert diff > 1e-3, f"a wrong mapping gave logits within {diff} of transformers'"
+
+
+class RopeFirst(Rename):
+    """A wrong q_b_proj mapping: each head's rows as [rope; nope] where Megatron wants [nope; rope]."""
+
+    def to_megatron(self, tensors, config):
+        heads = tensors[0].reshape(config.num_attention_heads, -1, tensors[0].shape[-1])
+        nope, rope = np.split(heads, [config.qk_head_dim], axis=1)
+        return np.concatenate([rope, nope], axis=1).reshape(tensors[0].shape)
+
+
+class Dropped(Rename):
+    """A wrong mapping: the values lost (zeros), as a converter that skips a buffer leaves them."""
+
+    def to_megatron(self, tensors, config):
+        return np.zeros_like(tensors[0])
+
+
+@pytest.mark.parametrize("name,hf_tensor,wrong", [
+    ("deepseek_v3", "q_b_proj.weight", RopeFirst),
+    ("deepseek_v3_moe", "e_score_correction_bias", Dropped),
+], ids=["q_rope_first", "expert_bias_dropped"])
+def test_the_oracle_sees_a_wrong_deepseek_mapping(tmp_path, monkeypatch, name, hf_tensor, wrong):
+    right = DeepseekV3.mappings
+
+    def mappings(self, config):
+        return [wrong(m.megatron, m.hf[0]) if m.hf[0].endswith(hf_tensor) else m for m in right(self, config)]
+
+    monkeypatch.setattr(DeepseekV3, "mappings", mappings)
+    assert max_logits_diff(tmp_path, name, "torch_dist", {}) > 1e-3

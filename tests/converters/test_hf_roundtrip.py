@@ -189,6 +189,48 @@ def test_megatron_moe_with_a_gated_shared_expert_exports_as_qwen2_moe(tmp_path):
         cli("convert", without_gate, tmp_path / "hf2", "--to-format", "hf", "-q")
 
 
+def test_deepseek_mla_and_yarn_settings_carried(models, tmp_path):
+    with open_checkpoint(models["deepseek_v3"]) as reader:
+        c = reader.config
+        assert c.multi_latent_attention and c.qk_layernorm and (c.q_lora_rank, c.kv_lora_rank) == (24, 32)
+        assert (c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim, c.kv_channels) == (16, 8, 12, 12)
+        assert (c.mla_rope_type, c.rotary_scaling_factor, c.original_max_position_embeddings) == ("yarn", 4.0, 128)
+        assert (c.mscale, c.mscale_all_dim, c.beta_fast, c.beta_slow) == (1.0, 1.0, 32.0, 1.0)
+    with open_checkpoint(models["deepseek_v3_moe"]) as reader:
+        c = reader.config
+        assert (c.num_experts, c.moe_router_topk, c.moe_ffn_hidden_size, c.moe_shared_expert_intermediate_size) == (4, 2, 32, 32)
+        assert (c.moe_router_score_function, c.moe_router_enable_expert_bias, c.moe_router_topk_scaling_factor) == ("sigmoid", True, 2.5)
+        assert (c.moe_router_num_groups, c.moe_router_group_topk, c.moe_layer_freq) == (2, 1, 1)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_moe", "deepseek_v3_mixed"])
+def test_deepseek_config_json_comes_back_as_it_was(models, tmp_path, name):
+    """Through the layout-free store and back: every setting of config.json (MLA, YaRN, routing) survives."""
+    cli("convert", models[name], tmp_path / "m", "--to-format", "zarr", "-q")
+    cli("convert", tmp_path / "m", tmp_path / "back", "--to-format", "hf", "-q")
+    a, b = (json.loads((path / "config.json").read_text()) for path in (models[name], tmp_path / "back"))
+    assert {k: v for k, v in b.items() if k != "transformers_version"} == {k: v for k, v in a.items() if k != "transformers_version"}
+
+
+def test_multi_token_prediction_weights_are_refused_by_name(models, tmp_path):
+    """DeepSeek-V3's MTP module is saved as the layer after the last (model.layers.{num_hidden_layers}); reshard
+    does not map it yet, so a checkpoint with it must not convert without it."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(models["deepseek_v3"], bad)
+    tensors = hf_tensors(bad)
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):
+        tensors[f"model.layers.2.{name}"] = torch.ones(2, 2)
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))
+    with pytest.raises(ReshardError, match=r"model\.layers\.2\.eh_proj\.weight is not mapped"):
+        open_checkpoint(bad)
+
+
 def test_unmapped_tensor_is_refused(models, tmp_path):
     import shutil
 

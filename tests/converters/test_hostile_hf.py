@@ -419,7 +419,7 @@ def test_a_malformed_shard_of_a_model_is_refused_in_one_line(model, tmp_path, mo
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {name: build(name, root / name) for name in ("llama", "gpt2", "mixtral", "qwen3", "qwen2_moe")}
+    return {name: build(name, root / name) for name in ("llama", "gpt2", "mixtral", "qwen3", "qwen2_moe", "deepseek_v3")}
 
 
 def _edit_config(source: Path, target: Path, field: str, value) -> Path:
@@ -471,6 +471,11 @@ MUST_REFUSE = [
     ("qwen2_moe", "norm_topk_prob", "false", 'norm_topk_prob="false"'),
     ("qwen2_moe", "shared_expert_intermediate_size", 0, "shared_expert_intermediate_size=0"),
     ("qwen2_moe", "decoder_sparse_step", 2, "decoder_sparse_step"),
+    ("deepseek_v3", "kv_lora_rank", 0, "kv_lora_rank=0"),
+    ("deepseek_v3", "q_lora_rank", "24", 'q_lora_rank="24"'),
+    ("deepseek_v3", "first_k_dense_replace", None, "first_k_dense_replace=null"),
+    ("deepseek_v3", "rope_parameters.original_max_position_embeddings", 0, "original_max_position_embeddings=0"),
+    ("deepseek_v3", "rope_parameters.mscale", "abc", "rope_scaling.mscale"),
 ]
 
 
@@ -494,7 +499,7 @@ def _fields(config: dict, prefix: str = "") -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral", "qwen3", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral", "qwen3", "qwen2_moe", "deepseek_v3"])
 def test_fuzzed_config_values_never_end_in_an_internal_error(families, tmp_path, monkeypatch, capsys, family):
     """Every field of config.json set to each of BAD_VALUES, and config.json one of them: inspect answers or
     refuses in one line, never

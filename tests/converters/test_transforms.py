@@ -7,7 +7,7 @@ import pytest
 
 from reshard.architecture import model_tensors
 from reshard.config import ModelConfig
-from reshard.converters import FAMILIES, family_for_hf
+from reshard.converters import FAMILIES, family_by_name, family_for_hf
 from reshard.converters.base import (
     QKV,
     FusedQKV,
@@ -20,7 +20,9 @@ from reshard.converters.base import (
     split_gated,
     split_qkv,
 )
+from reshard.converters.deepseek_v3 import yarn_from_hf
 from reshard.errors import ReshardError
+from reshard.naming import ObjectKey, canonical, default_extra_state, layer_is_moe
 
 _rng = np.random.default_rng(0)
 
@@ -132,6 +134,14 @@ BASE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "nu
         "intermediate_size": 96, "vocab_size": 250, "max_position_embeddings": 128, "rms_norm_eps": 1e-6}
 
 
+YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+DEEPSEEK = {"num_key_value_heads": 4, "first_k_dense_replace": 2, "q_lora_rank": 24, "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "head_dim": 8}
+DEEPSEEK_MOE = dict(DEEPSEEK, first_k_dense_replace=0, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                    n_group=2, topk_group=1, moe_intermediate_size=32, norm_topk_prob=True, routed_scaling_factor=2.5)
+
+
 @pytest.mark.parametrize("arch,extra,match", [
     ("MistralForCausalLM", {"sliding_window": 4096}, "sliding_window"),
     ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 64}, "sliding_window"),
@@ -149,6 +159,18 @@ BASE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "nu
                              "qkv_bias": False}, "qkv_bias"),
     ("GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "scale_attn_by_inverse_layer_idx": True}, "inverse_layer"),
     ("FalconForCausalLM", {}, "not supported"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, first_k_dense_replace=-1), "first_k_dense_replace"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK_MOE, num_experts_per_tok=3), "topk_group"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK_MOE, norm_topk_prob=False), "norm_topk_prob"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK_MOE, n_group=3), "n_group"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK_MOE, n_shared_experts=0), "n_shared_experts"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_interleave=False), "rope_interleave"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, num_key_value_heads=2), "num_key_value_heads"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rms_norm_eps=1e-5), "rms_norm_eps"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_scaling={"rope_type": "llama3", "factor": 8.0}), "llama3"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_scaling=dict(YARN, attention_factor=1.2)), "attention_factor"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_scaling=dict(YARN, truncate=False)), "truncate"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_scaling=dict(YARN, mscale=0.0)), "mscale_all_dim without mscale"),
 ])
 def test_unmapped_hf_features_are_refused(arch, extra, match):
     hf = dict(BASE, architectures=[arch], **extra)
@@ -166,6 +188,7 @@ HF_CONFIGS = {
                       moe_intermediate_size=32, norm_topk_prob=True),
     "qwen2_moe": dict(BASE, architectures=["Qwen2MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    "deepseek_v3": dict(BASE, architectures=["DeepseekV3ForCausalLM"], **DEEPSEEK, rope_scaling=YARN),
     "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 250},
 }
 
@@ -194,3 +217,64 @@ def test_stacks_rows_says_exactly_when_the_hf_tensors_are_the_slab_cut_in_row_ba
         parts = [t.reshape(-1, *slab.shape[1:]) for t in mapping.to_hf(slab, config)]
         stacked = np.concatenate(parts) if all(p.shape[1:] == slab.shape[1:] for p in parts) else None
         assert mapping.stacks_rows == (stacked is not None and stacked.shape == slab.shape and np.array_equal(stacked, slab)), mapping.megatron
+
+
+def test_deepseek_yarn_maps_onto_mla_fields_as_transformers_reads_them():
+    fields = dict(rope_type="yarn", rotary_scaling_factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                  beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+    assert yarn_from_hf(YARN) == fields
+    # transformers ignores mscale without mscale_all_dim (cos/sin get yarn's default scale): Megatron's mscale 1, all_dim 0
+    alone = yarn_from_hf(dict(YARN, mscale=0.707, mscale_all_dim=0))
+    assert (alone["mscale"], alone["mscale_all_dim"]) == (1.0, 0.0)
+
+
+def test_deepseek_routing_is_no_other_family_s_and_the_other_routings_are_not_deepseek_s():
+    deepseek, _ = family_for_hf(HF_CONFIGS["deepseek_v3"]).config_from_hf(dict(HF_CONFIGS["deepseek_v3"], **DEEPSEEK_MOE))
+    mixtral, _ = family_for_hf(HF_CONFIGS["mixtral"]).config_from_hf(HF_CONFIGS["mixtral"])
+    sigmoid = mixtral.replace(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    with pytest.raises(ReshardError, match="moe_router_score_function='sigmoid'"):
+        family_by_name("mixtral").check_megatron(sigmoid)
+    with pytest.raises(ReshardError, match="sigmoid with an expert bias"):
+        family_by_name("deepseek_v3").check_megatron(deepseek.replace(moe_router_score_function="softmax"))
+    with pytest.raises(ReshardError, match="moe_layer_freq"):
+        family_by_name("deepseek_v3").check_megatron(deepseek.replace(moe_layer_freq=[1, 0]))  # MoE before dense
+
+
+def test_a_model_of_mixed_layers_is_keyed_layer_by_layer_as_megatron_saves_it():
+    """Names, shapes and object keys as a megatron-core 0.16.1 torch_dist save of a 3-layer MLA model with
+    moe_layer_freq=[0, 1, 1] (local spec, 4 experts, a shared expert) listed them."""
+    config, _ = family_for_hf(HF_CONFIGS["deepseek_v3"]).config_from_hf(
+        dict(HF_CONFIGS["deepseek_v3"], **dict(DEEPSEEK_MOE, num_hidden_layers=3, first_k_dense_replace=1)))
+    assert config.moe_layer_freq == (0, 1, 1) and config.per_layer_names and config.moe_layers == [False, True, True]
+    shapes = model_tensors(config)
+    assert not any(name.startswith("decoder.layers.") and not name[len("decoder.layers."):][0].isdigit() for name in shapes)
+    assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == (192, 64)
+    assert shapes["decoder.layers.1.mlp.experts.experts.linear_fc2.weight"] == (4, 64, 32)
+    assert shapes["decoder.layers.2.mlp.router.expert_bias"] == (4,)
+    assert "decoder.layers.0.mlp.router.weight" not in shapes and "decoder.layers.1.mlp.linear_fc1.weight" not in shapes
+    family = family_by_name("deepseek_v3")
+    assert {m.megatron for m in family.mappings(config)} == set(shapes)
+    router = next(m for m in family.mappings(config) if m.megatron == "decoder.layers.2.mlp.router.expert_bias")
+    assert router.hf_names() == ["model.layers.2.mlp.gate.e_score_correction_bias"]
+    objects = default_extra_state(config, te=False)
+    for key in ("decoder.layers.0.mlp.linear_fc1._extra_state/shard_0_1",
+                "decoder.layers.1.mlp.experts.experts.linear_fc1._extra_state/shard_3_4",
+                "decoder.layers.2.mlp.shared_experts.linear_fc2._extra_state/shard_0_1",
+                "decoder.layers.2.self_attention.linear_kv_up_proj._extra_state/shard_0_1"):
+        assert key in objects, key
+    key = ObjectKey.parse("decoder.layers.1.mlp.experts.experts.linear_fc1._extra_state/shard_3_4")
+    assert (key.layer, key.expert, key.num_experts) == (1, 3, 4)
+    key = ObjectKey.parse("decoder.layers.2.self_attention.linear_proj._extra_state/shard_0_1")
+    assert (key.layer, key.expert) == (2, None)
+    # the local spec spells a dense layer's pre-MLP norm like an MoE layer's; each comes back to its own canonical name
+    assert canonical("decoder.layers.0.pre_mlp_layernorm.weight", "dist", layer_is_moe(config, "decoder.layers.0.x"), True) \
+        == "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
+    assert canonical("decoder.layers.1.pre_mlp_layernorm.weight", "dist", layer_is_moe(config, "decoder.layers.1.x"), True) \
+        == "decoder.layers.1.pre_mlp_layernorm.weight"
+
+
+def test_a_megatron_model_with_multi_token_prediction_is_not_exported_without_it():
+    deepseek, _ = family_for_hf(HF_CONFIGS["deepseek_v3"]).config_from_hf(HF_CONFIGS["deepseek_v3"])
+    config = ModelConfig.from_megatron_args({**deepseek.megatron_args(), "mtp_num_layers": 1})
+    with pytest.raises(ReshardError, match="mtp_num_layers"):
+        family_by_name("deepseek_v3").check_megatron(config)
