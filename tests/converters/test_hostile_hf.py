@@ -9,15 +9,14 @@ import json
 import os
 import shutil
 import struct
-import sys
 from pathlib import Path
 
 import pytest
 
-from reshard import cli
 from reshard.converters.base import HF_INTS, HF_NULLABLE, HF_POSITIVE_FLOATS
 from reshard.errors import ReshardError
 from reshard.formats.hf import _read_header
+from tests.cli import run_cli
 
 from hf_models import build
 
@@ -32,17 +31,6 @@ def tree_digest(path: Path) -> str:
         elif p.is_file():
             h.update(p.read_bytes())
     return h.hexdigest()
-
-
-def run_cli(monkeypatch, capsys, *args) -> tuple[int, list[str]]:
-    capsys.readouterr()  # what the test printed before
-    monkeypatch.setattr(sys, "argv", ["reshard", *map(str, args)])
-    try:
-        cli.run()
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    return code, capsys.readouterr().err.strip().splitlines()
 
 
 def refused(monkeypatch, capsys, source: Path, out: Path, *words: str, untouched: tuple[Path, ...] = ()) -> None:

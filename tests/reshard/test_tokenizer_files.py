@@ -3,15 +3,14 @@ tokenizer.json beside its iterations; a resumed run without it trains another, w
 that leads outside the checkpoint through a symlink is refused."""
 
 import shutil
-import sys
 
 import pytest
 import torch
 
 from fixtures.models import TINY_LLAMA
 from fixtures.synthetic import write_synthetic
-from reshard import cli
 from reshard.layout import Layout
+from tests.cli import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +25,7 @@ def source(tmp_path_factory):
 
 
 def _convert(monkeypatch, capsys, *args) -> tuple[int, list[str]]:
-    monkeypatch.setattr(sys, "argv", ["reshard", "convert", *map(str, args), "-q"])
-    try:
-        cli.run()
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    return code, capsys.readouterr().err.strip().splitlines()
+    return run_cli(monkeypatch, capsys, "convert", *args, "-q")
 
 
 def test_tokenizer_files_go_with_every_format(source, tmp_path, monkeypatch, capsys):
