@@ -50,17 +50,15 @@ SEED = 1234
 
 
 def hf_config(size_gb: float) -> dict:
-    """A Llama-style config (GQA, SwiGLU, untied) of about `size_gb` GB in bf16. Every vocabulary is a multiple of
-    256, so Megatron-LM (128 x TP2) adds no padding rows and every tool holds the same tensors."""
-    if size_gb >= 1.5:  # Llama-3.2-1B-like width
-        h, heads, groups, ffn, vocab = 2048, 32, 8, 8192, 128256
-    elif size_gb >= 0.2:
-        h, heads, groups, ffn, vocab = 1024, 16, 8, 4096, 32000
-    else:
-        h, heads, groups, ffn, vocab = 512, 8, 4, 2048, 8192
-    hd = h // heads
-    per_layer = 2 * ((heads + 2 * groups) * hd * h + heads * hd * h + 3 * ffn * h + 2 * h)
-    layers = max(2, round((size_gb * 1e9 - 2 * 2 * vocab * h) / per_layer))
+    """config.json of bench_convert.py's dense Llama-style model (GQA, SwiGLU, untied) of about `size_gb` GB in bf16.
+    Its vocabularies are multiples of 256, so Megatron-LM (128 x TP2) adds no padding rows and every tool holds
+    the same tensors."""
+    from bench_convert import dense_config
+
+    m = dense_config(size_gb)
+    vocab, h, ffn, layers, heads, groups, hd = (m.vocab_size, m.hidden_size, m.ffn_hidden_size, m.num_layers, m.num_attention_heads,
+                                                m.groups, m.head_dim)
+    assert vocab % 256 == 0
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": h,
         "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
