@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from reshard.errors import ReshardError
+from reshard.paths import confined
 from reshard.torchfile import PARSE_ERRORS, dcp_metadata
 from reshard.torchfile.archive_reader import RecordFile, load_archive
 
@@ -22,11 +23,15 @@ def screen(directory: Path) -> None:
     """Read every `.metadata` under `directory` (a checkpoint's iteration directory, or any directory torch
     is about to load from), the objects its `.distcp` files hold, and every `torch.save` file; a ReshardError
     in one line for a global off the allow-list or a file that cannot be read."""
-    for path in sorted(directory.rglob("*")):
-        if path.name == ".metadata" and path.is_file():
-            _objects(path)
-        elif path.suffix in TORCH_SAVE_SUFFIXES and path.is_file():
-            load_archive(path, str(path))
+    for found in sorted(directory.rglob("*")):
+        if found.name == ".metadata" or found.suffix in TORCH_SAVE_SUFFIXES:
+            path = confined(directory, str(found.relative_to(directory)))  # a link leading out is refused, not read
+            if not path.is_file():
+                continue
+            if path.name == ".metadata":
+                _objects(path)
+            else:
+                load_archive(path, str(path))
 
 
 def _objects(path: Path) -> None:
@@ -39,7 +44,7 @@ def _objects(path: Path) -> None:
                 continue
             if info.transformed:
                 raise ReshardError(f"{path.parent / info.relative_path}: DCP stream transforms (compression) are not supported")
-            blob = path.parent / info.relative_path
+            blob = confined(path.parent, info.relative_path)  # .metadata names it: untrusted
             if blob not in files:
                 files[blob] = RecordFile(blob)
             try:

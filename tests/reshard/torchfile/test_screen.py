@@ -1,0 +1,45 @@
+"""`screen` reads a checkpoint's pickles before torch does; the files it reads must lie inside the checkpoint."""
+
+import shutil
+
+import pytest
+
+from fixtures.models import TINY_MOE
+from fixtures.synthetic import write_synthetic
+from reshard.errors import ReshardError
+from reshard.layout import Layout
+from reshard.torchfile import dcp_metadata
+from reshard.torchfile.dcp_metadata import Storage
+from reshard.torchfile.screen import screen
+
+
+@pytest.fixture()
+def iteration(tmp_path):
+    write_synthetic(tmp_path / "ckpt", TINY_MOE, Layout(ep=2), "torch_dist")
+    return next(p for p in (tmp_path / "ckpt").iterdir() if p.is_dir())
+
+
+def test_a_checkpoint_of_known_globals_passes(iteration):
+    screen(iteration)
+
+
+def test_an_object_file_named_outside_the_checkpoint_is_refused(iteration, tmp_path):
+    metadata = dcp_metadata.load(iteration / ".metadata")
+    objects = [key for key, info in metadata.storage.items() if key[1] is None]
+    assert objects  # the screen reads these
+    (tmp_path / "outside").mkdir()
+    for key in objects:
+        info = metadata.storage[key]
+        shutil.copyfile(iteration / info.relative_path, tmp_path / "outside" / info.relative_path)
+        metadata.storage[key] = Storage(f"../../outside/{info.relative_path}", info.offset, info.length)
+    dcp_metadata.save(iteration / ".metadata", metadata)
+    with pytest.raises(ReshardError, match="outside the checkpoint"):
+        screen(iteration)
+
+
+def test_a_torch_file_linked_from_outside_is_refused(iteration, tmp_path):
+    common = iteration / "common.pt"
+    shutil.move(common, tmp_path / "common.pt")
+    common.symlink_to(tmp_path / "common.pt")
+    with pytest.raises(ReshardError, match="leads outside the checkpoint"):
+        screen(iteration)
