@@ -63,6 +63,11 @@ def inspect(path: Path, as_json: bool, config_file: Path | None) -> None:
 @click.option("--last-stage-layers", type=int, help="Layers on the last pipeline stage (uneven pipelines).")
 @click.option("--to-format", type=click.Choice(FORMATS), help="Target format (default: the source's).")
 @click.option("--no-optimizer", is_flag=True, help="Drop optimizer state instead of resharding it.")
+@click.option("--optimizer-form", type=click.Choice(["fully_reshardable", "dp_reshardable"]), default="fully_reshardable",
+              show_default=True,
+              help="torch_dist output: the DistributedOptimizer state per parameter (loads at any layout), or as the flat "
+              "buckets of the target layout's DistributedOptimizer (Megatron-LM's default form; loads at that TP/PP/EP, any DP).")
+@click.option("--to-dp", type=int, help="dp_reshardable output: the data-parallel size of the run that resumes it (default: the source's).")
 @click.option("--vocab-size", type=int, help="The true vocabulary size, when the checkpoint does not record it.")
 @click.option("--config", "config_file", type=click.Path(path_type=Path),
               help="The architecture of a torch_dist checkpoint that records none: an HF config.json or a YAML of Megatron arguments.")
@@ -146,6 +151,8 @@ def convert(source: str, destination: Path, **opts: Any) -> None:
         naming=opts["naming"],
         for_bridge=opts["for_tool"] == "bridge",
         fp8_blocks=opts["fp8_blocks"],
+        optimizer_form=opts["optimizer_form"],
+        dp=opts["to_dp"],
     )
     run = Run(
         workers=opts["workers"],

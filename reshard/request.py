@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from reshard.errors import ReshardError
 from reshard.layout import Layout
 from reshard.logical import normalize_dtype
 
@@ -48,10 +49,18 @@ class Target:
     # HF output: the decoder's linear weights re-quantized to fp8 per block, as DeepSeek-V3 releases them (lossy:
     # the output is held to an error bound, not to the source's checksums)
     fp8_blocks: bool = False
+    # torch_dist output: the DistributedOptimizer state per parameter (any layout), or as the buckets of the target
+    # layout's DistributedOptimizer at data-parallel size `dp` (None: the source's), Megatron-LM's default form
+    optimizer_form: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable"
+    dp: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None:
             object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if self.optimizer_form not in ("fully_reshardable", "dp_reshardable"):
+            raise ReshardError(f"unknown optimizer form {self.optimizer_form!r}; choose fully_reshardable or dp_reshardable")
+        if self.dp is not None and (self.optimizer_form != "dp_reshardable" or self.dp < 1):
+            raise ReshardError("--to-dp sets the data-parallel size (>= 1) of dp_reshardable optimizer state: add --optimizer-form dp_reshardable")
 
     def layout_for(self, source: Layout) -> Layout:
         if self.layout is None:

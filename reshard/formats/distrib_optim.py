@@ -118,7 +118,80 @@ def _order_key(spec: TensorSpec, layer: int | None) -> tuple[int, int, int]:
     return (_TOP_ORDER.index(param), 0, 0)
 
 
-class DpReshardable:
+class BucketLayout:
+    """Where megatron-core's DistributedOptimizer places each parameter of each model-parallel rank in its
+    buckets, derived from the model alone (steps 1-3 above): what the reader checks a save against and the
+    dp_reshardable writer (`dp_reshardable_writer.py`) writes to."""
+
+    def __init__(self, model_specs: dict[str, TensorSpec], config: ModelConfig, layout: Layout, dp: int):
+        self.model_specs = {n: s for n, s in model_specs.items() if not s.is_optimizer}
+        self.config, self.layout, self.dp = config, layout, dp
+
+    @staticmethod
+    def group(tp: int, pp: int, layout: Layout) -> int:
+        """The rank's `dp_group_idx`: its rank in the model-parallel group (order tp-..-pp)."""
+        return tp + layout.tp * pp
+
+    def _local_params(self, tp: int, pp: int, vstage: int) -> list[tuple[str, int | None, tuple[Piece, ...], bool]]:
+        """The rank's parameters in named_parameters() order: (name, global layer, its pieces, shared embedding).
+        With tied embeddings and PP > 1 the last stage's output layer is its copy of the word embeddings
+        (stored under the embedding's name; it and the first stage's embedding are `shared_embedding`)."""
+        found: dict[tuple[str, int | None], list[Piece]] = {}
+        order: dict[tuple[str, int | None], tuple[int, int, int]] = {}
+        for name, spec in self.model_specs.items():
+            for piece in pieces(spec, self.config, self.layout):
+                if piece.rank.tp == tp and piece.rank.pp == pp and piece.rank.vstage == vstage:
+                    layer = piece.region[0][0] if spec.stacked else None
+                    found.setdefault((name, layer), []).append(piece)
+                    ordered_as = spec if piece.alias is None else replace(spec, param=piece.alias)
+                    order[(name, layer)] = _order_key(ordered_as, layer)
+        shared = self.layout.pp > 1 and not self.config.untie_embeddings_and_output_weights
+        return [
+            (name, layer, tuple(found[(name, layer)]), shared and name == "embedding.word_embeddings.weight")
+            for name, layer in sorted(found, key=order.__getitem__)
+        ]
+
+    def derive(self, tp: int, pp: int, gbuf: int, args: dict[str, Any]) -> tuple[list[Placed], list[int], list[str]]:
+        """Megatron's bucket layout of one model-parallel rank's model chunk `gbuf`: its parameters' places, each
+        bucket's unpadded length and last parameter (to name in a refusal)."""
+        bucket_size = None
+        if args.get("overlap_grad_reduce") and pp == 0 and gbuf == 0:  # Megatron-LM disables bucketing on later chunks
+            bucket_size = args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * self.dp)
+        placed: list[Placed] = []
+        start = bucket_start = bucket = 0
+        sizes: list[int] = []
+        last_name: list[str] = []  # each bucket's last parameter, to name in a refusal
+        pending = None  # the last parameter of the bucket still open
+        for name, layer, parts, shared in reversed(self._local_params(tp, pp, gbuf)):
+            numel = math.prod(parts[0].local_shape)
+            start = -(-start // PARAM_ALIGN) * PARAM_ALIGN
+            if shared and pending is not None:  # the shared embedding gets a bucket of its own
+                sizes.append(start - bucket_start)  # (the previous one ends after this parameter's alignment)
+                last_name.append(pending)
+                start = bucket_start = self.pad_bucket(start, args)
+                bucket += 1
+            placed.append(Placed(name, layer, parts, bucket, start - bucket_start, numel))
+            end = start + numel
+            pending = name if layer is None else f"{name} (layer {layer})"
+            if (bucket_size is not None and end - bucket_start >= bucket_size) or shared:
+                sizes.append(end - bucket_start)
+                last_name.append(pending)
+                start = bucket_start = self.pad_bucket(end, args)
+                bucket += 1
+                pending = None
+            else:
+                start = end
+        if pending is not None:
+            sizes.append(start - bucket_start)
+            last_name.append(pending)
+        return placed, sizes, last_name
+
+    def pad_bucket(self, end: int, args: dict[str, Any]) -> int:
+        divisor = math.lcm(self.dp, 128, 2**16) if args.get("pad_buckets_for_high_nccl_busbw") else math.lcm(self.dp, 128)
+        return -(-end // divisor) * divisor
+
+
+class DpReshardable(BucketLayout):
     """The logical optimizer tensors of a dp_reshardable save, read through `read_raw(key, region, out)`
     (the torch_dist reader's chunk reading of the bucket tensors)."""
 
@@ -133,11 +206,12 @@ class DpReshardable:
         args: dict[str, Any],
         read_raw: Callable[[str, Region, np.ndarray], None],
     ):
-        self.config, self.layout, self.read_raw = config, layout, read_raw
+        self.read_raw = read_raw
         self._refuse_unsupported(tensors, object_keys, config, layout, args)
-        self.dp = int(args.get("data_parallel_size") or 0)
-        if self.dp < 1:
+        dp = int(args.get("data_parallel_size") or 0)
+        if dp < 1:
             raise ReshardError("the checkpoint's args record no data_parallel_size: its dp_reshardable optimizer state cannot be decoded")
+        super().__init__(model_specs, config, layout, dp)
         # (group, gbuf, bucket) -> state key -> tensor key; gbuf: the model chunk's buffer (one dtype each)
         self.bucket_keys: dict[tuple[int, int, int], dict[str, str]] = {}
         self.bucket_numel: dict[tuple[int, int, int], set[int]] = {}  # the stored lengths of its state tensors
@@ -162,12 +236,11 @@ class DpReshardable:
                 raise ReshardError(
                     f"bucket {bucket} of dp_group_idx_{group} gbuf_idx_{gbuf} lacks {', '.join(missing)}: the checkpoint is damaged"
                 )
-        self.model_specs = {n: s for n, s in model_specs.items() if not s.is_optimizer}
         # (name, layer, tp, pp) -> (group, gbuf, place)
         self.placed: dict[tuple[str, int | None, int, int], tuple[int, int, Placed]] = {}
         for pp in range(layout.pp):
             for tp in range(layout.tp):
-                group = tp + layout.tp * pp  # the rank in the model-parallel group (order tp-..-pp)
+                group = self.group(tp, pp, layout)
                 saved = objects(f"{PREFIX}dp_group_idx_{group}.per_bucket_numel_unpadded")
                 if not (isinstance(saved, list) and len(saved) == layout.vpp
                         and all(isinstance(b, dict) and len(b) == 1 for b in saved)):
@@ -198,58 +271,10 @@ class DpReshardable:
         if args.get("use_distributed_optimizer") is False:
             raise ReshardError("the checkpoint holds DistributedOptimizer buckets but its args say use_distributed_optimizer=False")
 
-    def _local_params(self, tp: int, pp: int, vstage: int) -> list[tuple[str, int | None, tuple[Piece, ...], bool]]:
-        """The rank's parameters in named_parameters() order: (name, global layer, its pieces, shared embedding).
-        With tied embeddings and PP > 1 the last stage's output layer is its copy of the word embeddings
-        (stored under the embedding's name; it and the first stage's embedding are `shared_embedding`)."""
-        found: dict[tuple[str, int | None], list[Piece]] = {}
-        order: dict[tuple[str, int | None], tuple[int, int, int]] = {}
-        for name, spec in self.model_specs.items():
-            for piece in pieces(spec, self.config, self.layout):
-                if piece.rank.tp == tp and piece.rank.pp == pp and piece.rank.vstage == vstage:
-                    layer = piece.region[0][0] if spec.stacked else None
-                    found.setdefault((name, layer), []).append(piece)
-                    ordered_as = spec if piece.alias is None else replace(spec, param=piece.alias)
-                    order[(name, layer)] = _order_key(ordered_as, layer)
-        shared = self.layout.pp > 1 and not self.config.untie_embeddings_and_output_weights
-        return [
-            (name, layer, tuple(found[(name, layer)]), shared and name == "embedding.word_embeddings.weight")
-            for name, layer in sorted(found, key=order.__getitem__)
-        ]
-
     def _layout_of(self, group: int, gbuf: int, tp: int, pp: int, args: dict[str, Any], saved_sizes: list[int]) -> list[Placed]:
         """Megatron's bucket layout of one model-parallel rank's model chunk `gbuf`, checked against its saved
         bucket sizes."""
-        bucket_size = None
-        if args.get("overlap_grad_reduce") and pp == 0 and gbuf == 0:  # Megatron-LM disables bucketing on later chunks
-            bucket_size = args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * self.dp)
-        placed: list[Placed] = []
-        start = bucket_start = bucket = 0
-        sizes: list[int] = []
-        last_name: list[str] = []  # each bucket's last parameter, to name in a refusal
-        pending = None  # the last parameter of the bucket still open
-        for name, layer, parts, shared in reversed(self._local_params(tp, pp, gbuf)):
-            numel = math.prod(parts[0].local_shape)
-            start = -(-start // PARAM_ALIGN) * PARAM_ALIGN
-            if shared and pending is not None:  # the shared embedding gets a bucket of its own
-                sizes.append(start - bucket_start)  # (the previous one ends after this parameter's alignment)
-                last_name.append(pending)
-                start = bucket_start = self._pad_bucket(start, args)
-                bucket += 1
-            placed.append(Placed(name, layer, parts, bucket, start - bucket_start, numel))
-            end = start + numel
-            pending = name if layer is None else f"{name} (layer {layer})"
-            if (bucket_size is not None and end - bucket_start >= bucket_size) or shared:
-                sizes.append(end - bucket_start)
-                last_name.append(pending)
-                start = bucket_start = self._pad_bucket(end, args)
-                bucket += 1
-                pending = None
-            else:
-                start = end
-        if pending is not None:
-            sizes.append(start - bucket_start)
-            last_name.append(pending)
+        placed, sizes, last_name = self.derive(tp, pp, gbuf, args)
         where = f" gbuf_idx_{gbuf}" if gbuf else ""
         for b, (derived, label) in enumerate(zip(sizes, last_name)):
             stored = saved_sizes[b] if b < len(saved_sizes) else None
@@ -267,10 +292,6 @@ class DpReshardable:
                 f"the model has {len(sizes)}; the optimizer state cannot be decoded safely"
             )
         return placed
-
-    def _pad_bucket(self, end: int, args: dict[str, Any]) -> int:
-        divisor = math.lcm(self.dp, 128, 2**16) if args.get("pad_buckets_for_high_nccl_busbw") else math.lcm(self.dp, 128)
-        return -(-end // divisor) * divisor
 
     def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
         spec = self.specs[name]

@@ -308,6 +308,7 @@ class _Record:
     index: int  # of the target rank file
     storage: Storage
     chunk: Chunk
+    key: str | None = None  # the tensor it is a chunk of, where not the logical tensor's own (optimizer buckets)
 
 
 class TorchDistWriter(CheckpointWriter):
@@ -351,16 +352,19 @@ class TorchDistWriter(CheckpointWriter):
             if not piece.primary:
                 continue
             index = self._file_index[RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)]
-            if index not in self._files:
-                self._open(index)
             shape = tuple(b - a for a, b in piece.region)
-            # a page-aligned storage needs its archive on a page; the gap before it is read by no one
-            offset = round_up(self._planned[index], storage_alignment(math.prod(shape) * itemsize(spec.dtype)))
-            length = archive_size(shape, spec.dtype)
-            self._planned[index] = offset + length
-            offsets = tuple(a for a, _ in piece.region)
-            records.append(_Record(index, Storage(self._name(index), offset, length), Chunk(offsets, shape)))
+            records.append(self._reserve_record(index, tuple(a for a, _ in piece.region), shape, spec.dtype))
         return records
+
+    def _reserve_record(self, index: int, offsets: tuple[int, ...], shape: tuple[int, ...], dtype: str, key: str | None = None) -> _Record:
+        """Place a chunk's archive after the ones reserved before it in file `index`."""
+        if index not in self._files:
+            self._open(index)
+        # a page-aligned storage needs its archive on a page; the gap before it is read by no one
+        offset = round_up(self._planned[index], storage_alignment(math.prod(shape) * itemsize(dtype)))
+        length = archive_size(shape, dtype)
+        self._planned[index] = offset + length
+        return _Record(index, Storage(self._name(index), offset, length), Chunk(offsets, shape), key)
 
     def prepare(
         self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
@@ -380,8 +384,8 @@ class TorchDistWriter(CheckpointWriter):
 
     def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
         """Record the slab's written records (in plan order: what `facts` and `.metadata` list)."""
-        key = self._key(spec.name)
         for record in prepared:
+            key = record.key or self._key(spec.name)
             self._add(key, record)
             chunk, storage = record.chunk, record.storage
             self._facts.append([key, list(chunk.offsets), list(chunk.sizes), record.index, storage.offset, storage.length])
@@ -390,6 +394,19 @@ class TorchDistWriter(CheckpointWriter):
         self._chunks[key].append(record.chunk)
         self._storage[(key, record.chunk.offsets)] = record.storage
         self._sizes[record.index] = record.storage.offset + record.storage.length
+
+    def _tensor_entries(self) -> dict[str, TensorEntry]:
+        """.metadata's tensors, their chunks by position: the same list however the slabs were cut into units or
+        shared by ranks."""
+        return {
+            self._key(name): TensorEntry(spec.dtype, spec.shape, sorted(self._chunks[self._key(name)], key=lambda c: c.offsets))
+            for name, spec in self.specs.items()
+        }
+
+    def _target_args(self) -> dict[str, Any]:
+        args = args_for_layout(self.common.args, self.layout, self.config, "torch_dist")
+        args["transformer_impl"] = "transformer_engine" if self.te_names else "local"
+        return args
 
     def _key(self, name: str) -> str:
         return spell(name, "dist", self.te_names, layer_is_moe(self.config, name), self.config.multi_latent_attention)
@@ -447,16 +464,12 @@ class TorchDistWriter(CheckpointWriter):
                 for key, found in chunks.items():
                     self._chunks[key].extend(found)
                 self._storage.update(storage)
-        tensors = {  # chunks by position: the same list however the slabs were cut into units or shared by ranks
-            self._key(name): TensorEntry(spec.dtype, spec.shape, sorted(self._chunks[self._key(name)], key=lambda c: c.offsets))
-            for name, spec in self.specs.items()
-        }
+        tensors = self._tensor_entries()
         objects = self._write_objects()
         self._close_files()
         dcp_metadata.save(self.directory / ".metadata", DcpMetadata(tensors, objects, self._storage))
         common = dict(self.common.extra)
-        args = args_for_layout(self.common.args, self.layout, self.config, "torch_dist")
-        args["transformer_impl"] = "transformer_engine" if self.te_names else "local"
+        args = self._target_args()
         common["args"] = args_namespace(args)
         common["iteration"] = stored_iteration(self.common.iteration)
         with open(self.directory / "common.pt", "wb") as f:

@@ -1,0 +1,182 @@
+"""torch_dist output whose optimizer state is Megatron's DistributedOptimizer `dp_reshardable` form for the target
+layout and data-parallel size: what megatron-core (≥ 0.15) saves by default, and loads only at the layout it was
+saved at (any DP), so the conversion writes the buckets the target run's DistributedOptimizer will build.
+
+Per model-parallel rank I, model chunk g and bucket b, three 1-D fp32 tensors
+`optimizer.distributed.dp_group_idx_<I>.gbuf_idx_<g>.dtype_(<param>, <grad>).bucket_idx_<b>.<param|exp_avg|exp_avg_sq>`
+of the bucket's unpadded length, and the rank's ShardedObjects `...dp_group_idx_<I>.{optimizer, per_bucket_numel,
+per_bucket_numel_unpadded}`; common.pt's `optimizer` entry only names the form (megatron-core 0.16's
+`DistributedOptimizer.sharded_state_dict(... 'dp_reshardable')`). Where each parameter lies in its rank's bucket is
+the reader's derivation (`distrib_optim.BucketLayout`), so what is written here is decoded back by the same rules
+and checked there against the saved bucket sizes.
+
+Each target piece of a logical optimizer tensor (`optimizer.state.<state>.<param>`, any source form) is one chunk
+of its rank's bucket tensor, written as its slab streams by: memory stays one parameter's state, never a bucket.
+Every TP replica of a replicated parameter (a norm) and the last stage's copy of a tied embedding get their own
+chunk, as each of those ranks keeps its own state. The 64-element alignment gaps between parameters are chunks of
+zeros, so that each bucket tensor is covered whole, as Megatron's save covers it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from reshard.checksum import HashedParts
+from reshard.errors import ReshardError
+from reshard.formats.base import CheckpointReader, CommonState
+from reshard.formats.distrib_optim import PREFIX, STATE_KEYS, BucketLayout
+from reshard.formats.megatron_dist import TorchDistWriter, _Record
+from reshard.layout import RankCoord
+from reshard.logical import TensorSpec
+from reshard.request import Target
+from reshard.sharding import Piece, Region, region_size, shift, to_slices
+from reshard.torchfile.archive_writer import At, save_tensor
+from reshard.torchfile.dcp_metadata import TensorEntry
+from reshard.torchfile.pickles import named
+
+_OBJECT = "/shard_0_1"  # the storage key of a ShardedObject of global shape (1,) at offset (0,)
+
+
+def distributed_optimizer_args(args: dict[str, Any], dp: int, tp: int, pp: int) -> dict[str, Any]:
+    """Megatron-LM's args of a run at data-parallel size `dp` with the DistributedOptimizer saving its default form."""
+    return {
+        **args,
+        "data_parallel_size": dp,
+        "world_size": dp * tp * pp,
+        "use_distributed_optimizer": True,
+        "dist_ckpt_optim_fully_reshardable": False,
+    }
+
+
+def prepare_target(
+    reader: CheckpointReader, target_format: str, specs: dict[str, TensorSpec], common: CommonState, target: Target
+) -> type[DpReshardableWriter]:
+    """The writer of `--optimizer-form dp_reshardable` output with the target's data-parallel size recorded in
+    `common`'s args (the source's unless `target.dp`); a request it cannot write is refused in one line."""
+    if target_format != "torch_dist":
+        raise ReshardError(f"--optimizer-form dp_reshardable is a torch_dist form; it cannot be written as {target_format}")
+    if not target.optimizer:
+        raise ReshardError("--optimizer-form dp_reshardable writes optimizer state: drop --no-optimizer")
+    models = [name for name, spec in specs.items() if not spec.is_optimizer]
+    missing = [f"optimizer.state.{k}.{name}" for name in models for k in STATE_KEYS if f"optimizer.state.{k}.{name}" not in specs]
+    if missing:
+        raise ReshardError(
+            f"{missing[0]} is not in the source: the DistributedOptimizer's dp_reshardable state needs fp32 master weights "
+            "and both Adam moments of every parameter (a DistributedOptimizer checkpoint's state); pass --no-optimizer"
+        )
+    recorded = common.extra.get("optimizer")
+    if not (isinstance(recorded, dict) and isinstance(recorded.get("optimizer"), dict)):
+        raise ReshardError("the source records no DistributedOptimizer param_groups: its optimizer state cannot be written as dp_reshardable")
+    common.args["data_parallel_size"] = target.dp or int(reader.common.args.get("data_parallel_size") or 1)
+    return DpReshardableWriter
+
+
+class DpReshardableWriter(TorchDistWriter):
+    """TorchDistWriter whose optimizer tensors go into the target ranks' DistributedOptimizer buckets."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self.config.is_moe:
+            raise ReshardError("writing the dp_reshardable optimizer state of a MoE model (chained expert optimizer) is not supported yet")
+        if self.te_names:
+            raise ReshardError(
+                "--optimizer-form dp_reshardable: the DistributedOptimizer's buffer order of Transformer-Engine modules is not "
+                "verified against megatron-core; write local-spec names (--naming local) or the fully_reshardable form"
+            )
+        args = self._target_args()
+        self.dp = int(args["data_parallel_size"])
+        grad = "float32" if args.get("grad_reduce_in_fp32") else self.config.params_dtype
+        dtypes = f"(torch.{self.config.params_dtype}, torch.{grad})"
+        dtype_key = (named("torch", self.config.params_dtype), named("torch", grad))
+        layout = BucketLayout(self.specs, self.config, self.layout, self.dp)
+        # (param, layer, tp, pp, vstage) -> (bucket tensor key prefix, the parameter's start in it)
+        self.places: dict[tuple[str, int | None, int, int, int], tuple[str, int]] = {}
+        self.buckets: dict[str, int] = {}  # key prefix -> unpadded length
+        objects = dict(self.common.objects)
+        for pp in range(self.layout.pp):
+            for tp in range(self.layout.tp):
+                group = layout.group(tp, pp, self.layout)
+                unpadded, padded = [], []
+                for vstage in range(self.layout.vpp):
+                    placed, sizes, _ = layout.derive(tp, pp, vstage, args)
+                    prefixes = [f"{PREFIX}dp_group_idx_{group}.gbuf_idx_{vstage}.dtype_{dtypes}.bucket_idx_{b}" for b in range(len(sizes))]
+                    self.buckets.update(zip(prefixes, sizes))
+                    for place in placed:
+                        self.places[(place.name, place.layer, tp, pp, vstage)] = (prefixes[place.bucket], place.start)
+                    unpadded.append({dtype_key: sizes})
+                    padded.append({dtype_key: [layout.pad_bucket(size, args) for size in sizes]})
+                group_key = f"{PREFIX}dp_group_idx_{group}"
+                objects[f"{group_key}.optimizer{_OBJECT}"] = self.common.extra["optimizer"]["optimizer"]
+                objects[f"{group_key}.per_bucket_numel{_OBJECT}"] = padded
+                objects[f"{group_key}.per_bucket_numel_unpadded{_OBJECT}"] = unpadded
+        extra = {**self.common.extra, "optimizer": {"param_state_sharding_type": "dp_reshardable"}}
+        self.common = replace(self.common, objects=objects, extra=extra)
+
+    def _target_args(self) -> dict[str, Any]:
+        args = super()._target_args()
+        return distributed_optimizer_args(args, int(self.common.args["data_parallel_size"]), self.layout.tp, self.layout.pp)
+
+    @classmethod
+    def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:
+        if not spec.is_optimizer:
+            return super().whole_regions(spec, slab, pieces)
+        return list(dict.fromkeys(p.region for p in pieces))  # every rank's copy is a chunk of its own bucket
+
+    def _place(self, spec: TensorSpec, piece: Piece) -> tuple[str, int]:
+        """The bucket tensor a piece of an optimizer tensor goes to, and its offset there."""
+        layer = piece.region[0][0] if spec.stacked else None
+        prefix, start = self.places[(spec.param, layer, piece.rank.tp, piece.rank.pp, piece.rank.vstage)]
+        strides = [math.prod(piece.local_shape[i + 1 :]) for i in range(len(piece.local_shape))]
+        first = sum(a * s for (a, _), s in zip(piece.local_region, strides))
+        last = sum((b - 1) * s for (_, b), s in zip(piece.local_region, strides))
+        if last - first + 1 != region_size(piece.local_region):  # a piece is a run of its rank's tensor, row-major
+            raise ReshardError(f"{spec.name}: a target piece is not contiguous in its rank's parameter; not written as dp_reshardable")
+        return f"{prefix}.{spec.name.split('.')[2]}", start + first
+
+    def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Record]:
+        if not spec.is_optimizer:
+            return super().reserve(spec, slab, pieces)
+        records = []
+        for piece in pieces:
+            key, offset = self._place(spec, piece)
+            index = self._file_index[RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)]
+            records.append(self._reserve_record(index, (offset,), (region_size(piece.region),), spec.dtype, key))
+        return records
+
+    def prepare(
+        self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
+    ) -> list[_Record]:
+        """Each piece flattened (row-major, as the rank's parameter is) into its record; checked on read back by
+        the verification, which decodes the buckets (there are no per-parameter records to vouch for)."""
+        if not spec.is_optimizer:
+            return super().prepare(spec, slab, data, pieces, reserved, hashed)
+        for piece, record in zip(pieces, reserved):
+            flat = data[to_slices(shift(piece.region, slab))].reshape(-1)  # a copy only of a strided (TP-split) piece
+            saved = save_tensor(flat, At(self._files[record.index], record.storage.offset), self._scratch.scratch)
+            if saved.size != record.storage.length:
+                raise AssertionError(f"{spec.name}: archive of {saved.size} bytes where {record.storage.length} were planned")
+        return reserved
+
+    def _tensor_entries(self) -> dict[str, TensorEntry]:
+        """The model's tensors and the bucket tensors, once every rank's chunks are known (rank 0's `finish`): zeros fill
+        each bucket's gaps (parameter alignment) first, in the first file, as its objects are written."""
+        if 0 not in self._files:  # closed by `part`
+            path = self.directory / self._name(0)
+            self._open(0, path.stat().st_size if path.exists() else 0)
+        entries = {k: v for k, v in super()._tensor_entries().items() if not k.startswith("optimizer.")}
+        for prefix, size in self.buckets.items():
+            for state in STATE_KEYS:
+                key = f"{prefix}.{state}"
+                at = 0
+                for start, end in [*sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in self._chunks[key]), (size, size)]:
+                    if start > at:
+                        record = self._reserve_record(0, (at,), (start - at,), "float32", key)
+                        save_tensor(np.zeros(start - at, np.float32), At(self._files[0], record.storage.offset))
+                        self._add(key, record)
+                    at = max(at, end)
+                entries[key] = TensorEntry("float32", (size,), sorted(self._chunks[key], key=lambda c: c.offsets))
+        return entries
