@@ -124,6 +124,7 @@ class ConversionPlan:
     workers: int = 1
     max_memory: int = 0  # bytes of working memory; make_plan fills in the default
     scratch_bytes: int = 0  # the source reader's staging buffer per reading thread
+    optimizer_forms: tuple[str, str] | None = None  # the optimizer state's form as read and as written, if carried
 
     @property
     def target_format(self) -> str:
@@ -217,6 +218,7 @@ class ConversionPlan:
             "workers": self.workers,
             "target_files": self.target_files(),
             "dropped": self.dropped,
+            "optimizer_forms": self.optimizer_forms,
             "moves": [
                 {"name": m.target.name, "source_shape": list(m.source.shape), "target_shape": list(m.target.shape), "dtype": m.target.dtype}
                 for m in self.moves
@@ -233,6 +235,9 @@ class ConversionPlan:
         for move in self.moves:
             if move.source.shape != move.target.shape:
                 lines.append(f"  resize {move.target.name}: {list(move.source.shape)} -> {list(move.target.shape)} (vocabulary padding)")
+        if self.optimizer_forms:
+            optimizer_bytes = sum(m.bytes for m in self.moves if m.target.is_optimizer)
+            lines.append(f"optimizer state: {self.optimizer_forms[0]} -> {self.optimizer_forms[1]}, {human_bytes(optimizer_bytes)}")
         for name in self.dropped:
             lines.append(f"  drop {name}")
         return "\n".join(lines)
@@ -353,6 +358,7 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         dropped=dropped,
         workers=run.workers,
         scratch_bytes=reader.scratch_bytes,
+        optimizer_forms=dp_reshardable_writer.forms(reader, writer, common.args) if any(m.target.is_optimizer for m in moves) else None,
     )
     plan.moves = [replace(move, aligned=_records_are_chunks(plan, move, reader)) for move in moves]
     biggest, largest = plan.largest_unit()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -131,6 +131,16 @@ class BucketLayout:
     def group(tp: int, pp: int, layout: Layout) -> int:
         """The rank's `dp_group_idx`: its rank in the model-parallel group (order tp-..-pp)."""
         return tp + layout.tp * pp
+
+    @staticmethod
+    def flat_span(piece: Piece) -> tuple[int, int] | None:
+        """Where a piece lies in its rank's parameter flattened row-major, as the bucket holds it: (first element,
+        count), or None where it is not one run (then it has no place of its own in a bucket)."""
+        strides = [math.prod(piece.local_shape[i + 1 :]) for i in range(len(piece.local_shape))]
+        first = sum(a * s for (a, _), s in zip(piece.local_region, strides))
+        last = sum((b - 1) * s for (_, b), s in zip(piece.local_region, strides))
+        n = region_size(piece.local_region)
+        return (first, n) if last - first + 1 == n else None
 
     def _local_params(self, tp: int, pp: int, vstage: int) -> list[tuple[str, int | None, tuple[Piece, ...], bool]]:
         """The rank's parameters in named_parameters() order: (name, global layer, its pieces, shared embedding).
@@ -320,6 +330,22 @@ class DpReshardable(BucketLayout):
             filled += region_size(inside)
         if filled != region_size(region):
             raise ReshardError(f"{name}: the DistributedOptimizer buckets do not cover the tensor; the checkpoint is damaged")
+
+    def spans(self, name: str) -> Iterator[tuple[Region, str, int, int]]:
+        """Where each primary piece of logical tensor `name` lies in the buckets, as one run: (its region, the
+        bucket tensor's key, its first element there, its count); a piece that is not one run ends the list early
+        (a verification then reads the tensor back instead)."""
+        spec = self.specs[name]
+        model = self.model_specs[spec.param]
+        for piece in pieces(model, self.config, self.layout):
+            if not piece.primary or piece.alias is not None:
+                continue
+            layer = piece.region[0][0] if model.stacked else None
+            group, gbuf, place = self.placed[(model.name, layer, piece.rank.tp, piece.rank.pp)]
+            span = self.flat_span(piece)
+            if span is None:
+                return
+            yield piece.region, self.bucket_keys[(group, gbuf, place.bucket)][name.split(".")[2]], place.start + span[0], span[1]
 
     def common_optimizer(self) -> dict[str, Any]:
         """common.pt's `optimizer` entry as Megatron's fully_reshardable save writes it."""

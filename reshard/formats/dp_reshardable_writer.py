@@ -19,7 +19,6 @@ zeros, so that each bucket tensor is covered whole, as Megatron's save covers it
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any
 
@@ -27,7 +26,7 @@ import numpy as np
 
 from reshard.checksum import HashedParts
 from reshard.errors import ReshardError
-from reshard.formats.base import CheckpointReader, CommonState
+from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState
 from reshard.formats.distrib_optim import PREFIX, STATE_KEYS, BucketLayout
 from reshard.formats.megatron_dist import TorchDistWriter, _Record
 from reshard.layout import RankCoord
@@ -73,6 +72,15 @@ def prepare_target(
         raise ReshardError("the source records no DistributedOptimizer param_groups: its optimizer state cannot be written as dp_reshardable")
     common.args["data_parallel_size"] = target.dp or int(reader.common.args.get("data_parallel_size") or 1)
     return DpReshardableWriter
+
+
+def forms(reader: CheckpointReader, writer: type[CheckpointWriter], args: dict[str, Any]) -> tuple[str, str]:
+    """The optimizer state's form as `reader` holds it and as `writer` will write it (args: the target's), in words."""
+    decoded = getattr(reader, "dp_reshardable", None)
+    read = f"dp_reshardable buckets (DP {decoded.dp})" if decoded is not None else "per-parameter tensors"
+    if issubclass(writer, DpReshardableWriter):
+        return read, f"dp_reshardable buckets (DP {args['data_parallel_size']})"
+    return read, "per-parameter tensors (fully_reshardable)" if writer.format_name == "torch_dist" else "per-parameter tensors"
 
 
 class DpReshardableWriter(TorchDistWriter):
@@ -130,12 +138,10 @@ class DpReshardableWriter(TorchDistWriter):
         """The bucket tensor a piece of an optimizer tensor goes to, and its offset there."""
         layer = piece.region[0][0] if spec.stacked else None
         prefix, start = self.places[(spec.param, layer, piece.rank.tp, piece.rank.pp, piece.rank.vstage)]
-        strides = [math.prod(piece.local_shape[i + 1 :]) for i in range(len(piece.local_shape))]
-        first = sum(a * s for (a, _), s in zip(piece.local_region, strides))
-        last = sum((b - 1) * s for (_, b), s in zip(piece.local_region, strides))
-        if last - first + 1 != region_size(piece.local_region):  # a piece is a run of its rank's tensor, row-major
-            raise ReshardError(f"{spec.name}: a target piece is not contiguous in its rank's parameter; not written as dp_reshardable")
-        return f"{prefix}.{spec.name.split('.')[2]}", start + first
+        span = BucketLayout.flat_span(piece)
+        if span is None:
+            raise ReshardError(f"{spec.name}: a target piece is not one run of its rank's parameter; not written as dp_reshardable")
+        return f"{prefix}.{spec.name.split('.')[2]}", start + span[0]
 
     def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Record]:
         if not spec.is_optimizer:
@@ -150,8 +156,8 @@ class DpReshardableWriter(TorchDistWriter):
     def prepare(
         self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
     ) -> list[_Record]:
-        """Each piece flattened (row-major, as the rank's parameter is) into its record; checked on read back by
-        the verification, which decodes the buckets (there are no per-parameter records to vouch for)."""
+        """Each piece flattened (row-major, as the rank's parameter is) into its record. The checksums of the copies
+        the reader decodes (primary pieces) are vouched for as written, as the reader finds them in the buckets."""
         if not spec.is_optimizer:
             return super().prepare(spec, slab, data, pieces, reserved, hashed)
         for piece, record in zip(pieces, reserved):
@@ -159,6 +165,9 @@ class DpReshardableWriter(TorchDistWriter):
             saved = save_tensor(flat, At(self._files[record.index], record.storage.offset), self._scratch.scratch)
             if saved.size != record.storage.length:
                 raise AssertionError(f"{spec.name}: archive of {saved.size} bytes where {record.storage.length} were planned")
+            if piece.primary and piece.alias is None:
+                values = saved.data.view(data.dtype).reshape([b - a for a, b in piece.region])
+                self.vouch(spec, piece.region, record.storage.relative_path, record.storage.offset + saved.data_offset, values, hashed)
         return reserved
 
     def _tensor_entries(self) -> dict[str, TensorEntry]:

@@ -258,7 +258,9 @@ class TorchDistReader(CheckpointReader):
         return [part for region, _ in chunks for part in split_by_slab(self.specs[name], region)]
 
     def stored_records(self, name: str) -> list[StoredRecord] | None:
-        if name not in self._chunks:  # decoded from DistributedOptimizer buckets: not plain records
+        if self.dp_reshardable is not None and name in self.dp_reshardable.specs:
+            return self._bucket_records(name)
+        if name not in self._chunks:
             return None
         records = []
         for region, info in self._chunks[name]:
@@ -266,6 +268,23 @@ class TorchDistReader(CheckpointReader):
             if record.shape != tuple(b - a for a, b in region):
                 raise ReshardError(f"{file.path}: chunk of {name} has the wrong shape; the file is damaged")
             records.append(StoredRecord(name, region, record.dtype, info.relative_path, record.offset))
+        return records
+
+    def _bucket_records(self, name: str) -> list[StoredRecord] | None:
+        """A tensor decoded from DistributedOptimizer buckets as records: each piece's run in the bucket chunk
+        that holds it whole; None where a run is split over chunks or a piece is not one run."""
+        spans = list(self.dp_reshardable.spans(name))
+        if sum(region_size(region) for region, *_ in spans) != self.specs[name].numel:
+            return None
+        records = []
+        for region, key, start, n in spans:
+            found = list(self._index[key].overlapping(((start, start + n),)))
+            if len(found) != 1 or found[0][1] != ((start, start + n),):
+                return None
+            chunk, _, info = found[0]
+            _, record = self._record(info)
+            offset = record.offset + (start - chunk[0][0]) * itemsize(record.dtype)
+            records.append(StoredRecord(name, region, record.dtype, info.relative_path, offset))
         return records
 
     def _record(self, info: Storage) -> tuple[RecordFile, TensorRecord]:

@@ -1,0 +1,151 @@
+"""DistributedOptimizer state benchmark: a dp_reshardable checkpoint converted to another TP/PP, against `cp -r`.
+
+    python benchmarks/bench_optimizer.py --size 1 --out benchmarks/results_optimizer.json   # ~1 GB bf16 model
+    python benchmarks/bench_optimizer.py --size 0.1                                         # smoke
+
+What it does, in one run:
+  1. builds a deterministic synthetic Llama-style model of --size GB in bf16 (bench_convert's `dense_config`) with
+     DistributedOptimizer state (fp32 master weights, exp_avg, exp_avg_sq: 12 bytes per parameter), written by
+     `reshard convert`'s own dp_reshardable writer as Megatron-LM's default form at TP2 DP4;
+  2. measures, each cold where the page cache can be dropped (bench_convert's `measure`: a fresh process, `sync`
+     included, peak RSS from os.wait4): `cp -r` of the source, then `reshard convert` of it to TP1 PP2 DP4, once
+     written again as dp_reshardable buckets and once as per-parameter fully_reshardable tensors;
+  3. writes JSON and prints a markdown table.
+
+Throughput is the source directory's bytes per second (model and optimizer, as `cp` moves them). The memory target
+is 1 GiB + 2 x the largest parameter's fp32 state (one state tensor of the largest single parameter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_convert import MIB, REPO, dense_config, dir_bytes, machine_info, measure, python_env, tensor_stats  # noqa: E402
+
+GIB = 1 << 30
+SOURCE = dict(tp=2, dp=4)
+STEPS = {  # name -> convert flags
+    "dp_reshardable TP2 DP4 -> TP1 PP2 DP4 (buckets)": ["--to-tp", "1", "--to-pp", "2", "--optimizer-form", "dp_reshardable"],
+    "dp_reshardable TP2 DP4 -> TP1 PP2 (fully_reshardable)": ["--to-tp", "1", "--to-pp", "2"],
+}
+
+
+def build_main(path: Path, size_gb: float) -> None:
+    """The synthetic source: model tensors and DistributedOptimizer state streamed into dp_reshardable buckets."""
+    from fixtures.synthetic import SyntheticReader
+    from reshard.layout import Layout
+    from reshard.logical import describe
+    from reshard.plan import make_plan
+    from reshard.request import Target
+    from reshard.streaming import stream
+
+    config = dense_config(size_gb)
+    layout = Layout(tp=SOURCE["tp"])
+    reader = SyntheticReader(config, layout, "bfloat16", seed=0)
+    for name, spec in list(reader.specs.items()):
+        for state in ("param", "exp_avg", "exp_avg_sq"):
+            key = f"optimizer.state.{state}.{name}"
+            reader.specs[key] = describe(key, spec.shape, "float32", config)
+    reader.common.args.update(transformer_impl="local", use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    group = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "step": 10}
+    reader.common.extra["optimizer"] = {
+        "optimizer": {"param_groups": [{**group, "wd_mult": 1.0}, {**group, "wd_mult": 0.0}]},
+        "param_state_sharding_type": "fully_reshardable",
+    }
+    target = Target(format="torch_dist", layout=layout, naming="local", optimizer_form="dp_reshardable", dp=SOURCE["dp"])
+    stream(reader, make_plan(reader, path, target))
+
+
+def largest_parameter_fp32_bytes(size_gb: float) -> int:
+    """One fp32 state tensor of the largest single parameter (a layer's slice of a stacked tensor)."""
+    from reshard.architecture import model_tensors
+    from reshard.logical import describe
+
+    config = dense_config(size_gb)
+    largest = 0
+    for name, shape in model_tensors(config).items():
+        spec = describe(name, shape, "float32", config)
+        per_parameter = spec.numel
+        for axis in range(spec.prefix_axes):
+            per_parameter //= spec.shape[axis]
+        largest = max(largest, 4 * per_parameter)
+    return largest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", type=float, default=1.0, help="the model's bf16 size in GB (its optimizer state is 6x)")
+    parser.add_argument("--work", type=Path, default=REPO / "benchmarks" / "work" / "optimizer", help="work directory (git-ignored)")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--no-drop-cache", action="store_true")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--_build", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args._build:
+        build_main(args._build, args.size)
+        return 0
+
+    work = args.work
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    env = python_env()
+    drop = not args.no_drop_cache
+    src = work / "src"
+    steps = []
+    build = measure("build source", [sys.executable, __file__, "--size", str(args.size), "--_build", str(src)], drop=False, timeout=3600, env=env)
+    if not build["ok"]:
+        raise SystemExit(f"bench_optimizer: could not build the source:\n{build['output_tail']}")
+    source_bytes = dir_bytes(src)
+    cp = measure("cp -r", ["cp", "-r", str(src), str(work / "cp")], drop=drop, timeout=3600, env=env)
+    shutil.rmtree(work / "cp", ignore_errors=True)
+    steps.append({**cp, "kind": "cp"})
+    for name, flags in STEPS.items():
+        out = work / "out"
+        cmd = [sys.executable, "-m", "reshard", "convert", str(src), str(out), *flags, "--workers", str(args.workers), "-q"]
+        res = measure(name, cmd, drop=drop, timeout=3600, env=env)
+        res.update(kind="reshard", output_dir_bytes=dir_bytes(out))
+        steps.append(res)
+        shutil.rmtree(out, ignore_errors=True)
+    cp_rate = source_bytes / cp["seconds"]
+    largest = largest_parameter_fp32_bytes(args.size)
+    target_rss = GIB + 2 * largest
+    for s in steps:
+        s["mb_per_s"] = round(source_bytes / s["seconds"] / 1e6, 1)
+        s["vs_cp"] = round(source_bytes / s["seconds"] / cp_rate, 3)
+        s["meets_memory_target"] = s["peak_rss_bytes"] <= target_rss
+    results = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(work),
+        "size_gb": args.size,
+        "params": tensor_stats(dense_config(args.size))["params"],
+        "source": "synthetic dense bf16, DistributedOptimizer dp_reshardable at TP2 DP4 (written by reshard)",
+        "source_dir_bytes": source_bytes,
+        "largest_parameter_fp32_bytes": largest,
+        "memory_target_bytes": target_rss,
+        "workers": args.workers,
+        "build_seconds": build["seconds"],
+        "steps": steps,
+    }
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"\nsource {source_bytes / 1e9:.2f} GB; memory target {target_rss / MIB:.0f} MiB")
+    print("| step | s | MB/s | x cp | peak RSS MiB | <= target |\n|---|---|---|---|---|---|")
+    for s in steps:
+        print(
+            f"| {s['name']} | {s['seconds']:.1f} | {s['mb_per_s']:.0f} | {s['vs_cp']:.2f} | {s['peak_rss_bytes'] / MIB:.0f} | "
+            f"{'yes' if s['meets_memory_target'] else 'no'} |"
+        )
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    subprocess.run(["sync"], check=False)
+    return 0 if all(s["ok"] for s in steps) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
