@@ -9,7 +9,8 @@ What it does, in one run:
      `reshard convert`'s own dp_reshardable writer as Megatron-LM's default form at TP2 DP4;
   2. measures, each cold where the page cache can be dropped (bench_convert's `measure`: a fresh process, `sync`
      included, peak RSS from os.wait4): `cp -r` of the source, then `reshard convert` of it to TP1 PP2 DP4, once
-     written again as dp_reshardable buckets and once as per-parameter fully_reshardable tensors;
+     written again as dp_reshardable buckets and once as per-parameter fully_reshardable tensors, then `cp -r`
+     again (x cp is against the median of the two);
   3. writes JSON and prints a markdown table.
 
 Throughput is the source directory's bytes per second (model and optimizer, as `cp` moves them). The memory target
@@ -22,6 +23,7 @@ import argparse
 import datetime
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -103,9 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     if not build["ok"]:
         raise SystemExit(f"bench_optimizer: could not build the source:\n{build['output_tail']}")
     source_bytes = dir_bytes(src)
-    cp = measure("cp -r", ["cp", "-r", str(src), str(work / "cp")], drop=drop, timeout=3600, env=env)
-    shutil.rmtree(work / "cp", ignore_errors=True)
-    steps.append({**cp, "kind": "cp"})
+
+    def measure_cp(when: str) -> None:
+        """`cp -r` of the source, before and after the conversions: this disk's speed drifts within minutes."""
+        cp = measure(f"cp -r ({when})", ["cp", "-r", str(src), str(work / "cp")], drop=drop, timeout=3600, env=env)
+        shutil.rmtree(work / "cp", ignore_errors=True)
+        steps.append({**cp, "kind": "cp"})
+
+    measure_cp("first")
     for name, flags in STEPS.items():
         out = work / "out"
         cmd = [sys.executable, "-m", "reshard", "convert", str(src), str(out), *flags, "--workers", str(args.workers), "-q"]
@@ -113,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         res.update(kind="reshard", output_dir_bytes=dir_bytes(out))
         steps.append(res)
         shutil.rmtree(out, ignore_errors=True)
-    cp_rate = source_bytes / cp["seconds"]
+    measure_cp("last")
+    cp_rate = statistics.median(source_bytes / st["seconds"] for st in steps if st["kind"] == "cp")
     largest = largest_parameter_fp32_bytes(args.size)
     target_rss = GIB + 2 * largest
     for s in steps:

@@ -31,6 +31,7 @@ from reshard.formats.distrib_optim import PREFIX, STATE_KEYS, BucketLayout
 from reshard.formats.megatron_dist import TorchDistWriter, _Record
 from reshard.layout import RankCoord
 from reshard.logical import TensorSpec
+from reshard.naming import uses_te_names
 from reshard.request import Target
 from reshard.sharding import Piece, Region, region_size, shift, to_slices
 from reshard.torchfile.archive_writer import At, save_tensor
@@ -38,17 +39,6 @@ from reshard.torchfile.dcp_metadata import TensorEntry
 from reshard.torchfile.pickles import named
 
 _OBJECT = "/shard_0_1"  # the storage key of a ShardedObject of global shape (1,) at offset (0,)
-
-
-def distributed_optimizer_args(args: dict[str, Any], dp: int, tp: int, pp: int) -> dict[str, Any]:
-    """Megatron-LM's args of a run at data-parallel size `dp` with the DistributedOptimizer saving its default form."""
-    return {
-        **args,
-        "data_parallel_size": dp,
-        "world_size": dp * tp * pp,
-        "use_distributed_optimizer": True,
-        "dist_ckpt_optim_fully_reshardable": False,
-    }
 
 
 def prepare_target(
@@ -66,6 +56,13 @@ def prepare_target(
         raise ReshardError(
             f"{missing[0]} is not in the source: the DistributedOptimizer's dp_reshardable state needs fp32 master weights "
             "and both Adam moments of every parameter (a DistributedOptimizer checkpoint's state); pass --no-optimizer"
+        )
+    if reader.config.is_moe:
+        raise ReshardError("writing the dp_reshardable optimizer state of a MoE model (chained expert optimizer) is not supported yet")
+    if uses_te_names(common.args) if target.naming is None else target.naming == "te":
+        raise ReshardError(
+            "--optimizer-form dp_reshardable: the DistributedOptimizer's buffer order of Transformer-Engine modules is not "
+            "verified against megatron-core; write local-spec names (--naming local) or the fully_reshardable form"
         )
     recorded = common.extra.get("optimizer")
     if not (isinstance(recorded, dict) and isinstance(recorded.get("optimizer"), dict)):
@@ -88,19 +85,11 @@ class DpReshardableWriter(TorchDistWriter):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        if self.config.is_moe:
-            raise ReshardError("writing the dp_reshardable optimizer state of a MoE model (chained expert optimizer) is not supported yet")
-        if self.te_names:
-            raise ReshardError(
-                "--optimizer-form dp_reshardable: the DistributedOptimizer's buffer order of Transformer-Engine modules is not "
-                "verified against megatron-core; write local-spec names (--naming local) or the fully_reshardable form"
-            )
         args = self._target_args()
-        self.dp = int(args["data_parallel_size"])
         grad = "float32" if args.get("grad_reduce_in_fp32") else self.config.params_dtype
         dtypes = f"(torch.{self.config.params_dtype}, torch.{grad})"
         dtype_key = (named("torch", self.config.params_dtype), named("torch", grad))
-        layout = BucketLayout(self.specs, self.config, self.layout, self.dp)
+        layout = BucketLayout(self.specs, self.config, self.layout, int(args["data_parallel_size"]))
         # (param, layer, tp, pp, vstage) -> (bucket tensor key prefix, the parameter's start in it)
         self.places: dict[tuple[str, int | None, int, int, int], tuple[str, int]] = {}
         self.buckets: dict[str, int] = {}  # key prefix -> unpadded length
@@ -125,8 +114,15 @@ class DpReshardableWriter(TorchDistWriter):
         self.common = replace(self.common, objects=objects, extra=extra)
 
     def _target_args(self) -> dict[str, Any]:
-        args = super()._target_args()
-        return distributed_optimizer_args(args, int(self.common.args["data_parallel_size"]), self.layout.tp, self.layout.pp)
+        """A run at the recorded data-parallel size whose DistributedOptimizer saves its default form."""
+        dp = int(self.common.args["data_parallel_size"])
+        return {
+            **super()._target_args(),
+            "data_parallel_size": dp,
+            "world_size": dp * self.layout.tp * self.layout.pp,
+            "use_distributed_optimizer": True,
+            "dist_ckpt_optim_fully_reshardable": False,
+        }
 
     @classmethod
     def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:
