@@ -9,8 +9,8 @@ What it does, in one run:
      `reshard convert`'s own dp_reshardable writer as Megatron-LM's default form at TP2 DP4;
   2. measures, each cold where the page cache can be dropped (bench_convert's `measure`: a fresh process, `sync`
      included, peak RSS from os.wait4): `cp -r` of the source, then `reshard convert` of it to TP1 PP2 DP4, once
-     written again as dp_reshardable buckets and once as per-parameter fully_reshardable tensors, then `cp -r`
-     again (x cp is against the median of the two);
+     written again as dp_reshardable buckets and once as per-parameter fully_reshardable tensors; all that twice,
+     then `cp -r` once more (x cp is against the median of the three: this disk's speed drifts within minutes);
   3. writes JSON and prints a markdown table.
 
 Throughput is the source directory's bytes per second (model and optimizer, as `cp` moves them). The memory target
@@ -107,19 +107,20 @@ def main(argv: list[str] | None = None) -> int:
     source_bytes = dir_bytes(src)
 
     def measure_cp(when: str) -> None:
-        """`cp -r` of the source, before and after the conversions: this disk's speed drifts within minutes."""
+        """`cp -r` of the source."""
         cp = measure(f"cp -r ({when})", ["cp", "-r", str(src), str(work / "cp")], drop=drop, timeout=3600, env=env)
         shutil.rmtree(work / "cp", ignore_errors=True)
         steps.append({**cp, "kind": "cp"})
 
-    measure_cp("first")
-    for name, flags in STEPS.items():
-        out = work / "out"
-        cmd = [sys.executable, "-m", "reshard", "convert", str(src), str(out), *flags, "--workers", str(args.workers), "-q"]
-        res = measure(name, cmd, drop=drop, timeout=3600, env=env)
-        res.update(kind="reshard", output_dir_bytes=dir_bytes(out))
-        steps.append(res)
-        shutil.rmtree(out, ignore_errors=True)
+    for round_ in ("first", "second"):  # each step twice, alternating, so that drift does not favour one
+        measure_cp(round_)
+        for name, flags in STEPS.items():
+            out = work / "out"
+            cmd = [sys.executable, "-m", "reshard", "convert", str(src), str(out), *flags, "--workers", str(args.workers), "-q"]
+            res = measure(f"{name} ({round_})", cmd, drop=drop, timeout=3600, env=env)
+            res.update(kind="reshard", output_dir_bytes=dir_bytes(out))
+            steps.append(res)
+            shutil.rmtree(out, ignore_errors=True)
     measure_cp("last")
     cp_rate = statistics.median(source_bytes / st["seconds"] for st in steps if st["kind"] == "cp")
     largest = largest_parameter_fp32_bytes(args.size)
