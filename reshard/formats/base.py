@@ -140,7 +140,7 @@ class Manifest:
     """What reshard records next to every checkpoint it writes."""
 
     format: str
-    config: ModelConfig
+    config: ModelConfig | None  # None: written from a checkpoint that records no architecture
     layout: Layout
     checksums: dict[str, Checksum]
     provenance: dict[str, Any] = field(default_factory=dict)
@@ -148,7 +148,7 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         return {
             "format": self.format,
-            "config": self.config.to_dict(),
+            "config": self.config.to_dict() if self.config else None,
             "layout": self.layout.__dict__,
             "checksums": {k: v.to_json() for k, v in sorted(self.checksums.items())},
             "provenance": self.provenance,
@@ -158,7 +158,7 @@ class Manifest:
     def from_json(cls, data: dict[str, Any]) -> Manifest:
         return cls(
             format=data["format"],
-            config=ModelConfig.from_dict(data["config"]),
+            config=ModelConfig.from_dict(data["config"]) if data["config"] is not None else None,
             layout=Layout(**data["layout"]),
             checksums={k: Checksum.from_json(v) for k, v in data["checksums"].items()},
             provenance=data.get("provenance", {}),
@@ -315,7 +315,7 @@ class CheckpointWriter(abc.ABC):
         """Store `data` (the values of `slab`); `pieces` are the target pieces that lie in that slab."""
 
     @classmethod
-    def file_bytes(cls, moves: Iterable[tuple[TensorSpec, int]], config: ModelConfig, layout: Layout) -> dict[str, int]:
+    def file_bytes(cls, moves: Iterable[tuple[TensorSpec, int]], config: ModelConfig | None, layout: Layout) -> dict[str, int]:
         """Bytes each file (or group of files) of the output receives of these tensors, given with their
         itemsizes: by default each rank's, a piece stored once by its primary holder."""
         per_rank: Counter[str] = Counter()
@@ -365,7 +365,7 @@ class CheckpointWriter(abc.ABC):
         one of the `hashed` parts, its checksum counts. Reader threads call it."""
         part = hashed.checksum_of(region, values) if hashed is not None else None
         if part is None:
-            part = TensorChecksum(spec.shape, spec.dtype, self.config.vocab_rows if spec.vocab else None)
+            part = TensorChecksum(spec.shape, spec.dtype, self.config.vocab_rows if spec.vocab and self.config else None)
             part.add(region, values)
         self._written[StoredRecord(spec.name, region, spec.dtype, file, offset)] = part
 

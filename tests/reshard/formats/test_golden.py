@@ -3,6 +3,7 @@ that regenerates them): reshard reads them, reshards them, and exports the weigh
 made from holds, bit for bit. The oracle is the HF original that transformers saved."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def test_megatron_bridge_output_reshards_to_megatron_lm_layouts(tmp_path):
 
 def test_a_bare_dist_checkpointing_directory_converts_with_config(tmp_path):
     bare = GOLDEN / "mcore019-torch_dist-bare"
-    with pytest.raises(ReshardError, match="records no architecture .*pass --config"):
+    with pytest.raises(ReshardError, match="records no architecture, which --to-format hf needs .*pass --config"):
         convert(bare, tmp_path / "refused", Target(format="hf"))
     assert not (tmp_path / "refused").exists()
     assert inspect(bare, HF / "config.json").layout == str(Layout())
@@ -187,4 +188,74 @@ def test_torch_dist_for_bridge_keeps_the_true_vocabulary_and_exports_the_origina
 def test_for_bridge_refuses_a_format_bridge_does_not_load(tmp_path):
     with pytest.raises(ReshardError, match="--for bridge writes torch_dist, the one format Megatron-Bridge loads, not legacy"):
         convert(HF, tmp_path / "out", Target(format="legacy", for_bridge=True))
+    assert not (tmp_path / "out").exists()
+
+
+def _dcp_tensors(directory: Path) -> dict:
+    """Every tensor of a DCP directory as torch's own DCP reader loads it (no process group)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items() if hasattr(m, "size")}
+    dcp.load(tensors, checkpoint_id=str(directory), no_dist=True)
+    return {k: v.numpy() for k, v in tensors.items()}
+
+
+def _same_bits(ours: np.ndarray, theirs: np.ndarray) -> bool:
+    return ours.dtype == theirs.dtype and ours.shape == theirs.shape and np.array_equal(ours.view(np.uint8), theirs.view(np.uint8))
+
+
+def _zarr_holds(store: Path, tensors: dict) -> None:
+    """Each array of the store, opened with plain zarr, is the source's tensor bit for bit."""
+    import zarr
+
+    assert sorted(p.name for p in store.iterdir() if p.is_dir()) == sorted(tensors)
+    for key, value in tensors.items():
+        assert _same_bits(zarr.open_array(str(store / key), mode="r")[...], value), key
+
+
+def test_a_bare_checkpoint_goes_to_zarr_and_back_without_an_architecture(tmp_path):
+    """The tensors are global: megatron-core 0.19's bare save goes to zarr and back to torch_dist with no
+    config, and megatron-core's own dist_checkpointing.load reads the result (each tensor and each layer's
+    _extra_state) with the source's values bit for bit (the source read by torch's DCP reader, the store by zarr)."""
+    import torch
+
+    from fixtures.torchrun import run
+
+    bare = GOLDEN / "mcore019-torch_dist-bare"
+    source = _dcp_tensors(bare)
+    convert(bare, tmp_path / "zarr", Target(format="zarr"))
+    _zarr_holds(tmp_path / "zarr", source)
+    convert(tmp_path / "zarr", tmp_path / "dist", Target(format="torch_dist"))
+    run("fixtures.megatron_load_all", ["--load", tmp_path / "dist", "--out", tmp_path / "loaded.pt"], nproc=1)
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    assert sorted(loaded["tensors"]) == sorted(source)
+    for key, value in source.items():
+        assert _same_bits(loaded["tensors"][key].numpy(), value), key
+    assert len(loaded["objects"]) == 8 and set(loaded["objects"].values()) == {None}  # as the local spec saved them
+    assert "args" not in loaded["common"]  # the source recorded no architecture, and neither does its copy
+
+
+def test_a_bare_checkpoint_saved_at_tp2_goes_to_zarr_whole(tmp_path):
+    """Megatron-Bridge's TP2 save without its run_config.yaml is a bare directory of two ranks' chunks:
+    zarr gets each tensor whole, as torch's DCP reader assembles it."""
+    bare = tmp_path / "bare"
+    bridge_only = shutil.ignore_patterns("run_config.yaml", "tokenizer", "*train_state.pt")
+    shutil.copytree(GOLDEN / "bridge-torch_dist-tp2" / "iter_0000000", bare, ignore=bridge_only)
+    convert(bare, tmp_path / "zarr", Target(format="zarr"))
+    _zarr_holds(tmp_path / "zarr", _dcp_tensors(bare))
+
+
+@pytest.mark.parametrize(
+    "flags, needs",
+    [(["--to-tp", "2"], "a change of layout \\(to TP2PP1EP1\\)"), (["--to-format", "hf"], "--to-format hf"),
+     (["--to-format", "legacy"], "--to-format legacy"), (["--to-format", "zarr", "--dtype", "bf16"], "--dtype")],
+)
+def test_what_needs_the_architecture_is_refused_in_one_line_without_it(tmp_path, monkeypatch, capsys, flags, needs):
+    from tests.cli import run_cli
+
+    code, lines = run_cli(monkeypatch, capsys, "convert", GOLDEN / "mcore019-torch_dist-bare", tmp_path / "out", *flags)
+    assert code != 0 and len(lines) == 1 and "Traceback" not in lines[0]
+    assert re.search(f"records no architecture, which {needs} needs .*: pass --config", lines[0]), lines[0]
     assert not (tmp_path / "out").exists()
