@@ -2,7 +2,9 @@
 that regenerates them): reshard reads them, reshards them, and exports the weights the HF model they were
 made from holds, bit for bit. The oracle is the HF original that transformers saved."""
 
+import importlib.util
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -259,3 +261,23 @@ def test_what_needs_the_architecture_is_refused_in_one_line_without_it(tmp_path,
     assert code != 0 and len(lines) == 1 and "Traceback" not in lines[0]
     assert re.search(f"records no architecture, which {needs} needs .*: pass --config", lines[0]), lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def _peer(variable: str, name: str) -> Path:
+    """A peer install (fixtures/golden/README.md, "Regenerating"): $variable, else beside this checkout."""
+    return Path(os.environ.get(variable, GOLDEN.parents[2] / "peers" / name))
+
+
+def test_megatron_lm_loads_reshards_torch_dist_at_tp2_pp2(tmp_path):
+    """Megatron-LM's own load_checkpoint (core_v0.17.1 tree, its tools/checkpoint loader's arguments and GPT model,
+    one gloo process per rank) reads reshard's torch_dist at TP2 PP2, and each rank's model then holds the HF
+    original's weights bit for bit (its TP slice, stage-local layers; the real vocabulary rows)."""
+    venv, tree = _peer("MLM_VENV", "mlm-venv"), _peer("MLM_TREE", "mlm-tree")
+    if not (venv / "bin" / "torchrun").exists() or not (tree / "tools" / "checkpoint" / "loader_core.py").exists():
+        pytest.skip(f"needs Megatron-LM's peer install ({venv}, {tree}; MLM_VENV/MLM_TREE): shared/peers/setup_mlm.sh")
+    spec = importlib.util.spec_from_file_location("make_golden", GOLDEN / "make_golden.py")
+    make_golden = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_golden)
+    convert(HF, tmp_path / "dist", Target(format="torch_dist", layout=Layout(tp=2, pp=2), naming="local"))
+    checked = make_golden.mlm_load_ranks(venv, tree.resolve(), tmp_path, "dist", 2, 2, HF)
+    assert checked.endswith("30 tensors ok at TP2 PP2"), checked
