@@ -151,7 +151,7 @@ def test_megatron_output_carries_megatron_lm_arguments_and_an_int_iteration(tmp_
     golden = _saved(GOLDEN / "mlm-core-legacy-tp2pp2" / "iter_0000001" / "mp_rank_00_000" / "model_optim_rng.pt")
     assert ours["iteration"] == 0
     args, theirs = vars(ours["args"]), vars(golden["args"])
-    assert set(theirs) - set(args) <= {"blendable_index_path", "variable_seq_lengths"}  # set by validate_args only
+    assert set(theirs) - set(args) <= {"blendable_index_path"}  # set by its saver
     assert args["encoder_seq_length"] == args["seq_length"] == 4096
     assert (args["sequence_parallel"], args["apply_query_key_layer_scaling"], args["multi_latent_attention"]) == (False,) * 3
     assert (args["num_query_groups"], args["group_query_attention"], args["padded_vocab_size"]) == (2, True, 256)
@@ -281,3 +281,37 @@ def test_megatron_lm_loads_reshards_torch_dist_at_tp2_pp2(tmp_path):
     convert(HF, tmp_path / "dist", Target(format="torch_dist", layout=Layout(tp=2, pp=2), naming="local"))
     checked = make_golden.mlm_load_ranks(venv, tree.resolve(), tmp_path, "dist", 2, 2, HF)
     assert checked.endswith("30 tensors ok at TP2 PP2"), checked
+
+
+# Where reshard's Megatron args may differ from those Megatron-LM's tools/checkpoint wrote for the same model
+# (mlm-core-*): what that converter sets on its own command line and in its saver, ...
+_CONVERTER_CHOICES = {
+    "bias_dropout_fusion", "masked_softmax_fusion", "gradient_accumulation_fusion", "no_persist_layer_norm", "enable_one_logger",
+    "mock_data", "data_path", "blendable_index_path", "no_load_optim", "no_load_rng", "no_save_optim", "no_save_rng",
+    "perform_initialization", "use_cpu_initialization", "save", "save_interval", "global_batch_size",
+}
+_ITS_ETP = {"expert_tensor_parallel_size"}  # its loader's 1 at any TP; validate_args' own default is TP, reshard's
+# ... the model's facts that its converter loses (fixtures/golden/README.md) and where the tokenizer is, ...
+_MODEL_FACTS = {"rotary_base", "layernorm_epsilon", "tokenizer_model"}
+# ... and reshard's own record of the model: its HF origin, and ModelConfig fields core_v0.17.1 has no argument for.
+_RESHARDS_OWN = {"hf_architecture", "hf_config", "hf_model_type", "hf_source", "norm_epsilon", "rope_scaling",
+                 "beta_fast", "beta_slow", "original_max_position_embeddings"}
+
+
+@pytest.mark.parametrize(
+    "fmt, layout, golden",
+    [("legacy", Layout(tp=2, pp=2), "mlm-core-legacy-tp2pp2/iter_0000001/mp_rank_00_000/model_optim_rng.pt"),
+     ("torch_dist", Layout(), "mlm-core-torch_dist-tp1pp1/iter_0000001/common.pt")],
+)
+def test_megatron_args_are_what_validate_args_makes_of_the_model(tmp_path, fmt, layout, golden):
+    """Megatron-LM's checkpoints carry its args after validate_args (derived sizes, dtypes as torch dtypes, deleted
+    options gone): against the args Megatron-LM's own converter wrote for the same HF model at the same layout, every
+    argument is the same except the ones listed above, each for its reason."""
+    convert(HF, tmp_path / "out", Target(format=fmt, layout=layout, naming="local"))
+    name = "mp_rank_00_000/model_optim_rng.pt" if fmt == "legacy" else "common.pt"
+    ours, theirs = vars(_saved(tmp_path / "out" / "release" / name)["args"]), vars(_saved(GOLDEN / golden)["args"])
+    differ = {k for k in ours.keys() | theirs.keys() if k not in ours or k not in theirs or repr(ours[k]) != repr(theirs[k])}
+    expected = _CONVERTER_CHOICES | _MODEL_FACTS | _RESHARDS_OWN | (_ITS_ETP if layout.tp > 1 else set())
+    assert differ == expected, sorted(differ ^ expected)
+    assert (ours["layernorm_epsilon"], ours["rotary_base"]) == (1e-6, 500000.0)  # the HF model's, which Megatron-LM builds with
+
