@@ -315,3 +315,20 @@ def test_megatron_args_are_what_validate_args_makes_of_the_model(tmp_path, fmt, 
     assert differ == expected, sorted(differ ^ expected)
     assert (ours["layernorm_epsilon"], ours["rotary_base"]) == (1e-6, 500000.0)  # the HF model's, which Megatron-LM builds with
 
+
+@pytest.mark.parametrize("given", ["root", "weights"])
+def test_a_nemo2_checkpoint_is_refused_by_name(tmp_path, monkeypatch, capsys, given):
+    """NeMo 2's layout (context/ beside a torch_dist weights/): not read (no NeMo-written checkpoint to prove a
+    reader against), and said so in one line rather than read as a bare directory or as not a checkpoint."""
+    from tests.cli import run_cli
+
+    nemo = tmp_path / "nemo2"
+    shutil.copytree(GOLDEN / "mcore019-torch_dist-bare", nemo / "weights")
+    (nemo / "context").mkdir()
+    (nemo / "context" / "model.yaml").write_text("_target_: nemo.collections.llm.gpt.model.llama.LlamaModel\n")
+    path = nemo if given == "root" else nemo / "weights"
+    for command in (["inspect", path], ["convert", path, tmp_path / "out", "--to-format", "zarr"]):
+        code, lines = run_cli(monkeypatch, capsys, *command)
+        assert code != 0 and lines == [f"reshard: error: {nemo} is a NeMo 2 checkpoint (context/ + weights/), which reshard does "
+                                       "not read; export it to HF with NeMo (llm.export_ckpt) and convert that"], lines
+    assert not (tmp_path / "out").exists()
