@@ -332,3 +332,19 @@ def test_a_nemo2_checkpoint_is_refused_by_name(tmp_path, monkeypatch, capsys, gi
         assert code != 0 and lines == [f"reshard: error: {nemo} is a NeMo 2 checkpoint (context/ + weights/), which reshard does "
                                        "not read; export it to HF with NeMo (llm.export_ckpt) and convert that"], lines
     assert not (tmp_path / "out").exists()
+
+
+def test_megatron_lms_layernorm_epsilon_is_read(tmp_path):
+    """core_v0.17.1 names the norm epsilon layernorm_epsilon (its converter leaves it at 1e-5, README): a checkpoint
+    whose args say 1e-6 exports rms_norm_eps 1e-6, not reshard's default."""
+    import torch
+
+    source = tmp_path / "mlm"
+    shutil.copytree(GOLDEN / "mlm-core-legacy-tp1pp1", source)
+    rank_file = source / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    saved = _saved(rank_file)
+    assert not hasattr(saved["args"], "norm_epsilon")
+    saved["args"].layernorm_epsilon = 1e-6
+    torch.save(saved, rank_file)
+    convert(source, tmp_path / "hf", Target(format="hf"))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["rms_norm_eps"] == 1e-6
