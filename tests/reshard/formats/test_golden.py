@@ -348,3 +348,17 @@ def test_megatron_lms_layernorm_epsilon_is_read(tmp_path):
     torch.save(saved, rank_file)
     convert(source, tmp_path / "hf", Target(format="hf"))
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["rms_norm_eps"] == 1e-6
+
+
+def test_a_zarr_copy_without_an_architecture_says_how_to_get_one(tmp_path, monkeypatch, capsys):
+    """--config completes torch_dist checkpoints only: the refusal for a zarr copy of a bare checkpoint says so,
+    and the way it names works (back to torch_dist, then --config to HF: the original weights)."""
+    from tests.cli import run_cli
+
+    convert(GOLDEN / "mcore019-torch_dist-bare", tmp_path / "zarr", Target(format="zarr"))
+    code, lines = run_cli(monkeypatch, capsys, "convert", tmp_path / "zarr", tmp_path / "hf", "--to-format", "hf")
+    assert code != 0 and len(lines) == 1
+    assert "needs (head counts, gating, vocabulary): convert it to torch_dist (no --config needed) and there pass --config" in lines[0]
+    convert(tmp_path / "zarr", tmp_path / "dist", Target(format="torch_dist"))
+    convert(tmp_path / "dist", tmp_path / "hf", Target(format="hf"), hints=SourceHints(config=HF / "config.json"))
+    _same_as_original(tmp_path / "hf")
