@@ -254,7 +254,7 @@ class _Transaction:
         this run's writer vouches for by their placement, unless `run.reread`)."""
         hash_workers = self.plan.hash_workers()
         self.pool.shrink(hash_workers)
-        with open_checkpoint(self.tmp, self.plan.target_format) as written_back:
+        with open_checkpoint(self.tmp, self.plan.target_format, need_architecture=self.plan.config is not None) as written_back:
             records = None if self.run.reread else self.writer.written_records()  # an earlier run's tensors are read back
             names = [m.target.name for m in self.share]
             return compute_checksums(written_back, workers=hash_workers, names=names, pool=self.pool, written=records)
@@ -298,7 +298,8 @@ def convert(
         raise ReshardError(f"{destination} contains the source {source}; choose a destination outside it")
     if dst.is_relative_to(src):
         raise ReshardError(f"{destination} is inside the source {source}; choose a destination outside it")
-    with open_checkpoint(source, config_file=hints.config) as reader:
+    # a checkpoint that records no architecture still converts as global tensors (`plan` refuses the rest)
+    with open_checkpoint(source, config_file=hints.config, need_architecture=False) as reader:
         for key in ("tp", "pp", "ep"):
             expected, actual = getattr(hints, key), getattr(reader.layout, key)
             if expected is not None and actual != expected:
@@ -317,6 +318,9 @@ def convert(
 
 
 def _set_vocab_size(reader: CheckpointReader, vocab_size: int) -> None:
+    if reader.config is None:
+        raise ReshardError(f"{reader.path} records no architecture for --vocab-size to complete: pass --config with the model's "
+                           "HF config.json or a YAML of its Megatron arguments instead")
     if reader.config.vocab_size not in (None, vocab_size):
         raise ReshardError(f"{reader.path} records a vocabulary of {reader.config.vocab_size}; --vocab-size {vocab_size} "
                            "contradicts it: drop --vocab-size")

@@ -116,7 +116,7 @@ class ConversionPlan:
     target: Path
     writer: type[CheckpointWriter]  # the target format's
     target_layout: Layout
-    config: ModelConfig  # the target's (padded vocabulary follows the target TP)
+    config: ModelConfig | None  # the target's (padded vocabulary follows the target TP); None: not recorded (global tensors only)
     moves: list[TensorMove]
     common: CommonState  # what the target carries besides tensors
     options: WriteOptions = WriteOptions()
@@ -272,6 +272,34 @@ def bridge_config(config: ModelConfig, layout: Layout, format_name: str) -> Mode
     return config.replace(padded_vocab_size=config.vocab_size)
 
 
+# Formats that hold a model's tensors whole (global), whatever its architecture: a checkpoint that records none
+# converts between them.
+GLOBAL_FORMATS = ("torch_dist", "zarr")
+
+
+def _refuse_what_needs_an_architecture(reader: CheckpointReader, format_name: str, layout: Layout, target: Target) -> None:
+    """A checkpoint that records no architecture converts as it is: its global tensors into torch_dist or zarr
+    at its own layout. Anything else cuts or renames tensors by the model's shape (QKV by head counts, fc1 by
+    its gating, the vocabulary by its true size)."""
+    needs = [
+        what
+        for what, asked in (
+            (f"--to-format {format_name}", format_name not in GLOBAL_FORMATS),
+            (f"a change of layout (to {layout})", layout != reader.layout),
+            ("--dtype", target.dtype is not None),
+            ("--for bridge", target.for_bridge),
+        )
+        if asked
+    ]
+    if needs:
+        # --config completes a torch_dist checkpoint only; a zarr copy of one goes back to torch_dist first
+        where = "" if reader.format_name == "torch_dist" else "convert it to torch_dist (no --config needed) and there "
+        raise ReshardError(
+            f"{reader.path} records no architecture, which {needs[0]} needs (head counts, gating, vocabulary): {where}pass "
+            "--config with the model's HF config.json or a YAML of its Megatron arguments"
+        )
+
+
 def _records_are_chunks(plan: ConversionPlan, move: TensorMove, reader: CheckpointReader) -> bool:
     """Whether every record the target writes of `move` is a region the source stores whole, judged by its
     first slab: every slab of a tensor is cut alike (as `largest_unit` assumes), and a wrong answer would
@@ -292,12 +320,16 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         raise ReshardError(f"--to-fp8-blocks writes HF safetensors, not {format_name}; add --to-format hf")
     layout = target.layout_for(reader.layout)
     optimizer, dtype = target.optimizer, target.dtype or reader.default_dtype
-    layout.validate(reader.config)
-    config = target_config(reader.config, layout, reader.layout.tp)
-    if target.for_bridge:
-        config = bridge_config(config, layout, format_name)
-    if dtype is not None:
-        config = config.replace(params_dtype=dtype)
+    config: ModelConfig | None = None
+    if reader.config is None:
+        _refuse_what_needs_an_architecture(reader, format_name, layout, target)
+    else:
+        layout.validate(reader.config)
+        config = target_config(reader.config, layout, reader.layout.tp)
+        if target.for_bridge:
+            config = bridge_config(config, layout, format_name)
+        if dtype is not None:
+            config = config.replace(params_dtype=dtype)
     moves: list[TensorMove] = []
     dropped = list(reader.common.dropped)
     unsupported = getattr(reader, "unsupported_optimizer", [])
@@ -312,7 +344,7 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
             dropped.append(name)
             continue
         shape = spec.shape
-        if spec.vocab:
+        if spec.vocab and config is not None:
             if config.padded_vocab_size < reader.config.vocab_rows:
                 raise ReshardError(f"{name}: the target vocabulary padding would cut real vocabulary rows")
             shape = (config.padded_vocab_size, *shape[1:])
@@ -365,7 +397,9 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
     return plan
 
 
-def _same_ranks(a: Layout, b: Layout, config: ModelConfig) -> bool:
+def _same_ranks(a: Layout, b: Layout, config: ModelConfig | None) -> bool:
+    if config is None:  # no architecture: only an unchanged layout is planned
+        return a == b
     return (a.tp, a.pp, a.ep, a.expert_tp, a.vpp) == (b.tp, b.pp, b.ep, b.expert_tp, b.vpp) and a.stage_layers(
         config.num_layers
     ) == b.stage_layers(config.num_layers)
@@ -383,7 +417,8 @@ def _target_common(
             dropped.append(key)
         else:
             objects[key] = value
-    if writer.needs_extra_state and not any("_extra_state" in k for k in objects):
+    # without an architecture the module names are unknown: the source's own entries are all there is
+    if writer.needs_extra_state and reader.config is not None and not any("_extra_state" in k for k in objects):
         te = uses_te_names(source.args) if te_names is None else te_names
         objects.update(default_extra_state(reader.config, te))
     extra = dict(source.extra)

@@ -378,7 +378,6 @@ class HFReader(CheckpointReader):
             padded_vocab_size=config.padded_vocab_size,
             make_vocab_size_divisible_by=128,
             **precision_args(config.params_dtype),
-            use_rotary_position_embeddings=config.position_embedding_type == "rope",
             tokenizer_type="HuggingFaceTokenizer",
             tokenizer_model=str(self.path.resolve()),
             hf_model_type=self.family.model_type,
