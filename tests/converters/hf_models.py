@@ -62,9 +62,9 @@ def _configs():
     }
 
 
-MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3_moe", "deepseek_v3_mixed", "deepseek_v3_mtp"}
+MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3_moe", "deepseek_v3_mixed"}
 NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v3_q",
-         "deepseek_v3_moe", "deepseek_v3_mixed", "deepseek_v3_mtp", "gpt2"]
+         "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2"]
 
 
 def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
