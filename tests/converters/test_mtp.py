@@ -11,6 +11,7 @@ import struct
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 from test_hf_roundtrip import hf_tensors
 
@@ -54,6 +55,8 @@ def test_round_trip_keeps_mtp_layers_and_config_bit_identical(source, megatron, 
         assert reader.config.mtp_num_layers == 1
         assert reader.specs["mtp.layers.0.eh_proj.weight"].shape == (64, 128)
         assert reader.specs["mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight"].shape == (4, 64, 64)
+    # Megatron-Bridge's run config says so too, or Bridge would build the model without them
+    assert yaml.safe_load((megatron / "release" / "run_config.yaml").read_text())["model"]["mtp_num_layers"] == 1
     back = tmp_path / "back"
     convert(megatron, back, "--to-format", "hf")
     original, exported = hf_tensors(source), hf_tensors(back)
