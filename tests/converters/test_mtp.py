@@ -66,6 +66,13 @@ def test_round_trip_keeps_mtp_layers_and_config_bit_identical(source, megatron, 
     assert json.loads((back / "config.json").read_text()) == json.loads((source / "config.json").read_text())
 
 
+def test_zarr_carries_mtp_layers(source, tmp_path):
+    convert(source, tmp_path / "zarr", "--to-format", "zarr", "--to-ep", "2")
+    convert(tmp_path / "zarr", tmp_path / "back", "--to-format", "hf")
+    original, exported = hf_tensors(source), hf_tensors(tmp_path / "back")
+    assert exported.keys() == original.keys() and all(same(exported[k], v) for k, v in original.items())
+
+
 def test_mtp_tensors_are_cut_like_decoder_layers(megatron):
     """On the last pipeline stage with the output layer; eh_proj split by rows over TP; experts over EP."""
     with open_checkpoint(megatron) as reader:
