@@ -133,6 +133,14 @@ def deepseek_moe(config: ModelConfig, prefix: str = "model.") -> list[Mapping]:
     ]
 
 
+def _same_bytes(a: Tensor, b: Tensor, step: int = 1 << 26) -> bool:
+    """Whether two arrays hold the same bytes, compared a bounded run at a time (an embedding is gigabytes)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a, b = (np.ascontiguousarray(t).reshape(-1).view(np.uint8) for t in (a, b))
+    return all(np.array_equal(a[i : i + step], b[i : i + step]) for i in range(0, a.size, step))
+
+
 class Copies(Mapping):
     """One Megatron tensor that HF stores several times (the model's, then each MTP layer's copy): read, every
     copy must hold the model's bytes; written, each gets them."""
@@ -142,9 +150,8 @@ class Copies(Mapping):
         object.__setattr__(self, "hf", hf)
 
     def to_megatron(self, tensors: list[Tensor], config: ModelConfig) -> Tensor:
-        first = np.ascontiguousarray(tensors[0])
         for name, other in zip(self.hf[1:], tensors[1:]):
-            if other.shape != first.shape or np.ascontiguousarray(other).view(np.uint8).tobytes() != first.view(np.uint8).tobytes():
+            if not _same_bytes(tensors[0], other):
                 raise ReshardError(
                     f"HF tensor {name} differs from {self.hf[0]}: Megatron-Core's MTP layers share the model's "
                     "embedding and output layer, so a model whose MTP copies differ cannot be converted without losing one"
