@@ -55,6 +55,8 @@ def test_round_trip_keeps_mtp_layers_and_config_bit_identical(source, megatron, 
         assert reader.config.mtp_num_layers == 1
         assert reader.specs["mtp.layers.0.eh_proj.weight"].shape == (64, 128)
         assert reader.specs["mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight"].shape == (4, 64, 64)
+    said = CliRunner().invoke(main, ["inspect", str(megatron)]).output
+    assert "4 experts top-2, 1 MTP layers" in said and "mtp.layers.0.eh_proj.weight" in said
     # Megatron-Bridge's run config says so too, or Bridge would build the model without them
     assert yaml.safe_load((megatron / "release" / "run_config.yaml").read_text())["model"]["mtp_num_layers"] == 1
     back = tmp_path / "back"
