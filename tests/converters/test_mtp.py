@@ -11,6 +11,7 @@ import struct
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 from test_hf_roundtrip import hf_tensors
@@ -23,6 +24,7 @@ from reshard.layout import Layout
 from reshard.sharding import pieces
 from tests.arrays import same
 from tests.cli import run_cli
+from tests.fp8_models import dequantized, load, make_fp8
 
 from hf_models import build
 
@@ -141,3 +143,16 @@ def test_an_hf_family_without_mtp_refuses_the_export(tmp_path, monkeypatch, caps
         assert reader.config.mtp_num_layers == 1 and "mtp.layers.0.eh_proj.weight" in reader.specs
     code, err = run_cli(monkeypatch, capsys, "convert", tmp_path / "ep2", tmp_path / "hf", "--to-format", "hf")
     assert code != 0 and len(err) == 1 and "HF mixtral cannot hold" in err[0], err
+
+
+def test_fp8_mtp_layers_are_imported_dequantized(source, tmp_path):
+    """DeepSeek-V3's release quantizes its MTP layer's projections too: they come in dequantized (`weight.float() *
+    scale`, the tests' own recipe) like the decoder's, and go back out with every tensor."""
+    fp8 = make_fp8(source, tmp_path / "fp8", (16, 24))
+    assert load(fp8)["model.layers.2.eh_proj.weight"].dtype == torch.float8_e4m3fn
+    convert(fp8, tmp_path / "megatron", "--to-format", "torch_dist", "--dtype", "fp32", "--to-ep", "2")
+    convert(tmp_path / "megatron", tmp_path / "back", "--to-format", "hf")
+    expected, exported = dequantized(fp8, (16, 24)), load(tmp_path / "back")
+    assert exported.keys() == expected.keys() and {n for n in expected if n.startswith("model.layers.2.")} >= set(MTP_HF)
+    for name, value in expected.items():
+        assert same(exported[name], value), name
