@@ -47,9 +47,16 @@ def megatron(source, tmp_path_factory) -> Path:
     return target
 
 
-MTP_HF = ("model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight", "model.layers.2.hnorm.weight",
-          "model.layers.2.shared_head.norm.weight", "model.layers.2.shared_head.head.weight", "model.layers.2.embed_tokens.weight",
-          "model.layers.2.self_attn.kv_b_proj.weight", "model.layers.2.mlp.experts.3.down_proj.weight")
+MTP_HF = (
+    "model.layers.2.eh_proj.weight",
+    "model.layers.2.enorm.weight",
+    "model.layers.2.hnorm.weight",
+    "model.layers.2.shared_head.norm.weight",
+    "model.layers.2.shared_head.head.weight",
+    "model.layers.2.embed_tokens.weight",
+    "model.layers.2.self_attn.kv_b_proj.weight",
+    "model.layers.2.mlp.experts.3.down_proj.weight",
+)
 
 
 def test_round_trip_keeps_mtp_layers_and_config_bit_identical(source, megatron, tmp_path):
@@ -105,10 +112,13 @@ def _flip_bit(directory: Path, tensor: str, element: int = 70) -> None:
     raise AssertionError(f"{tensor} not found")
 
 
-@pytest.mark.parametrize("hf_name,logical", [
-    ("model.layers.2.eh_proj.weight", "mtp.layers.0.eh_proj.weight"),
-    ("model.layers.2.mlp.experts.3.down_proj.weight", "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc2.weight"),
-])
+@pytest.mark.parametrize(
+    "hf_name,logical",
+    [
+        ("model.layers.2.eh_proj.weight", "mtp.layers.0.eh_proj.weight"),
+        ("model.layers.2.mlp.experts.3.down_proj.weight", "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc2.weight"),
+    ],
+)
 def test_verify_names_an_mtp_tensor_changed_by_one_bit(source, megatron, tmp_path, hf_name, logical):
     changed = tmp_path / "changed"
     shutil.copytree(source, changed)
