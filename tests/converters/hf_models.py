@@ -46,6 +46,10 @@ def _configs():
         "qwen3_moe_softmax": tf.Qwen3MoeConfig(**qwen3_moe),  # norm_topk_prob false, as transformers defaults it
         "qwen2_moe": tf.Qwen2MoeConfig(**qwen2_moe),  # norm_topk_prob false, as transformers defaults it
         "qwen2_moe_topk_norm": tf.Qwen2MoeConfig(**qwen2_moe, norm_topk_prob=True),
+        # dense MLPs of intermediate_size between MoE layers (Megatron keys each layer apart): layer 1 dense,
+        # and in Qwen3-MoE every other layer, the first dense
+        "qwen2_moe_mixed": tf.Qwen2MoeConfig(**qwen2_moe, mlp_only_layers=[1]),
+        "qwen3_moe_mixed": tf.Qwen3MoeConfig(**qwen3_moe, norm_topk_prob=True, decoder_sparse_step=2),
         "deepseek_v3": tf.DeepseekV3Config(**DEEPSEEK, q_lora_rank=24, max_position_embeddings=512, rope_parameters=yarn),
         "deepseek_v3_q": tf.DeepseekV3Config(**DEEPSEEK, q_lora_rank=None, max_position_embeddings=128),
         # every layer MoE: 4 routed experts in 2 groups (1 chosen), top-2, a shared expert, scaled weights
@@ -62,8 +66,9 @@ def _configs():
     }
 
 
-MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3_moe", "deepseek_v3_mixed"}
-NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v3_q",
+MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed", "deepseek_v3_moe", "deepseek_v3_mixed"}
+NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed",
+         "deepseek_v3", "deepseek_v3_q",
          "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2"]
 
 

@@ -37,6 +37,8 @@ CASES = [
     ("qwen2_moe", "legacy", dict(ep=2)),  # shared expert and its sigmoid gate, softmax before top-k, q/k/v biases
     ("qwen2_moe", "torch_dist", dict(pp=2)),
     ("qwen2_moe_topk_norm", "legacy", dict(tp=2)),  # the shared expert split over TP, its gate replicated
+    ("qwen2_moe_mixed", "torch_dist", dict(ep=2)),  # a dense MLP after an MoE layer: keyed layer by layer
+    ("qwen3_moe_mixed", "legacy", dict(pp=2)),
     ("gpt2", "legacy", dict(pp=2)),  # LayerNorm + biases, learned positions, tied, Conv1D
     ("llama", "torch_dist", dict(pp=2)),  # megatron's own dist_checkpointing.load
     ("deepseek_v3", "torch_dist", dict()),  # multi-latent attention, YaRN on the rotary dims
