@@ -389,11 +389,12 @@ L = "{layer}"
 E = "{expert}"
 
 
-def at_layer(mapping: Mapping, layer: int) -> Mapping:
+def at_layer(mapping: Mapping, layer: int, megatron: str | None = None) -> Mapping:
     """`mapping` for one layer of a model keyed per layer (`ModelConfig.per_layer_names`): the Megatron name
-    under `decoder.layers.{layer}.`, the HF names with the layer filled in."""
+    under `decoder.layers.{layer}.` (or the module `megatron` names, e.g. an MTP layer's transformer layer), the
+    HF names with the layer filled in."""
     out = copy.copy(mapping)
-    object.__setattr__(out, "megatron", mapping.megatron.replace("decoder.layers.", f"decoder.layers.{layer}.", 1))
+    object.__setattr__(out, "megatron", mapping.megatron.replace("decoder.layers.", megatron or f"decoder.layers.{layer}.", 1))
     object.__setattr__(out, "hf", tuple(name.replace(L, str(layer)) for name in mapping.hf))
     return out
 
@@ -427,6 +428,7 @@ class Family:
     ignored: ClassVar[tuple[str, ...]] = (r"\.rotary_emb\.inv_freq$",)
     # ModelConfig fields this family's HF model fixes; a Megatron model that differs cannot be exported.
     signature: ClassVar[dict[str, Any]] = {}
+    holds_mtp: ClassVar[bool] = False  # the HF model has multi-token-prediction layers (DeepSeek-V3's)
 
     # ---- HF config -> ModelConfig ----------------------------------------------------------------
     def check_hf(self, hf: dict[str, Any]) -> None:
@@ -518,6 +520,11 @@ class Family:
             )
         if config.vocab_size is None:
             raise ReshardError("the checkpoint does not record its true vocabulary size; pass --vocab-size so padding is not exported")
+        if config.mtp_num_layers and not self.holds_mtp:
+            raise ReshardError(
+                f"the model has {config.mtp_num_layers} multi-token-prediction layers (mtp.layers.*), which HF {self.model_type} "
+                "cannot hold: export it as deepseek_v3 or keep it in a Megatron format rather than lose them"
+            )
 
     @staticmethod
     def megatron_features(config: ModelConfig) -> dict[str, Any]:

@@ -26,7 +26,6 @@ _UNMODELED: dict[str, Any] = {
     "rotary_interleaved": False,
     "rotary_seq_len_interpolation_factor": None,
     "apply_layernorm_1p": False,
-    "mtp_num_layers": None,  # multi-token prediction: its mtp.layers.* are not mapped to HF (nor resharded) yet
 }
 
 
@@ -88,6 +87,8 @@ class ModelConfig:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # Multi-token prediction (DeepSeek-V3): this many MTP layers (`mtp.layers.{i}.`) after the decoder, on its last stage.
+    mtp_num_layers: int | None = None
     params_dtype: str = "float32"
     # Megatron options set away from their defaults that change the model's math in ways this tool does
     # not model (`_UNMODELED`): resharding carries them in the args; an HF export refuses them.

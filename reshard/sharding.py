@@ -68,7 +68,8 @@ def _owning_chunks(spec: TensorSpec, config: ModelConfig | None, layout: Layout)
         return [(pp, vstage, spec.layer, local)]
     if spec.param.startswith("embedding."):
         return [(0, 0, None, None)]
-    if spec.param.startswith(("output_layer.", "decoder.final_layernorm.", "decoder.final_norm.")):
+    # Multi-token-prediction layers live on the last stage, beside the output layer (Megatron-Core's default placement)
+    if spec.param.startswith(("output_layer.", "decoder.final_layernorm.", "decoder.final_norm.", "mtp.")):
         return [(last % layout.pp, last // layout.pp, None, None)]
     return [(0, 0, None, None)]
 

@@ -58,6 +58,9 @@ def _configs():
         # DeepSeek-V3's layout in small: the first layer dense, the next MoE (Megatron keys each layer apart)
         "deepseek_v3_mixed": tf.DeepseekV3Config(**dict(DEEPSEEK, first_k_dense_replace=1), q_lora_rank=24,
                                                  max_position_embeddings=128),
+        # DeepSeek-V3's multi-token prediction in small: a dense layer, an MoE one, then one MTP layer (model.layers.2)
+        "deepseek_v3_mtp": tf.DeepseekV3Config(**dict(DEEPSEEK, first_k_dense_replace=1, num_nextn_predict_layers=1), q_lora_rank=24,
+                                               max_position_embeddings=128, rope_parameters=yarn),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
                               activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
@@ -75,6 +78,8 @@ def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
 
     torch.manual_seed(seed)
     config = _configs()[name]
+    layers, mtp = config.num_hidden_layers, getattr(config, "num_nextn_predict_layers", 0)
+    config.num_hidden_layers = layers + mtp  # transformers builds no MTP layers: their decoder layers are built as layers past the last
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -86,5 +91,29 @@ def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
             if bname.endswith("e_score_correction_bias"):  # DeepSeek's routing bias, saved like a weight
                 b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(directory, **save_kwargs)
+    if mtp:
+        _add_mtp_heads(directory, layers, mtp)
     (directory / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')  # stands in for tokenizer files
     return directory
+
+
+def _add_mtp_heads(directory: Path, layers: int, mtp: int) -> None:
+    """Turn the last `mtp` decoder layers of a saved DeepSeek-V3 into its MTP layers, as DeepSeek-V3's release stores
+    them: each with its enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding and output head."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    file = directory / "model.safetensors"
+    tensors = load_file(file)
+    hidden = tensors["model.embed_tokens.weight"].shape[1]
+    for layer in range(layers, layers + mtp):
+        p = f"model.layers.{layer}."
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[f"{p}{norm}.weight"] = 1.0 + 0.1 * torch.randn(hidden)
+        tensors[f"{p}eh_proj.weight"] = 0.1 * torch.randn(hidden, 2 * hidden)
+        tensors[f"{p}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[f"{p}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=layers), indent=2))

@@ -18,7 +18,7 @@ from reshard.formats import open_checkpoint
 from reshard.verify import verify
 from tests.arrays import same
 
-from hf_models import MOE, NAMES, VOCAB, build
+from hf_models import DEEPSEEK, MOE, NAMES, VOCAB, build
 
 LAYOUTS = {
     "dense": [dict(tp=1, pp=1), dict(tp=2, pp=1), dict(tp=1, pp=2)],
@@ -237,8 +237,9 @@ def test_config_json_comes_back_as_it_was(models, tmp_path, name):
 
 
 def test_multi_token_prediction_weights_are_refused_by_name(models, tmp_path):
-    """DeepSeek-V3's MTP module is saved as the layer after the last (model.layers.{num_hidden_layers}); reshard
-    does not map it yet, so a checkpoint with it must not convert without it."""
+    """DeepSeek-V3's MTP module is saved as the layer after the last (model.layers.{num_hidden_layers}); with
+    MTP weights that config.json does not count (num_nextn_predict_layers missing or 0) or counts with some of
+    them missing, the checkpoint must not convert without them."""
     import shutil
 
     from safetensors.torch import save_file
@@ -249,9 +250,12 @@ def test_multi_token_prediction_weights_are_refused_by_name(models, tmp_path):
     for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):
         tensors[f"model.layers.2.{name}"] = torch.ones(2, 2)
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))
     with pytest.raises(ReshardError, match=r"model\.layers\.2\.eh_proj\.weight is not mapped"):
+        open_checkpoint(bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1, first_k_dense_replace=1,
+                                                     **{k: v for k, v in DEEPSEEK.items() if k.startswith("n_")})))
+    with pytest.raises(ReshardError, match=r"tensor model\.layers\.2\.\S+ is missing"):
         open_checkpoint(bad)
 
 
