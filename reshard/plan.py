@@ -242,12 +242,12 @@ class ConversionPlan:
         lines = [
             f"{self.source} ({self.source_format}, {self.source_layout}) -> {self.target} ({self.target_format}, {self.target_layout})",
             f"{len(self.moves)} tensors, {human_bytes(self.bytes_moved)} to move, estimated peak memory {human_bytes(self.peak_memory)}",
-            f"reads {human_bytes(self.bytes_read)}, writes {human_bytes(self.bytes_stored)} in {len(files)} rank files (or groups of files)",
+            f"reads {human_bytes(self.bytes_read)}, writes {human_bytes(self.bytes_stored)} in {len(files)} parts (a model-parallel rank's files)",
         ]
         if copy_speed is not None:
             lines.append(f"at least {human_seconds(self.seconds_at(copy_speed))} at this disk's copy speed of {copy_speed / 1e6:.0f} MB/s")
         if len(files) > MAX_LISTED_FILES:
-            lines.append(f"  {len(files)} rank files of {human_bytes(min(files.values()))} to {human_bytes(max(files.values()))}")
+            lines.append(f"  {len(files)} parts of {human_bytes(min(files.values()))} to {human_bytes(max(files.values()))}")
             files = {}
         for name, size in files.items():
             lines.append(f"  {name}: {human_bytes(size)}")
@@ -261,7 +261,7 @@ class ConversionPlan:
         return "\n".join(lines)
 
 
-# A plan lists its target files one by one up to this many (a 671B model at EP64 has thousands).
+# A plan lists its target's parts (`CheckpointWriter.file_bytes`) one by one up to this many (a 671B model at EP64 has thousands).
 MAX_LISTED_FILES = 64
 
 
