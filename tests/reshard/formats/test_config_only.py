@@ -16,7 +16,6 @@ import pytest
 
 from fixtures.torchrun import pythonpath
 from reshard.convert import convert
-from reshard.disk_speed import copy_speed
 from reshard.errors import ReshardError
 from reshard.request import LayoutChange, Target
 from tests.converters.hf_models import build
@@ -138,8 +137,3 @@ def test_the_cli_plans_from_a_config_and_refuses_to_convert_one(tmp_path):
 def test_a_config_without_weights_is_never_read(tmp_path):
     with pytest.raises(ReshardError, match="pass --dry-run"):
         convert(DEEPSEEK_V3, tmp_path / "out")
-
-
-def test_the_disk_probe_copies_and_leaves_nothing(tmp_path):
-    assert copy_speed(tmp_path / "not" / "yet", total=8 << 20, threads=2) > 0
-    assert list(tmp_path.iterdir()) == []
