@@ -29,6 +29,7 @@ import shutil
 import statistics
 import struct
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -82,10 +83,10 @@ def config_reader(hf: dict):
     """The config-only view of an HF config (`reshard.formats.config_only`): its ModelConfig and tensors."""
     from reshard.formats.config_only import ConfigOnlyReader
 
-    path = REPO / "benchmarks" / "work" / ".config-probe.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(hf))
-    return ConfigOnlyReader(path)
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "config.json"
+        path.write_text(json.dumps(hf))
+        return ConfigOnlyReader(path)  # read whole on opening
 
 
 def _bf16(values: np.ndarray) -> bytes:
