@@ -54,7 +54,6 @@ def test_deepseek_v3_from_its_config_is_the_published_671b(plan):
     assert plan.target_layout.tp == 8 and plan.target_layout.pp == 16 and plan.target_layout.ep == 64
     # the MTP layer (model.layers.61) is said to be refused, and not counted: 671B, not 685B
     assert len(plan.refused) == 1 and "model.layers.61" in plan.refused[0]
-    assert "REFUSED" in plan.render()
     # every piece lands in some rank's file, nothing twice
     assert sum(plan.target_files().values()) == plan.bytes_moved
     assert 0 < plan.peak_memory < 4 << 30
