@@ -23,6 +23,7 @@ from reshard.collective import Collective, joined, shares
 from reshard.errors import KeepsPartial, ReshardError
 from reshard.formats import open_checkpoint
 from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
+from reshard.formats.config_only import ConfigOnlyReader, is_config_file
 from reshard.formats.hf import copy_tokenizer
 from reshard.plan import ConversionPlan, human_bytes, make_plan
 from reshard.request import Run, SourceHints, Target
@@ -298,8 +299,7 @@ def convert(
         raise ReshardError(f"{destination} contains the source {source}; choose a destination outside it")
     if dst.is_relative_to(src):
         raise ReshardError(f"{destination} is inside the source {source}; choose a destination outside it")
-    # a checkpoint that records no architecture still converts as global tensors (`plan` refuses the rest)
-    with open_checkpoint(source, config_file=hints.config, need_architecture=False) as reader:
+    with _open_source(source, hints, dry_run) as reader:
         for key in ("tp", "pp", "ep"):
             expected, actual = getattr(hints, key), getattr(reader.layout, key)
             if expected is not None and actual != expected:
@@ -315,6 +315,18 @@ def convert(
             master_weights.check(reader, plan.moves, team)
             manifest = transact(reader, plan, overwrite, run, progress, team)
     return ConversionResult(plan, manifest, time.perf_counter() - start)
+
+
+def _open_source(source: Path, hints: SourceHints, dry_run: bool) -> CheckpointReader:
+    """The source checkpoint; a config.json alone for a dry run, which plans from it (`formats.config_only`)."""
+    if not is_config_file(source):
+        # a checkpoint that records no architecture still converts as global tensors (`plan` refuses the rest)
+        return open_checkpoint(source, config_file=hints.config, need_architecture=False)
+    if not dry_run:
+        raise ReshardError(f"{source} is a config.json without weights: pass --dry-run to see the plan, or give the model's directory")
+    if hints.config is not None:
+        raise ReshardError(f"{source} is the model's config.json already: drop --config")
+    return ConfigOnlyReader(source)
 
 
 def _set_vocab_size(reader: CheckpointReader, vocab_size: int) -> None:

@@ -124,6 +124,8 @@ class ConversionPlan:
     workers: int = 1
     max_memory: int = 0  # bytes of working memory; make_plan fills in the default
     scratch_bytes: int = 0  # the source reader's staging buffer per reading thread
+    bytes_read: int = 0  # what the source's files hold of the tensors moved (`CheckpointReader.stored_bytes`)
+    refused: list[str] = field(default_factory=list)  # what converting the weights would stop on (a plan from a config)
 
     @property
     def target_format(self) -> str:
@@ -203,7 +205,14 @@ class ConversionPlan:
         """Bytes each target file (or group of files) receives, as the target's writer stores them."""
         return self.writer.file_bytes([(m.target, itemsize(m.target.dtype)) for m in self.moves], self.config, self.target_layout)
 
-    def to_json(self) -> dict[str, Any]:
+    def seconds_at(self, copy_speed: float) -> float:
+        """The least time the conversion can take on a disk that copies `copy_speed` bytes a second (reading
+        and writing each byte once, as `cp` does): its bytes read and written at that speed, nothing for
+        the work between (benchmarks/README.md measures how far above it conversions run)."""
+        return (self.bytes_read + self.bytes_stored) / 2 / copy_speed
+
+    def to_json(self, copy_speed: float | None = None) -> dict[str, Any]:
+        estimate = {} if copy_speed is None else {"copy_bytes_per_s": copy_speed, "seconds_at_copy_speed": round(self.seconds_at(copy_speed), 1)}
         return {
             "source": str(self.source),
             "source_format": self.source_format,
@@ -213,29 +222,51 @@ class ConversionPlan:
             "target_layout": str(self.target_layout),
             "tensors": len(self.moves),
             "bytes_moved": self.bytes_moved,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_stored,
             "peak_memory_estimate": self.peak_memory,
             "workers": self.workers,
             "target_files": self.target_files(),
             "dropped": self.dropped,
+            "refused": self.refused,
+            **estimate,
             "moves": [
                 {"name": m.target.name, "source_shape": list(m.source.shape), "target_shape": list(m.target.shape), "dtype": m.target.dtype}
                 for m in self.moves
             ],
         }
 
-    def render(self) -> str:
+    def render(self, copy_speed: float | None = None) -> str:
+        """The plan for a reader; `copy_speed` (bytes/s, `reshard.disk_speed`) adds the least time it takes."""
+        files = self.target_files()
         lines = [
             f"{self.source} ({self.source_format}, {self.source_layout}) -> {self.target} ({self.target_format}, {self.target_layout})",
             f"{len(self.moves)} tensors, {human_bytes(self.bytes_moved)} to move, estimated peak memory {human_bytes(self.peak_memory)}",
+            f"reads {human_bytes(self.bytes_read)}, writes {human_bytes(self.bytes_stored)} in {len(files)} parts (a model-parallel rank's files)",
         ]
-        for name, size in self.target_files().items():
+        if copy_speed is not None:
+            lines.append(f"at least {human_seconds(self.seconds_at(copy_speed))} at this disk's copy speed of {copy_speed / 1e6:.0f} MB/s")
+        if len(files) > MAX_LISTED_FILES:
+            lines.append(f"  {len(files)} parts of {human_bytes(min(files.values()))} to {human_bytes(max(files.values()))}")
+            files = {}
+        for name, size in files.items():
             lines.append(f"  {name}: {human_bytes(size)}")
         for move in self.moves:
             if move.source.shape != move.target.shape:
                 lines.append(f"  resize {move.target.name}: {list(move.source.shape)} -> {list(move.target.shape)} (vocabulary padding)")
         for name in self.dropped:
             lines.append(f"  drop {name}")
+        for what in self.refused:
+            lines.append(f"  REFUSED: {what}")
         return "\n".join(lines)
+
+
+# A plan lists its target's parts (`CheckpointWriter.file_bytes`) one by one up to this many (a 671B model at EP64 has thousands).
+MAX_LISTED_FILES = 64
+
+
+def human_seconds(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def human_bytes(n: float) -> str:
@@ -383,8 +414,10 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         dropped=dropped,
         workers=run.workers,
         scratch_bytes=reader.scratch_bytes,
+        refused=list(reader.refused),
     )
     plan.moves = [replace(move, aligned=_records_are_chunks(plan, move, reader)) for move in moves]
+    plan.bytes_read = reader.stored_bytes if reader.stored_bytes is not None else sum(m.source.numel * itemsize(m.source.dtype) for m in moves)
     biggest, largest = plan.largest_unit()
     plan.max_memory = default_budget(largest, run.workers) if run.max_memory is None else run.max_memory
     if biggest is not None:
