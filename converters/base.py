@@ -285,10 +285,45 @@ def expert_count(hf: dict[str, Any]) -> int:
     return int(experts)
 
 
-def check_all_moe(hf: dict[str, Any], family: str) -> None:
-    """Qwen-style MoE configs may put dense MLPs between MoE layers; every decoder layer here is stacked as one kind."""
-    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
-        raise refuse("dense layers between MoE layers (mlp_only_layers/decoder_sparse_step)", f"only all-MoE {family} models are mapped")
+def qwen_moe_layer_freq(hf: dict[str, Any]) -> int | tuple[int, ...]:
+    """Megatron's moe_layer_freq for a Qwen-style MoE config. transformers makes layer i an MoE layer unless it is
+    in `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step`; the others are dense MLPs of
+    `intermediate_size`."""
+    kinds = _qwen_moe_layers(hf)
+    if not any(kinds):
+        raise refuse("an MoE config whose every layer is dense (mlp_only_layers/decoder_sparse_step)", "convert it as its dense family")
+    return 1 if all(kinds) else tuple(int(moe) for moe in kinds)
+
+
+def _qwen_moe_layers(hf: dict[str, Any]) -> list[bool]:
+    layers, step, dense = int(hf["num_hidden_layers"]), hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    if type(step) is not int or step < 1:
+        raise bad_value("decoder_sparse_step", step, "a whole number from 1")
+    if not isinstance(dense, list) or any(type(i) is not int or not 0 <= i < layers for i in dense):
+        raise bad_value("mlp_only_layers", dense, f"a list of layer numbers below num_hidden_layers={layers}")
+    return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
+
+
+def qwen_moe_layers_to_hf(out: dict[str, Any], config: ModelConfig) -> None:
+    """The inverse of qwen_moe_layer_freq (the dense MLP's width, intermediate_size, is Megatron's ffn_hidden_size):
+    the imported config's own spelling where it still says which layers are dense, else each listed in mlp_only_layers."""
+    try:
+        if _qwen_moe_layers(out) == config.moe_layers:
+            out.setdefault("decoder_sparse_step", 1)
+            out.setdefault("mlp_only_layers", [])
+            return
+    except ReshardError:
+        pass  # a saved spelling this model no longer agrees with is rewritten
+    out["decoder_sparse_step"] = 1
+    out["mlp_only_layers"] = [i for i, moe in enumerate(config.moe_layers) if not moe]
+
+
+def by_layer_kind(config: ModelConfig, dense: list[Mapping], moe: list[Mapping]) -> list[Mapping]:
+    """The decoder's mappings for a model whose layers are `dense` or `moe` ones; where they mix, Megatron keys each
+    layer apart (`ModelConfig.per_layer_names`), so each layer gets its own kind's mappings."""
+    if not config.per_layer_names:
+        return moe if config.is_moe else dense
+    return [at_layer(m, i) for i, is_moe in enumerate(config.moe_layers) for m in (moe if is_moe else dense)]
 
 
 def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -354,11 +389,12 @@ L = "{layer}"
 E = "{expert}"
 
 
-def at_layer(mapping: Mapping, layer: int) -> Mapping:
+def at_layer(mapping: Mapping, layer: int, megatron: str | None = None) -> Mapping:
     """`mapping` for one layer of a model keyed per layer (`ModelConfig.per_layer_names`): the Megatron name
-    under `decoder.layers.{layer}.`, the HF names with the layer filled in."""
+    under `decoder.layers.{layer}.` (or the module `megatron` names, e.g. an MTP layer's transformer layer), the
+    HF names with the layer filled in."""
     out = copy.copy(mapping)
-    object.__setattr__(out, "megatron", mapping.megatron.replace("decoder.layers.", f"decoder.layers.{layer}.", 1))
+    object.__setattr__(out, "megatron", mapping.megatron.replace("decoder.layers.", megatron or f"decoder.layers.{layer}.", 1))
     object.__setattr__(out, "hf", tuple(name.replace(L, str(layer)) for name in mapping.hf))
     return out
 
@@ -392,6 +428,7 @@ class Family:
     ignored: ClassVar[tuple[str, ...]] = (r"\.rotary_emb\.inv_freq$",)
     # ModelConfig fields this family's HF model fixes; a Megatron model that differs cannot be exported.
     signature: ClassVar[dict[str, Any]] = {}
+    holds_mtp: ClassVar[bool] = False  # the HF model has multi-token-prediction layers (DeepSeek-V3's)
 
     # ---- HF config -> ModelConfig ----------------------------------------------------------------
     def check_hf(self, hf: dict[str, Any]) -> None:
@@ -483,6 +520,11 @@ class Family:
             )
         if config.vocab_size is None:
             raise ReshardError("the checkpoint does not record its true vocabulary size; pass --vocab-size so padding is not exported")
+        if config.mtp_num_layers and not self.holds_mtp:
+            raise ReshardError(
+                f"the model has {config.mtp_num_layers} multi-token-prediction layers (mtp.layers.*), which HF {self.model_type} "
+                "cannot hold: export it as deepseek_v3 or keep it in a Megatron format rather than lose them"
+            )
 
     @staticmethod
     def megatron_features(config: ModelConfig) -> dict[str, Any]:
@@ -492,6 +534,7 @@ class Family:
             "add_bias_linear": config.add_bias_linear,
             "add_qkv_bias": config.add_qkv_bias or config.add_bias_linear,
             "qk_layernorm": config.qk_layernorm,
+            "moe_dense_layers": config.is_moe and not all(config.moe_layers),  # dense MLPs between MoE layers
             "position_embedding_type": config.position_embedding_type,
             "moe": config.is_moe,
             "shared_experts": bool(config.moe_shared_expert_intermediate_size),

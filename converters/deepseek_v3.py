@@ -14,13 +14,22 @@ routed_scaling_factor its topk scaling factor; Megatron renormalises the chosen 
 top-k > 1, so norm_topk_prob must say the same. The shared experts are one shared-expert MLP of
 n_shared_experts * moe_intermediate_size. The first first_k_dense_replace layers are dense (Megatron's
 moe_layer_freq as a list); a model that mixes them is keyed layer by layer (`decoder.layers.{i}.`), as
-Megatron-Core's torch_dist keys it. Multi-token-prediction weights are not mapped yet and are refused.
+Megatron-Core's torch_dist keys it.
+
+Multi-token-prediction (MTP) layer i is HF's `model.layers.{num_hidden_layers + i}` and Megatron-Core's
+`mtp.layers.{i}`: enorm, hnorm and eh_proj by name (both concatenate [normed embedding; normed hidden state]),
+shared_head.norm is its final_layernorm, and the rest is a decoder layer of the decoder's last layer's kind
+(`transformer_layer.*`). HF stores its own copy of the embedding (`embed_tokens`) and of the output head
+(`shared_head.head`) in every MTP layer, where Megatron-Core shares the model's: the copies are read only when
+equal to the model's (refused otherwise, never dropped) and written back as copies.
 """
 
 from __future__ import annotations
 
 import copy
 from typing import Any
+
+import numpy as np
 
 from reshard.config import ModelConfig
 from reshard.converters.base import (
@@ -30,6 +39,7 @@ from reshard.converters.base import (
     L,
     Mapping,
     Rename,
+    Tensor,
     at_layer,
     bad_value,
     embeddings_and_head,
@@ -123,6 +133,63 @@ def deepseek_moe(config: ModelConfig, prefix: str = "model.") -> list[Mapping]:
     ]
 
 
+def _same_bytes(a: Tensor, b: Tensor, step: int = 1 << 26) -> bool:
+    """Whether two arrays hold the same bytes, compared a bounded run at a time (an embedding is gigabytes)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a, b = (np.ascontiguousarray(t).reshape(-1).view(np.uint8) for t in (a, b))
+    return all(np.array_equal(a[i : i + step], b[i : i + step]) for i in range(0, a.size, step))
+
+
+class Copies(Mapping):
+    """One Megatron tensor that HF stores several times (the model's, then each MTP layer's copy): read, every
+    copy must hold the model's bytes; written, each gets them."""
+
+    def __init__(self, megatron: str, *hf: str):
+        object.__setattr__(self, "megatron", megatron)
+        object.__setattr__(self, "hf", hf)
+
+    def to_megatron(self, tensors: list[Tensor], config: ModelConfig) -> Tensor:
+        for name, other in zip(self.hf[1:], tensors[1:]):
+            if not _same_bytes(tensors[0], other):
+                raise ReshardError(
+                    f"HF tensor {name} differs from {self.hf[0]}: Megatron-Core's MTP layers share the model's "
+                    "embedding and output layer, so a model whose MTP copies differ cannot be converted without losing one"
+                )
+        return tensors[0]
+
+    def to_hf(self, tensor: Tensor, config: ModelConfig) -> list[Tensor]:
+        return [tensor] * len(self.hf)
+
+
+def mtp_layers(config: ModelConfig, layer: list[Mapping]) -> list[Mapping]:
+    """The MTP layers' own tensors, `layer` being the decoder layer mappings of their transformer layers' kind."""
+    out: list[Mapping] = []
+    for i in range(config.mtp_num_layers or 0):
+        m, p = f"mtp.layers.{i}.", f"model.layers.{config.num_layers + i}."
+        out += [
+            Rename(f"{m}enorm.weight", f"{p}enorm.weight"),
+            Rename(f"{m}hnorm.weight", f"{p}hnorm.weight"),
+            Rename(f"{m}eh_proj.weight", f"{p}eh_proj.weight"),
+            Rename(f"{m}final_layernorm.weight", f"{p}shared_head.norm.weight"),
+            *(at_layer(mapping, config.num_layers + i, f"{m}transformer_layer.") for mapping in layer),
+        ]
+    return out
+
+
+def embeddings_and_heads(config: ModelConfig) -> list[Mapping]:
+    """The embedding, final norm and output layer, with the copies of the embedding and head each MTP layer keeps."""
+    table = embeddings_and_head(config)
+    if not config.mtp_num_layers:
+        return table
+    mtp = [f"model.layers.{config.num_layers + i}." for i in range(config.mtp_num_layers)]
+    embeds, heads = [f"{p}embed_tokens.weight" for p in mtp], [f"{p}shared_head.head.weight" for p in mtp]
+    if config.tied_embeddings:
+        return [Copies("embedding.word_embeddings.weight", "model.embed_tokens.weight", *embeds, *heads), *table[1:]]
+    return [Copies("embedding.word_embeddings.weight", "model.embed_tokens.weight", *embeds), table[1],
+            Copies("output_layer.weight", "lm_head.weight", *heads)]
+
+
 def dense_layers(config: ModelConfig) -> int | None:
     """HF's first_k_dense_replace of a model: its leading dense layers, all others MoE (None: not so laid out)."""
     kinds = config.moe_layers
@@ -143,6 +210,7 @@ class DeepseekV3(Family):
         "qk_layernorm": True,
         "multi_latent_attention": True,
     }
+    holds_mtp = True
 
     def check_hf(self, hf):
         super().check_hf(hf)
@@ -152,6 +220,15 @@ class DeepseekV3(Family):
             raise bad_value("first_k_dense_replace", dense, "a whole number of leading dense layers")
         if dense < layers:
             self._check_hf_moe(hf)
+        mtp = hf.get("num_nextn_predict_layers") or 0
+        if type(mtp) is not int or not 0 <= mtp < 1 << 16:
+            raise bad_value("num_nextn_predict_layers", mtp, "a whole number of MTP layers")
+        if mtp and dense >= layers:
+            raise refuse(
+                "MTP layers in a model without MoE layers",
+                "transformers' DeepSeek-V3 makes an MTP layer MoE (its index is past first_k_dense_replace) where "
+                "Megatron-Core repeats the decoder's last (dense) layer",
+            )
         if hf.get("rope_interleave", True) is not True:
             raise refuse("rope_interleave=false", "Megatron-Core's MLA rotates the rotary dims as interleaved pairs")
         heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads")
@@ -206,6 +283,7 @@ class DeepseekV3(Family):
             qk_head_dim=int(hf["qk_nope_head_dim"]),
             qk_pos_emb_head_dim=int(hf["qk_rope_head_dim"]),
             v_head_dim=int(hf["v_head_dim"]),
+            mtp_num_layers=hf.get("num_nextn_predict_layers") or None,
             **(self._moe_from_hf(hf) if hf["first_k_dense_replace"] < hf["num_hidden_layers"] else {}),
         )
 
@@ -228,6 +306,8 @@ class DeepseekV3(Family):
         super().check_megatron(config)
         if config.norm_epsilon != HF_LATENT_NORM_EPS:
             raise refuse(f"norm_epsilon={config.norm_epsilon}", f"HF DeepSeek-V3 normalises the q/kv latents with eps {HF_LATENT_NORM_EPS}")
+        if config.mtp_num_layers and not config.is_moe:
+            raise ReshardError("HF DeepSeek-V3 makes every MTP layer an MoE layer, and this model has none: keep it in a Megatron format")
         if not config.is_moe:
             return
         routing = {key: getattr(config, key) for key in _MOE_ROUTER}
@@ -245,9 +325,11 @@ class DeepseekV3(Family):
 
     def mappings(self, config):
         kinds = {False: [*mla_attention(config), *llama_dense_mlp()], True: [*mla_attention(config), *deepseek_moe(config)]}
+        mtp = mtp_layers(config, kinds[config.moe_layers[-1]])
         if not config.per_layer_names:
-            return [*embeddings_and_head(config), *kinds[config.is_moe]]
-        return [*embeddings_and_head(config), *(at_layer(m, i) for i, moe in enumerate(config.moe_layers) for m in kinds[moe])]
+            return [*embeddings_and_heads(config), *kinds[config.is_moe], *mtp]
+        layers = (at_layer(m, i) for i, moe in enumerate(config.moe_layers) for m in kinds[moe])
+        return [*embeddings_and_heads(config), *layers, *mtp]
 
     def rope_scaling_to_hf(self, config, saved_scaling):
         if config.mla_rope_type != "yarn":
@@ -287,5 +369,5 @@ class DeepseekV3(Family):
                 routed_scaling_factor=config.moe_router_topk_scaling_factor or 1.0,
                 norm_topk_prob=config.moe_router_topk > 1,
             )
-        out.setdefault("num_nextn_predict_layers", 0)  # a saved count has no weights either: the import refuses them
+        out["num_nextn_predict_layers"] = config.mtp_num_layers or 0
 

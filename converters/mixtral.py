@@ -8,7 +8,8 @@ from reshard.converters.base import LLAMA_SIGNATURE, Family, embeddings_and_head
 class Mixtral(Family):
     model_type = "mixtral"
     architectures = ("MixtralForCausalLM",)
-    signature = {**LLAMA_SIGNATURE, "moe": True, "shared_experts": False, "router_pre_softmax": False}
+    # every layer MoE: config.json cannot say that one is dense
+    signature = {**LLAMA_SIGNATURE, "moe": True, "moe_dense_layers": False, "shared_experts": False, "router_pre_softmax": False}
 
     def adjust_from_hf(self, config, hf):
         return config.replace(

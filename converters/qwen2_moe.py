@@ -3,7 +3,8 @@
 
 Routing is a softmax over all experts, then top-k; `norm_topk_prob` renormalises the k weights. Megatron-Core's
 default router (top-k of the logits, softmax over those) computes the renormalised form; `moe_router_pre_softmax`
-computes the other (softmax, then top-k), so both map exactly.
+computes the other (softmax, then top-k), so both map exactly. Layers named in `mlp_only_layers` (or skipped by
+`decoder_sparse_step`) are dense MLPs of `intermediate_size`, Megatron's dense layers of a list moe_layer_freq.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from __future__ import annotations
 from reshard.converters.base import (
     LLAMA_SIGNATURE,
     Family,
-    check_all_moe,
+    by_layer_kind,
     embeddings_and_head,
     expert_count,
     llama_attention,
+    llama_dense_mlp,
     moe_mlp,
+    qwen_moe_layer_freq,
+    qwen_moe_layers_to_hf,
     refuse,
     shared_expert_mlp,
 )
@@ -30,7 +34,7 @@ class Qwen2Moe(Family):
         super().check_hf(hf)
         if not hf.get("qkv_bias", True):  # transformers before v5 had no such option: the biases were always there
             raise refuse("qkv_bias=false", "only Qwen2-MoE models with q/k/v biases are mapped")
-        check_all_moe(hf, "Qwen2-MoE")
+        qwen_moe_layer_freq(hf)
 
     def adjust_from_hf(self, config, hf):
         return config.replace(
@@ -41,15 +45,16 @@ class Qwen2Moe(Family):
             moe_shared_expert_intermediate_size=int(hf["shared_expert_intermediate_size"]),
             moe_shared_expert_gate=True,
             moe_router_pre_softmax=not hf.get("norm_topk_prob", False),  # transformers' default: false
+            moe_layer_freq=qwen_moe_layer_freq(hf),
         )
 
     def mappings(self, config):
-        return [
-            *embeddings_and_head(config),
-            *llama_attention(config, qkv_bias=True),
+        attention = llama_attention(config, qkv_bias=True)
+        moe = [
             *moe_mlp(config, "mlp", "gate", "gate_proj", "up_proj", "down_proj"),
             *shared_expert_mlp(config, "mlp.shared_expert", "mlp.shared_expert_gate"),
         ]
+        return [*embeddings_and_head(config), *by_layer_kind(config, [*attention, *llama_dense_mlp()], [*attention, *moe])]
 
     def adjust_to_hf(self, out, config):
         out["num_experts"] = config.num_experts
@@ -57,7 +62,8 @@ class Qwen2Moe(Family):
         out["moe_intermediate_size"] = config.moe_ffn_hidden_size or config.ffn_hidden_size
         out["shared_expert_intermediate_size"] = config.moe_shared_expert_intermediate_size
         out["norm_topk_prob"] = not config.moe_router_pre_softmax
-        out["decoder_sparse_step"] = 1
-        out["mlp_only_layers"] = []
+        qwen_moe_layers_to_hf(out, config)
+        if out.get("head_dim") == config.hidden_size // config.num_attention_heads:
+            del out["head_dim"]  # not a Qwen2MoeConfig field: transformers derives it so
         out["qkv_bias"] = True
         out["use_sliding_window"] = False

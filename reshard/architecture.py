@@ -47,16 +47,40 @@ def _mla(c: ModelConfig, L: list[int]) -> dict[str, tuple[int, ...]]:
 
 def model_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical name -> global shape, with every decoder layer stacked on a leading layer axis; where MoE and
-    dense layers mix (`per_layer_names`), each layer's tensors under `decoder.layers.{i}.` without it."""
+    dense layers mix (`per_layer_names`), each layer's tensors under `decoder.layers.{i}.` without it; each
+    multi-token-prediction layer's under `mtp.layers.{i}.`, unstacked (Megatron-Core keys them so)."""
     if not config.per_layer_names:
-        return _stacked(config)
-    kinds = {moe: _stacked(config.replace(num_layers=1, moe_layer_freq=1, **({} if moe else {"num_experts": None})))
-             for moe in (False, True)}
+        return {**_stacked(config), **_mtp(config)}
+    kinds = {moe: _one_layer(config, moe) for moe in (False, True)}
     out = {name: shape for name, shape in kinds[True].items() if not name.startswith("decoder.layers.")}
     for layer, moe in enumerate(config.moe_layers):
         for name, shape in kinds[moe].items():
             if name.startswith("decoder.layers."):
                 out[name.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)] = shape[1:]
+    return {**out, **_mtp(config)}
+
+
+def _one_layer(config: ModelConfig, moe: bool) -> dict[str, tuple[int, ...]]:
+    """The tensors of a one-layer model whose layer is an MoE (or a dense) layer of `config`."""
+    return _stacked(config.replace(num_layers=1, moe_layer_freq=1, **({} if moe else {"num_experts": None})))
+
+
+def _mtp(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Megatron-Core's MultiTokenPredictionLayer: norms of the next token's embedding and of the hidden state, their
+    concatenation's projection, a transformer layer of the decoder's last layer's kind, and the norm before the
+    (shared) output layer."""
+    if not config.mtp_num_layers:
+        return {}
+    h = config.hidden_size
+    layer = {name: shape[1:] for name, shape in _one_layer(config, config.moe_layers[-1]).items() if name.startswith("decoder.layers.")}
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(config.mtp_num_layers):
+        m = f"mtp.layers.{i}."
+        out.update(_norm(f"{m}enorm.", config, h, []))
+        out.update(_norm(f"{m}hnorm.", config, h, []))
+        out[f"{m}eh_proj.weight"] = (h, 2 * h)
+        out.update({name.replace("decoder.layers.", f"{m}transformer_layer.", 1): shape for name, shape in layer.items()})
+        out.update(_norm(f"{m}final_layernorm.", config, h, []))
     return out
 
 
@@ -119,6 +143,7 @@ _AXIS_FIELDS = (
     ("word_embeddings.", ("padded_vocab_size", "hidden_size")),
     ("output_layer.", ("padded_vocab_size", "hidden_size")),
     ("router.", ("num_experts", "hidden_size")),
+    ("eh_proj.", ("hidden_size", "hidden_size (x 2)")),
     ("position_embeddings.", ("max_position_embeddings", "hidden_size")),
 )
 

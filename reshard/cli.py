@@ -96,7 +96,10 @@ def inspect(path: Path, as_json: bool, config_file: Path | None) -> None:
               "(DeepSeek-V3's form; the source's blocks, else 128x128). Lossy: each value is held to the re-quantization "
               "error bound instead of the source's checksums. An fp8 SOURCE is read dequantized, to bf16 unless --dtype.")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty destination (only after the new one verifies).")
-@click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes, peak memory) and write nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes, peak memory) and write nothing. SOURCE may "
+              "then be an HF config.json alone (no weights): the plan of its model, e.g. of a 671B model before downloading it.")
+@click.option("--disk-speed", help="With --dry-run: add the least time the conversion takes at this copy speed, in bytes a "
+              "second (e.g. 800MB), or 'probe' to measure it with a short parallel copy (256 MiB, removed after) beside DESTINATION.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--workers", type=click.IntRange(1, 64), default=DEFAULT_WORKERS, show_default=True,
               help="Threads reading, hashing and writing units of work (the output does not depend on it).")
@@ -128,6 +131,9 @@ def convert(source: str, destination: Path, **opts: Any) -> None:
     from reshard.hub import Access, local_source
     from reshard.request import LayoutChange, Run, SourceHints, Target
 
+    speed = opts.pop("disk_speed")
+    if speed is not None and not opts["dry_run"]:
+        raise ReshardError("--disk-speed is for the time estimate of --dry-run: add --dry-run or drop it")
     say = None if opts["quiet"] or opts["as_json"] or world()[0] else (lambda line: click.echo(line, err=True))
     source = local_source(source, Access(opts.pop("token"), opts.pop("endpoint")), say)  # a Hub repo: downloaded
 
@@ -177,13 +183,14 @@ def convert(source: str, destination: Path, **opts: Any) -> None:
     plan = result.plan
     if rank != 0:
         return  # rank 0 speaks for a multi-rank conversion
+    copy_speed = None if speed is None else _disk_speed(speed, destination)
     if opts["as_json"]:
-        out = plan.to_json() | {"seconds": round(result.seconds, 3), "dry_run": opts["dry_run"]}
+        out = plan.to_json(copy_speed) | {"seconds": round(result.seconds, 3), "dry_run": opts["dry_run"]}
         if target.fp8_blocks:
             out["fp8_blocks"] = {"bit_identical": False, "bound": fp8_blocks.BOUND}
         click.echo(json.dumps(out, indent=1))
     elif opts["dry_run"]:
-        click.echo(plan.render())
+        click.echo(plan.render(copy_speed))
     else:
         rate = plan.bytes_moved / max(result.seconds, 1e-9) / 1e6
         checked = "checksums verified"
@@ -196,6 +203,21 @@ def convert(source: str, destination: Path, **opts: Any) -> None:
         )
         if plan.dropped:
             click.echo(f"not carried: {summarize(plan.dropped)}")
+
+
+def _disk_speed(text: str, destination: Path) -> float:
+    """--disk-speed: bytes a second, given or probed beside the destination (`reshard.disk_speed`)."""
+    if text == "probe":
+        from reshard.disk_speed import copy_speed
+
+        return copy_speed(destination.parent)
+    try:
+        speed = parse_bytes(text)
+    except ReshardError:
+        speed = 0
+    if speed <= 0:
+        raise ReshardError(f"--disk-speed {text!r} is neither a speed nor 'probe'; write e.g. 800MB (bytes a second) or probe")
+    return speed
 
 
 @main.command()

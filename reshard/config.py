@@ -26,7 +26,6 @@ _UNMODELED: dict[str, Any] = {
     "rotary_interleaved": False,
     "rotary_seq_len_interpolation_factor": None,
     "apply_layernorm_1p": False,
-    "mtp_num_layers": None,  # multi-token prediction: its mtp.layers.* are not mapped to HF (nor resharded) yet
 }
 
 
@@ -88,6 +87,8 @@ class ModelConfig:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # Multi-token prediction (DeepSeek-V3): this many MTP layers (`mtp.layers.{i}.`) after the decoder, on its last stage.
+    mtp_num_layers: int | None = None
     params_dtype: str = "float32"
     # Megatron options set away from their defaults that change the model's math in ways this tool does
     # not model (`_UNMODELED`): resharding carries them in the args; an HF export refuses them.
@@ -175,6 +176,8 @@ class ModelConfig:
         values.setdefault("ffn_hidden_size", 4 * a["hidden_size"])
         if "rope_scaling" not in values and a.get("use_rope_scaling") is not None:  # Megatron-LM's name for it
             values["rope_scaling"] = bool(a["use_rope_scaling"])
+        if "norm_epsilon" not in values and a.get("layernorm_epsilon") is not None:  # Megatron-LM's (core_v0.17.1: TransformerConfig's)
+            values["norm_epsilon"] = a["layernorm_epsilon"]
         values["unmodeled"] = tuple(k for k, default in _UNMODELED.items() if a.get(k, default) != default)
         if "padded_vocab_size" not in values:
             if a.get("vocab_size") is None:
@@ -191,6 +194,7 @@ class ModelConfig:
         out["num_query_groups"] = self.groups
         out["kv_channels"] = self.head_dim
         out["use_rope_scaling"] = self.rope_scaling
+        out["layernorm_epsilon"] = self.norm_epsilon  # Megatron-LM's name (core_v0.17.1: TransformerConfig's)
         del out["unmodeled"]  # the source's own values of those options travel in its args
         if isinstance(self.moe_layer_freq, tuple):
             out["moe_layer_freq"] = list(self.moe_layer_freq)

@@ -23,6 +23,7 @@ from reshard.collective import Collective, joined, shares
 from reshard.errors import KeepsPartial, ReshardError
 from reshard.formats import open_checkpoint
 from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
+from reshard.formats.config_only import ConfigOnlyReader, is_config_file
 from reshard.formats.hf import copy_tokenizer
 from reshard.plan import ConversionPlan, human_bytes, make_plan
 from reshard.request import Run, SourceHints, Target
@@ -254,7 +255,7 @@ class _Transaction:
         this run's writer vouches for by their placement, unless `run.reread`)."""
         hash_workers = self.plan.hash_workers()
         self.pool.shrink(hash_workers)
-        with open_checkpoint(self.tmp, self.plan.target_format) as written_back:
+        with open_checkpoint(self.tmp, self.plan.target_format, need_architecture=self.plan.config is not None) as written_back:
             records = None if self.run.reread else self.writer.written_records()  # an earlier run's tensors are read back
             names = [m.target.name for m in self.share]
             return compute_checksums(written_back, workers=hash_workers, names=names, pool=self.pool, written=records)
@@ -298,7 +299,7 @@ def convert(
         raise ReshardError(f"{destination} contains the source {source}; choose a destination outside it")
     if dst.is_relative_to(src):
         raise ReshardError(f"{destination} is inside the source {source}; choose a destination outside it")
-    with open_checkpoint(source, config_file=hints.config) as reader:
+    with _open_source(source, hints, dry_run) as reader:
         for key in ("tp", "pp", "ep"):
             expected, actual = getattr(hints, key), getattr(reader.layout, key)
             if expected is not None and actual != expected:
@@ -316,7 +317,22 @@ def convert(
     return ConversionResult(plan, manifest, time.perf_counter() - start)
 
 
+def _open_source(source: Path, hints: SourceHints, dry_run: bool) -> CheckpointReader:
+    """The source checkpoint; a config.json alone for a dry run, which plans from it (`formats.config_only`)."""
+    if not is_config_file(source):
+        # a checkpoint that records no architecture still converts as global tensors (`plan` refuses the rest)
+        return open_checkpoint(source, config_file=hints.config, need_architecture=False)
+    if not dry_run:
+        raise ReshardError(f"{source} is a config.json without weights: pass --dry-run to see the plan, or give the model's directory")
+    if hints.config is not None:
+        raise ReshardError(f"{source} is the model's config.json already: drop --config")
+    return ConfigOnlyReader(source)
+
+
 def _set_vocab_size(reader: CheckpointReader, vocab_size: int) -> None:
+    if reader.config is None:
+        raise ReshardError(f"{reader.path} records no architecture for --vocab-size to complete: pass --config with the model's "
+                           "HF config.json or a YAML of its Megatron arguments instead")
     if reader.config.vocab_size not in (None, vocab_size):
         raise ReshardError(f"{reader.path} records a vocabulary of {reader.config.vocab_size}; --vocab-size {vocab_size} "
                            "contradicts it: drop --vocab-size")

@@ -93,7 +93,8 @@ class CheckpointInfo:
             (f"model: {c['num_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads "
              f"({c['num_query_groups'] or c['num_attention_heads']} query groups), ffn {c['ffn_hidden_size']}, "
              f"vocab {c['vocab_size'] or '?'} (padded {c['padded_vocab_size']})"
-             + (f", {c['num_experts']} experts top-{c['moe_router_topk']}" if c.get("num_experts") else ""))
+             + (f", {c['num_experts']} experts top-{c['moe_router_topk']}" if c.get("num_experts") else "")
+             + (f", {c['mtp_num_layers']} MTP layers" if c.get("mtp_num_layers") else ""))
             if c else f"model: architecture not recorded ({NO_ARCHITECTURE})",
             f"{len(self.tensors)} tensors, {human_bytes(self.total_bytes)}, dtypes "
             + ", ".join(f"{k}: {v}" for k, v in Counter(t.dtype for t in self.tensors).items())

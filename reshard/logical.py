@@ -56,6 +56,8 @@ PARTITION_RULES: tuple[tuple[str, Rule], ...] = (
     # whole on every rank, which only per-rank (legacy) files show (`megatron_legacy` refuses that case).
     (r"(linear_q_proj|linear_q_up_proj|linear_kv_up_proj|linear_q_down_proj|linear_kv_down_proj)\.weight$", Rule(Split.COLUMN)),
     (r"linear_fc1\.(weight|bias)$", Rule(Split.COLUMN, gated=True)),
+    # Multi-token prediction's projection of [embedding; hidden] is column-parallel (its output gathered)
+    (r"^mtp\.layers\.\d+\.eh_proj\.weight$", Rule(Split.COLUMN)),
     (r"(linear_proj|linear_fc2)\.weight$", Rule(Split.ROW)),
     (r"(linear_proj|linear_fc2)\.bias$", Rule(Split.NONE)),  # row-parallel biases are added after the reduce
     (r"layer_norm_(weight|bias)$", Rule(Split.NONE)),

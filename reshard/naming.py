@@ -48,7 +48,9 @@ _MLA_LOCAL_DENSE = {
 }
 _INDEXED = re.compile(r"^(?:.*\.)?decoder\.layers\.(\d+)\.")
 _EXPERT_MODULE = re.compile(r"(?<!shared_)experts\.experts\.")
-_LAYER_NAME = re.compile(r"^(?P<head>(?:.*\.)?decoder\.layers\.)(?P<index>\d+\.)?(?P<tail>.+)$")
+# A decoder layer's tensors, or a multi-token-prediction layer's transformer layer's (spelled as a decoder layer's).
+_LAYER_NAME = re.compile(r"^(?P<head>(?:.*\.)?(?:decoder\.layers\.|mtp\.layers\.\d+\.transformer_layer\.))(?P<index>\d+\.)?(?P<tail>.+)$")
+_MTP = re.compile(r"^(?:.*\.)?mtp\.layers\.")
 
 
 def _spelling(family: str, te: bool, moe: bool, mla: bool) -> dict[str, str]:
@@ -85,6 +87,8 @@ def layer_is_moe(config: ModelConfig, name: str) -> bool:
     """Whether `name` (a tensor or object key) belongs to an MoE layer: the model's kind, or its layer's where
     MoE and dense layers mix (the spellings of the pre-MLP norm differ between the two)."""
     match = _INDEXED.match(name)
+    if _MTP.match(name):  # an MTP layer's transformer layer is of the decoder's last layer's kind
+        return config.moe_layers[-1]
     return config.moe_layers[int(match.group(1))] if match and config.per_layer_names else config.is_moe
 
 
@@ -152,6 +156,10 @@ def default_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
     Linear layers carry an (empty) extra state in both specs; Transformer Engine's attention too.
     Megatron's loader refuses a checkpoint that lacks them, and `None` is what an unused one holds.
     """
+    return {**_decoder_extra_state(config, te), **_mtp_extra_state(config, te)}
+
+
+def _decoder_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
     if config.per_layer_names:
         return _per_layer_extra_state(config, te)
     L = config.num_layers
@@ -172,18 +180,34 @@ def default_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
     return {str(k): None for k in keys}
 
 
+def _layer_extra_state(config: ModelConfig, te: bool, moe: bool, module: str) -> dict[str, None]:
+    """The extra states of one layer of `config`'s MoE (or dense) kind under `module` (e.g. `decoder.layers.3.`),
+    offsets without a layer axis (Megatron-Core saves a dense layer's linear as `decoder.layers.{i}.mlp.linear_fc1.
+    _extra_state/shard_0_1` and an expert's as `decoder.layers.{i}.mlp.experts.experts.linear_fc1._extra_state/
+    shard_{e}_{E}`)."""
+    one = config.replace(num_layers=1, moe_layer_freq=1, mtp_num_layers=None, **({} if moe else {"num_experts": None}))
+    out: dict[str, None] = {}
+    for text in _decoder_extra_state(one, te):
+        key = ObjectKey.parse(text)
+        assert key is not None
+        experts = key.offsets[1:], key.shape[1:]
+        offsets, shape = experts if key.expert is not None else ((0,), (1,))
+        out[str(ObjectKey(key.module.replace("decoder.layers.", module, 1), offsets, shape))] = None
+    return out
+
+
 def _per_layer_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
-    """`default_extra_state` of a model keyed per layer: each layer's own modules, offsets without a layer axis
-    (Megatron-Core saves a dense layer's linear as `decoder.layers.{i}.mlp.linear_fc1._extra_state/shard_0_1`
-    and an expert's as `decoder.layers.{i}.mlp.experts.experts.linear_fc1._extra_state/shard_{e}_{E}`)."""
-    kinds = {moe: default_extra_state(config.replace(num_layers=1, moe_layer_freq=1, **({} if moe else {"num_experts": None})), te)
-             for moe in (False, True)}
+    """`default_extra_state` of a model keyed per layer: each layer's own modules."""
     out: dict[str, None] = {}
     for layer, moe in enumerate(config.moe_layers):
-        for text in kinds[moe]:
-            key = ObjectKey.parse(text)
-            assert key is not None
-            experts = key.offsets[1:], key.shape[1:]
-            offsets, shape = experts if key.expert is not None else ((0,), (1,))
-            out[str(ObjectKey(key.module.replace("decoder.layers.", f"decoder.layers.{layer}.", 1), offsets, shape))] = None
+        out.update(_layer_extra_state(config, te, moe, f"decoder.layers.{layer}."))
+    return out
+
+
+def _mtp_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
+    """Each multi-token-prediction layer's: its projection's and its transformer layer's (the decoder's last kind)."""
+    out: dict[str, None] = {}
+    for i in range(config.mtp_num_layers or 0):
+        out[str(ObjectKey(f"mtp.layers.{i}.eh_proj._extra_state", (0,), (1,)))] = None
+        out.update(_layer_extra_state(config, te, config.moe_layers[-1], f"mtp.layers.{i}.transformer_layer."))
     return out

@@ -116,7 +116,7 @@ class ConversionPlan:
     target: Path
     writer: type[CheckpointWriter]  # the target format's
     target_layout: Layout
-    config: ModelConfig  # the target's (padded vocabulary follows the target TP)
+    config: ModelConfig | None  # the target's (padded vocabulary follows the target TP); None: not recorded (global tensors only)
     moves: list[TensorMove]
     common: CommonState  # what the target carries besides tensors
     options: WriteOptions = WriteOptions()
@@ -124,6 +124,8 @@ class ConversionPlan:
     workers: int = 1
     max_memory: int = 0  # bytes of working memory; make_plan fills in the default
     scratch_bytes: int = 0  # the source reader's staging buffer per reading thread
+    bytes_read: int = 0  # what the source's files hold of the tensors moved (`CheckpointReader.stored_bytes`)
+    refused: list[str] = field(default_factory=list)  # what converting the weights would stop on (a plan from a config)
     optimizer_forms: tuple[str, str] | None = None  # the optimizer state's form as read and as written, if carried
 
     @property
@@ -204,7 +206,14 @@ class ConversionPlan:
         """Bytes each target file (or group of files) receives, as the target's writer stores them."""
         return self.writer.file_bytes([(m.target, itemsize(m.target.dtype)) for m in self.moves], self.config, self.target_layout)
 
-    def to_json(self) -> dict[str, Any]:
+    def seconds_at(self, copy_speed: float) -> float:
+        """The least time the conversion can take on a disk that copies `copy_speed` bytes a second (reading
+        and writing each byte once, as `cp` does): its bytes read and written at that speed, nothing for
+        the work between (benchmarks/README.md measures how far above it conversions run)."""
+        return (self.bytes_read + self.bytes_stored) / 2 / copy_speed
+
+    def to_json(self, copy_speed: float | None = None) -> dict[str, Any]:
+        estimate = {} if copy_speed is None else {"copy_bytes_per_s": copy_speed, "seconds_at_copy_speed": round(self.seconds_at(copy_speed), 1)}
         return {
             "source": str(self.source),
             "source_format": self.source_format,
@@ -214,23 +223,35 @@ class ConversionPlan:
             "target_layout": str(self.target_layout),
             "tensors": len(self.moves),
             "bytes_moved": self.bytes_moved,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_stored,
             "peak_memory_estimate": self.peak_memory,
             "workers": self.workers,
             "target_files": self.target_files(),
             "dropped": self.dropped,
+            "refused": self.refused,
             "optimizer_forms": self.optimizer_forms,
+            **estimate,
             "moves": [
                 {"name": m.target.name, "source_shape": list(m.source.shape), "target_shape": list(m.target.shape), "dtype": m.target.dtype}
                 for m in self.moves
             ],
         }
 
-    def render(self) -> str:
+    def render(self, copy_speed: float | None = None) -> str:
+        """The plan for a reader; `copy_speed` (bytes/s, `reshard.disk_speed`) adds the least time it takes."""
+        files = self.target_files()
         lines = [
             f"{self.source} ({self.source_format}, {self.source_layout}) -> {self.target} ({self.target_format}, {self.target_layout})",
             f"{len(self.moves)} tensors, {human_bytes(self.bytes_moved)} to move, estimated peak memory {human_bytes(self.peak_memory)}",
+            f"reads {human_bytes(self.bytes_read)}, writes {human_bytes(self.bytes_stored)} in {len(files)} parts (a model-parallel rank's files)",
         ]
-        for name, size in self.target_files().items():
+        if copy_speed is not None:
+            lines.append(f"at least {human_seconds(self.seconds_at(copy_speed))} at this disk's copy speed of {copy_speed / 1e6:.0f} MB/s")
+        if len(files) > MAX_LISTED_FILES:
+            lines.append(f"  {len(files)} parts of {human_bytes(min(files.values()))} to {human_bytes(max(files.values()))}")
+            files = {}
+        for name, size in files.items():
             lines.append(f"  {name}: {human_bytes(size)}")
         for move in self.moves:
             if move.source.shape != move.target.shape:
@@ -240,7 +261,17 @@ class ConversionPlan:
             lines.append(f"optimizer state: {self.optimizer_forms[0]} -> {self.optimizer_forms[1]}, {human_bytes(optimizer_bytes)}")
         for name in self.dropped:
             lines.append(f"  drop {name}")
+        for what in self.refused:
+            lines.append(f"  REFUSED: {what}")
         return "\n".join(lines)
+
+
+# A plan lists its target's parts (`CheckpointWriter.file_bytes`) one by one up to this many (a 671B model at EP64 has thousands).
+MAX_LISTED_FILES = 64
+
+
+def human_seconds(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def human_bytes(n: float) -> str:
@@ -277,6 +308,34 @@ def bridge_config(config: ModelConfig, layout: Layout, format_name: str) -> Mode
     return config.replace(padded_vocab_size=config.vocab_size)
 
 
+# Formats that hold a model's tensors whole (global), whatever its architecture: a checkpoint that records none
+# converts between them.
+GLOBAL_FORMATS = ("torch_dist", "zarr")
+
+
+def _refuse_what_needs_an_architecture(reader: CheckpointReader, format_name: str, layout: Layout, target: Target) -> None:
+    """A checkpoint that records no architecture converts as it is: its global tensors into torch_dist or zarr
+    at its own layout. Anything else cuts or renames tensors by the model's shape (QKV by head counts, fc1 by
+    its gating, the vocabulary by its true size)."""
+    needs = [
+        what
+        for what, asked in (
+            (f"--to-format {format_name}", format_name not in GLOBAL_FORMATS),
+            (f"a change of layout (to {layout})", layout != reader.layout),
+            ("--dtype", target.dtype is not None),
+            ("--for bridge", target.for_bridge),
+        )
+        if asked
+    ]
+    if needs:
+        # --config completes a torch_dist checkpoint only; a zarr copy of one goes back to torch_dist first
+        where = "" if reader.format_name == "torch_dist" else "convert it to torch_dist (no --config needed) and there "
+        raise ReshardError(
+            f"{reader.path} records no architecture, which {needs[0]} needs (head counts, gating, vocabulary): {where}pass "
+            "--config with the model's HF config.json or a YAML of its Megatron arguments"
+        )
+
+
 def _records_are_chunks(plan: ConversionPlan, move: TensorMove, reader: CheckpointReader) -> bool:
     """Whether every record the target writes of `move` is a region the source stores whole, judged by its
     first slab: every slab of a tensor is cut alike (as `largest_unit` assumes), and a wrong answer would
@@ -297,12 +356,16 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         raise ReshardError(f"--to-fp8-blocks writes HF safetensors, not {format_name}; add --to-format hf")
     layout = target.layout_for(reader.layout)
     optimizer, dtype = target.optimizer, target.dtype or reader.default_dtype
-    layout.validate(reader.config)
-    config = target_config(reader.config, layout, reader.layout.tp)
-    if target.for_bridge:
-        config = bridge_config(config, layout, format_name)
-    if dtype is not None:
-        config = config.replace(params_dtype=dtype)
+    config: ModelConfig | None = None
+    if reader.config is None:
+        _refuse_what_needs_an_architecture(reader, format_name, layout, target)
+    else:
+        layout.validate(reader.config)
+        config = target_config(reader.config, layout, reader.layout.tp)
+        if target.for_bridge:
+            config = bridge_config(config, layout, format_name)
+        if dtype is not None:
+            config = config.replace(params_dtype=dtype)
     moves: list[TensorMove] = []
     dropped = list(reader.common.dropped)
     unsupported = getattr(reader, "unsupported_optimizer", [])
@@ -317,7 +380,7 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
             dropped.append(name)
             continue
         shape = spec.shape
-        if spec.vocab:
+        if spec.vocab and config is not None:
             if config.padded_vocab_size < reader.config.vocab_rows:
                 raise ReshardError(f"{name}: the target vocabulary padding would cut real vocabulary rows")
             shape = (config.padded_vocab_size, *shape[1:])
@@ -358,9 +421,11 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         dropped=dropped,
         workers=run.workers,
         scratch_bytes=reader.scratch_bytes,
+        refused=list(reader.refused),
         optimizer_forms=dp_reshardable_writer.forms(reader, writer, common.args) if any(m.target.is_optimizer for m in moves) else None,
     )
     plan.moves = [replace(move, aligned=_records_are_chunks(plan, move, reader)) for move in moves]
+    plan.bytes_read = reader.stored_bytes if reader.stored_bytes is not None else sum(m.source.numel * itemsize(m.source.dtype) for m in moves)
     biggest, largest = plan.largest_unit()
     plan.max_memory = default_budget(largest, run.workers) if run.max_memory is None else run.max_memory
     if biggest is not None:
@@ -373,7 +438,9 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
     return plan
 
 
-def _same_ranks(a: Layout, b: Layout, config: ModelConfig) -> bool:
+def _same_ranks(a: Layout, b: Layout, config: ModelConfig | None) -> bool:
+    if config is None:  # no architecture: only an unchanged layout is planned
+        return a == b
     return (a.tp, a.pp, a.ep, a.expert_tp, a.vpp) == (b.tp, b.pp, b.ep, b.expert_tp, b.vpp) and a.stage_layers(
         config.num_layers
     ) == b.stage_layers(config.num_layers)
@@ -391,7 +458,8 @@ def _target_common(
             dropped.append(key)
         else:
             objects[key] = value
-    if writer.needs_extra_state and not any("_extra_state" in k for k in objects):
+    # without an architecture the module names are unknown: the source's own entries are all there is
+    if writer.needs_extra_state and reader.config is not None and not any("_extra_state" in k for k in objects):
         te = uses_te_names(source.args) if te_names is None else te_names
         objects.update(default_extra_state(reader.config, te))
     extra = dict(source.extra)

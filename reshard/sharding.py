@@ -49,8 +49,12 @@ def full_region(shape: tuple[int, ...]) -> Region:
     return tuple((0, d) for d in shape)
 
 
-def _owning_chunks(spec: TensorSpec, config: ModelConfig, layout: Layout) -> list[tuple[int, int, int | None, int | None]]:
-    """(pp, vstage, global layer or None, local layer or None) for every copy of the tensor."""
+def _owning_chunks(spec: TensorSpec, config: ModelConfig | None, layout: Layout) -> list[tuple[int, int, int | None, int | None]]:
+    """(pp, vstage, global layer or None, local layer or None) for every copy of the tensor. Without an
+    architecture (`config` None) a plan keeps one stage (`plan.make_plan`), which holds every layer."""
+    if config is None:
+        assert layout.pp * layout.vpp == 1, "a layout of several stages without an architecture"
+        return [(0, 0, layer, layer) for layer in (range(spec.shape[0]) if spec.stacked else [spec.layer])]
     stages = layout.stage_layers(config.num_layers)
     last = len(stages) - 1
     if spec.stacked:
@@ -64,7 +68,8 @@ def _owning_chunks(spec: TensorSpec, config: ModelConfig, layout: Layout) -> lis
         return [(pp, vstage, spec.layer, local)]
     if spec.param.startswith("embedding."):
         return [(0, 0, None, None)]
-    if spec.param.startswith(("output_layer.", "decoder.final_layernorm.", "decoder.final_norm.")):
+    # Multi-token-prediction layers live on the last stage, beside the output layer (Megatron-Core's default placement)
+    if spec.param.startswith(("output_layer.", "decoder.final_layernorm.", "decoder.final_norm.", "mtp.")):
         return [(last % layout.pp, last // layout.pp, None, None)]
     return [(0, 0, None, None)]
 
@@ -85,8 +90,9 @@ def _tp_parts(spec: TensorSpec, dims: tuple[int, ...], degree: int, rank: int) -
     return [(rank * share, (rank + 1) * share, 0, share)]
 
 
-def pieces(spec: TensorSpec, config: ModelConfig, layout: Layout) -> list[Piece]:
-    """Every piece of `spec` under `layout`, replicas included."""
+def pieces(spec: TensorSpec, config: ModelConfig | None, layout: Layout) -> list[Piece]:
+    """Every piece of `spec` under `layout`, replicas included (`config` None: a checkpoint that records no
+    architecture, at one stage)."""
     dims = spec.shape[spec.prefix_axes :]
     n_experts = spec.shape[int(spec.stacked)] if spec.experts else 1
     ep = layout.ep if spec.experts else 1
@@ -141,10 +147,10 @@ def pieces(spec: TensorSpec, config: ModelConfig, layout: Layout) -> list[Piece]
     return out
 
 
-def _tied_output_copies(spec: TensorSpec, config: ModelConfig, layout: Layout, embedding: list[Piece]) -> list[Piece]:
+def _tied_output_copies(spec: TensorSpec, config: ModelConfig | None, layout: Layout, embedding: list[Piece]) -> list[Piece]:
     """With tied embeddings and several pipeline stages, the last stage keeps its own copy as output_layer."""
     chunks = layout.pp * layout.vpp
-    if not (config.tied_embeddings and chunks > 1 and spec.param == "embedding.word_embeddings.weight"):
+    if not (chunks > 1 and config.tied_embeddings and spec.param == "embedding.word_embeddings.weight"):
         return []
     last = chunks - 1
     last_rank = dict(pp=last % layout.pp, vstage=last // layout.pp)

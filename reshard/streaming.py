@@ -62,7 +62,7 @@ class _Reading:
 
     def __init__(self, reader: CheckpointReader, plan: ConversionPlan, writer: CheckpointWriter, pool: Pool, workers: int):
         self.reader, self.plan, self.writer, self.pool, self.workers = reader, plan, writer, pool, workers
-        self.content = {m.target.name: reader.config.vocab_rows if m.target.vocab else None for m in plan.moves}
+        self.content = {m.target.name: reader.config.vocab_rows if m.target.vocab and reader.config else None for m in plan.moves}
         self.helpers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard-band") if workers > 1 else None
 
     def checksum(self, move: TensorMove, dtype: str) -> TensorChecksum:

@@ -90,6 +90,8 @@ def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype =
         # with VPP a gradient was received as an activation of the same shape (wrong losses, no error).
         batch_p2p_comm=on_gpu,
     )
+    if config.mtp_num_layers:
+        kwargs["mtp_num_layers"] = config.mtp_num_layers
     if layout.first_stage_layers is not None:
         kwargs["num_layers_in_first_pipeline_stage"] = layout.first_stage_layers
     if layout.last_stage_layers is not None:
@@ -151,15 +153,20 @@ def build_model(config: ModelConfig, layout: Layout, dtype: torch.dtype = torch.
     """One GPTModel per virtual pipeline stage of this rank (init_parallel must have run)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     tconfig = transformer_config(config, layout, dtype)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     models = []
     for vstage in range(layout.vpp):
         vp = vstage if layout.vpp > 1 else None
+        spec = layer_spec(config, tconfig, vp)
+        # Multi-token prediction: Megatron-Core builds its layers (the decoder's last layer spec) on the last stage only
+        mtp = get_gpt_mtp_block_spec(tconfig, spec, use_transformer_engine=False, vp_stage=vp) if config.mtp_num_layers else None
         model = GPTModel(
             config=tconfig,
-            transformer_layer_spec=layer_spec(config, tconfig, vp),
+            transformer_layer_spec=spec,
+            mtp_block_spec=mtp,
             vocab_size=config.padded_vocab_for(layout.tp),
             max_sequence_length=config.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),

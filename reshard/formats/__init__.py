@@ -32,6 +32,7 @@ def detect(path: Path) -> str:
         raise ReshardError(f"{path} does not exist")
     if not path.is_dir():
         raise ReshardError(f"{path} is a file; give the checkpoint directory")
+    _refuse_nemo2(path)
     for name, test in _DETECTORS:
         if test(path):
             return name
@@ -39,6 +40,19 @@ def detect(path: Path) -> str:
         f"{path} is not a checkpoint reshard knows (torch_dist, legacy mp_rank_*, zarr, HuggingFace); "
         "point at the --save directory or an iter_NNNNNNN directory"
     )
+
+
+def _refuse_nemo2(path: Path) -> None:
+    """A NeMo 2 checkpoint (`context/` beside a torch_dist `weights/`), or its `weights/`: refused by name. Its
+    architecture is a serialized NeMo object graph (`context/model.yaml`, NeMo classes by name, their defaults in
+    NeMo) and no NeMo-written checkpoint was at hand to prove a reader against, so its torch_dist weights would
+    be read as a bare directory only to be misnamed or refused further on."""
+    root = path.parent if path.name == "weights" else path
+    if (root / "context").is_dir() and (root / "weights" / ".metadata").is_file():
+        raise ReshardError(
+            f"{root} is a NeMo 2 checkpoint (context/ + weights/), which reshard does not read; export it to HF with "
+            "NeMo (llm.export_ckpt) and convert that"
+        )
 
 
 def open_checkpoint(

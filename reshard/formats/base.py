@@ -71,8 +71,13 @@ def _from_json(value: Any) -> Any:
 
 
 def megatron_lm_defaults() -> dict[str, Any]:
-    """Megatron-LM's complete argument set with its defaults (megatron_lm_args.json: its own parse_args)."""
-    return {k: _from_json(v) for k, v in _megatron_lm_table()["defaults"].items()}
+    """Megatron-LM's complete argument set as its checkpoints carry it (megatron_lm_args.json): its parse_args
+    defaults, less what its validate_args deletes, with the values validate_args sets whatever the model; what
+    validate_args derives from the model or layout (the table's `derived`) is `args_for_layout`'s to set."""
+    table = _megatron_lm_table()
+    out = {k: _from_json(v) for k, v in table["defaults"].items() if k not in table["deleted"]}
+    out.update({k: _from_json(v) for k, v in table["validated"].items()})
+    return out
 
 
 def args_for_layout(args: dict[str, Any], layout: Layout, config: ModelConfig, ckpt_format: str) -> dict[str, Any]:
@@ -81,6 +86,8 @@ def args_for_layout(args: dict[str, Any], layout: Layout, config: ModelConfig, c
     out = megatron_lm_defaults()
     out.update(config.megatron_args())
     out.update(args)
+    for key in _megatron_lm_table()["deleted"]:  # validate_args deletes them (a source's args may still hold them)
+        out.pop(key, None)
     out.update(layout.megatron_args(), padded_vocab_size=config.padded_vocab_size, ckpt_format=ckpt_format)
     out.update(precision_args(config.params_dtype))
     if out.get("seq_length") is None:
@@ -94,11 +101,18 @@ def args_for_layout(args: dict[str, Any], layout: Layout, config: ModelConfig, c
     out.setdefault("model_type", _GPT)
     if out.get("micro_batch_size") is None:  # Megatron-LM's validate_args requires one, as its converters do
         out["micro_batch_size"] = 1
+    # as Megatron-LM's validate_args derives them
+    if out["bf16"] and not out.get("grad_reduce_in_bf16"):
+        out["accumulate_allreduce_grads_in_fp32"] = True
+    if not out["add_bias_linear"]:
+        out["bias_gelu_fusion"] = False
     for key in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
         out.setdefault(key, 0)
     # the smallest world that holds the layout (as Megatron-LM's own converter writes: one data-parallel replica)
     out["world_size"] = math.lcm(layout.tp, layout.ep * layout.expert_tp) * layout.pp
     out["data_parallel_size"] = out["world_size"] // (layout.tp * layout.pp)
+    if out.get("global_batch_size") is None:
+        out["global_batch_size"] = out["micro_batch_size"] * out["data_parallel_size"]
     return out
 
 
@@ -140,7 +154,7 @@ class Manifest:
     """What reshard records next to every checkpoint it writes."""
 
     format: str
-    config: ModelConfig
+    config: ModelConfig | None  # None: written from a checkpoint that records no architecture
     layout: Layout
     checksums: dict[str, Checksum]
     provenance: dict[str, Any] = field(default_factory=dict)
@@ -148,7 +162,7 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         return {
             "format": self.format,
-            "config": self.config.to_dict(),
+            "config": self.config.to_dict() if self.config else None,
             "layout": self.layout.__dict__,
             "checksums": {k: v.to_json() for k, v in sorted(self.checksums.items())},
             "provenance": self.provenance,
@@ -158,7 +172,7 @@ class Manifest:
     def from_json(cls, data: dict[str, Any]) -> Manifest:
         return cls(
             format=data["format"],
-            config=ModelConfig.from_dict(data["config"]),
+            config=ModelConfig.from_dict(data["config"]) if data["config"] is not None else None,
             layout=Layout(**data["layout"]),
             checksums={k: Checksum.from_json(v) for k, v in data["checksums"].items()},
             provenance=data.get("provenance", {}),
@@ -202,6 +216,9 @@ class CheckpointReader(abc.ABC):
     tokenizer_dir: Path | None = None
     # the buffer each reading thread stages a strided record in, at most (every reader reads records by RecordFile)
     scratch_bytes: ClassVar[int] = READ_BLOCK
+    # the bytes its files hold of the model, where the logical tensors' do not tell (fp8 blocks); None: theirs
+    stored_bytes: int | None = None
+    refused: list[str] = []  # what a conversion would refuse, said by a reader that plans without reading (config_only)
 
     def read(self, name: str, region: Region) -> np.ndarray:
         """The values of `region` of logical tensor `name`, as a new array (`reshard.dtypes.to_torch` makes
@@ -315,7 +332,7 @@ class CheckpointWriter(abc.ABC):
         """Store `data` (the values of `slab`); `pieces` are the target pieces that lie in that slab."""
 
     @classmethod
-    def file_bytes(cls, moves: Iterable[tuple[TensorSpec, int]], config: ModelConfig, layout: Layout) -> dict[str, int]:
+    def file_bytes(cls, moves: Iterable[tuple[TensorSpec, int]], config: ModelConfig | None, layout: Layout) -> dict[str, int]:
         """Bytes each file (or group of files) of the output receives of these tensors, given with their
         itemsizes: by default each rank's, a piece stored once by its primary holder."""
         per_rank: Counter[str] = Counter()
@@ -365,7 +382,7 @@ class CheckpointWriter(abc.ABC):
         one of the `hashed` parts, its checksum counts. Reader threads call it."""
         part = hashed.checksum_of(region, values) if hashed is not None else None
         if part is None:
-            part = TensorChecksum(spec.shape, spec.dtype, self.config.vocab_rows if spec.vocab else None)
+            part = TensorChecksum(spec.shape, spec.dtype, self.config.vocab_rows if spec.vocab and self.config else None)
             part.add(region, values)
         self._written[StoredRecord(spec.name, region, spec.dtype, file, offset)] = part
 

@@ -57,6 +57,8 @@ def prepare_target(
             f"{missing[0]} is not in the source: the DistributedOptimizer's dp_reshardable state needs fp32 master weights "
             "and both Adam moments of every parameter (a DistributedOptimizer checkpoint's state); pass --no-optimizer"
         )
+    if reader.config is None:
+        raise ReshardError("--optimizer-form dp_reshardable places parameters by the architecture, which the source does not record: pass --config")
     if reader.config.is_moe:
         raise ReshardError("writing the dp_reshardable optimizer state of a MoE model (chained expert optimizer) is not supported yet")
     if uses_te_names(common.args) if target.naming is None else target.naming == "te":

@@ -378,7 +378,6 @@ class HFReader(CheckpointReader):
             padded_vocab_size=config.padded_vocab_size,
             make_vocab_size_divisible_by=128,
             **precision_args(config.params_dtype),
-            use_rotary_position_embeddings=config.position_embedding_type == "rope",
             tokenizer_type="HuggingFaceTokenizer",
             tokenizer_model=str(self.path.resolve()),
             hf_model_type=self.family.model_type,
@@ -519,10 +518,15 @@ class HFReader(CheckpointReader):
         """Rows of an embedding/output layer region, read from the file straight into `out`;
         rows past the HF vocabulary are padding (zeros)."""
         (r0, r1), cols = inner[0], inner[1:]
-        hf_name = mapping.hf_names()[0]
+        hf_name, *copies = mapping.hf_names()
         rows = max(0, min(r1, self._shape(hf_name)[0]) - r0)
         if rows:
             self._read(hf_name, ((r0, r0 + rows), *cols), out[:rows])
+            twins = [np.empty_like(out[:rows]) for _ in copies]  # the same rows stored again (DeepSeek-V3's MTP layers)
+            for name, twin in zip(copies, twins):
+                self._read(name, ((r0, r0 + rows), *cols), twin)
+            if twins:
+                mapping.to_megatron([out[:rows], *twins], self.config)  # refuses copies that differ
         out[rows:] = 0
 
 

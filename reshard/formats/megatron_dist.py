@@ -352,6 +352,8 @@ class TorchDistWriter(CheckpointWriter):
         self._chunks: dict[str, list[Chunk]] = defaultdict(list)
         self._storage: dict[StorageKey, Storage] = {}
         self._scratch = PerThread()  # stages strided pieces, in each reader thread
+        # without an architecture, the names tell MoE models apart, as the reader took them (`TorchDistReader`)
+        self._named_moe = any(".experts." in name for name in self.specs)
 
     def _name(self, index: int) -> str:
         return f"__{index}_{self.rank}.distcp"
@@ -428,6 +430,8 @@ class TorchDistWriter(CheckpointWriter):
         return args
 
     def _key(self, name: str) -> str:
+        if self.config is None:
+            return spell(name, "dist", self.te_names, self._named_moe)
         return spell(name, "dist", self.te_names, layer_is_moe(self.config, name), self.config.multi_latent_attention)
 
     def _write_objects(self) -> list[str]:
@@ -488,13 +492,14 @@ class TorchDistWriter(CheckpointWriter):
         self._close_files()
         dcp_metadata.save(self.directory / ".metadata", DcpMetadata(tensors, objects, self._storage))
         common = dict(self.common.extra)
-        args = self._target_args()
-        common["args"] = args_namespace(args)
         common["iteration"] = stored_iteration(self.common.iteration)
+        if self.config is not None:  # else the source recorded no architecture, and neither does its copy
+            args = self._target_args()
+            common["args"] = args_namespace(args)
+            # what Megatron-Bridge's loader builds the model from (it reads no Megatron-LM args without a model type)
+            save_run_config(self.directory, args, self.config, self.layout, self.te_names)
         with open(self.directory / "common.pt", "wb") as f:
             save_archive(common, f)
-        # what Megatron-Bridge's loader builds the model from (it reads no Megatron-LM args without a model type)
-        save_run_config(self.directory, args, self.config, self.layout, self.te_names)
         (self.directory / "metadata.json").write_text(json.dumps(METADATA_JSON))
         manifest.save(self.directory)
         write_tracker(self.path, self.common.iteration)

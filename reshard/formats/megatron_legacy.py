@@ -87,6 +87,16 @@ def refuse_te_mla(config: ModelConfig, layout: Layout, te_names: bool) -> None:
         )
 
 
+def refuse_mtp(config: ModelConfig) -> None:
+    """Per-rank files would hold MTP layers with rank-local expert names and an embedding copy on their stage,
+    which reshard neither writes nor reads yet: refused rather than written wrong or read without them."""
+    if config.mtp_num_layers:
+        raise ReshardError(
+            f"the model has {config.mtp_num_layers} multi-token-prediction layers (mtp_num_layers), which reshard does not "
+            "carry in the legacy (per-rank) format yet; use torch_dist or zarr"
+        )
+
+
 def local_name(name: str, piece: Piece, te_names: bool, moe: bool, mla: bool = False) -> str:
     """The name of a piece of logical tensor `name` in its rank's `model` state dict."""
     if piece.alias:
@@ -136,6 +146,7 @@ class LegacyReader(CheckpointReader):
         self.layout = Layout.from_megatron_args(args)
         self.te_names = uses_te_names(args)
         refuse_te_mla(self.config, self.layout, self.te_names)
+        refuse_mtp(self.config)
         self._states: dict[RankCoord, dict[str, Any]] = {}
         self._files: dict[RankCoord, RecordFile] = {}
         self._present = {rank for rank in ranks(self.layout) if self._rank_file(rank.legacy_dirname(self.layout)).is_file()}
@@ -376,6 +387,7 @@ class LegacyWriter(CheckpointWriter):
         te_names = self.options.te_names
         self.te_names = uses_te_names(self.common.args) if te_names is None else te_names
         refuse_te_mla(self.config, self.layout, self.te_names)
+        refuse_mtp(self.config)
         self.directory = self.path / iteration_dirname(self.common.iteration)
         self._streams: dict[RankCoord, StreamingTorchSave] = {}
         self._models: dict[RankCoord, list[dict[str, Any]]] = {}

@@ -133,6 +133,7 @@ def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, 
         "moe_router_num_groups": config.moe_router_num_groups,
         "moe_router_group_topk": config.moe_router_group_topk,
         "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor,
+        "mtp_num_layers": config.mtp_num_layers,  # or Bridge builds the model without its mtp.layers.*
     }
     if config.multi_latent_attention:  # Bridge's MLA providers take Megatron-Core's MLATransformerConfig fields
         model.update({key: getattr(config, key) for key in MLA_FIELDS}, rope_type=config.mla_rope_type, kv_channels=config.v_head_dim)

@@ -239,7 +239,8 @@ class ZarrReader(CheckpointReader):
             raise ReshardError(f"{path} is not a reshard zarr store (no zarr.json with reshard attributes)")
         self.path = self.tokenizer_dir = path
         attrs = json.loads((path / "zarr.json").read_text())["attributes"]["reshard"]
-        self.config = ModelConfig.from_dict(attrs["config"])
+        # None: written from a checkpoint that records no architecture (global tensors, which convert only as they are)
+        self.config = ModelConfig.from_dict(attrs["config"]) if attrs["config"] is not None else None
         self.layout = Layout(**attrs["layout"])
         self.manifest = Manifest.from_json(attrs["manifest"]) if "manifest" in attrs else None
         common = load_archive(path / COMMON_FILE, str(path / COMMON_FILE)) if (path / COMMON_FILE).is_file() else {}
@@ -494,7 +495,7 @@ class ZarrWriter(CheckpointWriter):
         attrs = {
             "reshard": {
                 "version": 1,
-                "config": self.config.to_dict(),
+                "config": self.config.to_dict() if self.config else None,
                 "layout": self.layout.__dict__,
                 "tensors": {n: {"shape": list(s.shape), "dtype": s.dtype} for n, s in sorted(self.specs.items())},
                 "manifest": manifest.to_json(),

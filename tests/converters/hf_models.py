@@ -46,6 +46,10 @@ def _configs():
         "qwen3_moe_softmax": tf.Qwen3MoeConfig(**qwen3_moe),  # norm_topk_prob false, as transformers defaults it
         "qwen2_moe": tf.Qwen2MoeConfig(**qwen2_moe),  # norm_topk_prob false, as transformers defaults it
         "qwen2_moe_topk_norm": tf.Qwen2MoeConfig(**qwen2_moe, norm_topk_prob=True),
+        # dense MLPs of intermediate_size between MoE layers (Megatron keys each layer apart): layer 1 dense,
+        # and in Qwen3-MoE every other layer, the first dense
+        "qwen2_moe_mixed": tf.Qwen2MoeConfig(**qwen2_moe, mlp_only_layers=[1]),
+        "qwen3_moe_mixed": tf.Qwen3MoeConfig(**qwen3_moe, norm_topk_prob=True, decoder_sparse_step=2),
         "deepseek_v3": tf.DeepseekV3Config(**DEEPSEEK, q_lora_rank=24, max_position_embeddings=512, rope_parameters=yarn),
         "deepseek_v3_q": tf.DeepseekV3Config(**DEEPSEEK, q_lora_rank=None, max_position_embeddings=128),
         # every layer MoE: 4 routed experts in 2 groups (1 chosen), top-2, a shared expert, scaled weights
@@ -54,13 +58,17 @@ def _configs():
         # DeepSeek-V3's layout in small: the first layer dense, the next MoE (Megatron keys each layer apart)
         "deepseek_v3_mixed": tf.DeepseekV3Config(**dict(DEEPSEEK, first_k_dense_replace=1), q_lora_rank=24,
                                                  max_position_embeddings=128),
+        # DeepSeek-V3's multi-token prediction in small: a dense layer, an MoE one, then one MTP layer (model.layers.2)
+        "deepseek_v3_mtp": tf.DeepseekV3Config(**dict(DEEPSEEK, first_k_dense_replace=1, num_nextn_predict_layers=1), q_lora_rank=24,
+                                               max_position_embeddings=128, rope_parameters=yarn),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
                               activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
 
 
-MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3_moe", "deepseek_v3_mixed"}
-NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v3_q",
+MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed", "deepseek_v3_moe", "deepseek_v3_mixed"}
+NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed",
+         "deepseek_v3", "deepseek_v3_q",
          "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2"]
 
 
@@ -70,6 +78,8 @@ def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
 
     torch.manual_seed(seed)
     config = _configs()[name]
+    layers, mtp = config.num_hidden_layers, getattr(config, "num_nextn_predict_layers", 0)
+    config.num_hidden_layers = layers + mtp  # transformers builds no MTP layers: their decoder layers are built as layers past the last
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -81,5 +91,29 @@ def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
             if bname.endswith("e_score_correction_bias"):  # DeepSeek's routing bias, saved like a weight
                 b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(directory, **save_kwargs)
+    if mtp:
+        _add_mtp_heads(directory, layers, mtp)
     (directory / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')  # stands in for tokenizer files
     return directory
+
+
+def _add_mtp_heads(directory: Path, layers: int, mtp: int) -> None:
+    """Turn the last `mtp` decoder layers of a saved DeepSeek-V3 into its MTP layers, as DeepSeek-V3's release stores
+    them: each with its enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding and output head."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    file = directory / "model.safetensors"
+    tensors = load_file(file)
+    hidden = tensors["model.embed_tokens.weight"].shape[1]
+    for layer in range(layers, layers + mtp):
+        p = f"model.layers.{layer}."
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[f"{p}{norm}.weight"] = 1.0 + 0.1 * torch.randn(hidden)
+        tensors[f"{p}eh_proj.weight"] = 0.1 * torch.randn(hidden, 2 * hidden)
+        tensors[f"{p}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[f"{p}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=layers), indent=2))

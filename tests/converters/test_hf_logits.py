@@ -7,9 +7,12 @@ The checkpoints are written with local-spec names (--naming local), which is wha
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from click.testing import CliRunner
 
 from reshard.cli import main
@@ -34,6 +37,8 @@ CASES = [
     ("qwen2_moe", "legacy", dict(ep=2)),  # shared expert and its sigmoid gate, softmax before top-k, q/k/v biases
     ("qwen2_moe", "torch_dist", dict(pp=2)),
     ("qwen2_moe_topk_norm", "legacy", dict(tp=2)),  # the shared expert split over TP, its gate replicated
+    ("qwen2_moe_mixed", "torch_dist", dict(ep=2)),  # a dense MLP after an MoE layer: keyed layer by layer
+    ("qwen3_moe_mixed", "legacy", dict(pp=2)),
     ("gpt2", "legacy", dict(pp=2)),  # LayerNorm + biases, learned positions, tied, Conv1D
     ("llama", "torch_dist", dict(pp=2)),  # megatron's own dist_checkpointing.load
     ("deepseek_v3", "torch_dist", dict()),  # multi-latent attention, YaRN on the rotary dims
@@ -46,10 +51,8 @@ CASES = [
 ]
 
 
-def max_logits_diff(tmp_path, name: str, fmt: str, layout: dict) -> float:
-    """Import HF model `name` with reshard at `layout`; max |Megatron-Core's logits - transformers' logits|."""
-    from transformers import AutoModelForCausalLM
-
+def run_oracle(tmp_path, name: str, fmt: str, layout: dict) -> tuple[Path, dict]:
+    """Import HF model `name` with reshard at `layout`: (the HF model's directory, Megatron-Core's results on it)."""
     source = build(name, tmp_path / "hf")
     target = tmp_path / "megatron"
     opts = [f"--to-{k}={v}" for k, v in layout.items()]
@@ -60,7 +63,14 @@ def max_logits_diff(tmp_path, name: str, fmt: str, layout: dict) -> float:
     out = tmp_path / "oracle.pt"
     args = ["--load", target, "--out", out, *[a for k, v in layout.items() for a in (f"--{k}", v)]]
     torchrun.run("fixtures.megatron_oracle", args, nproc=nproc, timeout=300)
-    oracle = torch.load(out, weights_only=False)
+    return source, torch.load(out, weights_only=False)
+
+
+def max_logits_diff(tmp_path, name: str, fmt: str, layout: dict) -> float:
+    """Import HF model `name` with reshard at `layout`; max |Megatron-Core's logits - transformers' logits|."""
+    from transformers import AutoModelForCausalLM
+
+    source, oracle = run_oracle(tmp_path, name, fmt, layout)
     model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager").eval()
     with torch.no_grad():
         logits = model(input_ids=oracle["tokens"][:, :-1]).logits.float()
@@ -124,3 +134,79 @@ def test_the_oracle_sees_a_wrong_deepseek_mapping(tmp_path, monkeypatch, name, h
 
     monkeypatch.setattr(DeepseekV3, "mappings", mappings)
     assert max_logits_diff(tmp_path, name, "torch_dist", {}) > 1e-3
+
+
+def hf_mtp_logits(source: Path, inputs: torch.Tensor) -> torch.Tensor:
+    """MTP layer 0's logits at positions 0..s-2, computed with transformers' own modules by DeepSeek-V3's recipe:
+    the main model's final hidden state h_t and the next token's embedding e_{t+1} through
+    eh_proj([enorm(e_{t+1}); hnorm(h_t)]), then transformers' DeepseekV3DecoderLayer built and loaded by transformers
+    for `model.layers.{num_hidden_layers}` (an MoE layer, past first_k_dense_replace), shared_head.norm and
+    shared_head.head. Nothing of reshard's mapping is used."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    main = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager").eval()
+    config = AutoConfig.from_pretrained(source)
+    n = config.num_hidden_layers
+    config.num_hidden_layers = n + 1  # so transformers builds and loads the MTP layer's decoder layer as layer n
+    longer, info = AutoModelForCausalLM.from_pretrained(source, config=config, attn_implementation="eager", output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    weights, p = load_file(source / "model.safetensors"), f"model.layers.{n}."
+
+    def norm(name: str) -> DeepseekV3RMSNorm:
+        module = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        module.weight.data.copy_(weights[f"{p}{name}.weight"])
+        return module
+
+    with torch.no_grad():
+        hidden = main.model(input_ids=inputs).last_hidden_state[:, :-1]
+        embedded = main.model.embed_tokens(inputs[:, 1:])
+        x = F.linear(torch.cat([norm("enorm")(embedded), norm("hnorm")(hidden)], -1), weights[f"{p}eh_proj.weight"])
+        s = x.shape[1]
+        positions = torch.arange(s)[None]
+        mask = torch.full((s, s), float("-inf")).triu(1)[None, None]
+        y = longer.eval().model.layers[n](x, attention_mask=mask, position_ids=positions,
+                                          position_embeddings=main.model.rotary_emb(x, positions))
+        return F.linear(norm("shared_head.norm")(y), weights[f"{p}shared_head.head.weight"])
+
+
+def mtp_diffs(tmp_path, layout: dict) -> tuple[float, float]:
+    """(max |main logits diff|, max |MTP logits diff|) of Megatron-Core's GPTModel with mtp_num_layers=1, loaded
+    strictly from reshard's torch_dist import at `layout`, against transformers."""
+    from transformers import AutoModelForCausalLM
+
+    source, oracle = run_oracle(tmp_path, "deepseek_v3_mtp", "torch_dist", layout)
+    inputs = oracle["tokens"][:, :-1]
+    model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits.float()
+    (mtp,) = oracle["mtp_logits"]
+    assert oracle["logits"].shape == logits.shape == mtp.shape == (2, 16, 250)
+    return (oracle["logits"] - logits).abs().max().item(), (mtp[:, :-1] - hf_mtp_logits(source, inputs)).abs().max().item()
+
+
+@pytest.mark.parametrize("layout", [{}, dict(pp=2), dict(ep=2)], ids=["tp1", "pp2", "ep2"])
+def test_multi_token_prediction_matches_transformers(tmp_path, layout):
+    """DeepSeek-V3 with an MTP layer: Megatron-Core loads every mtp.layers.0.* key strictly (at PP2 on the last
+    stage, beside its copy of the embedding; at EP2 its experts split), its main logits equal transformers', and its
+    MTP layer's logits equal the ones computed from transformers' modules."""
+    main, mtp = mtp_diffs(tmp_path, layout)
+    assert main <= 1e-4 and mtp <= 1e-4, f"max abs logits diff {main}, MTP logits diff {mtp}"
+
+
+def test_the_mtp_oracle_sees_swapped_norms(tmp_path, monkeypatch):
+    """enorm and hnorm swapped (each has the other's shape): the checkpoint still loads strictly, the main logits
+    stay right, and the MTP logits move far past the tolerance."""
+    right = DeepseekV3.mappings
+    swap = {".enorm.weight": ".hnorm.weight", ".hnorm.weight": ".enorm.weight"}
+
+    def mappings(self, config):
+        table = right(self, config)
+        return [Rename(m.megatron, m.hf[0][: -len(tail)] + swap[tail]) for m in table
+                if (tail := next((t for t in swap if m.megatron.endswith(t)), None))] + \
+               [m for m in table if not any(m.megatron.endswith(t) for t in swap)]
+
+    monkeypatch.setattr(DeepseekV3, "mappings", mappings)
+    main, mtp = mtp_diffs(tmp_path, {})
+    assert main <= 1e-4 and mtp > 1e-3, (main, mtp)

@@ -18,7 +18,7 @@ from reshard.formats import open_checkpoint
 from reshard.verify import verify
 from tests.arrays import same
 
-from hf_models import MOE, NAMES, VOCAB, build
+from hf_models import DEEPSEEK, MOE, NAMES, VOCAB, build
 
 LAYOUTS = {
     "dense": [dict(tp=1, pp=1), dict(tp=2, pp=1), dict(tp=1, pp=2)],
@@ -189,6 +189,29 @@ def test_megatron_moe_with_a_gated_shared_expert_exports_as_qwen2_moe(tmp_path):
         cli("convert", without_gate, tmp_path / "hf2", "--to-format", "hf", "-q")
 
 
+def test_megatron_moe_every_other_layer_exports_with_its_dense_layers(tmp_path):
+    """Megatron-LM's --moe-layer-freq 2 (MoE on even layers): as Qwen2-MoE, the odd layers become dense MLPs named
+    in mlp_only_layers, and transformers builds and loads exactly those layers; Mixtral, which cannot say that a
+    layer is dense, is no family for it."""
+    from fixtures.models import TINY_MOE
+    from fixtures.synthetic import write_synthetic
+    from reshard.layout import Layout
+
+    config = TINY_MOE.replace(add_qkv_bias=True, moe_shared_expert_intermediate_size=96, moe_shared_expert_gate=True, moe_layer_freq=2)
+    write_synthetic(tmp_path / "syn", config, Layout(pp=2, ep=2), "torch_dist")
+    cli("convert", tmp_path / "syn", tmp_path / "hf", "--to-format", "hf", "-q")
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["architectures"] == ["Qwen2MoeForCausalLM"] and hf["mlp_only_layers"] == [1, 3] and hf["decoder_sparse_step"] == 1
+    tensors = hf_tensors(tmp_path / "hf")
+    assert tensors["model.layers.1.mlp.gate_proj.weight"].shape == (config.ffn_hidden_size, 64)
+    assert "model.layers.2.mlp.experts.3.down_proj.weight" in tensors and "model.layers.3.mlp.gate.weight" not in tensors
+    assert_loads_cleanly(tmp_path / "hf")
+    mixtral = tmp_path / "mixtral"
+    write_synthetic(mixtral, TINY_MOE.replace(moe_layer_freq=2), Layout(), "torch_dist")
+    with pytest.raises(ReshardError, match="no HF family matches"):
+        cli("convert", mixtral, tmp_path / "hf2", "--to-format", "hf", "-q")
+
+
 def test_deepseek_mla_and_yarn_settings_carried(models, tmp_path):
     with open_checkpoint(models["deepseek_v3"]) as reader:
         c = reader.config
@@ -203,9 +226,10 @@ def test_deepseek_mla_and_yarn_settings_carried(models, tmp_path):
         assert (c.moe_router_num_groups, c.moe_router_group_topk, c.moe_layer_freq) == (2, 1, 1)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_moe", "deepseek_v3_mixed"])
-def test_deepseek_config_json_comes_back_as_it_was(models, tmp_path, name):
-    """Through the layout-free store and back: every setting of config.json (MLA, YaRN, routing) survives."""
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_moe", "deepseek_v3_mixed", "qwen2_moe_mixed", "qwen3_moe_mixed"])
+def test_config_json_comes_back_as_it_was(models, tmp_path, name):
+    """Through the layout-free store and back: every setting of config.json (MLA, YaRN, routing, which layers
+    are dense) survives."""
     cli("convert", models[name], tmp_path / "m", "--to-format", "zarr", "-q")
     cli("convert", tmp_path / "m", tmp_path / "back", "--to-format", "hf", "-q")
     a, b = (json.loads((path / "config.json").read_text()) for path in (models[name], tmp_path / "back"))
@@ -213,8 +237,9 @@ def test_deepseek_config_json_comes_back_as_it_was(models, tmp_path, name):
 
 
 def test_multi_token_prediction_weights_are_refused_by_name(models, tmp_path):
-    """DeepSeek-V3's MTP module is saved as the layer after the last (model.layers.{num_hidden_layers}); reshard
-    does not map it yet, so a checkpoint with it must not convert without it."""
+    """DeepSeek-V3's MTP module is saved as the layer after the last (model.layers.{num_hidden_layers}); with
+    MTP weights that config.json does not count (num_nextn_predict_layers missing or 0) or counts with some of
+    them missing, the checkpoint must not convert without them."""
     import shutil
 
     from safetensors.torch import save_file
@@ -225,9 +250,12 @@ def test_multi_token_prediction_weights_are_refused_by_name(models, tmp_path):
     for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):
         tensors[f"model.layers.2.{name}"] = torch.ones(2, 2)
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))
     with pytest.raises(ReshardError, match=r"model\.layers\.2\.eh_proj\.weight is not mapped"):
+        open_checkpoint(bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1, first_k_dense_replace=1,
+                                                     **{k: v for k, v in DEEPSEEK.items() if k.startswith("n_")})))
+    with pytest.raises(ReshardError, match=r"tensor model\.layers\.2\.\S+ is missing"):
         open_checkpoint(bad)
 
 

@@ -150,11 +150,7 @@ DEEPSEEK_MOE = dict(DEEPSEEK, first_k_dense_replace=0, n_routed_experts=4, num_e
     ("LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
     ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
     ("LlamaForCausalLM", {"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization"),
-    ("Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32, "decoder_sparse_step": 2}, "decoder_sparse_step"),
-    ("Qwen2MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
-                             "decoder_sparse_step": 2}, "decoder_sparse_step"),
-    ("Qwen2MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
-                             "mlp_only_layers": [1]}, "mlp_only_layers"),
+    ("Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32, "decoder_sparse_step": 3}, "every layer is dense"),
     ("Qwen2MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
                              "qkv_bias": False}, "qkv_bias"),
     ("GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "scale_attn_by_inverse_layer_idx": True}, "inverse_layer"),
@@ -167,6 +163,8 @@ DEEPSEEK_MOE = dict(DEEPSEEK, first_k_dense_replace=0, n_routed_experts=4, num_e
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_interleave=False), "rope_interleave"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, num_key_value_heads=2), "num_key_value_heads"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rms_norm_eps=1e-5), "rms_norm_eps"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, num_nextn_predict_layers=1), "MTP layers in a model without MoE layers"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK_MOE, num_nextn_predict_layers=-1), "num_nextn_predict_layers"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_scaling={"rope_type": "llama3", "factor": 8.0}), "llama3"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_scaling=dict(YARN, attention_factor=1.2)), "attention_factor"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_scaling=dict(YARN, truncate=False)), "truncate"),
@@ -274,7 +272,22 @@ def test_a_model_of_mixed_layers_is_keyed_layer_by_layer_as_megatron_saves_it():
 
 
 def test_a_megatron_model_with_multi_token_prediction_is_not_exported_without_it():
+    """Only HF DeepSeek-V3 holds MTP layers, and only MoE ones: any other export refuses rather than drop them."""
     deepseek, _ = family_for_hf(HF_CONFIGS["deepseek_v3"]).config_from_hf(HF_CONFIGS["deepseek_v3"])
-    config = ModelConfig.from_megatron_args({**deepseek.megatron_args(), "mtp_num_layers": 1})
-    with pytest.raises(ReshardError, match="mtp_num_layers"):
-        family_by_name("deepseek_v3").check_megatron(config)
+    dense = ModelConfig.from_megatron_args({**deepseek.megatron_args(), "mtp_num_layers": 1})
+    with pytest.raises(ReshardError, match="every MTP layer an MoE layer"):
+        family_by_name("deepseek_v3").check_megatron(dense)
+    llama, _ = family_for_hf(HF_CONFIGS["llama"]).config_from_hf(HF_CONFIGS["llama"])
+    with pytest.raises(ReshardError, match="1 multi-token-prediction layers .* HF llama cannot hold"):
+        family_by_name("llama").check_megatron(llama.replace(mtp_num_layers=1))
+
+
+def test_mtp_extra_states_are_megatron_cores():
+    """The MTP layer's `_extra_state` keys as Megatron-Core 0.16's GPTModel (mtp_num_layers=1, local spec) names
+    them in its sharded_state_dict (printed from it): its projection's, then its transformer layer's linears."""
+    config, _ = family_for_hf(HF_CONFIGS["deepseek_v3"]).config_from_hf(dict(HF_CONFIGS["deepseek_v3"], **DEEPSEEK_MOE))
+    keys = [k for k in default_extra_state(config.replace(mtp_num_layers=1), te=False) if k.startswith("mtp.")]
+    assert "mtp.layers.0.eh_proj._extra_state/shard_0_1" in keys
+    assert "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc2._extra_state/shard_3_4" in keys
+    assert "mtp.layers.0.transformer_layer.self_attention.linear_q_up_proj._extra_state/shard_0_1" in keys
+    assert len(keys) == 1 + 2 * 4 + 2 + 5

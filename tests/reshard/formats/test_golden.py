@@ -2,7 +2,10 @@
 that regenerates them): reshard reads them, reshards them, and exports the weights the HF model they were
 made from holds, bit for bit. The oracle is the HF original that transformers saved."""
 
+import importlib.util
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -75,7 +78,7 @@ def test_megatron_bridge_output_reshards_to_megatron_lm_layouts(tmp_path):
 
 def test_a_bare_dist_checkpointing_directory_converts_with_config(tmp_path):
     bare = GOLDEN / "mcore019-torch_dist-bare"
-    with pytest.raises(ReshardError, match="records no architecture .*pass --config"):
+    with pytest.raises(ReshardError, match="records no architecture, which --to-format hf needs .*pass --config"):
         convert(bare, tmp_path / "refused", Target(format="hf"))
     assert not (tmp_path / "refused").exists()
     assert inspect(bare, HF / "config.json").layout == str(Layout())
@@ -148,7 +151,7 @@ def test_megatron_output_carries_megatron_lm_arguments_and_an_int_iteration(tmp_
     golden = _saved(GOLDEN / "mlm-core-legacy-tp2pp2" / "iter_0000001" / "mp_rank_00_000" / "model_optim_rng.pt")
     assert ours["iteration"] == 0
     args, theirs = vars(ours["args"]), vars(golden["args"])
-    assert set(theirs) - set(args) <= {"blendable_index_path", "variable_seq_lengths"}  # set by validate_args only
+    assert set(theirs) - set(args) <= {"blendable_index_path"}  # set by its saver
     assert args["encoder_seq_length"] == args["seq_length"] == 4096
     assert (args["sequence_parallel"], args["apply_query_key_layer_scaling"], args["multi_latent_attention"]) == (False,) * 3
     assert (args["num_query_groups"], args["group_query_attention"], args["padded_vocab_size"]) == (2, True, 256)
@@ -188,3 +191,174 @@ def test_for_bridge_refuses_a_format_bridge_does_not_load(tmp_path):
     with pytest.raises(ReshardError, match="--for bridge writes torch_dist, the one format Megatron-Bridge loads, not legacy"):
         convert(HF, tmp_path / "out", Target(format="legacy", for_bridge=True))
     assert not (tmp_path / "out").exists()
+
+
+def _dcp_tensors(directory: Path) -> dict:
+    """Every tensor of a DCP directory as torch's own DCP reader loads it (no process group)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items() if hasattr(m, "size")}
+    dcp.load(tensors, checkpoint_id=str(directory), no_dist=True)
+    return {k: v.numpy() for k, v in tensors.items()}
+
+
+def _same_bits(ours: np.ndarray, theirs: np.ndarray) -> bool:
+    return ours.dtype == theirs.dtype and ours.shape == theirs.shape and np.array_equal(ours.view(np.uint8), theirs.view(np.uint8))
+
+
+def _zarr_holds(store: Path, tensors: dict) -> None:
+    """Each array of the store, opened with plain zarr, is the source's tensor bit for bit."""
+    import zarr
+
+    assert sorted(p.name for p in store.iterdir() if p.is_dir()) == sorted(tensors)
+    for key, value in tensors.items():
+        assert _same_bits(zarr.open_array(str(store / key), mode="r")[...], value), key
+
+
+def test_a_bare_checkpoint_goes_to_zarr_and_back_without_an_architecture(tmp_path):
+    """The tensors are global: megatron-core 0.19's bare save goes to zarr and back to torch_dist with no
+    config, and megatron-core's own dist_checkpointing.load reads the result (each tensor and each layer's
+    _extra_state) with the source's values bit for bit (the source read by torch's DCP reader, the store by zarr)."""
+    import torch
+
+    from fixtures.torchrun import run
+
+    bare = GOLDEN / "mcore019-torch_dist-bare"
+    source = _dcp_tensors(bare)
+    convert(bare, tmp_path / "zarr", Target(format="zarr"))
+    _zarr_holds(tmp_path / "zarr", source)
+    convert(tmp_path / "zarr", tmp_path / "dist", Target(format="torch_dist"))
+    run("fixtures.megatron_load_all", ["--load", tmp_path / "dist", "--out", tmp_path / "loaded.pt"], nproc=1)
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    assert sorted(loaded["tensors"]) == sorted(source)
+    for key, value in source.items():
+        assert _same_bits(loaded["tensors"][key].numpy(), value), key
+    assert len(loaded["objects"]) == 8 and set(loaded["objects"].values()) == {None}  # as the local spec saved them
+    assert "args" not in loaded["common"]  # the source recorded no architecture, and neither does its copy
+
+
+def test_a_bare_checkpoint_saved_at_tp2_goes_to_zarr_whole(tmp_path):
+    """Megatron-Bridge's TP2 save without its run_config.yaml is a bare directory of two ranks' chunks:
+    zarr gets each tensor whole, as torch's DCP reader assembles it."""
+    bare = tmp_path / "bare"
+    bridge_only = shutil.ignore_patterns("run_config.yaml", "tokenizer", "*train_state.pt")
+    shutil.copytree(GOLDEN / "bridge-torch_dist-tp2" / "iter_0000000", bare, ignore=bridge_only)
+    convert(bare, tmp_path / "zarr", Target(format="zarr"))
+    _zarr_holds(tmp_path / "zarr", _dcp_tensors(bare))
+
+
+@pytest.mark.parametrize(
+    "flags, needs",
+    [(["--to-tp", "2"], "a change of layout \\(to TP2PP1EP1\\)"), (["--to-format", "hf"], "--to-format hf"),
+     (["--to-format", "legacy"], "--to-format legacy"), (["--to-format", "zarr", "--dtype", "bf16"], "--dtype")],
+)
+def test_what_needs_the_architecture_is_refused_in_one_line_without_it(tmp_path, monkeypatch, capsys, flags, needs):
+    from tests.cli import run_cli
+
+    code, lines = run_cli(monkeypatch, capsys, "convert", GOLDEN / "mcore019-torch_dist-bare", tmp_path / "out", *flags)
+    assert code != 0 and len(lines) == 1 and "Traceback" not in lines[0]
+    assert re.search(f"records no architecture, which {needs} needs .*: pass --config", lines[0]), lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def _peer(variable: str, name: str) -> Path:
+    """A peer install (fixtures/golden/README.md, "Regenerating"): $variable, else beside this checkout."""
+    return Path(os.environ.get(variable, GOLDEN.parents[2] / "peers" / name))
+
+
+def test_megatron_lm_loads_reshards_torch_dist_at_tp2_pp2(tmp_path):
+    """Megatron-LM's own load_checkpoint (core_v0.17.1 tree, its tools/checkpoint loader's arguments and GPT model,
+    one gloo process per rank) reads reshard's torch_dist at TP2 PP2, and each rank's model then holds the HF
+    original's weights bit for bit (its TP slice, stage-local layers; the real vocabulary rows)."""
+    venv, tree = _peer("MLM_VENV", "mlm-venv"), _peer("MLM_TREE", "mlm-tree")
+    if not (venv / "bin" / "torchrun").exists() or not (tree / "tools" / "checkpoint" / "loader_core.py").exists():
+        pytest.skip(f"needs Megatron-LM's peer install ({venv}, {tree}; MLM_VENV/MLM_TREE): shared/peers/setup_mlm.sh")
+    spec = importlib.util.spec_from_file_location("make_golden", GOLDEN / "make_golden.py")
+    make_golden = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_golden)
+    convert(HF, tmp_path / "dist", Target(format="torch_dist", layout=Layout(tp=2, pp=2), naming="local"))
+    checked = make_golden.mlm_load_ranks(venv, tree.resolve(), tmp_path, "dist", 2, 2, HF)
+    assert checked.endswith("30 tensors ok at TP2 PP2"), checked
+
+
+# Where reshard's Megatron args may differ from those Megatron-LM's tools/checkpoint wrote for the same model
+# (mlm-core-*): what that converter sets on its own command line and in its saver, ...
+_CONVERTER_CHOICES = {
+    "bias_dropout_fusion", "masked_softmax_fusion", "gradient_accumulation_fusion", "no_persist_layer_norm", "enable_one_logger",
+    "mock_data", "data_path", "blendable_index_path", "no_load_optim", "no_load_rng", "no_save_optim", "no_save_rng",
+    "perform_initialization", "use_cpu_initialization", "save", "save_interval", "global_batch_size",
+}
+_ITS_ETP = {"expert_tensor_parallel_size"}  # its loader's 1 at any TP; validate_args' own default is TP, reshard's
+# ... the model's facts that its converter loses (fixtures/golden/README.md) and where the tokenizer is, ...
+_MODEL_FACTS = {"rotary_base", "layernorm_epsilon", "tokenizer_model"}
+# ... and reshard's own record of the model: its HF origin, and ModelConfig fields core_v0.17.1 has no argument for.
+_RESHARDS_OWN = {"hf_architecture", "hf_config", "hf_model_type", "hf_source", "norm_epsilon", "rope_scaling",
+                 "beta_fast", "beta_slow", "original_max_position_embeddings"}
+
+
+@pytest.mark.parametrize(
+    "fmt, layout, golden",
+    [("legacy", Layout(tp=2, pp=2), "mlm-core-legacy-tp2pp2/iter_0000001/mp_rank_00_000/model_optim_rng.pt"),
+     ("torch_dist", Layout(), "mlm-core-torch_dist-tp1pp1/iter_0000001/common.pt")],
+)
+def test_megatron_args_are_what_validate_args_makes_of_the_model(tmp_path, fmt, layout, golden):
+    """Megatron-LM's checkpoints carry its args after validate_args (derived sizes, dtypes as torch dtypes, deleted
+    options gone): against the args Megatron-LM's own converter wrote for the same HF model at the same layout, every
+    argument is the same except the ones listed above, each for its reason."""
+    convert(HF, tmp_path / "out", Target(format=fmt, layout=layout, naming="local"))
+    name = "mp_rank_00_000/model_optim_rng.pt" if fmt == "legacy" else "common.pt"
+    ours, theirs = vars(_saved(tmp_path / "out" / "release" / name)["args"]), vars(_saved(GOLDEN / golden)["args"])
+    differ = {k for k in ours.keys() | theirs.keys() if k not in ours or k not in theirs or repr(ours[k]) != repr(theirs[k])}
+    expected = _CONVERTER_CHOICES | _MODEL_FACTS | _RESHARDS_OWN | (_ITS_ETP if layout.tp > 1 else set())
+    assert differ == expected, sorted(differ ^ expected)
+    assert (ours["layernorm_epsilon"], ours["rotary_base"]) == (1e-6, 500000.0)  # the HF model's, which Megatron-LM builds with
+
+
+@pytest.mark.parametrize("given", ["root", "weights"])
+def test_a_nemo2_checkpoint_is_refused_by_name(tmp_path, monkeypatch, capsys, given):
+    """NeMo 2's layout (context/ beside a torch_dist weights/): not read (no NeMo-written checkpoint to prove a
+    reader against), and said so in one line rather than read as a bare directory or as not a checkpoint."""
+    from tests.cli import run_cli
+
+    nemo = tmp_path / "nemo2"
+    shutil.copytree(GOLDEN / "mcore019-torch_dist-bare", nemo / "weights")
+    (nemo / "context").mkdir()
+    (nemo / "context" / "model.yaml").write_text("_target_: nemo.collections.llm.gpt.model.llama.LlamaModel\n")
+    path = nemo if given == "root" else nemo / "weights"
+    for command in (["inspect", path], ["convert", path, tmp_path / "out", "--to-format", "zarr"]):
+        code, lines = run_cli(monkeypatch, capsys, *command)
+        assert code != 0 and lines == [f"reshard: error: {nemo} is a NeMo 2 checkpoint (context/ + weights/), which reshard does "
+                                       "not read; export it to HF with NeMo (llm.export_ckpt) and convert that"], lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_megatron_lms_layernorm_epsilon_is_read(tmp_path):
+    """core_v0.17.1 names the norm epsilon layernorm_epsilon (its converter leaves it at 1e-5, README): a checkpoint
+    whose args say 1e-6 exports rms_norm_eps 1e-6, not reshard's default."""
+    import torch
+
+    source = tmp_path / "mlm"
+    shutil.copytree(GOLDEN / "mlm-core-legacy-tp1pp1", source)
+    rank_file = source / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    saved = _saved(rank_file)
+    assert not hasattr(saved["args"], "norm_epsilon")
+    saved["args"].layernorm_epsilon = 1e-6
+    torch.save(saved, rank_file)
+    convert(source, tmp_path / "hf", Target(format="hf"))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["rms_norm_eps"] == 1e-6
+
+
+def test_a_zarr_copy_without_an_architecture_says_how_to_get_one(tmp_path, monkeypatch, capsys):
+    """--config completes torch_dist checkpoints only: the refusal for a zarr copy of a bare checkpoint says so,
+    and the way it names works (back to torch_dist, then --config to HF: the original weights)."""
+    from tests.cli import run_cli
+
+    convert(GOLDEN / "mcore019-torch_dist-bare", tmp_path / "zarr", Target(format="zarr"))
+    code, lines = run_cli(monkeypatch, capsys, "convert", tmp_path / "zarr", tmp_path / "hf", "--to-format", "hf")
+    assert code != 0 and len(lines) == 1
+    assert "needs (head counts, gating, vocabulary): convert it to torch_dist (no --config needed) and there pass --config" in lines[0]
+    convert(tmp_path / "zarr", tmp_path / "dist", Target(format="torch_dist"))
+    convert(tmp_path / "dist", tmp_path / "hf", Target(format="hf"), hints=SourceHints(config=HF / "config.json"))
+    _same_as_original(tmp_path / "hf")
