@@ -125,7 +125,6 @@ class ConversionPlan:
     max_memory: int = 0  # bytes of working memory; make_plan fills in the default
     scratch_bytes: int = 0  # the source reader's staging buffer per reading thread
     bytes_read: int = 0  # what the source's files hold of the tensors moved (`CheckpointReader.stored_bytes`)
-    refused: list[str] = field(default_factory=list)  # what converting the weights would stop on (a plan from a config)
 
     @property
     def target_format(self) -> str:
@@ -228,7 +227,6 @@ class ConversionPlan:
             "workers": self.workers,
             "target_files": self.target_files(),
             "dropped": self.dropped,
-            "refused": self.refused,
             **estimate,
             "moves": [
                 {"name": m.target.name, "source_shape": list(m.source.shape), "target_shape": list(m.target.shape), "dtype": m.target.dtype}
@@ -256,8 +254,6 @@ class ConversionPlan:
                 lines.append(f"  resize {move.target.name}: {list(move.source.shape)} -> {list(move.target.shape)} (vocabulary padding)")
         for name in self.dropped:
             lines.append(f"  drop {name}")
-        for what in self.refused:
-            lines.append(f"  REFUSED: {what}")
         return "\n".join(lines)
 
 
@@ -414,7 +410,6 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         dropped=dropped,
         workers=run.workers,
         scratch_bytes=reader.scratch_bytes,
-        refused=list(reader.refused),
     )
     plan.moves = [replace(move, aligned=_records_are_chunks(plan, move, reader)) for move in moves]
     plan.bytes_read = reader.stored_bytes if reader.stored_bytes is not None else sum(m.source.numel * itemsize(m.source.dtype) for m in moves)
