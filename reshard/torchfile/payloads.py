@@ -22,15 +22,34 @@ from reshard.torchfile.pickles import Call, Unpickler, named
 _BYTES_IO = named("_io", "BytesIO")
 _ENCODE = named("_codecs", "encode")
 _LOAD_FROM_BYTES = ("torch.storage", "_load_from_bytes")
+# TE's FP8 recipe, which its extra state pickles: dataclasses, named tuples and enums of plain values, harmless to
+# build (an `amax_compute_algo` callable would name a function, and be refused as such)
+TE_RECIPE = frozenset(
+    ("transformer_engine.common.recipe", name)
+    for name in (
+        "DelayedScaling",
+        "Float8CurrentScaling",
+        "MXFP8BlockScaling",
+        "Float8BlockScaling",
+        "Format",
+        "_FormatHelper",
+        "_OverrideLinearPrecision",
+        "MMParams",
+        "QParams",
+    )
+)
 _MAGIC = 0x1950A86A20F9469CFC6C  # the first pickle of a pre-zip `torch.save` file
 EXTRA_STATE = "_extra_state"
 
 
 class _InnerUnpickler(Unpickler):
-    """The allow-list, and `torch.storage._load_from_bytes`, whose argument `screen_payloads` screens in turn."""
+    """The allow-list, TE's recipe classes, and `torch.storage._load_from_bytes`, whose argument `screen_payloads`
+    screens in turn."""
 
     def find_class(self, module: str, name: str) -> Any:
-        return named(module, name) if (module, name) == _LOAD_FROM_BYTES else super().find_class(module, name)
+        if (module, name) == _LOAD_FROM_BYTES or (module, name) in TE_RECIPE:
+            return named(module, name)
+        return super().find_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:  # a pre-zip torch.save's storages: only noted
         return None

@@ -4,6 +4,7 @@ plainly names `torch.storage._load_from_bytes`, which `torch.load`s its bytes wi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -68,6 +69,52 @@ def fp8_state() -> dict:
     }
 
 
+@contextlib.contextmanager
+def _te_recipe():
+    """TE's `DelayedScaling` recipe as its module spells it (`transformer_engine.common.recipe`; TE needs a GPU),
+    importable while the context lasts (Megatron-Core would take it for TE installed)."""
+    import dataclasses
+    import enum
+    import sys
+    import types
+    from typing import NamedTuple
+
+    module = types.ModuleType("transformer_engine.common.recipe")
+
+    class _FormatHelper(NamedTuple):
+        max_fwd: float
+        max_bwd: float
+
+    class Format(enum.Enum):
+        E4M3 = _FormatHelper(max_fwd=448, max_bwd=448)
+        HYBRID = _FormatHelper(max_fwd=448, max_bwd=57344)
+
+    @dataclasses.dataclass
+    class DelayedScaling:
+        margin: int = 0
+        fp8_format: Format = Format.HYBRID
+        amax_history_len: int = 1024
+        amax_compute_algo: object = "max"
+
+    for cls in (_FormatHelper, Format, DelayedScaling):
+        cls.__module__ = module.__name__
+        cls.__qualname__ = cls.__name__
+        setattr(module, cls.__name__, cls)
+    names = ("transformer_engine", "transformer_engine.common", module.__name__)
+    assert not any(name in sys.modules for name in names)
+    sys.modules.update({name: types.ModuleType(name) for name in names[:2]}, **{module.__name__: module})
+    try:
+        yield DelayedScaling
+    finally:
+        for name in names:
+            del sys.modules[name]
+
+
+def _with_recipe(**fields) -> torch.Tensor:
+    with _te_recipe() as recipe:
+        return te_tensor({**fp8_state(), "recipe": recipe(**fields)})
+
+
 def _digest(root: Path) -> str:
     h = hashlib.sha256()
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
@@ -87,6 +134,7 @@ def _hostile(marker: Path) -> dict:
         "torch.save in a BytesIO": te_bytes_io({"extra_fp8_variables": [_System(marker)]}),
         "storage bytes in the pickle": te_tensor({"scale_fwd": _LegacyStorage(_System(marker))}),
         "BytesIO in the pickle": te_tensor({"nested": te_bytes_io(_System(marker))}),
+        "callable in TE's recipe": _with_recipe(amax_compute_algo=_System(marker)),
     }
 
 
@@ -97,7 +145,8 @@ def test_what_te_would_unpickle_runs_the_payload_without_the_screen(tmp_path, ca
     marker = tmp_path / "ran"
     value = _hostile(marker)[case]
     if isinstance(value, torch.Tensor):
-        pickle.loads(value.numpy().tobytes())
+        with _te_recipe():
+            pickle.loads(value.numpy().tobytes())
     else:
         value.seek(0)
         torch.load(value, weights_only=False)
@@ -126,8 +175,9 @@ def test_an_inner_pickle_naming_a_global_off_the_list_is_refused(iteration, tmp_
         te_tensor(None),
         te_tensor(fp8_state()),
         te_bytes_io(fp8_state()),
+        _with_recipe(),
     ],
-    ids=["None", "empty tensor", "pickled None", "pickled fp8 state", "BytesIO of fp8 state"],
+    ids=["None", "empty tensor", "pickled None", "pickled fp8 state", "BytesIO of fp8 state", "with TE's recipe"],
 )
 def test_what_te_writes_passes(iteration, value):
     _into_object(iteration, value, prefix=KEY)
