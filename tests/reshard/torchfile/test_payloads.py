@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import os
 import pickle
 from pathlib import Path
 
@@ -20,17 +19,9 @@ from reshard.errors import ReshardError
 from reshard.formats import open_checkpoint
 from reshard.layout import Layout
 from reshard.torchfile.screen import screen
-from tests.trainer.test_hostile_pickles import _into_object
+from tests.trainer.test_hostile_pickles import _into_object, _System
 
 KEY = "decoder.layers.self_attention.linear_qkv._extra_state"
-
-
-class _System:
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
 
 
 class _LegacyStorage:
