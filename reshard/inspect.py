@@ -10,6 +10,7 @@ from typing import Any
 from reshard.dtypes import itemsize
 from reshard.formats import open_checkpoint
 from reshard.plan import human_bytes
+from reshard.torchfile.screen import screen
 
 NO_ARCHITECTURE = "the tensors are global; pass --config with its HF config.json or Megatron args YAML to convert it"
 
@@ -110,9 +111,18 @@ class CheckpointInfo:
         return "\n".join(lines)
 
 
+def screen_objects(reader) -> None:
+    """Read every pickle of a torch_dist checkpoint through the allow-list (`screen`): its reader reads the
+    objects of the .distcp files only when a conversion carries them, and inspect and verify, which carry
+    none, must refuse a hostile one rather than describe or vouch for the checkpoint holding it."""
+    if reader.format_name == "torch_dist":
+        screen(reader.tree.iteration_dir)
+
+
 def inspect(path: Path | str, config_file: Path | None = None) -> CheckpointInfo:
     """What the checkpoint at `path` is; `config_file` gives the architecture of one that records none."""
     with open_checkpoint(path, config_file=config_file, need_architecture=False) as reader:
+        screen_objects(reader)
         rows = [
             TensorRow(name, spec.shape, spec.dtype, spec.split.value, spec.numel * itemsize(spec.dtype))
             for name, spec in sorted(reader.specs.items())

@@ -58,6 +58,7 @@ from reshard.torchfile import PARSE_ERRORS, dcp_metadata
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord, load_archive
 from reshard.torchfile.archive_writer import At, archive_size, save_archive, save_tensor, storage_alignment
 from reshard.torchfile.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry
+from reshard.torchfile.payloads import EXTRA_STATE, screen_payloads
 
 HEADER_THREADS = 8  # small reads in flight at once: the disk answers many as fast as one
 
@@ -119,7 +120,7 @@ class TorchDistReader(CheckpointReader):
                 kept.append(key)
             else:
                 self.common.dropped.append(key)
-        self.common.objects = LazyObjects(kept, lambda key: self._object(objects[key]))
+        self.common.objects = LazyObjects(kept, lambda key: self._object(objects[key], key))
         named_moe = any(".experts." in key for key in self.metadata.tensors)  # without an architecture, the names tell
         mla = self.config is not None and self.config.multi_latent_attention
         for key, entry in self.metadata.tensors.items():
@@ -160,7 +161,7 @@ class TorchDistReader(CheckpointReader):
             found = [key for key in keys if key.startswith(prefix + "/")]
             if len(found) != 1:
                 raise ReshardError(f"{self.path}: {prefix} is missing from the checkpoint; its dp_reshardable optimizer state cannot be decoded")
-            return self._object(objects[found[0]])
+            return self._object(objects[found[0]], found[0])
 
         self.dp_reshardable = DpReshardable(
             {key: self.metadata.tensors[key] for key in keys if key in self.metadata.tensors}, saved_object,
@@ -180,7 +181,7 @@ class TorchDistReader(CheckpointReader):
             common = load_archive(common_path, str(common_path))
             where = str(common_path)
         elif inside:
-            common, where = self._object(objects[inside[0]]), f"{directory}'s common_state"
+            common, where = self._object(objects[inside[0]], inside[0]), f"{directory}'s common_state"
         else:
             raise ReshardError(
                 f"{directory} has neither common.pt nor a common_state object: not a complete Megatron torch_dist checkpoint"
@@ -212,11 +213,12 @@ class TorchDistReader(CheckpointReader):
             "model's HF config.json or a YAML of its Megatron arguments"
         )
 
-    def _object(self, info: Storage) -> object:
+    def _object(self, info: Storage, key: str) -> object:
         file, values = self._decode(info, "an object", RecordFile.unpickle)
         # Megatron serializes a ShardedObject as the list of its data on the saving rank.
         if not (isinstance(values, list) and len(values) == 1):
             raise ReshardError(f"{file.path}: a ShardedObject is not encoded as Megatron encodes them; the file is foreign or damaged")
+        screen_payloads(values[0], f"{file.path} ({key})", extra_state=EXTRA_STATE in key)  # TE's pickle in it
         return values[0]
 
     def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
