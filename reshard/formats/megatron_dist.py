@@ -169,8 +169,12 @@ class TorchDistReader(CheckpointReader):
 
     def _index_chunks(self, name: str, key: str, by_offset: dict[str, list]) -> None:
         """Index stored tensor `key`'s chunks (regions and where they lie) under `name`, for `_read_chunks`."""
-        sizes = {c.offsets: c.sizes for c in self.metadata.tensors[key].chunks}
-        self._chunks[name] = [(tuple((o, o + s) for o, s in zip(offsets, sizes[offsets])), info) for offsets, info in by_offset[key]]
+        stored = dict(by_offset[key])
+        chunks = self.metadata.tensors[key].chunks
+        lost = [chunk.offsets for chunk in chunks if chunk.offsets not in stored]
+        if lost:
+            raise ReshardError(f"{key}: .metadata lists a chunk at {list(lost[0])} that no file holds; the checkpoint is damaged")
+        self._chunks[name] = [(tuple((o, o + s) for o, s in zip(c.offsets, c.sizes)), stored[c.offsets]) for c in chunks]
         self._index[name] = RegionIndex(self._chunks[name])
 
     def _decode_dp_reshardable(self, objects: dict[str, Storage], by_offset: dict[str, list]) -> None:
