@@ -78,8 +78,8 @@ def _flattened(key: str, param: str, entry: TensorEntry, shape: tuple[int, ...])
             end = stop
         if end != numel:
             raise ReshardError(
-                f"{param}: the DistributedOptimizer's flattened ranges of {key} in local chunk {list(index)} cover "
-                f"[0, {end}) of its {numel} elements, then {'overlap or leave a gap' if end < numel else 'overrun'}; "
+                f"{param}: the DistributedOptimizer's flattened ranges of {key} in local chunk {list(index)} tile only "
+                f"[0, {end}) of its {numel} elements{' (then a gap or an overlap)' if end < numel else ', past its end'}; "
                 "the checkpoint is truncated or damaged"
             )
     return Flattened(key, tuple(chunks), local)
