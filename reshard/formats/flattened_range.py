@@ -33,6 +33,7 @@ from reshard.sharding import Region, intersect, shift, to_slices
 from reshard.torchfile.dcp_metadata import TensorEntry
 
 FORM = "fully_sharded_model_space"
+PREFIX = "optimizer.state."  # (the deprecated fully_sharded_bucket_space form flattens `optimizer.distributed.*` buckets)
 # the form's state names -> fully_reshardable's (the fp32 master weight is `fp32_param` here, `param` there)
 STATES = {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
@@ -83,6 +84,11 @@ def _flattened(key: str, param: str, entry: TensorEntry, shape: tuple[int, ...])
                 "the checkpoint is truncated or damaged"
             )
     return Flattened(key, tuple(chunks), local)
+
+
+def is_model_space(key: str, flattened: dict[str, tuple[int, ...]]) -> bool:
+    """Whether stored tensor `key` is this form's (`flattened`: `DcpMetadata.flattened`)."""
+    return key in flattened and key.startswith(PREFIX)
 
 
 class FlattenedRange:

@@ -39,7 +39,7 @@ from reshard.formats.base import (
     cached,
 )
 from reshard.formats.distrib_optim import DpReshardable, is_dp_reshardable
-from reshard.formats.flattened_range import FlattenedRange
+from reshard.formats.flattened_range import FlattenedRange, is_model_space
 from reshard.formats.megatron_tree import (
     args_dict,
     args_namespace,
@@ -124,7 +124,7 @@ class TorchDistReader(CheckpointReader):
         named_moe = any(".experts." in key for key in self.metadata.tensors)  # without an architecture, the names tell
         mla = self.config is not None and self.config.multi_latent_attention
         for key, entry in self.metadata.tensors.items():
-            if key in self.metadata.flattened:  # megatron-core <= 0.14's flattened optimizer state: decoded below
+            if key in self.metadata.flattened:  # megatron-core <= 0.14's flattened optimizer state: some decoded below
                 self.unsupported_optimizer.append(key)
                 continue
             name = canonical(key, "dist", layer_is_moe(self.config, key) if self.config else named_moe, mla)
@@ -149,14 +149,14 @@ class TorchDistReader(CheckpointReader):
         if self.config is not None and any(is_dp_reshardable(key) for key in self.unsupported_optimizer):
             self._decode_dp_reshardable(objects, by_offset)
         self.flattened_range = None
-        if any(key in self.metadata.flattened for key in self.unsupported_optimizer):
+        if any(is_model_space(key, self.metadata.flattened) for key in self.unsupported_optimizer):
             moe = (lambda key: layer_is_moe(self.config, key)) if self.config else (lambda key: named_moe)
             self._decode_flattened_range(by_offset, lambda key: canonical(key, "dist", moe(key), mla))
 
     def _decode_flattened_range(self, by_offset: dict[str, list], canonical_name: Callable[[str], str]) -> None:
         """megatron-core <= 0.14's fully_sharded_model_space state, read as its fully_reshardable tensors
         (flattened_range.py); the stored tensors are indexed here and read by `_read_chunks`."""
-        keys = [key for key in self.unsupported_optimizer if key in self.metadata.flattened]
+        keys = [key for key in self.unsupported_optimizer if is_model_space(key, self.metadata.flattened)]
         for key in keys:
             self._index_chunks(key, key, by_offset)
         self.flattened_range = FlattenedRange(

@@ -20,34 +20,15 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from fixtures.torchrun import REPO, pythonpath
-from reshard.dtypes import numpy_dtype
 from reshard.formats.megatron_dist import TorchDistReader
-from reshard.sharding import full_region
 from reshard.torchfile import dcp_metadata
+from tests.reshard.formats.test_distrib_optim import assert_same, master_weights_are_the_model, optimizer_tensors
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 
 GOLDEN = REPO / "fixtures" / "golden" / "mcore014-distopt-tp2dp2"
 CHECKPOINT, ORACLE = GOLDEN / "checkpoint", GOLDEN / "oracle.safetensors"
 ITER = "iter_0000002"
 SPLIT = "optimizer.state.fp32_param.decoder.layers.mlp.linear_fc1.weight"  # layer 0's gate: two DP ranks' ranges
-
-
-def optimizer_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict]:
-    """Every logical optimizer tensor reshard reads from `path`, and the common state's optimizer entry."""
-    with TorchDistReader(path) as reader:
-        assert reader.unsupported_optimizer == []
-        out = {}
-        for name, spec in reader.specs.items():
-            if spec.is_optimizer:
-                out[name] = np.empty(spec.shape, numpy_dtype(spec.dtype))
-                reader.read_into(name, full_region(spec.shape), out[name])
-        return out, reader.common.extra
-
-
-def assert_same(found: dict[str, np.ndarray], oracle: dict[str, np.ndarray]) -> None:
-    assert sorted(found) == sorted(oracle)
-    differ = [n for n in oracle if found[n].shape != oracle[n].shape or found[n].tobytes() != oracle[n].tobytes()]
-    assert differ == []
 
 
 def test_the_fixture_splits_a_parameter_between_dp_ranks():
@@ -61,20 +42,16 @@ def test_the_fixture_splits_a_parameter_between_dp_ranks():
 
 def test_reads_bit_for_bit_as_megatron_014_loads_it():
     oracle = load_file(ORACLE)
-    found, common = optimizer_tensors(CHECKPOINT)
+    found, optimizer = optimizer_tensors(CHECKPOINT)
     assert len(oracle) == 63  # 21 parameters x (param, exp_avg, exp_avg_sq)
     assert_same(found, oracle)
     assert all(np.any(t != 0) for name, t in found.items() if ".exp_avg" in name)  # two real Adam steps
-    with TorchDistReader(CHECKPOINT) as reader:  # an fp32 run: its master weights are the saved weights
-        for name, spec in reader.specs.items():
-            if not spec.is_optimizer:
-                weights = np.empty(spec.shape, numpy_dtype(spec.dtype))
-                reader.read_into(name, full_region(spec.shape), weights)
-                assert found[f"optimizer.state.param.{name}"].tobytes() == weights.tobytes(), name
-    assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
-    steps = {g["step"] for g in common["optimizer"]["optimizer"]["param_groups"]}
+    assert master_weights_are_the_model(CHECKPOINT, found) == []  # an fp32 run: its master weights are its weights
+    with TorchDistReader(CHECKPOINT) as reader:
+        assert reader.common.extra["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
+    assert optimizer["param_state_sharding_type"] == "fully_reshardable"
+    steps = {g["step"] for g in optimizer["optimizer"]["param_groups"]}
     assert steps == {float(safe_open(ORACLE, "np").metadata()["step"])} == {2.0}
-    assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
 
 
 def test_inspect_names_the_form():
@@ -108,8 +85,10 @@ def test_megatron_016_cannot_load_the_form_itself(tmp_path):
     assert not (tmp_path / "state.safetensors").exists()
 
 
-@pytest.mark.parametrize("target", [["--to-tp", "1"]], ids=["tp2dp2-to-tp1"])
+@pytest.mark.parametrize("target", [["--to-tp", "1"], ["--to-tp", "1", "--to-pp", "2"]], ids=["tp2dp2-to-tp1", "tp2dp2-to-pp2"])
 def test_converted_loads_in_megatron_016_with_the_oracles_state(tmp_path, target):
+    """reshard's fully_reshardable output at TP1 (or TP1 PP2), loaded by megatron-core 0.16 into its DistributedOptimizer
+    at TP1 DP1 (a PP2 output resharded by megatron-core's own load), holds megatron-core 0.14's state bit for bit."""
     out = reshard("convert", CHECKPOINT, tmp_path / "converted", *target)
     assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
     oracle = load_file(ORACLE)
