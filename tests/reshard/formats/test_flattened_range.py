@@ -126,3 +126,19 @@ def test_ranges_that_do_not_tile_are_refused_in_one_line_naming_the_parameter(tm
     _one_line_error(result, "decoder.layers.mlp.linear_fc1.weight", "local chunk [0, 0, 0]", f"{covered} of its 1440")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.reshard-*"))
     assert _digest(tmp_path / "bad") == before
+
+
+def test_any_region_reads_as_the_oracles_slice():
+    """Reads of parts of a tensor (convert reads slabs) that cross local chunks and DP ranges: only their spans."""
+    oracle = load_file(ORACLE)
+    rng = np.random.default_rng(0)
+    with TorchDistReader(CHECKPOINT) as reader:
+        for name in sorted(oracle):
+            for _ in range(4):
+                region = []
+                for d in oracle[name].shape:
+                    a = int(rng.integers(0, d))
+                    region.append((a, int(rng.integers(a + 1, d + 1))))
+                out = np.empty([b - a for a, b in region], np.float32)
+                reader.read_into(name, tuple(region), out)
+                assert out.tobytes() == oracle[name][tuple(slice(a, b) for a, b in region)].tobytes(), (name, region)
