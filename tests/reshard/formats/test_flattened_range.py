@@ -60,14 +60,15 @@ def test_inspect_names_the_form():
     assert "optimizer: fully_sharded_model_space, DP 2" in out.stdout
 
 
-def _dump(checkpoint: Path, form: str, out: Path):
-    """megatron-core 0.16 (this venv) loads `checkpoint` into its DistributedOptimizer at TP1 DP1 and writes what it holds."""
+def _dump(checkpoint: Path, form: str, out: Path, dp: int = 1):
+    """megatron-core 0.16 (this venv) loads `checkpoint` into its DistributedOptimizer at TP1 DP`dp` and writes what it
+    holds (the DP ranks' ranges gathered)."""
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        "--nproc_per_node=1",
+        f"--nproc_per_node={dp}",
         str(REPO / "fixtures" / "golden" / "make_mcore014.py"),
         "_dump",
         str(checkpoint),
@@ -85,16 +86,21 @@ def test_megatron_016_cannot_load_the_form_itself(tmp_path):
     assert not (tmp_path / "state.safetensors").exists()
 
 
-@pytest.mark.parametrize("target", [["--to-tp", "1"], ["--to-tp", "1", "--to-pp", "2"]], ids=["tp2dp2-to-tp1", "tp2dp2-to-pp2"])
-def test_converted_loads_in_megatron_016_with_the_oracles_state(tmp_path, target):
+@pytest.mark.parametrize(
+    "target, dp",
+    [(["--to-tp", "1"], 1), (["--to-tp", "1"], 2), (["--to-tp", "1", "--to-pp", "2"], 1)],
+    ids=["tp2dp2-to-tp1dp1", "tp2dp2-to-tp1dp2", "tp2dp2-to-pp2-loaded-at-pp1"],
+)
+def test_converted_loads_in_megatron_016_with_the_oracles_state(tmp_path, target, dp):
     """reshard's fully_reshardable output at TP1 (or TP1 PP2), loaded by megatron-core 0.16 into its DistributedOptimizer
-    at TP1 DP1 (a PP2 output resharded by megatron-core's own load), holds megatron-core 0.14's state bit for bit."""
+    at TP1 DP1 or DP2 (at DP2 each rank takes its own ranges, split elsewhere than the saving run's; a PP2 output is
+    resharded by megatron-core's own load), holds megatron-core 0.14's state bit for bit."""
     out = reshard("convert", CHECKPOINT, tmp_path / "converted", *target)
     assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
     oracle = load_file(ORACLE)
     found, _ = optimizer_tensors(tmp_path / "converted")
     assert_same(found, oracle)
-    proc = _dump(tmp_path / "converted" / ITER, "fully_reshardable", tmp_path / "loaded.safetensors")
+    proc = _dump(tmp_path / "converted" / ITER, "fully_reshardable", tmp_path / "loaded.safetensors", dp)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert_same(load_file(tmp_path / "loaded.safetensors"), oracle)
     assert safe_open(tmp_path / "loaded.safetensors", "np").metadata()["step"] == "2.0"
