@@ -9,6 +9,7 @@ from typing import Any
 
 from reshard.dtypes import itemsize
 from reshard.formats import open_checkpoint
+from reshard.formats.flattened_range import FORM as FLATTENED_RANGE_FORM
 from reshard.plan import human_bytes
 from reshard.torchfile.screen import screen
 
@@ -28,7 +29,8 @@ class TensorRow:
 class OptimizerForm:
     """How a torch_dist checkpoint stores its optimizer state: `fully_reshardable` (per-parameter tensors, any
     layout), `dp_reshardable` (the DistributedOptimizer's flat buckets, tied to their DP size), `plain` (the
-    non-distributed optimizer's per-parameter tensors), or the name Megatron records for another form."""
+    non-distributed optimizer's per-parameter tensors), `fully_sharded_model_space` (megatron-core <= 0.14's
+    per-parameter flattened ranges), or the name Megatron records for another form."""
 
     form: str
     dp: int | None  # the data-parallel size the state was saved at
@@ -48,6 +50,8 @@ def optimizer_form(reader) -> OptimizerForm | None:
     if reader.dp_reshardable is not None:  # the reader presents it as fully_reshardable: name what is stored
         buckets = reader.dp_reshardable.bucket_keys
         return OptimizerForm("dp_reshardable", reader.dp_reshardable.dp, len(buckets), len({group for group, _, _ in buckets}))
+    if reader.flattened_range is not None:  # presented as fully_reshardable too
+        return OptimizerForm(FLATTENED_RANGE_FORM, dp)
     recorded = (reader.common.extra.get("optimizer") or {}).get("param_state_sharding_type")
     if recorded:
         return OptimizerForm(str(recorded), dp)
