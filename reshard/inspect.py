@@ -46,7 +46,7 @@ def optimizer_form(reader) -> OptimizerForm | None:
     dp = reader.common.args.get("data_parallel_size")
     if reader.dp_reshardable is not None:  # the reader presents it as fully_reshardable: name what is stored
         buckets = reader.dp_reshardable.bucket_keys
-        return OptimizerForm("dp_reshardable", reader.dp_reshardable.dp, len(buckets), len({group for group, _, _ in buckets}))
+        return OptimizerForm("dp_reshardable", reader.dp_reshardable.dp, len(buckets), len({(gbuf.chain, gbuf.group) for gbuf, _ in buckets}))
     recorded = (reader.common.extra.get("optimizer") or {}).get("param_state_sharding_type")
     if recorded:
         return OptimizerForm(str(recorded), dp)
