@@ -412,6 +412,8 @@ class DistribOptimFiles:
         for rank in ranks(layout):
             group = rank.tp + layout.tp * rank.pp
             self.paths[group] = path_of(rank.legacy_dirname(layout))
+            if not self.paths[group].is_file():
+                raise ReshardError(f"{self.paths[group]} is missing beside the first rank's: the checkpoint is incomplete")
             self._index(group, load_archive(self.paths[group], str(self.paths[group])))
 
     def _index(self, group: int, state: Any) -> None:
