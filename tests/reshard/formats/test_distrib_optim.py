@@ -310,3 +310,19 @@ def test_inspect_names_the_optimizer_form_its_buckets_and_dp_size(distrib_optim,
     assert form(tmp_path / "plain")["form"] == "plain"
     assert reshard("convert", tmp_path / "plain", tmp_path / "model-only", "--no-optimizer", "-q").returncode == 0
     assert form(tmp_path / "model-only") is None
+
+
+def test_inspect_names_an_moe_models_optimizer_forms(distrib_optim):
+    """The chained optimizers' forms: the expert buffers count as model-parallel ranks of their own (one per EP rank)."""
+    import json
+
+    made = distrib_optim("tiny-moe", tp=1, ep=2)
+    forms = {}
+    for form in ("dp", "full"):
+        out = reshard("inspect", made[form], "--json")
+        assert out.returncode == 0, out.stderr
+        forms[form] = json.loads(out.stdout)["optimizer"]
+    assert forms == {
+        "dp": {"form": "dp_reshardable", "dp": 4, "buckets": 3, "ranks": 3},
+        "full": {"form": "fully_reshardable", "dp": 4, "buckets": None, "ranks": None},
+    }
