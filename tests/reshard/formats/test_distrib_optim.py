@@ -132,24 +132,27 @@ def test_convert_dp_reshardable_equals_converting_fully_reshardable(distrib_opti
     assert_converted_alike(tmp_path / "dp", tmp_path / "full")
 
 
-MOE_CASES = [(1, 2, None), (1, 4, None), (2, 2, None), (1, 2, 6000)]  # pp, ep, bucket size
+MOE_CASES = [(1, 1, 2, None), (1, 1, 4, None), (2, 1, 2, None), (2, 2, 2, None), (1, 1, 2, 6000)]  # pp, vpp, ep, bucket size
 
 
 @pytest.mark.parametrize(
-    "pp, ep, bucket_size", MOE_CASES, ids=[f"tiny-moe-pp{c[0]}ep{c[1]}dp{4 // c[0]}{'-buckets' if c[2] else ''}" for c in MOE_CASES]
+    "pp, vpp, ep, bucket_size",
+    MOE_CASES,
+    ids=[f"tiny-moe-pp{c[0]}{f'vpp{c[1]}' if c[1] > 1 else ''}ep{c[2]}dp{4 // c[0]}{'-buckets' if c[3] else ''}" for c in MOE_CASES],
 )
-def test_moe_dp_reshardable_reads_bit_for_bit_as_megatrons_fully_reshardable(distrib_optim, pp, ep, bucket_size):
+def test_moe_dp_reshardable_reads_bit_for_bit_as_megatrons_fully_reshardable(distrib_optim, pp, vpp, ep, bucket_size):
     """An MoE model's ChainedOptimizer (dense `chained_0.`, experts `chained_1.` in buffers of their own, padded for
-    the expert data-parallel size 4 / (EP x PP), one dp_group_idx per EP rank): decoded, every optimizer tensor
+    the expert data-parallel size 4 / (EP x PP), one dp_group_idx per EP rank and stage, a buffer per model chunk):
+    decoded, every optimizer tensor
     equals Megatron's own fully_reshardable save of the same state, bit for bit."""
-    made = distrib_optim("tiny-moe", tp=1, pp=pp, ep=ep, bucket_size=bucket_size)
+    made = distrib_optim("tiny-moe", tp=1, pp=pp, vpp=vpp, ep=ep, bucket_size=bucket_size)
     keys = dcp_metadata.load(made["dp"] / ITER / ".metadata").tensors
     experts = {k.split(".")[3] for k in keys if k.startswith("chained_1.optimizer.distributed.")}
     assert experts == {f"dp_group_idx_{i}" for i in range(ep * pp)}
     assert any(k.startswith("chained_0.optimizer.distributed.dp_group_idx_0.") for k in keys)
     with TorchDistReader(made["dp"]) as reader:
         buckets = {(str(gbuf), place.bucket) for gbuf, place in reader.dp_reshardable.placed.values()}
-    assert len(buckets) == (pp + ep * pp if bucket_size is None else 22)  # 6 dense and 8 per EP rank's experts
+    assert len(buckets) == ((1 + ep) * pp * vpp if bucket_size is None else 22)  # bucketed: 6 dense, 8 per EP rank's experts
     dp, dp_common = optimizer_tensors(made["dp"])
     full, full_common = optimizer_tensors(made["full"])
     assert len(dp) == 3 * 10
