@@ -143,8 +143,7 @@ MOE_CASES = [(1, 1, 2, None), (1, 1, 4, None), (2, 1, 2, None), (2, 2, 2, None),
 def test_moe_dp_reshardable_reads_bit_for_bit_as_megatrons_fully_reshardable(distrib_optim, pp, vpp, ep, bucket_size):
     """An MoE model's ChainedOptimizer (dense `chained_0.`, experts `chained_1.` in buffers of their own, padded for
     the expert data-parallel size 4 / (EP x PP), one dp_group_idx per EP rank and stage, a buffer per model chunk):
-    decoded, every optimizer tensor
-    equals Megatron's own fully_reshardable save of the same state, bit for bit."""
+    decoded, every optimizer tensor equals Megatron's own fully_reshardable save of the same state, bit for bit."""
     made = distrib_optim("tiny-moe", tp=1, pp=pp, vpp=vpp, ep=ep, bucket_size=bucket_size)
     keys = dcp_metadata.load(made["dp"] / ITER / ".metadata").tensors
     experts = {k.split(".")[3] for k in keys if k.startswith("chained_1.optimizer.distributed.")}
