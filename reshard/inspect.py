@@ -49,10 +49,12 @@ def optimizer_form(reader) -> OptimizerForm | None:
     dp = reader.common.args.get("data_parallel_size")
     if reader.dp_reshardable is not None:  # the reader presents it as fully_reshardable: name what is stored
         buckets = reader.dp_reshardable.bucket_keys
-        return OptimizerForm("dp_reshardable", reader.dp_reshardable.dp, len(buckets), len({group for group, _, _ in buckets}))
+        return OptimizerForm("dp_reshardable", reader.dp_reshardable.dp, len(buckets), len({(gbuf.chain, gbuf.group) for gbuf, _ in buckets}))
     if reader.flattened_range is not None:  # presented as fully_reshardable too
         return OptimizerForm(FLATTENED_RANGE_FORM, dp)
-    recorded = (reader.common.extra.get("optimizer") or {}).get("param_state_sharding_type")
+    common = reader.common.extra.get("optimizer") or {}
+    common = common.get(0, common)  # an MoE model's chained optimizers: one entry each, by index
+    recorded = common.get("param_state_sharding_type") if isinstance(common, dict) else None
     if recorded:
         return OptimizerForm(str(recorded), dp)
     if any(spec.is_optimizer for spec in reader.specs.values()):

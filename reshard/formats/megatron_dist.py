@@ -115,7 +115,7 @@ class TorchDistReader(CheckpointReader):
         for key in self.metadata.objects:
             if key.startswith(_COMMON_STATE):
                 continue
-            if key.startswith("optimizer"):
+            if key.startswith("optimizer") or is_dp_reshardable(key):  # an MoE model's are chained_<i>.optimizer.*
                 self.unsupported_optimizer.append(key)
             elif "_extra_state" in key or is_layout_bound(key):
                 kept.append(key)
@@ -134,7 +134,7 @@ class TorchDistReader(CheckpointReader):
             try:
                 self.specs[name] = describe(name, entry.size, entry.dtype, self.config)
             except ReshardError:
-                if not key.startswith("optimizer."):
+                if not (key.startswith("optimizer.") or is_dp_reshardable(key)):
                     raise
                 self.unsupported_optimizer.append(key)
                 continue
