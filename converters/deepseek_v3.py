@@ -42,6 +42,7 @@ from reshard.converters.base import (
     Tensor,
     at_layer,
     bad_value,
+    by_layer_kind,
     embeddings_and_head,
     llama_dense_mlp,
     moe_mlp,
@@ -324,12 +325,9 @@ class DeepseekV3(Family):
                          "HF DeepSeek-V3 ranks a group by its best two experts")
 
     def mappings(self, config):
-        kinds = {False: [*mla_attention(config), *llama_dense_mlp()], True: [*mla_attention(config), *deepseek_moe(config)]}
-        mtp = mtp_layers(config, kinds[config.moe_layers[-1]])
-        if not config.per_layer_names:
-            return [*embeddings_and_heads(config), *kinds[config.is_moe], *mtp]
-        layers = (at_layer(m, i) for i, moe in enumerate(config.moe_layers) for m in kinds[moe])
-        return [*embeddings_and_heads(config), *layers, *mtp]
+        dense, moe = [*mla_attention(config), *llama_dense_mlp()], [*mla_attention(config), *deepseek_moe(config)]
+        mtp = mtp_layers(config, moe if config.moe_layers[-1] else dense)
+        return [*embeddings_and_heads(config), *by_layer_kind(config, dense, moe), *mtp]
 
     def rope_scaling_to_hf(self, config, saved_scaling):
         if config.mla_rope_type != "yarn":

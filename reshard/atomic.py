@@ -69,7 +69,11 @@ def replace_dir(tmp: Path, target: Path) -> None:
 
 
 def put_back(target: Path) -> None:
-    """Undo a `replace_dir` stopped between its two renames: the old directory goes back to `target`."""
+    """Undo a `replace_dir` stopped between its two renames: the old directory goes back to `target`. Several
+    processes may try at once (a job's ranks): one moves it, the others find it moved."""
     old = _aside(target)
     if old.is_dir() and not target.exists():
-        old.rename(target)
+        try:
+            old.rename(target)
+        except FileNotFoundError:  # another process put it back first
+            pass

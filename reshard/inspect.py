@@ -9,7 +9,9 @@ from typing import Any
 
 from reshard.dtypes import itemsize
 from reshard.formats import open_checkpoint
+from reshard.formats.flattened_range import FORM as FLATTENED_RANGE_FORM
 from reshard.plan import human_bytes
+from reshard.torchfile.screen import screen
 
 NO_ARCHITECTURE = "the tensors are global; pass --config with its HF config.json or Megatron args YAML to convert it"
 
@@ -27,7 +29,8 @@ class TensorRow:
 class OptimizerForm:
     """How a torch_dist checkpoint stores its optimizer state: `fully_reshardable` (per-parameter tensors, any
     layout), `dp_reshardable` (the DistributedOptimizer's flat buckets, tied to their DP size), `plain` (the
-    non-distributed optimizer's per-parameter tensors), or the name Megatron records for another form."""
+    non-distributed optimizer's per-parameter tensors), `fully_sharded_model_space` (megatron-core <= 0.14's
+    per-parameter flattened ranges), or the name Megatron records for another form."""
 
     form: str
     dp: int | None  # the data-parallel size the state was saved at
@@ -46,8 +49,12 @@ def optimizer_form(reader) -> OptimizerForm | None:
     dp = reader.common.args.get("data_parallel_size")
     if reader.dp_reshardable is not None:  # the reader presents it as fully_reshardable: name what is stored
         buckets = reader.dp_reshardable.bucket_keys
-        return OptimizerForm("dp_reshardable", reader.dp_reshardable.dp, len(buckets), len({group for group, _, _ in buckets}))
-    recorded = (reader.common.extra.get("optimizer") or {}).get("param_state_sharding_type")
+        return OptimizerForm("dp_reshardable", reader.dp_reshardable.dp, len(buckets), len({(gbuf.chain, gbuf.group) for gbuf, _ in buckets}))
+    if reader.flattened_range is not None:  # presented as fully_reshardable too
+        return OptimizerForm(FLATTENED_RANGE_FORM, dp)
+    common = reader.common.extra.get("optimizer") or {}
+    common = common.get(0, common)  # an MoE model's chained optimizers: one entry each, by index
+    recorded = common.get("param_state_sharding_type") if isinstance(common, dict) else None
     if recorded:
         return OptimizerForm(str(recorded), dp)
     if any(spec.is_optimizer for spec in reader.specs.values()):
@@ -110,9 +117,18 @@ class CheckpointInfo:
         return "\n".join(lines)
 
 
+def screen_objects(reader) -> None:
+    """Read every pickle of a torch_dist checkpoint through the allow-list (`screen`): its reader reads the
+    objects of the .distcp files only when a conversion carries them, and inspect and verify, which carry
+    none, must refuse a hostile one rather than describe or vouch for the checkpoint holding it."""
+    if reader.format_name == "torch_dist":
+        screen(reader.tree.iteration_dir)
+
+
 def inspect(path: Path | str, config_file: Path | None = None) -> CheckpointInfo:
     """What the checkpoint at `path` is; `config_file` gives the architecture of one that records none."""
     with open_checkpoint(path, config_file=config_file, need_architecture=False) as reader:
+        screen_objects(reader)
         rows = [
             TensorRow(name, spec.shape, spec.dtype, spec.split.value, spec.numel * itemsize(spec.dtype))
             for name, spec in sorted(reader.specs.items())

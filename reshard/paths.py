@@ -3,6 +3,7 @@ to a file inside the checkpoint, so that no conversion reads, exports or uploads
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from reshard.errors import ReshardError
@@ -25,3 +26,12 @@ def confined(directory: Path, name: str) -> Path:
     if not real.is_relative_to(home):
         raise ReshardError(f"{where} leads outside the checkpoint (to {real}); refusing it")
     return where
+
+
+def confined_tree(directory: Path) -> None:
+    """Refuse a directory holding any file or link that leads outside it (`confined`), for readers that open
+    files by names they do not check (tensorstore opens a zarr array's chunk files itself). Links are not
+    followed down: every real directory inside is walked where it lies."""
+    for root, dirs, files in os.walk(directory):
+        for name in (*dirs, *files):
+            confined(directory, os.path.relpath(os.path.join(root, name), directory))

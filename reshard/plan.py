@@ -125,7 +125,6 @@ class ConversionPlan:
     max_memory: int = 0  # bytes of working memory; make_plan fills in the default
     scratch_bytes: int = 0  # the source reader's staging buffer per reading thread
     bytes_read: int = 0  # what the source's files hold of the tensors moved (`CheckpointReader.stored_bytes`)
-    refused: list[str] = field(default_factory=list)  # what converting the weights would stop on (a plan from a config)
     optimizer_forms: tuple[str, str] | None = None  # the optimizer state's form as read and as written, if carried
 
     @property
@@ -229,7 +228,6 @@ class ConversionPlan:
             "workers": self.workers,
             "target_files": self.target_files(),
             "dropped": self.dropped,
-            "refused": self.refused,
             "optimizer_forms": self.optimizer_forms,
             **estimate,
             "moves": [
@@ -261,8 +259,6 @@ class ConversionPlan:
             lines.append(f"optimizer state: {self.optimizer_forms[0]} -> {self.optimizer_forms[1]}, {human_bytes(optimizer_bytes)}")
         for name in self.dropped:
             lines.append(f"  drop {name}")
-        for what in self.refused:
-            lines.append(f"  REFUSED: {what}")
         return "\n".join(lines)
 
 
@@ -421,7 +417,6 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         dropped=dropped,
         workers=run.workers,
         scratch_bytes=reader.scratch_bytes,
-        refused=list(reader.refused),
         optimizer_forms=dp_reshardable_writer.forms(reader, writer, common.args) if any(m.target.is_optimizer for m in moves) else None,
     )
     plan.moves = [replace(move, aligned=_records_are_chunks(plan, move, reader)) for move in moves]

@@ -168,14 +168,17 @@ def verify(path, against=None, config_file=None) -> VerifyReport:
     `config_file` gives the architecture of a `path` that records none; none is needed (the tensors are
     global), but without one the vocabulary's padding counts unless `against` knows the true size."""
     from reshard.formats import open_checkpoint
+    from reshard.inspect import screen_objects
 
     with open_checkpoint(path, config_file=config_file, need_architecture=False) as reader:
+        screen_objects(reader)
         if against is None:
             if reader.manifest is None:
                 raise ReshardError(f"{path} has no recorded checksums; compare it with another checkpoint using --against")
             return VerifyReport(compare(compute_checksums(reader), reader.manifest.checksums, str(path), "recorded"),
                                 "against the checksums recorded at save")
         with open_checkpoint(against, need_architecture=False) as other:
+            screen_objects(other)
             rows = None  # each side's own true vocabulary, where it knows it; else the other's tells both
             if (reader.config is None) != (other.config is None):
                 rows = (reader.config or other.config).vocab_rows

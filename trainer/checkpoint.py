@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from reshard.atomic import fsync_path, replace_dir, write_atomic
+from reshard.atomic import fsync_path, put_back, replace_dir, write_atomic
 from reshard.checksum import TensorChecksum
 from reshard.config import ModelConfig
 from reshard.dtypes import from_torch
@@ -371,6 +371,7 @@ def save_checkpoint(save_dir: Path, iteration: int, models: list, optimizer, sch
     tmp = save_dir / f"{final.name}.tmp"
     if _rank() == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
+        put_back(final)  # a re-save of this iteration stopped between the two renames of `replace_dir`
         if tmp.exists():  # left by a crashed save
             shutil.rmtree(tmp)
         tmp.mkdir()
@@ -439,6 +440,7 @@ def find_checkpoint(load_dir: Path) -> Path | None:
             return None
         text = tracker.read_text().strip()
         directory = load_dir / ("release" if text == "release" else iter_dirname(int(text)))
+        put_back(directory)  # a re-save stopped between `replace_dir`'s two renames (no atomic exchange there)
         if not (directory / ".metadata").is_file():
             raise CheckpointError(f"{tracker} points at {directory.name}, which is not a complete torch_dist checkpoint")
     screen(directory)

@@ -218,7 +218,6 @@ class CheckpointReader(abc.ABC):
     scratch_bytes: ClassVar[int] = READ_BLOCK
     # the bytes its files hold of the model, where the logical tensors' do not tell (fp8 blocks); None: theirs
     stored_bytes: int | None = None
-    refused: list[str] = []  # what a conversion would refuse, said by a reader that plans without reading (config_only)
 
     def read(self, name: str, region: Region) -> np.ndarray:
         """The values of `region` of logical tensor `name`, as a new array (`reshard.dtypes.to_torch` makes

@@ -67,18 +67,6 @@ class ConfigOnlyReader(CheckpointReader):
             else:
                 self.stored_bytes += numel * itemsize(spec.dtype)
             self.hf_tensor_count += 1
-        # Multi-token-prediction layers have weights (model.layers.{num_hidden_layers}...) that a family maps only
-        # where its config says so (mtp_num_layers); until then the weights' import refuses them as unmapped.
-        declared = self.hf_config.get("num_nextn_predict_layers") or 0
-        self.refused = (
-            []
-            if not declared or getattr(config, "mtp_num_layers", None)
-            else [
-                f"{declared} multi-token-prediction layer(s) (num_nextn_predict_layers, HF model.layers.{config.num_layers}.*): "
-                f"the {family.model_type} converter does not map them yet, so converting the weights stops on them; "
-                "they are not counted here"
-            ]
-        )
         self.common = CommonState(args={**config.megatron_args(), **extras}, iteration="release", extra={"checkpoint_version": 3.0})
 
     def read_into(self, name: str, region: Region, out: np.ndarray) -> None:

@@ -4,7 +4,8 @@ megatron-core ≥ 0.15 saves the distributed optimizer's state (by default) as i
 model-parallel rank I, gradient buffer g, dtype pair and bucket b, one 1-D tensor
 `optimizer.distributed.dp_group_idx_<I>.gbuf_idx_<g>.dtype_(<p>, <g>).bucket_idx_<b>.<param|exp_avg|exp_avg_sq>`
 of the bucket's unpadded length. This module derives where each parameter lies in those buckets
-from the checkpoint's own model tensors and args (megatron-core 0.16's param_and_grad_buffer.py):
+from the checkpoint's own model tensors and args (`BufferLayout`, after megatron-core 0.16's
+param_and_grad_buffer.py; the legacy `distrib_optim.pt` reader, megatron_legacy.py, uses it too):
 
 1. the rank's parameters in `named_parameters()` order (GPTModel with the local spec), laid out in
    **reverse** order;
@@ -23,9 +24,10 @@ exp_avg_sq>.<model key>` with the model tensor's global shape, so that everythin
 parameter it needs (streaming per parameter, never a whole bucket).
 
 With virtual pipeline stages each model chunk is its own buffer (`gbuf_idx_<chunk>`, never bucketed past the
-first chunk). Not yet decoded (refused by name): expert (MoE) optimizers and chained prefixes, several
-parameter dtypes in one chunk, Transformer-Engine module
-order (`transformer_impl=transformer_engine`: not yet verified against megatron-core).
+first chunk). An MoE model's state is a chain of two optimizers (keys prefixed `chained_0.` dense, `chained_1.`
+experts; see `BufferLayout`). Not yet decoded (refused by name): several parameter dtypes in one chunk, a
+chain per model chunk (`overlap_param_gather_with_optimizer_step`), MoE stages without experts, Transformer-Engine
+module order (`transformer_impl=transformer_engine`: not yet verified against megatron-core).
 """
 
 from __future__ import annotations
@@ -47,14 +49,15 @@ from reshard.sharding import Piece, Region, intersect, pieces, region_size, shif
 PREFIX = "optimizer.distributed."
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 PARAM_ALIGN = 64
+_DISTRIBUTED = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.")
 _BUCKET = re.compile(
-    r"^optimizer\.distributed\.dp_group_idx_(?P<group>\d+)\.gbuf_idx_(?P<gbuf>\d+)\.dtype_(?P<dtype>\(.*\))"
-    r"\.bucket_idx_(?P<bucket>\d+)\.(?P<key>[A-Za-z0-9_]+)$"
+    r"^(?:chained_(?P<chain>\d+)\.)?optimizer\.distributed\.dp_group_idx_(?P<group>\d+)\.gbuf_idx_(?P<gbuf>\d+)"
+    r"\.dtype_(?P<dtype>\(.*\))\.bucket_idx_(?P<bucket>\d+)\.(?P<key>[A-Za-z0-9_]+)$"
 )
-_OBJECT = re.compile(r"^optimizer\.distributed\.dp_group_idx_(?P<group>\d+)\.(?P<what>[A-Za-z_]+)/")
 
 # A transformer layer's parameters in megatron-core's module order (local spec: input_layernorm,
-# self_attention.{linear_proj, linear_qkv, q_layernorm, k_layernorm}, pre_mlp_layernorm, mlp.{fc1, fc2}),
+# self_attention.{linear_proj, linear_qkv, q_layernorm, k_layernorm}, pre_mlp_layernorm, mlp.{fc1, fc2};
+# an MoE layer's mlp: router, (experts,) shared_experts with its own gate_weight before its submodules'),
 # by their checkpoint (canonical) names.
 _LAYER_ORDER = (
     "self_attention.linear_qkv.layer_norm_weight",  # input_layernorm.weight
@@ -69,10 +72,25 @@ _LAYER_ORDER = (
     "self_attention.k_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight",  # pre_mlp_layernorm.weight
     "mlp.linear_fc1.layer_norm_bias",
+    "pre_mlp_layernorm.weight",  # an MoE layer's
+    "pre_mlp_layernorm.bias",
+    "mlp.router.weight",
+    "mlp.shared_experts.gate_weight",
+    "mlp.shared_experts.linear_fc1.weight",
+    "mlp.shared_experts.linear_fc1.bias",
+    "mlp.shared_experts.linear_fc2.weight",
+    "mlp.shared_experts.linear_fc2.bias",
     "mlp.linear_fc1.weight",
     "mlp.linear_fc1.bias",
     "mlp.linear_fc2.weight",
     "mlp.linear_fc2.bias",
+)
+# One expert's parameters (SequentialMLP's local_experts.<i>), in the expert optimizer's own buffer.
+_EXPERT_ORDER = (
+    "mlp.experts.experts.linear_fc1.weight",
+    "mlp.experts.experts.linear_fc1.bias",
+    "mlp.experts.experts.linear_fc2.weight",
+    "mlp.experts.experts.linear_fc2.bias",
 )
 _TOP_ORDER = (
     "embedding.word_embeddings.weight",
@@ -82,10 +100,28 @@ _TOP_ORDER = (
     "decoder.final_layernorm.bias",
     "output_layer.weight",
 )
+# megatron-core's ChainedOptimizer of an MoE model: the dense optimizer, then the expert one
+DENSE_CHAIN, EXPERT_CHAIN = 0, 1
 
 
 def is_dp_reshardable(key: str) -> bool:
-    return key.startswith(PREFIX)
+    return _DISTRIBUTED.match(key) is not None
+
+
+@dataclass(frozen=True)
+class Gbuf:
+    """One gradient buffer of one model-parallel rank's DistributedOptimizer: where its tensors are keyed."""
+
+    chain: int | None  # the optimizer's index in Megatron's ChainedOptimizer (`chained_<i>.` prefix); None: unchained
+    group: int  # dp_group_idx: the rank in the optimizer's model-parallel group (tp-pp, or etp-ep-pp for experts)
+    index: int  # gbuf_idx: the optimizer's buffers over the model chunks that have parameters of its kind
+
+    @property
+    def prefix(self) -> str:
+        return f"{'' if self.chain is None else f'chained_{self.chain}.'}{PREFIX}dp_group_idx_{self.group}"
+
+    def __str__(self) -> str:
+        return f"{self.prefix}.gbuf_idx_{self.index}"
 
 
 @dataclass(frozen=True)
@@ -98,95 +134,179 @@ class Placed:
     bucket: int
     start: int  # in the bucket
     numel: int
+    expert: int | None = None  # global expert of an expert tensor
 
 
-def _order_key(spec: TensorSpec, layer: int | None) -> tuple[int, int, int]:
+def flat_span(piece: Piece) -> tuple[int, int] | None:
+    """Where a piece lies in its rank's parameter flattened row-major, as the bucket holds it: (first element,
+    count), or None where it is not one run (then it has no place of its own in a bucket)."""
+    strides = [math.prod(piece.local_shape[i + 1 :]) for i in range(len(piece.local_shape))]
+    first = sum(a * s for (a, _), s in zip(piece.local_region, strides))
+    last = sum((b - 1) * s for (_, b), s in zip(piece.local_region, strides))
+    n = region_size(piece.local_region)
+    return (first, n) if last - first + 1 == n else None
+
+
+def _unknown_place(param: str) -> ReshardError:
+    return ReshardError(
+        f"{param}: where megatron-core places this parameter in the DistributedOptimizer's buffer is not "
+        "known to reshard; its dp_reshardable optimizer state cannot be decoded (convert with --no-optimizer)"
+    )
+
+
+def _order_key(spec: TensorSpec, layer: int | None, expert: int | None) -> tuple[int, int, int, int]:
     param = spec.param
     if param.startswith("decoder.layers."):
         tail = re.sub(r"^decoder\.layers\.(\d+\.)?", "", param)
-        if tail not in _LAYER_ORDER:
-            raise ReshardError(
-                f"{param}: where megatron-core places this parameter in the DistributedOptimizer's buffer is not "
-                "known to reshard; its dp_reshardable optimizer state cannot be decoded (convert with --no-optimizer)"
-            )
-        return (_TOP_ORDER.index(None), layer if layer is not None else spec.layer, _LAYER_ORDER.index(tail))
+        order = _EXPERT_ORDER if spec.experts else _LAYER_ORDER
+        if tail not in order:
+            raise _unknown_place(param)
+        return (_TOP_ORDER.index(None), layer if layer is not None else spec.layer, expert or 0, order.index(tail))
     if param not in _TOP_ORDER:
-        raise ReshardError(
-            f"{param}: where megatron-core places this parameter in the DistributedOptimizer's buffer is not "
-            "known to reshard; its dp_reshardable optimizer state cannot be decoded (convert with --no-optimizer)"
-        )
-    return (_TOP_ORDER.index(param), 0, 0)
+        raise _unknown_place(param)
+    return (_TOP_ORDER.index(param), 0, 0, 0)
 
 
-class BucketLayout:
-    """Where megatron-core's DistributedOptimizer places each parameter of each model-parallel rank in its
-    buckets, derived from the model alone (steps 1-3 above): what the reader checks a save against and the
-    dp_reshardable writer (`dp_reshardable_writer.py`) writes to."""
+@dataclass(frozen=True)
+class Buffer:
+    """One derived gradient buffer: where its parameters lie and how long its buckets are (unpadded)."""
 
-    def __init__(self, model_specs: dict[str, TensorSpec], config: ModelConfig, layout: Layout, dp: int):
+    places: tuple[Placed, ...]
+    sizes: tuple[int, ...]  # each bucket's unpadded length
+    last: tuple[str, ...]  # each bucket's last parameter, to name in a refusal
+
+    def coalesced_start(self, place: Placed) -> int:
+        """Where `place` starts in the buffer's buckets laid end to end without their padding (the legacy
+        `distrib_optim.pt` form)."""
+        return sum(self.sizes[: place.bucket]) + place.start
+
+
+class BufferLayout:
+    """Megatron's DistributedOptimizer buffers of every model-parallel rank, derived from the model's tensors,
+    layout and the saving run's args (megatron-core 0.16: distributed_data_parallel.py, param_and_grad_buffer.py,
+    optimizer/__init__.py).
+
+    An MoE model's optimizer is megatron-core's ChainedOptimizer: the dense optimizer (keys prefixed
+    `chained_0.`), then the expert one (`chained_1.`). The expert parameters lie in buffers of their own (one
+    per model chunk that has experts), keyed by the rank in the expert tensor-, expert- and pipeline-parallel
+    group (`etp + ETP * (ep + EP * pp)`), their buckets padded for the expert data-parallel size
+    (`DP * TP / (ETP * EP)`); a rank without experts has an unchained dense optimizer."""
+
+    def __init__(self, model_specs: dict[str, TensorSpec], config: ModelConfig, layout: Layout, args: dict[str, Any]):
+        self.config, self.layout, self.args = config, layout, args
+        self._refuse_unsupported(args)
+        self.dp = int(args.get("data_parallel_size") or 0)
+        if self.dp < 1:
+            raise ReshardError("the checkpoint's args record no data_parallel_size: its DistributedOptimizer state cannot be decoded")
+        expert_ranks = layout.expert_tp * layout.ep
+        if (self.dp * layout.tp) % expert_ranks:
+            raise ReshardError(
+                f"DP {self.dp} x TP {layout.tp} does not divide into ETP {layout.expert_tp} x EP {layout.ep}: "
+                "the checkpoint's args are inconsistent; its DistributedOptimizer state cannot be decoded"
+            )
+        self.expert_dp = self.dp * layout.tp // expert_ranks
         self.model_specs = {n: s for n, s in model_specs.items() if not s.is_optimizer}
-        self.config, self.layout, self.dp = config, layout, dp
+        self.buffers: dict[Gbuf, Buffer] = {}
+        # (name, layer, expert, tp, ep, pp) of a primary piece -> its buffer and place
+        self.placed: dict[tuple[str, int | None, int | None, int, int, int], tuple[Gbuf, Placed]] = {}
+        self.chains: set[int | None] = set()
+        for pp in range(layout.pp):
+            # megatron-core chains the optimizers only where the rank holds expert parameters
+            chained = any(self._local_params(0, 0, pp, vstage, experts=True) for vstage in range(layout.vpp))
+            for tp in range(layout.tp):
+                dense = DENSE_CHAIN if chained else None
+                self._place_rank(dense, tp + layout.tp * pp, tp, 0, pp, False, self.dp)
+                self.chains.add(dense)
+            for ep in range(layout.ep if chained else 0):
+                for etp in range(layout.expert_tp):
+                    group = etp + layout.expert_tp * (ep + layout.ep * pp)
+                    self._place_rank(EXPERT_CHAIN, group, etp, ep, pp, True, self.expert_dp)
+                    self.chains.add(EXPERT_CHAIN)
+        if None in self.chains and len(self.chains) > 1:
+            raise ReshardError(
+                "DistributedOptimizer state of an MoE model with pipeline stages without experts (chained and "
+                "unchained optimizers side by side) is not decoded yet (convert with --no-optimizer)"
+            )
 
     @staticmethod
-    def group(tp: int, pp: int, layout: Layout) -> int:
-        """The rank's `dp_group_idx`: its rank in the model-parallel group (order tp-..-pp)."""
-        return tp + layout.tp * pp
+    def _refuse_unsupported(args: dict[str, Any]) -> None:
+        if args.get("transformer_impl", "transformer_engine") != "local":
+            raise ReshardError(
+                "DistributedOptimizer state of a Transformer-Engine model: its buffer order is not yet verified "
+                "against megatron-core, so reshard refuses to decode it (convert with --no-optimizer)"
+            )
+        if args.get("use_distributed_optimizer") is False:
+            raise ReshardError("the checkpoint holds DistributedOptimizer buckets but its args say use_distributed_optimizer=False")
+        if args.get("overlap_param_gather_with_optimizer_step"):
+            raise ReshardError(
+                "DistributedOptimizer state saved with overlap_param_gather_with_optimizer_step (a chained optimizer "
+                "per model chunk) is not decoded yet (convert with --no-optimizer)"
+            )
 
-    @staticmethod
-    def flat_span(piece: Piece) -> tuple[int, int] | None:
-        """Where a piece lies in its rank's parameter flattened row-major, as the bucket holds it: (first element,
-        count), or None where it is not one run (then it has no place of its own in a bucket)."""
-        strides = [math.prod(piece.local_shape[i + 1 :]) for i in range(len(piece.local_shape))]
-        first = sum(a * s for (a, _), s in zip(piece.local_region, strides))
-        last = sum((b - 1) * s for (_, b), s in zip(piece.local_region, strides))
-        n = region_size(piece.local_region)
-        return (first, n) if last - first + 1 == n else None
+    def _place_rank(self, chain: int | None, group: int, tp: int, ep: int, pp: int, experts: bool, dp: int) -> None:
+        """Derive the buffers of one rank's dense (or expert) optimizer, one per model chunk with such parameters;
+        Megatron-LM buckets only the first pipeline stage's first chunk."""
+        chunks = [(vstage, params) for vstage in range(self.layout.vpp) if (params := self._local_params(tp, ep, pp, vstage, experts))]
+        for index, (vstage, params) in enumerate(chunks):
+            gbuf = Gbuf(chain, group, index)
+            self.buffers[gbuf] = self._layout_of(params, dp, bucketed=pp == 0 and vstage == 0)
+            for place in self.buffers[gbuf].places:
+                self.placed[(place.name, place.layer, place.expert, tp, ep, pp)] = (gbuf, place)
 
-    def _local_params(self, tp: int, pp: int, vstage: int) -> list[tuple[str, int | None, tuple[Piece, ...], bool]]:
-        """The rank's parameters in named_parameters() order: (name, global layer, its pieces, shared embedding).
-        With tied embeddings and PP > 1 the last stage's output layer is its copy of the word embeddings
-        (stored under the embedding's name; it and the first stage's embedding are `shared_embedding`)."""
-        found: dict[tuple[str, int | None], list[Piece]] = {}
-        order: dict[tuple[str, int | None], tuple[int, int, int]] = {}
+    def rank_buffers(self, chain: int | None, group: int) -> list[Gbuf]:
+        """One rank's optimizer's buffers, in gbuf_idx order."""
+        return sorted((g for g in self.buffers if g.chain == chain and g.group == group), key=lambda g: g.index)
+
+    def _local_params(
+        self, tp: int, ep: int, pp: int, vstage: int, experts: bool
+    ) -> list[tuple[str, int | None, int | None, tuple[Piece, ...], bool]]:
+        """The rank's dense (or expert) parameters in named_parameters() order: (name, global layer, global
+        expert, its pieces, shared embedding). With tied embeddings and PP > 1 the last stage's output layer is
+        its copy of the word embeddings (stored under the embedding's name; it and the first stage's embedding
+        are `shared_embedding`)."""
+        found: dict[tuple[str, int | None, int | None], list[Piece]] = {}
+        order: dict[tuple[str, int | None, int | None], tuple[int, int, int, int]] = {}
         for name, spec in self.model_specs.items():
+            if spec.experts != experts:
+                continue
             for piece in pieces(spec, self.config, self.layout):
-                if piece.rank.tp == tp and piece.rank.pp == pp and piece.rank.vstage == vstage:
+                if (piece.rank.tp, piece.rank.ep, piece.rank.pp, piece.rank.vstage) == (tp, ep, pp, vstage):
                     layer = piece.region[0][0] if spec.stacked else None
-                    found.setdefault((name, layer), []).append(piece)
+                    expert = piece.region[int(spec.stacked)][0] if spec.experts else None
+                    found.setdefault((name, layer, expert), []).append(piece)
                     ordered_as = spec if piece.alias is None else replace(spec, param=piece.alias)
-                    order[(name, layer)] = _order_key(ordered_as, layer)
+                    order[(name, layer, expert)] = _order_key(ordered_as, layer, expert)
         shared = self.layout.pp > 1 and not self.config.untie_embeddings_and_output_weights
         return [
-            (name, layer, tuple(found[(name, layer)]), shared and name == "embedding.word_embeddings.weight")
-            for name, layer in sorted(found, key=order.__getitem__)
+            (name, layer, expert, tuple(found[(name, layer, expert)]), shared and name == "embedding.word_embeddings.weight")
+            for name, layer, expert in sorted(found, key=order.__getitem__)
         ]
 
-    def derive(self, tp: int, pp: int, gbuf: int, args: dict[str, Any]) -> tuple[list[Placed], list[int], list[str]]:
-        """Megatron's bucket layout of one model-parallel rank's model chunk `gbuf`: its parameters' places, each
-        bucket's unpadded length and last parameter (to name in a refusal)."""
+    def _layout_of(self, params: list, dp: int, bucketed: bool) -> Buffer:
+        """Megatron's bucket layout of one buffer (`params` from `_local_params`, its data-parallel size `dp`)."""
         bucket_size = None
-        if args.get("overlap_grad_reduce") and pp == 0 and gbuf == 0:  # Megatron-LM disables bucketing on later chunks
-            bucket_size = args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * self.dp)
+        if self.args.get("overlap_grad_reduce") and bucketed:
+            bucket_size = self.args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * self.dp)
         placed: list[Placed] = []
         start = bucket_start = bucket = 0
         sizes: list[int] = []
-        last_name: list[str] = []  # each bucket's last parameter, to name in a refusal
+        last_name: list[str] = []
         pending = None  # the last parameter of the bucket still open
-        for name, layer, parts, shared in reversed(self._local_params(tp, pp, gbuf)):
+        for name, layer, expert, parts, shared in reversed(params):
             numel = math.prod(parts[0].local_shape)
             start = -(-start // PARAM_ALIGN) * PARAM_ALIGN
             if shared and pending is not None:  # the shared embedding gets a bucket of its own
                 sizes.append(start - bucket_start)  # (the previous one ends after this parameter's alignment)
                 last_name.append(pending)
-                start = bucket_start = self.pad_bucket(start, args)
+                start = bucket_start = self.pad_bucket(start, dp)
                 bucket += 1
-            placed.append(Placed(name, layer, parts, bucket, start - bucket_start, numel))
+            placed.append(Placed(name, layer, parts, bucket, start - bucket_start, numel, expert))
             end = start + numel
-            pending = name if layer is None else f"{name} (layer {layer})"
+            pending = name + "".join(f" ({what} {i})" for what, i in (("layer", layer), ("expert", expert)) if i is not None)
             if (bucket_size is not None and end - bucket_start >= bucket_size) or shared:
                 sizes.append(end - bucket_start)
                 last_name.append(pending)
-                start = bucket_start = self.pad_bucket(end, args)
+                start = bucket_start = self.pad_bucket(end, dp)
                 bucket += 1
                 pending = None
             else:
@@ -194,16 +314,72 @@ class BucketLayout:
         if pending is not None:
             sizes.append(start - bucket_start)
             last_name.append(pending)
-        return placed, sizes, last_name
+        return Buffer(tuple(placed), tuple(sizes), tuple(last_name))
 
-    def pad_bucket(self, end: int, args: dict[str, Any]) -> int:
-        divisor = math.lcm(self.dp, 128, 2**16) if args.get("pad_buckets_for_high_nccl_busbw") else math.lcm(self.dp, 128)
+    def pad_bucket(self, end: int, dp: int) -> int:
+        """A bucket's padded end (`per_bucket_numel`), for a buffer of data-parallel size `dp`."""
+        divisor = math.lcm(dp, 128, 2**16) if self.args.get("pad_buckets_for_high_nccl_busbw") else math.lcm(dp, 128)
         return -(-end // divisor) * divisor
 
+    def place_of(self, model: TensorSpec, piece: Piece) -> tuple[Gbuf, Placed]:
+        """The buffer and place of a piece of model tensor `model` (any TP replica or tied-embedding copy: each of
+        those ranks keeps its own)."""
+        layer = piece.region[0][0] if model.stacked else None
+        expert = piece.region[int(model.stacked)][0] if model.experts else None
+        return self.placed[(model.name, layer, expert, piece.rank.tp, piece.rank.ep, piece.rank.pp)]
 
-class DpReshardable(BucketLayout):
+    def optimizer_specs(self) -> dict[str, TensorSpec]:
+        """The logical optimizer tensors, named as Megatron's fully_reshardable form names them:
+        `optimizer.state.<param|exp_avg|exp_avg_sq>.<model key>`, with the model tensor's global shape."""
+        return {
+            f"optimizer.state.{k}.{name}": describe(f"optimizer.state.{k}.{name}", spec.shape, "float32", self.config)
+            for name, spec in self.model_specs.items()
+            for k in STATE_KEYS
+        }
+
+    def read_into(self, name: str, region: Region, out: np.ndarray, read_place: Callable[[Gbuf, Placed, str, np.ndarray], None]) -> None:
+        """Fill `out` with `region` of the logical optimizer tensor `name`, each rank's local tensor read by
+        `read_place(buffer, place, state key, flat float32 out)`."""
+        state, model_name = name.split(".", 3)[2:]
+        model = self.model_specs[model_name]
+        filled = 0
+        for piece in pieces(model, self.config, self.layout):
+            if not piece.primary or piece.alias is not None:
+                continue
+            inside = intersect(region, piece.region)
+            if inside is None:
+                continue
+            gbuf, place = self.place_of(model, piece)
+            local = np.empty(place.numel, dtype=np.float32)
+            read_place(gbuf, place, state, local)
+            local = local.reshape(piece.local_shape)
+            prefix = model.prefix_axes
+            slices = tuple(
+                slice(lo + a - g0, lo + b - g0) for (a, b), (g0, _), (lo, _) in zip(inside[prefix:], piece.region[prefix:], piece.local_region)
+            )
+            target = out[to_slices(shift(inside, region))]
+            target[...] = local[slices].reshape(target.shape)
+            filled += region_size(inside)
+        if filled != region_size(region):
+            raise ReshardError(f"{name}: the DistributedOptimizer buffers do not cover the tensor; the checkpoint is damaged")
+
+
+def fully_reshardable_common(param_groups: dict[int | None, Any]) -> dict[Any, Any]:
+    """common.pt's `optimizer` entry as Megatron's fully_reshardable save writes it, from each chained optimizer's
+    saved `optimizer` state (by chain index; None: unchained): one entry per chained optimizer where there is a chain."""
+
+    def entry(groups: Any) -> dict[str, Any]:
+        return {"optimizer": groups, "param_state_sharding_type": "fully_reshardable"}
+
+    if None in param_groups:
+        return entry(param_groups[None])
+    return {chain: entry(groups) for chain, groups in sorted(param_groups.items())}
+
+
+class DpReshardable:
     """The logical optimizer tensors of a dp_reshardable save, read through `read_raw(key, region, out)`
-    (the torch_dist reader's chunk reading of the bucket tensors)."""
+    (the torch_dist reader's chunk reading of the bucket tensors), each bucket checked against the derived
+    `BufferLayout`."""
 
     def __init__(
         self,
@@ -217,136 +393,93 @@ class DpReshardable(BucketLayout):
         read_raw: Callable[[str, Region, np.ndarray], None],
     ):
         self.read_raw = read_raw
-        self._refuse_unsupported(tensors, object_keys, config, layout, args)
-        dp = int(args.get("data_parallel_size") or 0)
-        if dp < 1:
-            raise ReshardError("the checkpoint's args record no data_parallel_size: its dp_reshardable optimizer state cannot be decoded")
-        super().__init__(model_specs, config, layout, dp)
-        # (group, gbuf, bucket) -> state key -> tensor key; gbuf: the model chunk's buffer (one dtype each)
-        self.bucket_keys: dict[tuple[int, int, int], dict[str, str]] = {}
-        self.bucket_numel: dict[tuple[int, int, int], set[int]] = {}  # the stored lengths of its state tensors
-        dtypes: dict[tuple[int, int], set[str]] = {}
+        # (gbuf, bucket) -> state key -> tensor key
+        self.bucket_keys: dict[tuple[Gbuf, int], dict[str, str]] = {}
+        self.bucket_numel: dict[tuple[Gbuf, int], set[int]] = {}  # the stored lengths of its state tensors
+        dtypes: dict[Gbuf, set[str]] = {}
         for key, entry in tensors.items():
             m = _BUCKET.match(key)
             if m is None:
                 raise ReshardError(f"{key}: not a DistributedOptimizer bucket tensor reshard knows; the checkpoint is foreign or damaged")
-            dtypes.setdefault((int(m["group"]), int(m["gbuf"])), set()).add(m["dtype"])
-            where = (int(m["group"]), int(m["gbuf"]), int(m["bucket"]))
-            self.bucket_keys.setdefault(where, {})[m["key"]] = key
-            self.bucket_numel.setdefault(where, set()).add(int(entry.size[0]))
-        for (group, gbuf), found in dtypes.items():
-            if len(found) > 1 or gbuf >= layout.vpp:
+            gbuf = Gbuf(None if m["chain"] is None else int(m["chain"]), int(m["group"]), int(m["gbuf"]))
+            dtypes.setdefault(gbuf, set()).add(m["dtype"])
+            self.bucket_keys.setdefault((gbuf, int(m["bucket"])), {})[m["key"]] = key
+            self.bucket_numel.setdefault((gbuf, int(m["bucket"])), set()).add(int(entry.size[0]))
+        for gbuf, found in dtypes.items():
+            if len(found) > 1 or gbuf.index >= layout.vpp:
                 raise ReshardError(
-                    f"dp_group_idx_{group} gbuf_idx_{gbuf}: DistributedOptimizer buffers of several parameter dtypes "
+                    f"{gbuf}: DistributedOptimizer buffers of several parameter dtypes "
                     f"({', '.join(sorted(found))}), or more than one per model chunk, are not decoded yet"
                 )
-        for (group, gbuf, bucket), keys in self.bucket_keys.items():
+        for (gbuf, bucket), keys in self.bucket_keys.items():
             missing = [k for k in STATE_KEYS if k not in keys]
             if missing:
-                raise ReshardError(
-                    f"bucket {bucket} of dp_group_idx_{group} gbuf_idx_{gbuf} lacks {', '.join(missing)}: the checkpoint is damaged"
-                )
-        # (name, layer, tp, pp) -> (group, gbuf, place)
-        self.placed: dict[tuple[str, int | None, int, int], tuple[int, int, Placed]] = {}
-        for pp in range(layout.pp):
-            for tp in range(layout.tp):
-                group = self.group(tp, pp, layout)
-                saved = objects(f"{PREFIX}dp_group_idx_{group}.per_bucket_numel_unpadded")
-                if not (isinstance(saved, list) and len(saved) == layout.vpp
-                        and all(isinstance(b, dict) and len(b) == 1 for b in saved)):
+                raise ReshardError(f"bucket {bucket} of {gbuf} lacks {', '.join(missing)}: the checkpoint is damaged")
+        self.buffer_layout = BufferLayout(model_specs, config, layout, args)
+        self.dp = self.buffer_layout.dp
+        self.placed = self.buffer_layout.placed
+        for chain, group in sorted({(g.chain, g.group) for g in self.buffer_layout.buffers}, key=lambda cg: (-1 if cg[0] is None else cg[0], cg[1])):
+            self._check_rank(chain, group, objects)
+        stray = sorted({str(gbuf) for gbuf, _ in self.bucket_keys if gbuf not in self.buffer_layout.buffers})
+        if stray:
+            raise ReshardError(
+                f"{stray[0]}: the checkpoint holds DistributedOptimizer buckets where the layout derived from the model "
+                "has none; the optimizer state cannot be decoded safely"
+            )
+        self.specs = self.buffer_layout.optimizer_specs()
+        firsts = [Gbuf(chain, 0, 0) for chain in self.buffer_layout.chains]
+        self.param_groups = {gbuf.chain: objects(f"{gbuf.prefix}.optimizer") for gbuf in firsts}
+
+    def _check_rank(self, chain: int | None, group: int, objects: Callable[[str], Any]) -> None:
+        """One rank's derived buckets against its saved per_bucket_numel_unpadded and stored tensor lengths."""
+        gbufs = self.buffer_layout.rank_buffers(chain, group)
+        prefix = gbufs[0].prefix
+        saved = objects(f"{prefix}.per_bucket_numel_unpadded")
+        if not (isinstance(saved, list) and len(saved) == len(gbufs) and all(isinstance(b, dict) and len(b) == 1 for b in saved)):
+            raise ReshardError(
+                f"{prefix}: per_bucket_numel_unpadded is not one buffer of one dtype per model chunk ({len(gbufs)}) "
+                "as derived from the model: not decoded yet"
+            )
+        for gbuf, by_dtype in zip(gbufs, saved):
+            saved_sizes = list(next(iter(by_dtype.values())))
+            buffer = self.buffer_layout.buffers[gbuf]
+            for b, (derived, label) in enumerate(zip(buffer.sizes, buffer.last)):
+                stored = saved_sizes[b] if b < len(saved_sizes) else None
+                stored_lengths = self.bucket_numel.get((gbuf, b), set())
+                tensor = ", ".join(map(str, sorted(stored_lengths))) or "no tensor"
+                if stored != derived or stored_lengths != {derived}:
                     raise ReshardError(
-                        f"dp_group_idx_{group}: per_bucket_numel_unpadded is not one buffer of one dtype per model chunk "
-                        f"({layout.vpp}): not decoded yet"
+                        f"{label}: the DistributedOptimizer layout derived from the model puts bucket {b} of {gbuf} "
+                        f"at {derived} elements, but the checkpoint records {stored} (per_bucket_numel_unpadded) and stores "
+                        f"{tensor}; the optimizer state cannot be decoded safely"
                     )
-                for vstage in range(layout.vpp):
-                    sizes = list(next(iter(saved[vstage].values())))
-                    for place in self._layout_of(group, vstage, tp, pp, args, sizes):
-                        self.placed[(place.name, place.layer, tp, pp)] = (group, vstage, place)
-        self.specs: dict[str, TensorSpec] = {}
-        for name, spec in self.model_specs.items():
-            for k in STATE_KEYS:
-                opt = f"optimizer.state.{k}.{name}"
-                self.specs[opt] = describe(opt, spec.shape, "float32", config)
-        self.param_groups = objects(f"{PREFIX}dp_group_idx_0.optimizer")
-
-    @staticmethod
-    def _refuse_unsupported(tensors, object_keys, config, layout, args) -> None:
-        if any(k.startswith("chained_") for k in list(tensors) + object_keys) or config.is_moe:
-            raise ReshardError("dp_reshardable optimizer state of a MoE model (chained expert optimizer) is not decoded yet")
-        if args.get("transformer_impl", "transformer_engine") != "local":
-            raise ReshardError(
-                "dp_reshardable optimizer state of a Transformer-Engine model: its buffer order is not yet verified "
-                "against megatron-core, so reshard refuses to decode it (convert with --no-optimizer)"
-            )
-        if args.get("use_distributed_optimizer") is False:
-            raise ReshardError("the checkpoint holds DistributedOptimizer buckets but its args say use_distributed_optimizer=False")
-
-    def _layout_of(self, group: int, gbuf: int, tp: int, pp: int, args: dict[str, Any], saved_sizes: list[int]) -> list[Placed]:
-        """Megatron's bucket layout of one model-parallel rank's model chunk `gbuf`, checked against its saved
-        bucket sizes."""
-        placed, sizes, last_name = self.derive(tp, pp, gbuf, args)
-        where = f" gbuf_idx_{gbuf}" if gbuf else ""
-        for b, (derived, label) in enumerate(zip(sizes, last_name)):
-            stored = saved_sizes[b] if b < len(saved_sizes) else None
-            stored_lengths = self.bucket_numel.get((group, gbuf, b), set())
-            tensor = ", ".join(map(str, sorted(stored_lengths))) or "no tensor"
-            if stored != derived or stored_lengths != {derived}:
+            if len(saved_sizes) != len(buffer.sizes):
                 raise ReshardError(
-                    f"{label}: the DistributedOptimizer layout derived from the model puts bucket {b} of dp_group_idx_{group}{where} "
-                    f"at {derived} elements, but the checkpoint records {stored} (per_bucket_numel_unpadded) and stores "
-                    f"{tensor}; the optimizer state cannot be decoded safely"
+                    f"{gbuf}: the checkpoint records {len(saved_sizes)} buckets where the layout derived from "
+                    f"the model has {len(buffer.sizes)}; the optimizer state cannot be decoded safely"
                 )
-        if len(saved_sizes) != len(sizes):
-            raise ReshardError(
-                f"dp_group_idx_{group}{where}: the checkpoint records {len(saved_sizes)} buckets where the layout derived from "
-                f"the model has {len(sizes)}; the optimizer state cannot be decoded safely"
-            )
-        return placed
+
+    def _read_place(self, gbuf: Gbuf, place: Placed, state: str, out: np.ndarray) -> None:
+        self.read_raw(self.bucket_keys[(gbuf, place.bucket)][state], ((place.start, place.start + place.numel),), out)
 
     def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
-        spec = self.specs[name]
-        state = name.split(".")[2]
-        model = self.model_specs[spec.param]
-        filled = 0
-        for piece in pieces(model, self.config, self.layout):
-            if not piece.primary or piece.alias is not None:
-                continue
-            inside = intersect(region, piece.region)
-            if inside is None:
-                continue
-            layer = piece.region[0][0] if model.stacked else None
-            group, gbuf, place = self.placed[(model.name, layer, piece.rank.tp, piece.rank.pp)]
-            local = np.empty(place.numel, dtype=np.float32)
-            key = self.bucket_keys[(group, gbuf, place.bucket)][state]
-            self.read_raw(key, ((place.start, place.start + place.numel),), local)
-            local = local.reshape(piece.local_shape)
-            prefix = model.prefix_axes
-            slices = tuple(
-                slice(lo + a - g0, lo + b - g0)
-                for (a, b), (g0, _), (lo, _) in zip(inside[prefix:], piece.region[prefix:], piece.local_region)
-            )
-            target = out[to_slices(shift(inside, region))]
-            target[...] = local[slices].reshape(target.shape)
-            filled += region_size(inside)
-        if filled != region_size(region):
-            raise ReshardError(f"{name}: the DistributedOptimizer buckets do not cover the tensor; the checkpoint is damaged")
+        self.buffer_layout.read_into(name, region, out, self._read_place)
 
     def spans(self, name: str) -> Iterator[tuple[Region, str, int, int]]:
         """Where each primary piece of logical tensor `name` lies in the buckets, as one run: (its region, the
         bucket tensor's key, its first element there, its count); a piece that is not one run ends the list early
         (a verification then reads the tensor back instead)."""
-        spec = self.specs[name]
-        model = self.model_specs[spec.param]
-        for piece in pieces(model, self.config, self.layout):
+        state, model_name = name.split(".", 3)[2:]
+        model = self.buffer_layout.model_specs[model_name]
+        for piece in pieces(model, self.buffer_layout.config, self.buffer_layout.layout):
             if not piece.primary or piece.alias is not None:
                 continue
-            layer = piece.region[0][0] if model.stacked else None
-            group, gbuf, place = self.placed[(model.name, layer, piece.rank.tp, piece.rank.pp)]
-            span = self.flat_span(piece)
+            gbuf, place = self.buffer_layout.place_of(model, piece)
+            span = flat_span(piece)
             if span is None:
                 return
-            yield piece.region, self.bucket_keys[(group, gbuf, place.bucket)][name.split(".")[2]], place.start + span[0], span[1]
+            yield piece.region, self.bucket_keys[(gbuf, place.bucket)][state], place.start + span[0], span[1]
 
-    def common_optimizer(self) -> dict[str, Any]:
+    def common_optimizer(self) -> dict[Any, Any]:
         """common.pt's `optimizer` entry as Megatron's fully_reshardable save writes it."""
-        return {"optimizer": self.param_groups, "param_state_sharding_type": "fully_reshardable"}
+        return fully_reshardable_common(self.param_groups)

@@ -7,7 +7,7 @@ Per model-parallel rank I, model chunk g and bucket b, three 1-D fp32 tensors
 of the bucket's unpadded length, and the rank's ShardedObjects `...dp_group_idx_<I>.{optimizer, per_bucket_numel,
 per_bucket_numel_unpadded}`; common.pt's `optimizer` entry only names the form (megatron-core 0.16's
 `DistributedOptimizer.sharded_state_dict(... 'dp_reshardable')`). Where each parameter lies in its rank's bucket is
-the reader's derivation (`distrib_optim.BucketLayout`), so what is written here is decoded back by the same rules
+the reader's derivation (`distrib_optim.BufferLayout`), so what is written here is decoded back by the same rules
 and checked there against the saved bucket sizes.
 
 Each target piece of a logical optimizer tensor (`optimizer.state.<state>.<param>`, any source form) is one chunk
@@ -27,7 +27,7 @@ import numpy as np
 from reshard.checksum import HashedParts
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState
-from reshard.formats.distrib_optim import PREFIX, STATE_KEYS, BucketLayout
+from reshard.formats.distrib_optim import STATE_KEYS, BufferLayout, Gbuf, flat_span
 from reshard.formats.megatron_dist import TorchDistWriter, _Record
 from reshard.layout import RankCoord
 from reshard.logical import TensorSpec
@@ -89,29 +89,23 @@ class DpReshardableWriter(TorchDistWriter):
         super().__init__(*args, **kwargs)
         args = self._target_args()
         grad = "float32" if args.get("grad_reduce_in_fp32") else self.config.params_dtype
-        dtypes = f"(torch.{self.config.params_dtype}, torch.{grad})"
+        self._dtypes = f"(torch.{self.config.params_dtype}, torch.{grad})"  # as bucket tensor keys spell them
         dtype_key = (named("torch", self.config.params_dtype), named("torch", grad))
-        layout = BucketLayout(self.specs, self.config, self.layout, int(args["data_parallel_size"]))
-        # (param, layer, tp, pp, vstage) -> (bucket tensor key prefix, the parameter's start in it)
-        self.places: dict[tuple[str, int | None, int, int, int], tuple[str, int]] = {}
-        self.buckets: dict[str, int] = {}  # key prefix -> unpadded length
+        # a dense model's optimizer is unchained (`prepare_target` refuses MoE): one rank's buffers per model chunk
+        self.buffer_layout = BufferLayout(self.specs, self.config, self.layout, args)
+        self.buckets: dict[str, int] = {}  # bucket tensor key prefix -> unpadded length
         objects = dict(self.common.objects)
-        for pp in range(self.layout.pp):
-            for tp in range(self.layout.tp):
-                group = layout.group(tp, pp, self.layout)
-                unpadded, padded = [], []
-                for vstage in range(self.layout.vpp):
-                    placed, sizes, _ = layout.derive(tp, pp, vstage, args)
-                    prefixes = [f"{PREFIX}dp_group_idx_{group}.gbuf_idx_{vstage}.dtype_{dtypes}.bucket_idx_{b}" for b in range(len(sizes))]
-                    self.buckets.update(zip(prefixes, sizes))
-                    for place in placed:
-                        self.places[(place.name, place.layer, tp, pp, vstage)] = (prefixes[place.bucket], place.start)
-                    unpadded.append({dtype_key: sizes})
-                    padded.append({dtype_key: [layout.pad_bucket(size, args) for size in sizes]})
-                group_key = f"{PREFIX}dp_group_idx_{group}"
-                objects[f"{group_key}.optimizer{_OBJECT}"] = self.common.extra["optimizer"]["optimizer"]
-                objects[f"{group_key}.per_bucket_numel{_OBJECT}"] = padded
-                objects[f"{group_key}.per_bucket_numel_unpadded{_OBJECT}"] = unpadded
+        for group in sorted({gbuf.group for gbuf in self.buffer_layout.buffers}):
+            unpadded, padded = [], []
+            for gbuf in self.buffer_layout.rank_buffers(None, group):
+                sizes = list(self.buffer_layout.buffers[gbuf].sizes)
+                self.buckets.update((self._bucket_key(gbuf, b), size) for b, size in enumerate(sizes))
+                unpadded.append({dtype_key: sizes})
+                padded.append({dtype_key: [self.buffer_layout.pad_bucket(size, self.buffer_layout.dp) for size in sizes]})
+            group_key = Gbuf(None, group, 0).prefix
+            objects[f"{group_key}.optimizer{_OBJECT}"] = self.common.extra["optimizer"]["optimizer"]
+            objects[f"{group_key}.per_bucket_numel{_OBJECT}"] = padded
+            objects[f"{group_key}.per_bucket_numel_unpadded{_OBJECT}"] = unpadded
         extra = {**self.common.extra, "optimizer": {"param_state_sharding_type": "dp_reshardable"}}
         self.common = replace(self.common, objects=objects, extra=extra)
 
@@ -132,14 +126,16 @@ class DpReshardableWriter(TorchDistWriter):
             return super().whole_regions(spec, slab, pieces)
         return list(dict.fromkeys(p.region for p in pieces))  # every rank's copy is a chunk of its own bucket
 
+    def _bucket_key(self, gbuf: Gbuf, bucket: int) -> str:
+        return f"{gbuf}.dtype_{self._dtypes}.bucket_idx_{bucket}"
+
     def _place(self, spec: TensorSpec, piece: Piece) -> tuple[str, int]:
         """The bucket tensor a piece of an optimizer tensor goes to, and its offset there."""
-        layer = piece.region[0][0] if spec.stacked else None
-        prefix, start = self.places[(spec.param, layer, piece.rank.tp, piece.rank.pp, piece.rank.vstage)]
-        span = BucketLayout.flat_span(piece)
+        gbuf, place = self.buffer_layout.place_of(self.buffer_layout.model_specs[spec.param], piece)
+        span = flat_span(piece)
         if span is None:
             raise ReshardError(f"{spec.name}: a target piece is not one run of its rank's parameter; not written as dp_reshardable")
-        return f"{prefix}.{spec.name.split('.')[2]}", start + span[0]
+        return f"{self._bucket_key(gbuf, place.bucket)}.{spec.name.split('.')[2]}", place.start + span[0]
 
     def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Record]:
         if not spec.is_optimizer:

@@ -39,6 +39,7 @@ from reshard.formats.base import (
     cached,
 )
 from reshard.formats.distrib_optim import DpReshardable, is_dp_reshardable
+from reshard.formats.flattened_range import FlattenedRange, is_model_space
 from reshard.formats.megatron_tree import (
     args_dict,
     args_namespace,
@@ -58,6 +59,7 @@ from reshard.torchfile import PARSE_ERRORS, dcp_metadata
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord, load_archive
 from reshard.torchfile.archive_writer import At, archive_size, save_archive, save_tensor, storage_alignment
 from reshard.torchfile.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry
+from reshard.torchfile.payloads import EXTRA_STATE, screen_payloads
 
 HEADER_THREADS = 8  # small reads in flight at once: the disk answers many as fast as one
 
@@ -113,23 +115,26 @@ class TorchDistReader(CheckpointReader):
         for key in self.metadata.objects:
             if key.startswith(_COMMON_STATE):
                 continue
-            if key.startswith("optimizer"):
+            if key.startswith("optimizer") or is_dp_reshardable(key):  # an MoE model's are chained_<i>.optimizer.*
                 self.unsupported_optimizer.append(key)
             elif "_extra_state" in key or is_layout_bound(key):
                 kept.append(key)
             else:
                 self.common.dropped.append(key)
-        self.common.objects = LazyObjects(kept, lambda key: self._object(objects[key]))
+        self.common.objects = LazyObjects(kept, lambda key: self._object(objects[key], key))
         named_moe = any(".experts." in key for key in self.metadata.tensors)  # without an architecture, the names tell
         mla = self.config is not None and self.config.multi_latent_attention
         for key, entry in self.metadata.tensors.items():
+            if key in self.metadata.flattened:  # megatron-core <= 0.14's flattened optimizer state: some decoded below
+                self.unsupported_optimizer.append(key)
+                continue
             name = canonical(key, "dist", layer_is_moe(self.config, key) if self.config else named_moe, mla)
             if name != key:  # the MoE pre-MLP norm gives the spec away
                 self.common.args.setdefault("transformer_impl", "local")
             try:
                 self.specs[name] = describe(name, entry.size, entry.dtype, self.config)
             except ReshardError:
-                if not key.startswith("optimizer."):
+                if not (key.startswith("optimizer.") or is_dp_reshardable(key)):
                     raise
                 self.unsupported_optimizer.append(key)
                 continue
@@ -144,6 +149,34 @@ class TorchDistReader(CheckpointReader):
         # decoding the buffers needs the saving run's layout and architecture; without them they stay listed as not read
         if self.config is not None and any(is_dp_reshardable(key) for key in self.unsupported_optimizer):
             self._decode_dp_reshardable(objects, by_offset)
+        self.flattened_range = None
+        if any(is_model_space(key, self.metadata.flattened) for key in self.unsupported_optimizer):
+            moe = (lambda key: layer_is_moe(self.config, key)) if self.config else (lambda key: named_moe)
+            self._decode_flattened_range(by_offset, lambda key: canonical(key, "dist", moe(key), mla))
+
+    def _decode_flattened_range(self, by_offset: dict[str, list], canonical_name: Callable[[str], str]) -> None:
+        """megatron-core <= 0.14's fully_sharded_model_space state, read as its fully_reshardable tensors
+        (flattened_range.py); the stored tensors are indexed here and read by `_read_chunks`."""
+        keys = [key for key in self.unsupported_optimizer if is_model_space(key, self.metadata.flattened)]
+        for key in keys:
+            self._index_chunks(key, key, by_offset)
+        self.flattened_range = FlattenedRange(
+            {key: self.metadata.tensors[key] for key in keys}, self.metadata.flattened, canonical_name,
+            self.specs, self.config, self._read_chunks,
+        )
+        self.specs.update(self.flattened_range.specs)
+        self.common.extra = self.flattened_range.common(self.common.extra)
+        self.unsupported_optimizer = [key for key in self.unsupported_optimizer if key not in keys]
+
+    def _index_chunks(self, name: str, key: str, by_offset: dict[str, list]) -> None:
+        """Index stored tensor `key`'s chunks (regions and where they lie) under `name`, for `_read_chunks`."""
+        stored = dict(by_offset[key])
+        chunks = self.metadata.tensors[key].chunks
+        lost = [chunk.offsets for chunk in chunks if chunk.offsets not in stored]
+        if lost:
+            raise ReshardError(f"{key}: .metadata lists a chunk at {list(lost[0])} that no file holds; the checkpoint is damaged")
+        self._chunks[name] = [(tuple((o, o + s) for o, s in zip(c.offsets, c.sizes)), stored[c.offsets]) for c in chunks]
+        self._index[name] = RegionIndex(self._chunks[name])
 
     def _decode_dp_reshardable(self, objects: dict[str, Storage], by_offset: dict[str, list]) -> None:
         """The DistributedOptimizer's dp_reshardable buckets, read as its fully_reshardable tensors
@@ -160,7 +193,7 @@ class TorchDistReader(CheckpointReader):
             found = [key for key in keys if key.startswith(prefix + "/")]
             if len(found) != 1:
                 raise ReshardError(f"{self.path}: {prefix} is missing from the checkpoint; its dp_reshardable optimizer state cannot be decoded")
-            return self._object(objects[found[0]])
+            return self._object(objects[found[0]], found[0])
 
         self.dp_reshardable = DpReshardable(
             {key: self.metadata.tensors[key] for key in keys if key in self.metadata.tensors}, saved_object,
@@ -180,7 +213,7 @@ class TorchDistReader(CheckpointReader):
             common = load_archive(common_path, str(common_path))
             where = str(common_path)
         elif inside:
-            common, where = self._object(objects[inside[0]]), f"{directory}'s common_state"
+            common, where = self._object(objects[inside[0]], inside[0]), f"{directory}'s common_state"
         else:
             raise ReshardError(
                 f"{directory} has neither common.pt nor a common_state object: not a complete Megatron torch_dist checkpoint"
@@ -212,16 +245,19 @@ class TorchDistReader(CheckpointReader):
             "model's HF config.json or a YAML of its Megatron arguments"
         )
 
-    def _object(self, info: Storage) -> object:
+    def _object(self, info: Storage, key: str) -> object:
         file, values = self._decode(info, "an object", RecordFile.unpickle)
         # Megatron serializes a ShardedObject as the list of its data on the saving rank.
         if not (isinstance(values, list) and len(values) == 1):
             raise ReshardError(f"{file.path}: a ShardedObject is not encoded as Megatron encodes them; the file is foreign or damaged")
+        screen_payloads(values[0], f"{file.path} ({key})", extra_state=EXTRA_STATE in key)  # TE's pickle in it
         return values[0]
 
     def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
         if self.dp_reshardable is not None and name in self.dp_reshardable.specs:
             self.dp_reshardable.read_into(name, region, out)
+        elif self.flattened_range is not None and name in self.flattened_range.specs:
+            self.flattened_range.read_into(name, region, out)
         else:
             self._read_chunks(name, region, out)
 

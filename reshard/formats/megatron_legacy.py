@@ -6,13 +6,16 @@ structure (`archive_reader.load_archive`: stand-ins, nothing run), then the byte
 `pread` where the zip's directory places its tensor's storage; written with `StreamingTorchSave`,
 every local tensor's record placed when the writer opens and written by the reader threads (of any
 rank of a multi-rank conversion).
+
+With `--use-distributed-optimizer` each rank directory also holds megatron-core's `distrib_optim.pt`
+(`DistribOptimFiles`), read as the logical per-parameter optimizer tensors of the fully_reshardable form.
 """
 
 from __future__ import annotations
 
 import re
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ from reshard.formats.base import (
     args_for_layout,
     cached,
 )
+from reshard.formats.distrib_optim import STATE_KEYS, BufferLayout, Gbuf, Placed, fully_reshardable_common
 from reshard.formats.megatron_tree import (
     args_dict,
     args_namespace,
@@ -64,6 +68,7 @@ from reshard.torchfile.archive_reader import RecordFile, TensorRecord, archive_t
 from reshard.torchfile.archive_writer import Slot, StreamingTorchSave
 
 RANK_FILE = "model_optim_rng.pt"
+OPTIM_FILE = "distrib_optim.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LOCAL_LAYER = re.compile(r"^(?P<head>(?:.*\.)?decoder\.layers\.)(?P<index>\d+)\.(?P<tail>.+)$")
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(?P<index>\d+)\.")
@@ -162,6 +167,23 @@ class LegacyReader(CheckpointReader):
         self.specs = self._discover()
         check_shapes(self.config, {name: spec.shape for name, spec in self.specs.items()}, str(path))
         self._pieces: dict[str, list[Piece]] = {}
+        self.distrib_optim: DistribOptimFiles | None = None
+        if confined(tree.iteration_dir, f"{next(ranks(self.layout)).legacy_dirname(self.layout)}/{OPTIM_FILE}").is_file():
+            try:
+                self.distrib_optim = DistribOptimFiles(
+                    lambda dirname: confined(tree.iteration_dir, f"{dirname}/{OPTIM_FILE}"),
+                    first.get("optimizer"),
+                    self.specs,
+                    self.config,
+                    self.layout,
+                    args,
+                )
+            except ReshardError as exc:  # the model still converts (--no-optimizer); with the optimizer the plan refuses, saying why
+                self.unsupported_optimizer = [str(exc)]
+            else:
+                self.specs.update(self.distrib_optim.specs)
+                self.common.extra["optimizer"] = self.distrib_optim.common_optimizer
+                self.unsupported_optimizer = []
 
     def _holder(self, rank: RankCoord, experts: bool) -> RankCoord:
         """The rank file holding `rank`'s dense (or expert) tensors. Megatron names a file by its writer's
@@ -321,6 +343,9 @@ class LegacyReader(CheckpointReader):
         return local
 
     def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
+        if self.distrib_optim is not None and name in self.distrib_optim.specs:
+            self.distrib_optim.read_into(name, region, out)
+            return
         filled = 0
         for piece in self._primary(name):
             inside = intersect(piece.region, region)
@@ -339,9 +364,11 @@ class LegacyReader(CheckpointReader):
         if filled != region_size(region):
             raise ReshardError(f"{name}: the rank files do not cover the tensor; the checkpoint is incomplete")
 
-    def stored_records(self, name: str) -> list[StoredRecord]:
+    def stored_records(self, name: str) -> list[StoredRecord] | None:
         """Each primary piece where the rank file's zip directory places its values (offset -1 where they
         are not one run there: such a record is read back)."""
+        if self.distrib_optim is not None and name in self.distrib_optim.specs:
+            return None  # reshard writes no distrib_optim.pt: never read back
         records = []
         for piece in self._primary(name):
             local = self._local(name, piece)
@@ -352,7 +379,97 @@ class LegacyReader(CheckpointReader):
         return records
 
     def close(self) -> None:
+        if self.distrib_optim is not None:
+            self.distrib_optim.close()
         self._states.clear()
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
+
+
+class DistribOptimFiles:
+    """The DistributedOptimizer's `distrib_optim.pt` of every model-parallel rank, read as the logical optimizer
+    tensors of Megatron's fully_reshardable form (`optimizer.state.<param|exp_avg|exp_avg_sq>.<model key>`).
+
+    megatron-core's `save_parameter_state` (0.16: `get_parameter_state_dp_zero`) gathers the buffers on DP rank 0,
+    which writes `{"buckets_coalesced": True, <gbuf_idx>: {(param dtype, grad dtype): {"param"|"exp_avg"|
+    "exp_avg_sq": 1-D float32 tensor, "numel_unpadded": n}}}`: each buffer's buckets end to end without their
+    padding. Where a parameter lies comes from `BufferLayout` (its bucket's start in that tensor: the unpadded
+    lengths of the buckets before it); every length must agree with the derived layout. Refused by name: the older
+    per-bucket layout (no `buckets_coalesced`) and an MoE model's chained optimizers (a list of states)."""
+
+    def __init__(
+        self,
+        path_of: Callable[[str], Path],  # a rank directory's distrib_optim.pt
+        saved_optimizer: Any,  # the first rank file's `optimizer` entry: the DistributedOptimizer's state_dict()
+        model_specs: dict[str, TensorSpec],
+        config: ModelConfig,
+        layout: Layout,
+        args: dict[str, Any],
+    ):
+        if config.is_moe:
+            raise ReshardError(f"{OPTIM_FILE} of an MoE model (the chained dense and expert optimizers' states) is not decoded yet")
+        if not (isinstance(saved_optimizer, dict) and isinstance(saved_optimizer.get("optimizer"), dict)):
+            raise ReshardError(
+                f"{RANK_FILE} holds no DistributedOptimizer state_dict beside {OPTIM_FILE} (its `optimizer` entry is "
+                f"{type(saved_optimizer).__name__}): the checkpoint is damaged"
+            )
+        self.common_optimizer = fully_reshardable_common({None: saved_optimizer["optimizer"]})
+        self.buffer_layout = BufferLayout(model_specs, config, layout, args)
+        self.specs = self.buffer_layout.optimizer_specs()
+        self.paths: dict[int, Path] = {}  # dp_group_idx -> its file
+        self.records: dict[tuple[int, int, str], TensorRecord] = {}  # (dp_group_idx, gbuf_idx, state) -> tensor
+        self._files: dict[int, RecordFile] = {}
+        for rank in ranks(layout):
+            group = rank.tp + layout.tp * rank.pp
+            self.paths[group] = path_of(rank.legacy_dirname(layout))
+            if not self.paths[group].is_file():
+                raise ReshardError(f"{self.paths[group]} is missing beside the first rank's: the checkpoint is incomplete")
+            self._index(group, load_archive(self.paths[group], str(self.paths[group])))
+
+    def _index(self, group: int, state: Any) -> None:
+        path = self.paths[group]
+        if not isinstance(state, dict):
+            raise ReshardError(f"{path} does not hold one DistributedOptimizer's parameter state: the file is foreign or damaged")
+        if state.get("buckets_coalesced") is not True:
+            raise ReshardError(
+                f"{path} holds the older per-bucket layout of distrib_optim.pt (no buckets_coalesced), which reshard does not "
+                "decode: load and save it once with a newer megatron-core, or convert with --no-optimizer"
+            )
+        gbufs = self.buffer_layout.rank_buffers(None, group)
+        found = [k for k in state if k != "buckets_coalesced"]
+        if found != list(range(len(gbufs))):
+            raise ReshardError(
+                f"{path} holds buffers {[str(k) for k in found]} where the layout derived from the model has "
+                f"{len(gbufs)}: the optimizer state cannot be decoded safely"
+            )
+        for gbuf in gbufs:
+            by_dtype = state[gbuf.index]
+            if not (isinstance(by_dtype, dict) and len(by_dtype) == 1 and isinstance(next(iter(by_dtype.values())), dict)):
+                raise ReshardError(f"{path}: buffer {gbuf.index} is not one buffer of one dtype: not decoded yet")
+            tensors = next(iter(by_dtype.values()))
+            buffer = self.buffer_layout.buffers[gbuf]
+            derived = sum(buffer.sizes)
+            for key in STATE_KEYS:
+                record = archive_tensor(tensors.get(key))
+                if record is None or record.dtype != "float32" or record.shape != (derived,) or tensors.get("numel_unpadded") != derived:
+                    stored = "no tensor" if record is None else f"{record.dtype} {record.shape}"
+                    raise ReshardError(
+                        f"{buffer.last[-1]}: the DistributedOptimizer layout derived from the model makes buffer {gbuf.index} of "
+                        f"{path} {derived} elements long, but it records numel_unpadded {tensors.get('numel_unpadded')!r} and "
+                        f"stores {key} as {stored}; the optimizer state cannot be decoded safely"
+                    )
+                self.records[(group, gbuf.index, key)] = record
+
+    def _read_place(self, gbuf: Gbuf, place: Placed, state: str, out: np.ndarray) -> None:
+        file = cached(self._files, gbuf.group, lambda: RecordFile(self.paths[gbuf.group]))
+        start = self.buffer_layout.buffers[gbuf].coalesced_start(place)
+        file.read_into(self.records[(gbuf.group, gbuf.index, state)], ((start, start + place.numel),), out)
+
+    def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
+        self.buffer_layout.read_into(name, region, out, self._read_place)
+
+    def close(self) -> None:
         for file in self._files.values():
             file.close()
         self._files.clear()

@@ -43,7 +43,7 @@ from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, StoredRecord, cached
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe
-from reshard.paths import confined
+from reshard.paths import confined, confined_tree
 from reshard.sharding import Piece, Region, contiguous_offset, full_region, intersect, shift, to_slices
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord, load_archive
 from reshard.torchfile.archive_writer import save_archive
@@ -238,6 +238,7 @@ class ZarrReader(CheckpointReader):
         if not is_zarr(path):
             raise ReshardError(f"{path} is not a reshard zarr store (no zarr.json with reshard attributes)")
         self.path = self.tokenizer_dir = path
+        confined_tree(path)  # tensorstore opens chunk files by name, following links: none may lead out
         attrs = json.loads((path / "zarr.json").read_text())["attributes"]["reshard"]
         # None: written from a checkpoint that records no architecture (global tensors, which convert only as they are)
         self.config = ModelConfig.from_dict(attrs["config"]) if attrs["config"] is not None else None

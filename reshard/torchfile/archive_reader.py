@@ -27,6 +27,7 @@ from reshard.errors import ReshardError
 from reshard.sharding import Region, cut, long_axis, shift, to_slices
 from reshard.torchfile import PARSE_ERRORS
 from reshard.torchfile.archive_writer import Stored
+from reshard.torchfile.payloads import screen_payloads
 from reshard.torchfile.pickles import LEGACY_STORAGE_TYPES, Call, Named, Unpickler, named, nonnegative_ints
 from reshard.torchfile.zip_structs import (
     CENTRAL_ENTRY,
@@ -352,7 +353,14 @@ def load_archive(source: Path | BinaryIO, what: str) -> Any:
     """What `torch.save` wrote to `source`, as stand-ins: without torch, and without running anything in
     it. From a file object, storages are read into memory; from a path (a legacy rank file of several GB),
     only where they lie is noted, and a storage is read when it is pickled again (`Stored.read`).
-    `what` names the source in the error for a damaged or foreign one."""
+    `what` names the source in the error for a damaged or foreign one. The pickles it holds inside (a
+    BytesIO's, a `_extra_state` tensor's) are screened too (`payloads`)."""
+    value = _load(source, what)
+    screen_payloads(value, what)
+    return value
+
+
+def _load(source: Path | BinaryIO, what: str) -> Any:
     try:
         if isinstance(source, Path):
             return _load_file(source)

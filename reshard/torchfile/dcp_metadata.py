@@ -56,6 +56,9 @@ class DcpMetadata:
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
     objects: list[str] = field(default_factory=list)
     storage: dict[StorageKey, Storage] = field(default_factory=dict)
+    # megatron-core <= 0.14's N-D flattened tensors (a `flattened_range`): each one's original global shape, by key,
+    # as its `mcore_data` records it (the tensor's own `size` is the reformulated one: reshard/formats/flattened_range.py)
+    flattened: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 class _Pickled:
@@ -153,6 +156,11 @@ def _metadata(raw: Any) -> DcpMetadata:
         out.storage[(_field(index, "fqn", str), None if offset is None else nonnegative_ints(offset))] = Storage(
             _field(info, "relative_path", str), _field(info, "offset", int), _field(info, "length", int), bool(info.get("transform_descriptors"))
         )
+    mcore_data = _checked(raw, _Pickled, "a DCP record").get("mcore_data")  # megatron-core's MCoreMetadata only
+    for fqn, data in (_checked(mcore_data, dict, "mcore_data") if mcore_data is not None else {}).items():
+        shape = _checked(data, dict, "mcore_data of a tensor").get("nd_reformulated_orig_global_shape")
+        if shape is not None:
+            out.flattened[_checked(fqn, str, "a tensor's name")] = nonnegative_ints(shape)
     return out
 
 

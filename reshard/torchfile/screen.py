@@ -15,6 +15,7 @@ from reshard.errors import ReshardError
 from reshard.paths import confined
 from reshard.torchfile import PARSE_ERRORS, dcp_metadata
 from reshard.torchfile.archive_reader import RecordFile, load_archive
+from reshard.torchfile.payloads import EXTRA_STATE, screen_payloads
 
 TORCH_SAVE_SUFFIXES = (".pt", ".pth")  # common.pt, model_optim_rng.pt, distrib_optim.pt, Bridge's train_state.pt
 
@@ -36,10 +37,10 @@ def screen(directory: Path) -> None:
 
 def _objects(path: Path) -> None:
     """The objects DCP would `torch.load` from the files `.metadata` at `path` names (tensors it loads
-    with `weights_only=True`)."""
+    with `weights_only=True`), and the pickles inside them (`payloads`: TE's `_extra_state`)."""
     files: dict[Path, RecordFile] = {}
     try:
-        for (_, offsets), info in dcp_metadata.load(path).storage.items():
+        for (fqn, offsets), info in dcp_metadata.load(path).storage.items():
             if offsets is not None:
                 continue
             if info.transformed:
@@ -48,9 +49,10 @@ def _objects(path: Path) -> None:
             if blob not in files:
                 files[blob] = RecordFile(blob)
             try:
-                files[blob].unpickle(info.offset, info.length)
+                value = files[blob].unpickle(info.offset, info.length)
             except PARSE_ERRORS as exc:
                 raise ReshardError(f"{blob}: an object cannot be decoded ({exc.__class__.__name__}); the file is damaged") from None
+            screen_payloads(value, f"{blob} ({fqn})", extra_state=EXTRA_STATE in fqn)
     except FileNotFoundError as exc:
         raise ReshardError(f"{exc.filename} is missing: the checkpoint is incomplete") from None
     finally:

@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -63,11 +64,12 @@ def _into_metadata(directory: Path, payload) -> None:
         pickle.dump(metadata, f)
 
 
-def _into_object(directory: Path, payload) -> None:
-    """rng_state's blob replaced by one holding the payload, appended to its .distcp file."""
+def _into_object(directory: Path, payload, prefix: str = "rng_state") -> None:
+    """The blob of the first object whose key starts with `prefix` replaced by one holding the payload (as
+    Megatron saves a ShardedObject: a list of its one value), appended to its .distcp file."""
     with open(directory / ".metadata", "rb") as f:
         metadata = pickle.load(f)
-    index = next(i for i in metadata.storage_data if i.fqn.startswith("rng_state"))
+    index = next(i for i in metadata.storage_data if i.fqn.startswith(prefix))
     info = metadata.storage_data[index]
     blob = io.BytesIO()
     torch.save([payload], blob)
@@ -78,6 +80,14 @@ def _into_object(directory: Path, payload) -> None:
     metadata.storage_data[index] = type(info)(info.relative_path, offset, len(blob.getvalue()))
     with open(directory / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
+
+
+EXTRA_STATE = "decoder.layers.self_attention.linear_qkv._extra_state"
+
+
+def _te_tensor(payload) -> torch.Tensor:
+    """What Transformer Engine's `get_extra_state` returns: its state pickled into a uint8 tensor."""
+    return torch.frombuffer(bytearray(pickle.dumps({"extra_fp8_variables": {"hook": payload}})), dtype=torch.uint8)
 
 
 def _digest(root: Path) -> str:
@@ -119,6 +129,9 @@ KINDS = {
     "legacy rank file": ("legacy", lambda ckpt, p: _into_torch_file(ckpt / ITER / "mp_rank_00" / "model_optim_rng.pt", p),
                          f"{ITER}/mp_rank_00/model_optim_rng.pt"),
     "zarr common.pt": ("zarr", lambda ckpt, p: _into_torch_file(ckpt / "common.pt", p), "zarr/common.pt"),
+    # Transformer Engine's form of a module's extra state, which it loads with plain pickle.loads
+    "TE extra state": ("dist", lambda ckpt, p: _into_object(ckpt / ITER, _te_tensor(p), prefix=EXTRA_STATE),
+                       f"{ITER}/__0_0.distcp ({EXTRA_STATE}/shard_0_4) (a pickle inside it)"),
 }
 
 
@@ -167,13 +180,14 @@ def test_reshard_refuses_what_it_does_not_know_rather_than_carry_it(sources, tmp
     assert f"common.pt pickles {named}," in proc.stderr and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("kind, payload", [(".metadata", "os.system"), ("common.pt", "exec"), ("distcp object", "touch")])
+@pytest.mark.parametrize("kind, payload", [(".metadata", "os.system"), ("common.pt", "exec"), ("distcp object", "touch"),
+                                           ("TE extra state", "os.system")])
 def test_the_trainer_refuses_to_load_a_pickle_that_would_run(sources, tmp_path, corpus, kind, payload):
     """The trainer screens the checkpoint before torch or Megatron-Core reads any of it (the rng_state object is
     one the resume at the same layout loads)."""
     ckpt, marker, named = _hostile(sources, tmp_path, kind, payload)
     before = _digest(ckpt)
-    with pytest.raises(RuntimeError, match="trainer: error: .*" + named.replace(".", r"\.")) as info:
+    with pytest.raises(RuntimeError, match="trainer: error: .*" + re.escape(named)) as info:
         run("reshard.trainer", [*_train_args(corpus), "--train-iters", 3, "--load", ckpt], nproc=1)
     assert_one_line(str(info.value))
     assert not marker.exists()

@@ -27,9 +27,9 @@ STATES = ("param", "exp_avg", "exp_avg_sq")
 ITER = "iter_0000002"
 
 
-def optimizer_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict]:
+def optimizer_tensors(path: Path, open_reader=TorchDistReader) -> tuple[dict[str, np.ndarray], dict]:
     """Every logical optimizer tensor reshard reads from `path`, and common.pt's optimizer entry as read."""
-    with TorchDistReader(path) as reader:
+    with open_reader(path) as reader:
         assert reader.unsupported_optimizer == []
         out = {}
         for name, spec in reader.specs.items():
@@ -46,6 +46,18 @@ def assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
         assert a[name].tobytes() == b[name].tobytes(), f"{name} differs"
 
 
+def assert_converted_alike(converted: Path, oracle: Path) -> dict[str, np.ndarray]:
+    """`converted`'s optimizer tensors and common entry equal `oracle`'s (Megatron's own fully_reshardable save,
+    converted alike), and `converted` verifies; returns its tensors."""
+    got, got_common = optimizer_tensors(converted)
+    want, want_common = optimizer_tensors(oracle)
+    assert got and all(name.startswith("optimizer.state.") for name in got)
+    assert_same(got, want)
+    assert got_common == want_common
+    assert reshard("verify", converted).returncode == 0
+    return got
+
+
 def test_the_fixture_saved_both_forms(distrib_optim):
     made = distrib_optim()
     dp = dcp_metadata.load(made["dp"] / ITER / ".metadata")
@@ -56,9 +68,16 @@ def test_the_fixture_saved_both_forms(distrib_optim):
     assert not any(k.startswith("optimizer.distributed.") for k in full.tensors)
 
 
-CASES = [("tiny-llama", 2, 1, 1, 9, False), ("tiny-odd", 2, 1, 1, 21, False), ("tiny-odd", 1, 2, 1, 21, False),
-         ("tiny-odd", 2, 2, 1, 21, False), ("tiny-odd", 2, 1, 1, 21, True), ("tiny-tied", 2, 1, 1, 8, False),
-         ("tiny-odd-tied", 1, 2, 1, 20, False), ("tiny-odd", 1, 2, 2, 21, False)]
+CASES = [
+    ("tiny-llama", 2, 1, 1, 9, False),
+    ("tiny-odd", 2, 1, 1, 21, False),
+    ("tiny-odd", 1, 2, 1, 21, False),
+    ("tiny-odd", 2, 2, 1, 21, False),
+    ("tiny-odd", 2, 1, 1, 21, True),
+    ("tiny-tied", 2, 1, 1, 8, False),
+    ("tiny-odd-tied", 1, 2, 1, 20, False),
+    ("tiny-odd", 1, 2, 2, 21, False),
+]
 
 
 def master_weights_are_the_model(path: Path, optimizer: dict[str, np.ndarray]) -> list[str]:
@@ -75,7 +94,8 @@ def master_weights_are_the_model(path: Path, optimizer: dict[str, np.ndarray]) -
 
 
 @pytest.mark.parametrize(
-    "preset, tp, pp, vpp, params, bf16", CASES,
+    "preset, tp, pp, vpp, params, bf16",
+    CASES,
     ids=[f"{c[0]}-tp{c[1]}pp{c[2]}{f'vpp{c[3]}' if c[3] > 1 else ''}dp{4 // (c[1] * c[2])}{'-bf16' if c[5] else ''}" for c in CASES],
 )
 def test_dp_reshardable_reads_bit_for_bit_as_megatrons_fully_reshardable(distrib_optim, preset, tp, pp, vpp, params, bf16):
@@ -95,32 +115,86 @@ def test_dp_reshardable_reads_bit_for_bit_as_megatrons_fully_reshardable(distrib
 
 @pytest.mark.parametrize(
     "preset, tp, pp, bf16, target",
-    [("tiny-llama", 2, 1, False, ["--to-tp", "1"]), ("tiny-llama", 2, 1, False, ["--to-tp", "1", "--to-pp", "2"]),
-     ("tiny-odd", 1, 2, False, ["--to-tp", "2", "--to-pp", "1"]), ("tiny-odd", 2, 1, True, ["--to-tp", "1", "--to-pp", "2"]),
-     ("tiny-odd-tied", 1, 2, False, ["--to-tp", "2", "--to-pp", "1"])],
-    ids=["tiny-llama-tp2-to-tp1", "tiny-llama-tp2-to-pp2", "tiny-odd-pp2-to-tp2", "tiny-odd-bf16-tp2-to-pp2",
-         "tiny-odd-tied-pp2-to-tp2"],
+    [
+        ("tiny-llama", 2, 1, False, ["--to-tp", "1"]),
+        ("tiny-llama", 2, 1, False, ["--to-tp", "1", "--to-pp", "2"]),
+        ("tiny-odd", 1, 2, False, ["--to-tp", "2", "--to-pp", "1"]),
+        ("tiny-odd", 2, 1, True, ["--to-tp", "1", "--to-pp", "2"]),
+        ("tiny-odd-tied", 1, 2, False, ["--to-tp", "2", "--to-pp", "1"]),
+    ],
+    ids=["tiny-llama-tp2-to-tp1", "tiny-llama-tp2-to-pp2", "tiny-odd-pp2-to-tp2", "tiny-odd-bf16-tp2-to-pp2", "tiny-odd-tied-pp2-to-tp2"],
 )
 def test_convert_dp_reshardable_equals_converting_fully_reshardable(distrib_optim, tmp_path, preset, tp, pp, bf16, target):
     made = distrib_optim(preset, tp=tp, pp=pp, bf16=bf16)
     for form in ("dp", "full"):
         out = reshard("convert", made[form], tmp_path / form, *target)
         assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
-    dp, dp_common = optimizer_tensors(tmp_path / "dp")
-    full, full_common = optimizer_tensors(tmp_path / "full")
-    assert dp and all(name.startswith("optimizer.state.") for name in dp)
+    assert_converted_alike(tmp_path / "dp", tmp_path / "full")
+
+
+MOE_CASES = [(1, 1, 2, None), (1, 1, 4, None), (2, 1, 2, None), (2, 2, 2, None), (1, 1, 2, 6000)]  # pp, vpp, ep, bucket size
+
+
+@pytest.mark.parametrize(
+    "pp, vpp, ep, bucket_size",
+    MOE_CASES,
+    ids=[f"tiny-moe-pp{c[0]}{f'vpp{c[1]}' if c[1] > 1 else ''}ep{c[2]}dp{4 // c[0]}{'-buckets' if c[3] else ''}" for c in MOE_CASES],
+)
+def test_moe_dp_reshardable_reads_bit_for_bit_as_megatrons_fully_reshardable(distrib_optim, pp, vpp, ep, bucket_size):
+    """An MoE model's ChainedOptimizer (dense `chained_0.`, experts `chained_1.` in buffers of their own, padded for
+    the expert data-parallel size 4 / (EP x PP), one dp_group_idx per EP rank and stage, a buffer per model chunk):
+    decoded, every optimizer tensor equals Megatron's own fully_reshardable save of the same state, bit for bit."""
+    made = distrib_optim("tiny-moe", tp=1, pp=pp, vpp=vpp, ep=ep, bucket_size=bucket_size)
+    keys = dcp_metadata.load(made["dp"] / ITER / ".metadata").tensors
+    experts = {k.split(".")[3] for k in keys if k.startswith("chained_1.optimizer.distributed.")}
+    assert experts == {f"dp_group_idx_{i}" for i in range(ep * pp)}
+    assert any(k.startswith("chained_0.optimizer.distributed.dp_group_idx_0.") for k in keys)
+    with TorchDistReader(made["dp"]) as reader:
+        buckets = {(str(gbuf), place.bucket) for gbuf, place in reader.dp_reshardable.placed.values()}
+    assert len(buckets) == ((1 + ep) * pp * vpp if bucket_size is None else 22)  # bucketed: 6 dense, 8 per EP rank's experts
+    dp, dp_common = optimizer_tensors(made["dp"])
+    full, full_common = optimizer_tensors(made["full"])
+    assert len(dp) == 3 * 10
     assert_same(dp, full)
-    assert dp_common == full_common
-    assert reshard("verify", tmp_path / "dp").returncode == 0
+    assert master_weights_are_the_model(made["dp"], dp) == []
+    assert dp_common == full_common and sorted(dp_common) == [0, 1]
+    assert [{g["is_expert_parallel"] for g in dp_common[c]["optimizer"]["param_groups"]} for c in (0, 1)] == [{False}, {True}]
+    assert all(np.any(t != 0) for name, t in dp.items() if ".exp_avg" in name)
 
 
-def _damage_bucket_sizes(source: Path, dest: Path, group: int, sizes: list[int]) -> None:
-    """A copy of `source` whose dp_group_idx_<group>.per_bucket_numel_unpadded records `sizes`: the new value
-    appended to the .distcp file that held the old one, .metadata pointed at it."""
+@pytest.mark.parametrize(
+    "target", [["--to-ep", "1"], ["--to-ep", "4"], ["--to-tp", "2", "--to-pp", "2"]], ids=["ep2-to-ep1", "ep2-to-ep4", "ep2-to-tp2pp2"]
+)
+def test_convert_moe_dp_reshardable_equals_converting_fully_reshardable(distrib_optim, tmp_path, target):
+    made = distrib_optim("tiny-moe", tp=1, ep=2)
+    for form in ("dp", "full"):
+        out = reshard("convert", made[form], tmp_path / form, *target)
+        assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
+    assert len(assert_converted_alike(tmp_path / "dp", tmp_path / "full")) == 3 * 10
+
+
+def test_a_damaged_expert_bucket_size_is_refused_in_one_line_naming_the_tensor(distrib_optim, tmp_path):
+    _damage_bucket_sizes(distrib_optim("tiny-moe", tp=1, ep=2)["dp"], tmp_path / "bad", 1, [98240], chain="chained_1.")
+    before = _digest(tmp_path / "bad")
+    result = reshard("convert", tmp_path / "bad", tmp_path / "out", "--to-ep", "1")
+    _one_line_error(
+        result,
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight (layer 0) (expert 2)",
+        "chained_1.optimizer.distributed.dp_group_idx_1",
+        "98240",
+        "98304",
+    )
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.reshard-*"))
+    assert _digest(tmp_path / "bad") == before
+
+
+def _damage_bucket_sizes(source: Path, dest: Path, group: int, sizes: list[int], chain: str = "") -> None:
+    """A copy of `source` whose <chain>optimizer.distributed.dp_group_idx_<group>.per_bucket_numel_unpadded records
+    `sizes`: the new value appended to the .distcp file that held the old one, .metadata pointed at it."""
     shutil.copytree(source, dest)
     directory = dest / ITER
     metadata = dcp_metadata.load(directory / ".metadata")
-    prefix = f"optimizer.distributed.dp_group_idx_{group}.per_bucket_numel_unpadded/"
+    prefix = f"{chain}optimizer.distributed.dp_group_idx_{group}.per_bucket_numel_unpadded/"
     key = next(k for k in metadata.storage if k[1] is None and k[0].startswith(prefix))
     old = metadata.storage[key]
     blob = io.BytesIO()
@@ -169,7 +243,7 @@ def test_many_buckets_decode_as_the_one_bucket_runs_state(distrib_optim):
     many-bucket run is not the truth: its values past the first bucket are shifted, the known upstream bug.)"""
     bucketed = distrib_optim("tiny-odd", tp=2, bucket_size=6000)["dp"]
     with TorchDistReader(bucketed) as reader:
-        buckets = {place.bucket for _, _, place in reader.dp_reshardable.placed.values()}
+        buckets = {place.bucket for _, place in reader.dp_reshardable.placed.values()}
         assert len(buckets) == 7
     dp, dp_common = optimizer_tensors(bucketed)
     full, full_common = optimizer_tensors(distrib_optim("tiny-odd", tp=2)["full"])
@@ -194,10 +268,10 @@ def test_tied_embeddings_with_vpp_decode_to_the_models_weights(distrib_optim):
     assert master_weights_are_the_model(bucketed, dp) == []
 
 
-@pytest.mark.parametrize("preset, tp, pp, vpp, bucket_size", [("tiny-odd", 2, 1, 1, 6000), ("tiny-odd-tied", 1, 2, 2, None)],
-                         ids=["many-buckets", "tied-pp2-vpp2"])
-def test_megatrons_own_damaged_fully_reshardable_save_is_refused_naming_the_tensors(distrib_optim, tmp_path, preset, tp, pp, vpp,
-                                                                                    bucket_size):
+@pytest.mark.parametrize(
+    "preset, tp, pp, vpp, bucket_size", [("tiny-odd", 2, 1, 1, 6000), ("tiny-odd-tied", 1, 2, 2, None)], ids=["many-buckets", "tied-pp2-vpp2"]
+)
+def test_megatrons_own_damaged_fully_reshardable_save_is_refused_naming_the_tensors(distrib_optim, tmp_path, preset, tp, pp, vpp, bucket_size):
     """Megatron 0.16's fully_reshardable saves of a run in many buckets, and of a tied embedding with PP2 x VPP2,
     hold optimizer state whose master weights are not the saved weights (the oracle: the comparison above, on
     the files): the conversion refuses them in one line naming those tensors, and writes nothing. The same run's
@@ -238,3 +312,19 @@ def test_inspect_names_the_optimizer_form_its_buckets_and_dp_size(distrib_optim,
     assert form(tmp_path / "plain")["form"] == "plain"
     assert reshard("convert", tmp_path / "plain", tmp_path / "model-only", "--no-optimizer", "-q").returncode == 0
     assert form(tmp_path / "model-only") is None
+
+
+def test_inspect_names_an_moe_models_optimizer_forms(distrib_optim):
+    """The chained optimizers' forms: the expert buffers count as model-parallel ranks of their own (one per EP rank)."""
+    import json
+
+    made = distrib_optim("tiny-moe", tp=1, ep=2)
+    forms = {}
+    for form in ("dp", "full"):
+        out = reshard("inspect", made[form], "--json")
+        assert out.returncode == 0, out.stderr
+        forms[form] = json.loads(out.stdout)["optimizer"]
+    assert forms == {
+        "dp": {"form": "dp_reshardable", "dp": 4, "buckets": 3, "ranks": 3},
+        "full": {"form": "fully_reshardable", "dp": 4, "buckets": None, "ranks": None},
+    }

@@ -112,13 +112,13 @@ def test_objects_are_loaded_only_when_a_conversion_needs_them(tmp_path, monkeypa
     write_synthetic(tmp_path / "ckpt", TINY_MOE, Layout(ep=2), "torch_dist")
     loads = []
     real = TorchDistReader._object
-    monkeypatch.setattr(TorchDistReader, "_object", lambda self, info: loads.append(info) or real(self, info))
+    monkeypatch.setattr(TorchDistReader, "_object", lambda self, info, key: loads.append(info) or real(self, info, key))
     with TorchDistReader(tmp_path / "ckpt") as reader:
         keys = list(reader.common.objects)
         assert keys and not loads
         assert reader.common.objects[keys[0]] is reader.common.objects[keys[0]] and len(loads) == 1  # loaded once
 
-    def damaged(self, info):
+    def damaged(self, info, key):
         raise ReshardError(f"{info.relative_path}: a ShardedObject is not encoded as Megatron encodes them")
 
     monkeypatch.setattr(TorchDistReader, "_object", damaged)

@@ -277,3 +277,57 @@ def test_an_array_leading_out_of_the_store_is_refused(tmp_path, how):
     with pytest.raises(ReshardError, match="outside the checkpoint"):
         convert(store, tmp_path / "out", Target(format="torch_dist"))
     assert not (tmp_path / "out").exists()
+
+
+def _tree_digest(root: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(os.readlink(path).encode() if path.is_symlink() else path.read_bytes() if path.is_file() else b"/")
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("reads", ["pread", "tensorstore"])
+def test_a_chunk_file_linked_out_of_the_store_is_refused(tmp_path, monkeypatch, reads):
+    """A shard (or chunk) file that is a symlink to another store's: tensorstore, and our pread, would read the
+    other store's values and the conversion would vouch for them. Refused when the store opens; without the
+    check the other store's weights do come through (the attack). The store is left as it was."""
+    from reshard.errors import ReshardError
+
+    store, other = tmp_path / "store", tmp_path / "other"
+    write_synthetic(store, TINY_LLAMA, Layout(), "zarr")
+    write_synthetic(other, TINY_LLAMA, Layout(), "zarr", seed=1)
+    name = "decoder.layers.self_attention.linear_qkv.weight"
+    shard = store / name / "c" / "0" / "0" / "0"
+    shard.unlink()
+    shard.symlink_to(other / name / "c" / "0" / "0" / "0")
+    if reads == "tensorstore":
+        monkeypatch.setattr(ZarrReader, "_plain", lambda self, name: None)
+    before = _tree_digest(store)
+    with pytest.raises(ReshardError, match=rf"{name}/c/0/0/0 leads outside the checkpoint"):
+        convert(store, tmp_path / "out", Target(format="torch_dist"))
+    assert not (tmp_path / "out").exists() and _tree_digest(store) == before
+
+    monkeypatch.setattr("reshard.formats.zarr_store.confined_tree", lambda path: None)  # the defence off
+    with ZarrReader(store) as reader, ZarrReader(other) as theirs:
+        layer0 = ((0, 1), *full_region(reader.specs[name].shape[1:]))
+        assert same(reader.read(name, layer0), theirs.read(name, layer0))
+
+
+def test_a_chunk_file_linked_inside_the_store_is_read(tmp_path):
+    """Links that stay in the store (a shard kept once and linked, as a deduplicating copy does) are fine."""
+    store = tmp_path / "store"
+    write_synthetic(store, TINY_LLAMA, Layout(), "zarr")
+    name = "decoder.layers.self_attention.linear_qkv.weight"
+    shard = store / name / "c" / "0" / "0" / "0"
+    (store / "blobs").mkdir()
+    os.rename(shard, store / "blobs" / "shard")
+    shard.symlink_to(Path("../../../../blobs/shard"))
+    (store / name / "c" / "1").rename(store / "blobs" / "layer1")
+    (store / name / "c" / "1").symlink_to(store / "blobs" / "layer1", target_is_directory=True)
+    convert(store, tmp_path / "out", Target(format="torch_dist", layout=Layout(tp=2)))
+    source = SyntheticReader(TINY_LLAMA)
+    final = tensors(tmp_path / "out")
+    assert all(same(final[n], source.read(n, full_region(spec.shape))) for n, spec in source.specs.items())
