@@ -14,6 +14,8 @@ from reshard.plan import human_bytes
 from reshard.torchfile.screen import screen
 
 NO_ARCHITECTURE = "the tensors are global; pass --config with its HF config.json or Megatron args YAML to convert it"
+# --config completes a torch_dist checkpoint only (as `plan` says when a conversion needs the architecture)
+NO_ARCHITECTURE_ZARR = "the tensors are global; convert it to torch_dist and pass --config there to convert it further"
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ class CheckpointInfo:
              f"vocab {c['vocab_size'] or '?'} (padded {c['padded_vocab_size']})"
              + (f", {c['num_experts']} experts top-{c['moe_router_topk']}" if c.get("num_experts") else "")
              + (f", {c['mtp_num_layers']} MTP layers" if c.get("mtp_num_layers") else ""))
-            if c else f"model: architecture not recorded ({NO_ARCHITECTURE})",
+            if c else f"model: architecture not recorded ({NO_ARCHITECTURE_ZARR if self.format == 'zarr' else NO_ARCHITECTURE})",
             f"{len(self.tensors)} tensors, {human_bytes(self.total_bytes)}, dtypes "
             + ", ".join(f"{k}: {v}" for k, v in Counter(t.dtype for t in self.tensors).items())
             + ("; checksums recorded" if self.has_manifest else "; no checksums recorded"),

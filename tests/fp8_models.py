@@ -13,8 +13,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-# DeepSeek-V3's choice, in HF names: the decoder's linear weights, not embeddings, head, norms or router
-LINEAR = re.compile(r"\.layers\.\d+\..*(proj|w[123])\.weight$")
+# DeepSeek-V3's choice, in HF names: the decoder's linear weights (MLA's kv_a_proj_with_mqa and an MTP layer's
+# eh_proj too), not embeddings, head, norms or router
+LINEAR = re.compile(r"\.layers\.\d+\..*(proj|proj_with_mqa|w[123])\.weight$")
 
 
 def load(directory: Path) -> dict[str, torch.Tensor]:

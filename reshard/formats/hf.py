@@ -75,9 +75,13 @@ TOKENIZER_FILES = (
 # and an upload refuses one that differs or that the export did not write.
 RECORDED_FILES = (CONFIG, INDEX, *TOKENIZER_FILES)
 DEFAULT_SHARD_BYTES = 5 * 1024**3
-# What fp8 block export quantizes: every linear weight of the decoder layers (experts' too), as DeepSeek-V3 is
-# released; never embeddings, the output layer, norms or the router.
-FP8_LINEAR = re.compile(r"^decoder\.layers\..*\blinear_(qkv|proj|fc1|fc2)\.weight$")
+# What fp8 block export quantizes: every linear weight of the decoder layers (MLA's down and up projections and
+# experts' too) and of an MTP layer (its eh_proj and decoder layer), as DeepSeek-V3 is released; never
+# embeddings, the output layer, norms or the router.
+FP8_LINEAR = re.compile(
+    r"^((decoder|mtp)\.layers\..*\blinear_(qkv|proj|fc1|fc2|q_proj|q_down_proj|q_up_proj|kv_down_proj|kv_up_proj)"
+    r"|mtp\.layers\.\d+\.eh_proj)\.weight$"
+)
 STAGE_BYTES = 64 << 20  # a larger tensor not placed for direct I/O goes through the page cache instead of a copy
 
 _ST_DTYPES = {

@@ -138,11 +138,7 @@ class TorchDistReader(CheckpointReader):
                     raise
                 self.unsupported_optimizer.append(key)
                 continue
-            sizes = {c.offsets: c.sizes for c in entry.chunks}
-            self._chunks[name] = [
-                (tuple((o, o + s) for o, s in zip(offsets, sizes[offsets])), info) for offsets, info in by_offset[key]
-            ]
-            self._index[name] = RegionIndex(self._chunks[name])
+            self._index_chunks(name, key, by_offset)
         if self.config is not None:
             check_shapes(self.config, {name: spec.shape for name, spec in self.specs.items()}, str(path))
         self.dp_reshardable = None
@@ -184,10 +180,7 @@ class TorchDistReader(CheckpointReader):
         keys = [key for key in self.unsupported_optimizer if is_dp_reshardable(key)]
         for key in keys:
             if key in self.metadata.tensors:
-                entry = self.metadata.tensors[key]
-                sizes = {c.offsets: c.sizes for c in entry.chunks}
-                self._chunks[key] = [(tuple((o, o + s) for o, s in zip(offsets, sizes[offsets])), info) for offsets, info in by_offset[key]]
-                self._index[key] = RegionIndex(self._chunks[key])
+                self._index_chunks(key, key, by_offset)
 
         def saved_object(prefix: str) -> object:
             found = [key for key in keys if key.startswith(prefix + "/")]

@@ -92,9 +92,10 @@ def test_to_fp8_blocks_gives_the_source_bytes_back(models, tmp_path):
         assert provenance["fp8_blocks"]["weight_block_size"] == list(EDGES)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3_moe"])
 def test_experts_round_trip_through_expert_parallel_megatron(tmp_path, name):
-    """Every expert's projections quantized, the router not; resharded to EP2 and back, the same bytes."""
+    """Every expert's projections quantized (and DeepSeek-V3's MLA down and up projections), the router not;
+    resharded to EP2 and back, the same bytes."""
     source = make_fp8(build(name, tmp_path / "plain"), tmp_path / "fp8", (16, 24))
     cli("convert", source, tmp_path / "mcore", "--to-format", "torch_dist", "--to-ep", "2", "--dtype", "fp32", "-q")
     cli("convert", tmp_path / "mcore", tmp_path / "back", "--to-format", "hf", "--to-fp8-blocks", "-q")

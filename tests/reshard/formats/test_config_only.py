@@ -65,20 +65,21 @@ def test_deepseek_v3_from_its_config_is_the_published_671b(plan):
 
 
 def test_deepseek_v3_fp8_bytes_read_are_its_float8_blocks_and_the_rest_in_bf16(plan):
-    """What an HF fp8 directory of these weights holds: the linear weights that an fp8 export quantizes (output
-    projection, dense and expert MLPs) one byte a value and a float32 scale per 128x128 block, the rest bf16."""
-    h = 7168
+    """What an HF fp8 directory of these weights holds: the linear weights that an fp8 export quantizes (MLA's
+    projections, dense and expert MLPs, the MTP layer's and its eh_proj) one byte a value and a float32 scale per
+    128x128 block, the rest bf16 (the MTP layer's own copies of the embedding and head included)."""
+    h, heads = 7168, 128
 
     def fp8(rows: int, cols: int) -> int:
         return rows * cols + 4 * math.ceil(rows / 128) * math.ceil(cols / 128)
 
-    out_proj = fp8(h, 128 * 128)
-    mlp = lambda ffn: 2 * fp8(ffn, h) + fp8(h, ffn)  # noqa: E731 gate, up, down
-    quantized = 61 * out_proj + 3 * mlp(18432) + 58 * (256 + 1) * mlp(2048)
-    quantized_params = 61 * h * 128 * 128 + 3 * 3 * h * 18432 + 58 * 257 * 3 * h * 2048
+    # q down, q up, kv down (with the rope key), kv up, output: (rows, cols) each
+    attention = [(1536, h), (heads * 192, 1536), (576, h), (heads * 256, 512), (h, heads * 128)]
+    mlp = lambda ffn: [(ffn, h), (ffn, h), (h, ffn)]  # noqa: E731 gate, up, down
+    layers = 62 * attention + 3 * mlp(18432) + 59 * 257 * mlp(2048) + [(h, 2 * h)]  # 61 layers and the MTP one
+    quantized = sum(fp8(rows, cols) for rows, cols in layers)
+    quantized_params = sum(rows * cols for rows, cols in layers)
     parts = deepseek_v3_parameters()
-    # the rest in bf16, the MTP layer's own copies of the embedding and head (model.layers.61) included; reshard's
-    # fp8 export leaves the MTP layer unquantized, so its plan counts it so
     rest = sum(parts.values()) - quantized_params + parts["embedding"] + parts["head"]
     assert plan.bytes_read == quantized + 2 * rest
 

@@ -359,6 +359,9 @@ def test_a_zarr_copy_without_an_architecture_says_how_to_get_one(tmp_path, monke
     code, lines = run_cli(monkeypatch, capsys, "convert", tmp_path / "zarr", tmp_path / "hf", "--to-format", "hf")
     assert code != 0 and len(lines) == 1
     assert "needs (head counts, gating, vocabulary): convert it to torch_dist (no --config needed) and there pass --config" in lines[0]
+    from reshard.inspect import inspect
+
+    assert "convert it to torch_dist and pass --config there" in inspect(tmp_path / "zarr").render()  # inspect says the same
     convert(tmp_path / "zarr", tmp_path / "dist", Target(format="torch_dist"))
     convert(tmp_path / "dist", tmp_path / "hf", Target(format="hf"), hints=SourceHints(config=HF / "config.json"))
     _same_as_original(tmp_path / "hf")

@@ -152,3 +152,21 @@ def test_a_storage_file_outside_the_checkpoint_is_refused(tmp_path, named):
     result = reshard("convert", source, tmp_path / "out", "--to-format", "zarr")
     _one_line_error(result, "outside the checkpoint")
     assert not (tmp_path / "out").exists() and _digest(source) == before
+
+
+def test_a_chunk_no_file_holds_is_refused_naming_the_tensor(tmp_path):
+    """.metadata lists a chunk of a model tensor whose storage record is gone (a rank's file lost): one line naming
+    the tensor and the chunk, before anything is written."""
+    from tests.reshard.test_cli import _digest, _one_line_error, reshard
+
+    source = tmp_path / "src"
+    write_synthetic(source, TINY_LLAMA, Layout(tp=2), "torch_dist")
+    directory = next(p for p in source.iterdir() if p.is_dir())
+    metadata = dcp_metadata.load(directory / ".metadata")
+    lost = next(key for key in metadata.storage if key[0].endswith("linear_qkv.weight"))  # (name, chunk offsets)
+    metadata.storage = {key: info for key, info in metadata.storage.items() if key != lost}
+    dcp_metadata.save(directory / ".metadata", metadata)
+    before = _digest(source)
+    result = reshard("convert", source, tmp_path / "out", "--to-format", "zarr")
+    _one_line_error(result, lost[0], "that no file holds")
+    assert not (tmp_path / "out").exists() and _digest(source) == before
