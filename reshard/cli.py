@@ -67,7 +67,8 @@ def inspect(path: Path, as_json: bool, config_file: Path | None) -> None:
               show_default=True,
               help="torch_dist output: the DistributedOptimizer state per parameter (loads at any layout), or as the flat "
               "buckets of the target layout's DistributedOptimizer (Megatron-LM's default form; loads at that TP/PP/EP, any DP).")
-@click.option("--to-dp", type=int, help="dp_reshardable output: the data-parallel size of the run that resumes it (default: the source's).")
+@click.option("--to-dp", type=int,
+              help="dp_reshardable or legacy (distrib_optim.pt) output: the data-parallel size of the run that resumes it (default: the source's).")
 @click.option("--vocab-size", type=int, help="The true vocabulary size, when the checkpoint does not record it.")
 @click.option("--config", "config_file", type=click.Path(path_type=Path),
               help="The architecture of a torch_dist checkpoint that records none: an HF config.json or a YAML of Megatron arguments.")

@@ -13,7 +13,7 @@ from reshard.checksum import CHECKSUM_BLOCK_BYTES
 from reshard.config import ModelConfig
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
-from reshard.formats import WRITERS, dp_reshardable_writer
+from reshard.formats import WRITERS, distrib_optim_legacy, dp_reshardable_writer
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, WriteOptions, precision_args
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
@@ -402,6 +402,8 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         common.args.update(precision_args(dtype))
     if target.optimizer_form == "dp_reshardable":
         writer = dp_reshardable_writer.prepare_target(reader, format_name, {m.target.name: m.target for m in moves}, common, target)
+    elif format_name == "legacy" and any(m.target.is_optimizer for m in moves):  # the DistributedOptimizer's distrib_optim.pt
+        writer = distrib_optim_legacy.prepare_target(reader, {m.target.name: m.target for m in moves}, common, target)
     plan = ConversionPlan(
         source=reader.path,
         source_format=reader.format_name,

@@ -59,8 +59,11 @@ class Target:
             object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         if self.optimizer_form not in ("fully_reshardable", "dp_reshardable"):
             raise ReshardError(f"unknown optimizer form {self.optimizer_form!r}; choose fully_reshardable or dp_reshardable")
-        if self.dp is not None and (self.optimizer_form != "dp_reshardable" or self.dp < 1):
-            raise ReshardError("--to-dp sets the data-parallel size (>= 1) of dp_reshardable optimizer state: add --optimizer-form dp_reshardable")
+        if self.dp is not None and (self.optimizer_form != "dp_reshardable" and self.format != "legacy" or self.dp < 1):
+            raise ReshardError(
+                "--to-dp sets the data-parallel size (>= 1) of DistributedOptimizer state bound to it: add --optimizer-form "
+                "dp_reshardable (torch_dist) or --to-format legacy (distrib_optim.pt)"
+            )
 
     def layout_for(self, source: Layout) -> Layout:
         if self.layout is None:

@@ -497,7 +497,6 @@ class LegacyWriter(CheckpointWriter):
     format_name = "legacy"
     needs_extra_state = True
     stores_replicas = True  # each rank file is a whole state dict
-    optimizer_refusal = "the legacy format keys optimizer state by per-rank parameter index, which reshard does not write"
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -515,12 +514,21 @@ class LegacyWriter(CheckpointWriter):
             self._streams[file_rank] = StreamingTorchSave(rank_dir / RANK_FILE)
             self._models[file_rank] = [OrderedDict() for _ in range(self.layout.vpp)]
         self._slots: dict[tuple[RankCoord, int, str], Slot] = {}  # (file, model chunk, local key) -> its record
-        for spec in self.specs.values():
+        for spec in self.model_specs():
             by_slab = pieces_by_slab(pieces(spec, self.config, self.layout), spec)
             for slab in slabs(spec):
                 for group in _local_groups(by_slab.get(slab_of(spec, slab), [])):
                     file_rank, vstage, key = self._local_key(spec, group)
                     self._slots[(file_rank, vstage, key)] = self._streams[file_rank].reserve(group[0].local_shape, spec.dtype)
+
+    def model_specs(self) -> list[TensorSpec]:
+        """The tensors of the rank files' `model` entries (the optimizer's go to distrib_optim.pt: its own writer)."""
+        return [spec for spec in self.specs.values() if not spec.is_optimizer]
+
+    def _target_args(self) -> dict[str, Any]:
+        return args_for_layout(self.common.args, self.layout, self.config, "torch") | {
+            "transformer_impl": "transformer_engine" if self.te_names else "local"
+        }
 
     def _local_key(self, spec: TensorSpec, group: list[Piece]) -> tuple[RankCoord, int, str]:
         rank = group[0].rank
@@ -632,10 +640,7 @@ class LegacyWriter(CheckpointWriter):
         for part in parts or []:
             self.restore(part)
         rng = self._place_objects()
-        args = args_namespace(
-            args_for_layout(self.common.args, self.layout, self.config, "torch")
-            | {"transformer_impl": "transformer_engine" if self.te_names else "local"}
-        )
+        args = args_namespace(self._target_args())
         for rank, stream in self._streams.items():
             state: dict[str, Any] = {"args": args, "iteration": stored_iteration(self.common.iteration)}
             state.update(self.common.extra)

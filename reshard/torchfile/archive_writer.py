@@ -410,6 +410,15 @@ class StreamingTorchSave:
         self._file.pwrite(data, entry.data_offset)
         return data
 
+    def write_part(self, slot: Slot, start: int, data: np.ndarray) -> None:
+        """Write `data`'s bytes `start` bytes into a reserved record whose values come in parts (from any thread);
+        its header is written by `seal`, once the CRC-32 of all of them is known."""
+        self._file.pwrite(memoryview(data).cast("B"), slot.data_offset + start)
+
+    def seal(self, slot: Slot, crc: int) -> None:
+        """Write the header of a record written in parts (`write_part`), whose values have CRC-32 `crc`."""
+        self._file.pwrite(self._archive.zip.header(slot.index, crc), self._archive.zip.entries[slot.index].offset)
+
     def crc(self, slot: Slot) -> int | None:
         """The CRC-32 of a filled record (what the zip's directory needs); None before `fill`."""
         return self._archive.zip.entries[slot.index].crc

@@ -1,0 +1,173 @@
+"""Legacy output (`--ckpt-format torch`) for a run with Megatron's DistributedOptimizer: beside each
+`mp_rank_*/model_optim_rng.pt`, the `distrib_optim.pt` that megatron-core's `save_parameter_state` writes and its
+`load_parameter_state` reads, for the target TP/PP and data-parallel size (`--to-dp`, default the source's).
+
+Per model-parallel rank, `{"buckets_coalesced": True, <gbuf idx>: {(<param dtype>, <grad dtype>): {"param",
+"exp_avg", "exp_avg_sq": fp32 1-D, "numel_unpadded": int}}}`: each buffer's buckets laid end to end without their
+end padding, the 64-element alignment gaps between parameters zero (megatron-core 0.16's
+`get_parameter_state_dp_zero`). Where each parameter lies is the reader's derivation (`distrib_optim.BufferLayout`,
+`Buffer.coalesced_start`), so what is written here decodes back by the same rules. The rank file's `optimizer`
+entry is the DistributedOptimizer's `state_dict()`: its param groups (with `step`), no parameter state.
+
+Each target piece of a logical optimizer tensor is written where it lies in its rank's buffer as its slab streams
+by (memory: one parameter's state); the three records of a buffer are sealed at `finish`, their CRC-32 combined
+from their parts' (`torchfile.crc32`). A rank's file is its buffers' 12 bytes per local parameter, plus alignment
+gaps: torch.save of it needs no memory here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+from isal.isal_zlib import crc32
+
+from reshard.checksum import HashedParts
+from reshard.errors import ReshardError
+from reshard.formats.base import CheckpointReader, CommonState, Manifest
+from reshard.formats.distrib_optim import STATE_KEYS, BufferLayout, flat_span
+from reshard.formats.dp_reshardable_writer import prepare_target as prepare_dp_target
+from reshard.formats.megatron_legacy import OPTIM_FILE, LegacyWriter
+from reshard.layout import RankCoord, ranks
+from reshard.logical import TensorSpec
+from reshard.request import Target
+from reshard.sharding import Piece, Region, shift, to_slices
+from reshard.torchfile.archive_writer import Slot, StreamingTorchSave
+from reshard.torchfile.crc32 import crc32_of_parts
+from reshard.torchfile.pickles import named
+
+_TAG = "distrib_optim"  # marks this writer's facts among the rank files'
+
+
+def prepare_target(reader: CheckpointReader, specs: dict[str, TensorSpec], common: CommonState, target: Target) -> type[LegacyDistribOptimWriter]:
+    """The writer of legacy output with DistributedOptimizer state, the target's data-parallel size recorded in
+    `common`'s args. What the state needs (all three states of every parameter, an architecture, a dense model,
+    local-spec names, param groups) is the dp_reshardable writer's check: the buffers are the same."""
+    prepare_dp_target(reader, "torch_dist", specs, common, target)  # its format check is for its own output
+    return LegacyDistribOptimWriter
+
+
+class LegacyDistribOptimWriter(LegacyWriter):
+    """LegacyWriter whose optimizer tensors go into each model-parallel rank's `distrib_optim.pt`."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        target_args = self._target_args()
+        grad = "float32" if target_args.get("grad_reduce_in_fp32") else self.config.params_dtype
+        dtype_key = (named("torch", self.config.params_dtype), named("torch", grad))
+        self.buffer_layout = BufferLayout(self.specs, self.config, self.layout, target_args)
+        self._optim: dict[str, StreamingTorchSave] = {}  # rank directory -> its distrib_optim.pt
+        self._records: dict[tuple[str, int, str], Slot] = {}  # (rank directory, gbuf_idx, state) -> its record
+        self._parts: dict[tuple[str, int, str], dict[int, tuple[int, int]]] = {}  # -> {byte offset: (length, CRC-32)}
+        self._states: dict[str, dict[Any, Any]] = {}  # rank directory -> what its file pickles
+        for rank in ranks(self.layout):
+            dirname = rank.legacy_dirname(self.layout)
+            self._optim[dirname] = StreamingTorchSave(self.directory / dirname / OPTIM_FILE)
+            state: dict[Any, Any] = {"buckets_coalesced": True}
+            for gbuf in self.buffer_layout.rank_buffers(None, self._group(rank)):
+                numel = sum(self.buffer_layout.buffers[gbuf].sizes)
+                tensors: dict[str, Any] = {}
+                for key in STATE_KEYS:
+                    slot = self._records[(dirname, gbuf.index, key)] = self._optim[dirname].reserve((numel,), "float32")
+                    self._parts[(dirname, gbuf.index, key)] = {}
+                    tensors[key] = slot.stub
+                state[gbuf.index] = {dtype_key: {**tensors, "numel_unpadded": numel}}
+            self._states[dirname] = state
+        saved = self.common.extra["optimizer"]  # the fully_reshardable form's common entry (`prepare_target` checked it)
+        extra = {**self.common.extra, "optimizer": {k: v for k, v in saved.items() if k != "param_state_sharding_type"}}
+        self.common = replace(self.common, extra=extra)
+
+    def _group(self, rank: RankCoord) -> int:
+        return rank.tp + self.layout.tp * rank.pp  # dp_group_idx of a dense model's rank
+
+    def _target_args(self) -> dict[str, Any]:
+        """A run at the recorded data-parallel size with the DistributedOptimizer, saving the legacy format."""
+        dp = int(self.common.args["data_parallel_size"])
+        return {
+            **super()._target_args(),
+            "data_parallel_size": dp,
+            "world_size": dp * self.layout.tp * self.layout.pp,
+            "use_distributed_optimizer": True,
+        }
+
+    @classmethod
+    def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:
+        if not spec.is_optimizer:
+            return super().whole_regions(spec, slab, pieces)
+        return list(dict.fromkeys(p.region for p in pieces))  # every rank's copy has its own place in its buffer
+
+    def _place(self, spec: TensorSpec, piece: Piece) -> tuple[tuple[str, int, str], int]:
+        """The record a piece of an optimizer tensor goes to, and its element offset there."""
+        gbuf, place = self.buffer_layout.place_of(self.buffer_layout.model_specs[spec.param], piece)
+        span = flat_span(piece)
+        if span is None:
+            raise ReshardError(f"{spec.name}: a target piece is not one run of its rank's parameter; not written to {OPTIM_FILE}")
+        buffer = self.buffer_layout.buffers[gbuf]
+        dirname = RankCoord(pp=piece.rank.pp, tp=piece.rank.tp).legacy_dirname(self.layout)
+        return (dirname, gbuf.index, spec.name.split(".")[2]), buffer.coalesced_start(place) + span[0]
+
+    def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> Any:
+        if not spec.is_optimizer:
+            return super().reserve(spec, slab, pieces)
+        return [self._place(spec, piece) for piece in pieces]
+
+    def prepare(
+        self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
+    ) -> Any:
+        """Each piece flattened (row-major, as its rank's parameter is) into its place; the written parts and their
+        CRC-32s for `write`. The output's checksums are verified by reading it back (the reader says not where
+        distrib_optim.pt's values lie)."""
+        if not spec.is_optimizer:
+            return super().prepare(spec, slab, data, pieces, reserved, hashed)
+        written = []
+        for piece, (record, offset) in zip(pieces, reserved):
+            flat = np.ascontiguousarray(data[to_slices(shift(piece.region, slab))], dtype=np.float32).reshape(-1)
+            self._optim[record[0]].write_part(self._records[record], offset * 4, flat)
+            written.append([_TAG, *record, offset * 4, flat.nbytes, crc32(memoryview(flat).cast("B"))])
+        return written
+
+    def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
+        if not spec.is_optimizer:
+            return super().write(spec, slab, data, pieces, prepared)
+        self.restore(prepared)
+
+    def restore(self, facts: list[Any]) -> None:
+        """The rank files' facts to LegacyWriter; a distrib_optim.pt part's: `[tag, rank directory, gbuf_idx, state,
+        byte offset, length, CRC-32]`."""
+        super().restore([fact for fact in facts if fact[0] != _TAG])
+        for _, dirname, index, key, offset, length, crc in (fact for fact in facts if fact[0] == _TAG):
+            self._parts[(dirname, index, key)][offset] = (length, crc)
+            self._facts.append([_TAG, dirname, index, key, offset, length, crc])
+
+    def sync(self) -> None:
+        super().sync()
+        for stream in self._optim.values():
+            stream.sync()
+
+    def part(self) -> list[Any]:
+        facts = super().part()
+        if self.rank != 0:
+            for stream in self._optim.values():
+                stream.close()
+        return facts
+
+    def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
+        """Zeros into each buffer's alignment gaps, every record sealed with its whole CRC-32, each distrib_optim.pt
+        pickled; then the rank files, manifest and tracker (LegacyWriter's), last."""
+        for part in parts or []:
+            self.restore(part)
+        for (dirname, index, key), written in self._parts.items():
+            slot, size = self._records[(dirname, index, key)], self._states[dirname][index]
+            numel = next(iter(size.values()))["numel_unpadded"] * 4
+            at = 0
+            for offset, (length, _) in [*sorted(written.items()), (numel, (0, 0))]:
+                if offset > at:  # a gap: at most an alignment's 63 elements
+                    zeros = np.zeros(offset - at, np.uint8)
+                    self._optim[dirname].write_part(slot, at, zeros)
+                    written[at] = (zeros.nbytes, crc32(zeros))
+                at = max(at, offset + length)
+            self._optim[dirname].seal(slot, crc32_of_parts(written, numel, f"{dirname}/{OPTIM_FILE} buffer {index} {key}"))
+        for dirname, stream in self._optim.items():
+            stream.finish(self._states[dirname])
+        super().finish(manifest, None)
