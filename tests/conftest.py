@@ -51,8 +51,8 @@ def oracle(tmp_path_factory):
 @pytest.fixture(scope="session")
 def distrib_optim(tmp_path_factory):
     """distrib_optim(preset, tp=.., pp=.., vpp=1, bucket_size=None, bf16=False, ep=1) -> {'dp': dp_reshardable, 'full':
-    fully_reshardable, 'legacy': Megatron-LM's --ckpt-format torch (model_optim_rng.pt and megatron-core's own distrib_optim.pt;
-    dense models only)}: the preset trained two steps by Megatron-Core's DistributedOptimizer on 4 ranks (gloo, CPU;
+    fully_reshardable, 'legacy': Megatron-LM's --ckpt-format torch (model_optim_rng.pt and megatron-core's own
+    distrib_optim.pt)}: the preset trained two steps by Megatron-Core's DistributedOptimizer on 4 ranks (gloo, CPU;
     DP = 4 / (TP x PP), experts over EP of them; with `bucket_size`, gradients reduced in overlapped buckets of about that many elements;
     `bf16`: bf16 parameters, fp32 master weights and grads), the same state saved in both forms. Made once per
     session per argument set."""
@@ -65,9 +65,8 @@ def distrib_optim(tmp_path_factory):
             out = root / f"{preset}-tp{tp}pp{pp}vpp{vpp}ep{ep}-b{bucket_size}{'-bf16' if bf16 else ''}"
             cache[key] = {"dp": out / "dp", "full": out / "full"}
             extra = ([] if bucket_size is None else ["--bucket-size", bucket_size]) + (["--bf16"] if bf16 else [])
-            if ep == 1:
-                cache[key]["legacy"] = out / "legacy"
-                extra += ["--legacy-out", cache[key]["legacy"]]
+            cache[key]["legacy"] = out / "legacy"
+            extra += ["--legacy-out", cache[key]["legacy"]]
             run("fixtures.distrib_optim_checkpoint", ["--preset", preset, "--tp", tp, "--pp", pp, "--vpp", vpp, "--ep", ep, "--steps", 2, *extra,
                                                       "--dp-out", cache[key]["dp"], "--full-out", cache[key]["full"]],
                 nproc=4, timeout=600)

@@ -79,6 +79,8 @@ def forms(reader: CheckpointReader, writer: type[CheckpointWriter], args: dict[s
     read = f"dp_reshardable buckets (DP {decoded.dp})" if decoded is not None else "per-parameter tensors"
     if issubclass(writer, DpReshardableWriter):
         return read, f"dp_reshardable buckets (DP {args['data_parallel_size']})"
+    if writer.format_name == "legacy":  # optimizer state in the legacy format is always distrib_optim.pt's
+        return read, f"distrib_optim.pt buffers (DP {args['data_parallel_size']})"
     return read, "per-parameter tensors (fully_reshardable)" if writer.format_name == "torch_dist" else "per-parameter tensors"
 
 

@@ -36,7 +36,7 @@ from reshard.formats.base import (
     args_for_layout,
     cached,
 )
-from reshard.formats.distrib_optim import STATE_KEYS, BufferLayout, Gbuf, Placed, fully_reshardable_common
+from reshard.formats.distrib_optim import DENSE_CHAIN, EXPERT_CHAIN, STATE_KEYS, BufferLayout, Gbuf, Placed, fully_reshardable_common
 from reshard.formats.megatron_tree import (
     args_dict,
     args_namespace,
@@ -396,7 +396,11 @@ class DistribOptimFiles:
     "exp_avg_sq": 1-D float32 tensor, "numel_unpadded": n}}}`: each buffer's buckets end to end without their
     padding. Where a parameter lies comes from `BufferLayout` (its bucket's start in that tensor: the unpadded
     lengths of the buckets before it); every length must agree with the derived layout. Refused by name: the older
-    per-bucket layout (no `buckets_coalesced`) and an MoE model's chained optimizers (a list of states)."""
+    per-bucket layout (no `buckets_coalesced`).
+
+    An MoE model's ChainedOptimizer writes the list of its optimizers' states `[dense, experts]`, each written by
+    that optimizer's DP rank 0 (None in the other files): the dense state in the EP rank 0 file of each TP/PP rank,
+    the experts' in every EP rank's file; the rank files' `optimizer` entry is the list of their `state_dict()`s."""
 
     def __init__(
         self,
@@ -407,46 +411,59 @@ class DistribOptimFiles:
         layout: Layout,
         args: dict[str, Any],
     ):
-        if config.is_moe:
-            raise ReshardError(f"{OPTIM_FILE} of an MoE model (the chained dense and expert optimizers' states) is not decoded yet")
-        if not (isinstance(saved_optimizer, dict) and isinstance(saved_optimizer.get("optimizer"), dict)):
+        if config.is_moe and layout.expert_tp != layout.tp:
+            raise ReshardError(f"{OPTIM_FILE} of an MoE model with expert TP {layout.expert_tp} != TP {layout.tp} is not decoded yet")
+        chained = config.is_moe
+        saved = saved_optimizer if chained and isinstance(saved_optimizer, list) else [saved_optimizer]
+        if not (len(saved) == (2 if chained else 1) and all(isinstance(s, dict) and isinstance(s.get("optimizer"), dict) for s in saved)):
             raise ReshardError(
-                f"{RANK_FILE} holds no DistributedOptimizer state_dict beside {OPTIM_FILE} (its `optimizer` entry is "
-                f"{type(saved_optimizer).__name__}): the checkpoint is damaged"
+                f"{RANK_FILE} holds no DistributedOptimizer state_dict{' per chained optimizer' if chained else ''} beside "
+                f"{OPTIM_FILE} (its `optimizer` entry is {type(saved_optimizer).__name__}): the checkpoint is damaged"
             )
-        self.common_optimizer = fully_reshardable_common({None: saved_optimizer["optimizer"]})
         self.buffer_layout = BufferLayout(model_specs, config, layout, args)
+        chains = sorted(self.buffer_layout.chains, key=lambda c: -1 if c is None else c)
+        if chains != ([DENSE_CHAIN, EXPERT_CHAIN] if chained else [None]):
+            raise ReshardError(f"{OPTIM_FILE}: an MoE model with pipeline stages without experts is not decoded yet")
+        self.common_optimizer = fully_reshardable_common({chain: s["optimizer"] for chain, s in zip(chains, saved)})
         self.specs = self.buffer_layout.optimizer_specs()
-        self.paths: dict[int, Path] = {}  # dp_group_idx -> its file
-        self.records: dict[tuple[int, int, str], TensorRecord] = {}  # (dp_group_idx, gbuf_idx, state) -> tensor
-        self._files: dict[int, RecordFile] = {}
-        for rank in ranks(layout):
-            group = rank.tp + layout.tp * rank.pp
-            self.paths[group] = path_of(rank.legacy_dirname(layout))
-            if not self.paths[group].is_file():
-                raise ReshardError(f"{self.paths[group]} is missing beside the first rank's: the checkpoint is incomplete")
-            self._index(group, load_archive(self.paths[group], str(self.paths[group])))
+        self.paths: dict[tuple[int | None, int], Path] = {}  # (chain, dp_group_idx) -> the file holding its state
+        self.records: dict[tuple[int | None, int, int, str], TensorRecord] = {}  # (chain, dp_group_idx, gbuf_idx, state) -> tensor
+        self._files: dict[Path, RecordFile] = {}
+        loaded: dict[Path, Any] = {}
+        for chain, group in sorted({(g.chain, g.group) for g in self.buffer_layout.buffers}, key=lambda cg: (-1 if cg[0] is None else cg[0], cg[1])):
+            tp, rest = group % layout.tp, group // layout.tp
+            rank = RankCoord(pp=rest // layout.ep, tp=tp, ep=rest % layout.ep) if chain == EXPERT_CHAIN else RankCoord(pp=rest, tp=tp)
+            path = self.paths[(chain, group)] = path_of(rank.legacy_dirname(layout))
+            if not path.is_file():
+                raise ReshardError(f"{path} is missing beside the first rank's: the checkpoint is incomplete")
+            state = cached(loaded, path, lambda p=path: load_archive(p, str(p)))
+            if chain is not None:
+                if not (isinstance(state, list) and len(state) == 2):
+                    raise ReshardError(f"{path} does not hold the states of an MoE model's two chained optimizers: the file is foreign or damaged")
+                state = state[chain]
+            self._index(chain, group, state)
 
-    def _index(self, group: int, state: Any) -> None:
-        path = self.paths[group]
+    def _index(self, chain: int | None, group: int, state: Any) -> None:
+        path = self.paths[(chain, group)]
+        which = "" if chain is None else f" ({'dense' if chain == DENSE_CHAIN else 'expert'} optimizer)"
         if not isinstance(state, dict):
-            raise ReshardError(f"{path} does not hold one DistributedOptimizer's parameter state: the file is foreign or damaged")
+            raise ReshardError(f"{path} does not hold one DistributedOptimizer's parameter state{which}: the file is foreign or damaged")
         if state.get("buckets_coalesced") is not True:
             raise ReshardError(
                 f"{path} holds the older per-bucket layout of distrib_optim.pt (no buckets_coalesced), which reshard does not "
                 "decode: load and save it once with a newer megatron-core, or convert with --no-optimizer"
             )
-        gbufs = self.buffer_layout.rank_buffers(None, group)
+        gbufs = self.buffer_layout.rank_buffers(chain, group)
         found = [k for k in state if k != "buckets_coalesced"]
         if found != list(range(len(gbufs))):
             raise ReshardError(
-                f"{path} holds buffers {[str(k) for k in found]} where the layout derived from the model has "
+                f"{path} holds buffers {[str(k) for k in found]}{which} where the layout derived from the model has "
                 f"{len(gbufs)}: the optimizer state cannot be decoded safely"
             )
         for gbuf in gbufs:
             by_dtype = state[gbuf.index]
             if not (isinstance(by_dtype, dict) and len(by_dtype) == 1 and isinstance(next(iter(by_dtype.values())), dict)):
-                raise ReshardError(f"{path}: buffer {gbuf.index} is not one buffer of one dtype: not decoded yet")
+                raise ReshardError(f"{path}: buffer {gbuf.index}{which} is not one buffer of one dtype: not decoded yet")
             tensors = next(iter(by_dtype.values()))
             buffer = self.buffer_layout.buffers[gbuf]
             derived = sum(buffer.sizes)
@@ -455,16 +472,17 @@ class DistribOptimFiles:
                 if record is None or record.dtype != "float32" or record.shape != (derived,) or tensors.get("numel_unpadded") != derived:
                     stored = "no tensor" if record is None else f"{record.dtype} {record.shape}"
                     raise ReshardError(
-                        f"{buffer.last[-1]}: the DistributedOptimizer layout derived from the model makes buffer {gbuf.index} of "
+                        f"{buffer.last[-1]}: the DistributedOptimizer layout derived from the model makes buffer {gbuf.index}{which} of "
                         f"{path} {derived} elements long, but it records numel_unpadded {tensors.get('numel_unpadded')!r} and "
                         f"stores {key} as {stored}; the optimizer state cannot be decoded safely"
                     )
-                self.records[(group, gbuf.index, key)] = record
+                self.records[(chain, group, gbuf.index, key)] = record
 
     def _read_place(self, gbuf: Gbuf, place: Placed, state: str, out: np.ndarray) -> None:
-        file = cached(self._files, gbuf.group, lambda: RecordFile(self.paths[gbuf.group]))
+        path = self.paths[(gbuf.chain, gbuf.group)]
+        file = cached(self._files, path, lambda: RecordFile(path))
         start = self.buffer_layout.buffers[gbuf].coalesced_start(place)
-        file.read_into(self.records[(gbuf.group, gbuf.index, state)], ((start, start + place.numel),), out)
+        file.read_into(self.records[(gbuf.chain, gbuf.group, gbuf.index, state)], ((start, start + place.numel),), out)
 
     def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
         self.buffer_layout.read_into(name, region, out, self._read_place)

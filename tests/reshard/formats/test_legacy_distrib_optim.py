@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,35 @@ def test_distrib_optim_pt_reads_bit_for_bit_as_megatrons_fully_reshardable(distr
     assert_same(legacy, full)
     assert legacy_common == full_common and {g["step"] for g in legacy_common["optimizer"]["param_groups"]} == {2.0}
     assert all(np.any(t != 0) for name, t in legacy.items() if ".exp_avg" in name)
+
+
+MOE_CASES = [(1, 2, None), (2, 2, None), (1, 2, 6000)]  # pp, ep, bucket size
+
+
+@pytest.mark.parametrize("pp, ep, bucket_size", MOE_CASES, ids=[f"tiny-moe-pp{c[0]}ep{c[1]}{'-buckets' if c[2] else ''}" for c in MOE_CASES])
+def test_moe_distrib_optim_pt_reads_bit_for_bit_as_megatrons_fully_reshardable(distrib_optim, pp, ep, bucket_size):
+    """An MoE model's ChainedOptimizer writes `[dense, experts]` per file, the dense state only where its writer is the
+    dense optimizer's DP rank 0 (EP rank 0 files), the experts' in every EP rank's file, their buffers padded for the
+    expert data-parallel size: decoded, every optimizer tensor equals Megatron's own fully_reshardable save."""
+    made = distrib_optim("tiny-moe", tp=1, pp=pp, ep=ep, bucket_size=bucket_size)
+    files = {p.parent.name: torch.load(p, weights_only=True) for p in sorted((made["legacy"] / ITER).glob("mp_rank_*/distrib_optim.pt"))}
+    assert len(files) == pp * ep and all(isinstance(f, list) and len(f) == 2 and f[1] is not None for f in files.values())
+    assert sorted(name for name, f in files.items() if f[0] is not None) == sorted(n for n in files if n.endswith("_000"))
+    legacy, legacy_common = optimizer_tensors(made["legacy"], LegacyReader)
+    full, full_common = optimizer_tensors(made["full"])
+    assert len(legacy) == len(full) == 3 * 10
+    assert_same(legacy, full)
+    assert legacy_common == full_common and sorted(legacy_common) == [0, 1]
+    assert all(np.any(t != 0) for name, t in legacy.items() if ".exp_avg" in name)
+
+
+def test_moe_legacy_converts_to_torch_dist_as_megatrons_fully_reshardable_does(distrib_optim, tmp_path):
+    made = distrib_optim("tiny-moe", tp=1, ep=2)
+    legacy = reshard("convert", made["legacy"], tmp_path / "legacy", "--to-format", "torch_dist", "--to-ep", "1")
+    assert legacy.returncode == 0 and "checksums verified" in legacy.stdout, legacy.stderr
+    full = reshard("convert", made["full"], tmp_path / "full", "--to-ep", "1")
+    assert full.returncode == 0, full.stderr
+    assert len(assert_converted_alike(tmp_path / "legacy", tmp_path / "full")) == 3 * 10
 
 
 def test_many_buckets_coalesced_decode_as_the_one_bucket_runs_state(distrib_optim):
@@ -167,6 +197,9 @@ def test_written_distrib_optim_is_megatrons_own_legacy_save_at_the_new_layout(di
     mine, theirs = rank_files(tmp_path / "out" / ITER, "distrib_optim.pt"), rank_files(theirs_dir, "distrib_optim.pt")
     assert len(theirs) == to_tp * to_pp and sorted(mine) == sorted(theirs)
     assert buffer_differences(mine, theirs) == []
+    for path in (tmp_path / "out" / ITER).glob("mp_rank_*/*.pt"):
+        with zipfile.ZipFile(path) as archive:
+            assert archive.testzip() is None, path  # every record's CRC-32 (distrib_optim.pt's combined from its parts)
     assert sum(t["numel_unpadded"] for f in theirs.values() for g, d in f.items() if g != "buckets_coalesced" for t in d.values()) > 0
     my_ranks, their_ranks = rank_files(tmp_path / "out" / ITER, "model_optim_rng.pt"), rank_files(theirs_dir, "model_optim_rng.pt")
     for rank, state in their_ranks.items():
@@ -206,3 +239,20 @@ def test_written_distrib_optim_resumes_the_run_in_megatrons_distributed_optimize
     assert fresh[3] == pytest.approx(reference[3], rel=REL)  # the same weights and data: the first step's loss agrees
     worst = max(abs(fresh[i] - reference[i]) / abs(reference[i]) for i in range(4, STEPS + 1))
     assert worst > 100 * REL, f"losses still agree ({worst:.2e}): the continuity check would not notice"
+
+
+def test_dry_run_shows_the_optimizer_work(distrib_optim, tmp_path):
+    source = distrib_optim("tiny-llama", tp=2)["dp"]
+    out = reshard("convert", source, tmp_path / "out", "--to-format", "legacy", "--to-tp", 1, "--to-dp", 4, "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "optimizer state: dp_reshardable buckets (DP 2) -> distrib_optim.pt buffers (DP 4)" in out.stdout, out.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_legacy_output_of_an_moe_models_optimizer_is_refused_in_one_line(distrib_optim, tmp_path):
+    """Not written yet (the ChainedOptimizer's list): refused when planning, nothing written; the model still converts."""
+    source = distrib_optim("tiny-moe", tp=1, ep=2)["full"]
+    _one_line_error(reshard("convert", source, tmp_path / "out", "--to-format", "legacy", "--to-ep", 1), "MoE", "not supported")
+    assert not (tmp_path / "out").exists()
+    model_only = reshard("convert", source, tmp_path / "model", "--to-format", "legacy", "--to-ep", 1, "--no-optimizer")
+    assert model_only.returncode == 0, model_only.stderr
