@@ -42,8 +42,13 @@ _TAG = "distrib_optim"  # marks this writer's facts among the rank files'
 
 def prepare_target(reader: CheckpointReader, specs: dict[str, TensorSpec], common: CommonState, target: Target) -> type[LegacyDistribOptimWriter]:
     """The writer of legacy output with DistributedOptimizer state, the target's data-parallel size recorded in
-    `common`'s args. What the state needs (all three states of every parameter, an architecture, a dense model,
-    local-spec names, param groups) is the dp_reshardable writer's check: the buffers are the same."""
+    `common`'s args. What the state needs (all three states of every parameter, an architecture, local-spec names,
+    param groups) is the dp_reshardable writer's check: the buffers are the same. MoE models are refused here."""
+    if reader.config is not None and reader.config.is_moe:
+        raise ReshardError(
+            "legacy output of an MoE model's DistributedOptimizer state (the ChainedOptimizer's distrib_optim.pt) is not "
+            "written yet: pass --no-optimizer, or write torch_dist"
+        )
     prepare_dp_target(reader, "torch_dist", specs, common, target)  # its format check is for its own output
     return LegacyDistribOptimWriter
 

@@ -413,17 +413,15 @@ class DistribOptimFiles:
     ):
         if config.is_moe and layout.expert_tp != layout.tp:
             raise ReshardError(f"{OPTIM_FILE} of an MoE model with expert TP {layout.expert_tp} != TP {layout.tp} is not decoded yet")
-        chained = config.is_moe
+        self.buffer_layout = BufferLayout(model_specs, config, layout, args)
+        chains = sorted(self.buffer_layout.chains, key=lambda c: -1 if c is None else c)  # [None] or [dense, experts]
+        chained = chains != [None]
         saved = saved_optimizer if chained and isinstance(saved_optimizer, list) else [saved_optimizer]
-        if not (len(saved) == (2 if chained else 1) and all(isinstance(s, dict) and isinstance(s.get("optimizer"), dict) for s in saved)):
+        if not (len(saved) == len(chains) and all(isinstance(s, dict) and isinstance(s.get("optimizer"), dict) for s in saved)):
             raise ReshardError(
                 f"{RANK_FILE} holds no DistributedOptimizer state_dict{' per chained optimizer' if chained else ''} beside "
                 f"{OPTIM_FILE} (its `optimizer` entry is {type(saved_optimizer).__name__}): the checkpoint is damaged"
             )
-        self.buffer_layout = BufferLayout(model_specs, config, layout, args)
-        chains = sorted(self.buffer_layout.chains, key=lambda c: -1 if c is None else c)
-        if chains != ([DENSE_CHAIN, EXPERT_CHAIN] if chained else [None]):
-            raise ReshardError(f"{OPTIM_FILE}: an MoE model with pipeline stages without experts is not decoded yet")
         self.common_optimizer = fully_reshardable_common({chain: s["optimizer"] for chain, s in zip(chains, saved)})
         self.specs = self.buffer_layout.optimizer_specs()
         self.paths: dict[tuple[int | None, int], Path] = {}  # (chain, dp_group_idx) -> the file holding its state
