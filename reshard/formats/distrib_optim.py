@@ -364,6 +364,12 @@ class BufferLayout:
             raise ReshardError(f"{name}: the DistributedOptimizer buffers do not cover the tensor; the checkpoint is damaged")
 
 
+def run_args(dp: int, layout: Layout) -> dict[str, Any]:
+    """The args that make a target a DistributedOptimizer run at data-parallel size `dp` (what Megatron-LM records, and
+    what `BufferLayout` pads buckets by)."""
+    return {"data_parallel_size": dp, "world_size": dp * layout.tp * layout.pp, "use_distributed_optimizer": True}
+
+
 def fully_reshardable_common(param_groups: dict[int | None, Any]) -> dict[Any, Any]:
     """common.pt's `optimizer` entry as Megatron's fully_reshardable save writes it, from each chained optimizer's
     saved `optimizer` state (by chain index; None: unchained): one entry per chained optimizer where there is a chain."""

@@ -26,7 +26,8 @@ from isal.isal_zlib import crc32
 from reshard.checksum import HashedParts
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CommonState, Manifest
-from reshard.formats.distrib_optim import STATE_KEYS, BufferLayout, flat_span
+from reshard.formats.distrib_optim import STATE_KEYS, BufferLayout, flat_span, run_args
+from reshard.formats.dp_reshardable_writer import DpReshardableWriter
 from reshard.formats.dp_reshardable_writer import prepare_target as prepare_dp_target
 from reshard.formats.megatron_legacy import OPTIM_FILE, LegacyWriter
 from reshard.layout import RankCoord, ranks
@@ -88,19 +89,13 @@ class LegacyDistribOptimWriter(LegacyWriter):
 
     def _target_args(self) -> dict[str, Any]:
         """A run at the recorded data-parallel size with the DistributedOptimizer, saving the legacy format."""
-        dp = int(self.common.args["data_parallel_size"])
-        return {
-            **super()._target_args(),
-            "data_parallel_size": dp,
-            "world_size": dp * self.layout.tp * self.layout.pp,
-            "use_distributed_optimizer": True,
-        }
+        return super()._target_args() | run_args(int(self.common.args["data_parallel_size"]), self.layout)
 
     @classmethod
     def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:
         if not spec.is_optimizer:
             return super().whole_regions(spec, slab, pieces)
-        return list(dict.fromkeys(p.region for p in pieces))  # every rank's copy has its own place in its buffer
+        return DpReshardableWriter.whole_regions(spec, slab, pieces)  # every rank's copy has its own place, as in buckets
 
     def _place(self, spec: TensorSpec, piece: Piece) -> tuple[tuple[str, int, str], int]:
         """The record a piece of an optimizer tensor goes to, and its element offset there."""
