@@ -19,6 +19,7 @@ from fixtures.torchrun import run
 from reshard.formats.megatron_legacy import LegacyReader
 from tests.reshard.formats.test_distrib_optim import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
+from tests.reshard.test_resume import _files
 
 CASES = [
     ("tiny-odd", 2, 1, 1, False),
@@ -256,3 +257,17 @@ def test_legacy_output_of_an_moe_models_optimizer_is_refused_in_one_line(distrib
     assert not (tmp_path / "out").exists()
     model_only = reshard("convert", source, tmp_path / "model", "--to-format", "legacy", "--to-ep", 1, "--no-optimizer")
     assert model_only.returncode == 0, model_only.stderr
+
+
+def test_two_ranks_write_the_distrib_optim_pt_one_process_writes(distrib_optim, tmp_path):
+    """Under torchrun the ranks split the tensors, each writing its pieces into every distrib_optim.pt; rank 0 seals the
+    records with the CRC-32s combined from both ranks' parts: the same bytes as one process (which the test above holds
+    to megatron-core's own save)."""
+    source = distrib_optim("tiny-llama", tp=2)["dp"]
+    flags = ["--to-format", "legacy", "--to-tp", 1, "--to-pp", 2, "--to-dp", 2]
+    run("reshard", ["convert", source, tmp_path / "multi", *flags], nproc=2)
+    single = reshard("convert", source, tmp_path / "single", *flags)
+    assert single.returncode == 0, single.stderr
+    multi, one = _files(tmp_path / "multi"), _files(tmp_path / "single")
+    assert sorted(multi) == sorted(one) and sum(name.endswith("distrib_optim.pt") for name in one) == 2
+    assert [name for name in one if multi[name] != one[name]] == []
