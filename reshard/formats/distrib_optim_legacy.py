@@ -158,16 +158,16 @@ class LegacyDistribOptimWriter(LegacyWriter):
         for part in parts or []:
             self.restore(part)
         for (dirname, index, key), written in self._parts.items():
-            slot, size = self._records[(dirname, index, key)], self._states[dirname][index]
-            numel = next(iter(size.values()))["numel_unpadded"] * 4
+            slot, (tensors,) = self._records[(dirname, index, key)], self._states[dirname][index].values()
+            nbytes = tensors["numel_unpadded"] * 4
             at = 0
-            for offset, (length, _) in [*sorted(written.items()), (numel, (0, 0))]:
+            for offset, (length, _) in [*sorted(written.items()), (nbytes, (0, 0))]:
                 if offset > at:  # a gap: at most an alignment's 63 elements
                     zeros = np.zeros(offset - at, np.uint8)
                     self._optim[dirname].write_part(slot, at, zeros)
                     written[at] = (zeros.nbytes, crc32(zeros))
                 at = max(at, offset + length)
-            self._optim[dirname].seal(slot, crc32_of_parts(written, numel, f"{dirname}/{OPTIM_FILE} buffer {index} {key}"))
+            self._optim[dirname].seal(slot, crc32_of_parts(written, nbytes, f"{dirname}/{OPTIM_FILE} buffer {index} {key}"))
         for dirname, stream in self._optim.items():
             stream.finish(self._states[dirname])
         super().finish(manifest, None)
