@@ -16,10 +16,14 @@ import pytest
 import torch
 
 from fixtures.torchrun import run
+from reshard.convert import convert
 from reshard.formats.megatron_legacy import LegacyReader
+from reshard.layout import Layout
+from reshard.request import Target
+from reshard.worklog import LOG_NAME
 from tests.reshard.formats.test_distrib_optim import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
-from tests.reshard.test_resume import _files
+from tests.reshard.test_resume import Stop, _bomb, _files
 
 CASES = [
     ("tiny-odd", 2, 1, 1, False),
@@ -271,3 +275,21 @@ def test_two_ranks_write_the_distrib_optim_pt_one_process_writes(distrib_optim, 
     multi, one = _files(tmp_path / "multi"), _files(tmp_path / "single")
     assert sorted(multi) == sorted(one) and sum(name.endswith("distrib_optim.pt") for name in one) == 2
     assert [name for name in one if multi[name] != one[name]] == []
+
+
+def test_an_interrupted_conversion_resumes_to_the_same_distrib_optim_pt(distrib_optim, tmp_path):
+    """Stopped after two thirds of its slabs (optimizer tensors among those done), the rerun restores the parts already
+    in each distrib_optim.pt from the work log and writes the rest: the files of an uninterrupted run, byte for byte."""
+    source = distrib_optim("tiny-llama", tp=2)["dp"]
+    target = Target(format="legacy", layout=Layout(tp=1, pp=2), dp=2)
+    fresh_calls = []
+    convert(source, tmp_path / "fresh", target, progress=lambda _: fresh_calls.append(1))
+    bomb, _ = _bomb(after_slabs=len(fresh_calls) * 2 // 3)
+    with pytest.raises(Stop):
+        convert(source, tmp_path / "out", target, progress=bomb)
+    log = (tmp_path / ".out.reshard-partial" / LOG_NAME).read_text().splitlines()[1:]
+    assert any(json.loads(line)["name"].startswith("optimizer.") for line in log)
+    counted, calls = _bomb(after_slabs=0)
+    convert(source, tmp_path / "out", target, progress=counted)
+    assert 0 < len(calls) < len(fresh_calls)  # the rerun skipped what was done
+    assert _files(tmp_path / "out") == _files(tmp_path / "fresh")
