@@ -8,7 +8,8 @@ every local tensor's record placed when the writer opens and written by the read
 rank of a multi-rank conversion).
 
 With `--use-distributed-optimizer` each rank directory also holds megatron-core's `distrib_optim.pt`
-(`DistribOptimFiles`), read as the logical per-parameter optimizer tensors of the fully_reshardable form.
+(`DistribOptimFiles`), read as the logical per-parameter optimizer tensors of the fully_reshardable form; the
+writer of legacy output with that state is `distrib_optim_legacy.LegacyDistribOptimWriter`.
 """
 
 from __future__ import annotations
