@@ -116,15 +116,19 @@ class LegacyDistribOptimWriter(LegacyWriter):
         self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
     ) -> Any:
         """Each piece flattened (row-major, as its rank's parameter is) into its place; the written parts and their
-        CRC-32s for `write`. The output's checksums are verified by reading it back (the reader says not where
-        distrib_optim.pt's values lie)."""
+        CRC-32s for `write`. The checksums of the copies the reader decodes (primary pieces) are vouched for as written,
+        where the reader finds them (`DistribOptimFiles.stored_records`)."""
         if not spec.is_optimizer:
             return super().prepare(spec, slab, data, pieces, reserved, hashed)
         written = []
         for piece, (record, offset) in zip(pieces, reserved):
             flat = np.ascontiguousarray(data[to_slices(shift(piece.region, slab))], dtype=np.float32).reshape(-1)
-            self._optim[record[0]].write_part(self._records[record], offset * 4, flat)
+            slot = self._records[record]
+            self._optim[record[0]].write_part(slot, offset * 4, flat)
             written.append([_TAG, *record, offset * 4, flat.nbytes, crc32(memoryview(flat).cast("B"))])
+            if piece.primary and piece.alias is None:
+                values = flat.reshape([b - a for a, b in piece.region])
+                self.vouch(spec, piece.region, f"{record[0]}/{OPTIM_FILE}", slot.data_offset + offset * 4, values, hashed)
         return written
 
     def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:

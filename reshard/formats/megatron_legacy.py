@@ -37,7 +37,16 @@ from reshard.formats.base import (
     args_for_layout,
     cached,
 )
-from reshard.formats.distrib_optim import DENSE_CHAIN, EXPERT_CHAIN, STATE_KEYS, BufferLayout, Gbuf, Placed, fully_reshardable_common
+from reshard.formats.distrib_optim import (
+    DENSE_CHAIN,
+    EXPERT_CHAIN,
+    STATE_KEYS,
+    BufferLayout,
+    Gbuf,
+    Placed,
+    flat_span,
+    fully_reshardable_common,
+)
 from reshard.formats.megatron_tree import (
     args_dict,
     args_namespace,
@@ -369,7 +378,7 @@ class LegacyReader(CheckpointReader):
         """Each primary piece where the rank file's zip directory places its values (offset -1 where they
         are not one run there: such a record is read back)."""
         if self.distrib_optim is not None and name in self.distrib_optim.specs:
-            return None  # reshard writes no distrib_optim.pt: never read back
+            return self.distrib_optim.stored_records(name)
         records = []
         for piece in self._primary(name):
             local = self._local(name, piece)
@@ -427,12 +436,14 @@ class DistribOptimFiles:
         self.specs = self.buffer_layout.optimizer_specs()
         self.paths: dict[tuple[int | None, int], Path] = {}  # (chain, dp_group_idx) -> the file holding its state
         self.records: dict[tuple[int | None, int, int, str], TensorRecord] = {}  # (chain, dp_group_idx, gbuf_idx, state) -> tensor
+        self.names: dict[tuple[int | None, int], str] = {}  # the same, relative to the iteration directory
         self._files: dict[Path, RecordFile] = {}
         loaded: dict[Path, Any] = {}
         for chain, group in sorted({(g.chain, g.group) for g in self.buffer_layout.buffers}, key=lambda cg: (-1 if cg[0] is None else cg[0], cg[1])):
             tp, rest = group % layout.tp, group // layout.tp
             rank = RankCoord(pp=rest // layout.ep, tp=tp, ep=rest % layout.ep) if chain == EXPERT_CHAIN else RankCoord(pp=rest, tp=tp)
             path = self.paths[(chain, group)] = path_of(rank.legacy_dirname(layout))
+            self.names[(chain, group)] = f"{rank.legacy_dirname(layout)}/{OPTIM_FILE}"
             if not path.is_file():
                 raise ReshardError(f"{path} is missing beside the first rank's: the checkpoint is incomplete")
             state = cached(loaded, path, lambda p=path: load_archive(p, str(p)))
@@ -485,6 +496,24 @@ class DistribOptimFiles:
 
     def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
         self.buffer_layout.read_into(name, region, out, self._read_place)
+
+    def stored_records(self, name: str) -> list[StoredRecord] | None:
+        """Each primary piece of logical tensor `name` where its file places it as one run (what a conversion's
+        writer vouches for, so that verifying it need not read the values back); None where one is not one run."""
+        state, model_name = name.split(".", 3)[2:]
+        model = self.buffer_layout.model_specs[model_name]
+        records = []
+        for piece in pieces(model, self.buffer_layout.config, self.buffer_layout.layout):
+            if not piece.primary or piece.alias is not None:
+                continue
+            gbuf, place = self.buffer_layout.place_of(model, piece)
+            span = flat_span(piece)
+            record = self.records[(gbuf.chain, gbuf.group, gbuf.index, state)]
+            if span is None or record.offset < 0:
+                return None
+            start = self.buffer_layout.buffers[gbuf].coalesced_start(place) + span[0]
+            records.append(StoredRecord(name, piece.region, "float32", self.names[(gbuf.chain, gbuf.group)], record.offset + start * record.itemsize))
+        return records
 
     def close(self) -> None:
         for file in self._files.values():
