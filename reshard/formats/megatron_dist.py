@@ -64,6 +64,22 @@ from reshard.torchfile.payloads import EXTRA_STATE, screen_payloads
 HEADER_THREADS = 8  # small reads in flight at once: the disk answers many as fast as one
 
 T = TypeVar("T")
+# How Megatron-LM (megatron-core >= 0.13) records the form of what it saved, in common.pt's `content_metadata`:
+# `load_checkpoint` builds its load request from it, and without it asks for a form reshard does not write
+# (fully_sharded_model_space or dp_zero_gather_scatter). reshard writes megatron-core's current spellings.
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def content_metadata(recorded: object, form: str) -> dict[str, Any]:
+    """The source's content metadata (if any) naming the DistributedOptimizer form and key spellings reshard wrote."""
+    out = {**(recorded if isinstance(recorded, dict) else {}), **CONTENT_METADATA, "distrib_optim_sharding_type": form}
+    if form == "fully_reshardable":  # as Megatron-LM's own fully_reshardable save records it
+        out.setdefault("distrib_optim_fully_reshardable_mem_efficient", False)
+    else:
+        out.pop("distrib_optim_fully_reshardable_mem_efficient", None)
+    return out
+
+
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 
 
@@ -456,6 +472,12 @@ class TorchDistWriter(CheckpointWriter):
     def _target_args(self) -> dict[str, Any]:
         args = args_for_layout(self.common.args, self.layout, self.config, "torch_dist")
         args["transformer_impl"] = "transformer_engine" if self.te_names else "local"
+        # Megatron-LM's load_checkpoint asks for the RNG state (at an unchanged TP/PP) and the optimizer state unless
+        # the args say they were not saved: what this checkpoint lacks is said so
+        if not any(is_layout_bound(key) for key in self.common.objects):
+            args["no_save_rng"] = True
+        if not any(spec.is_optimizer for spec in self.specs.values()):
+            args["no_save_optim"] = True
         return args
 
     def _key(self, name: str) -> str:
@@ -522,6 +544,9 @@ class TorchDistWriter(CheckpointWriter):
         dcp_metadata.save(self.directory / ".metadata", DcpMetadata(tensors, objects, self._storage))
         common = dict(self.common.extra)
         common["iteration"] = stored_iteration(self.common.iteration)
+        form = common.get("optimizer", {}).get("param_state_sharding_type") if isinstance(common.get("optimizer"), dict) else None
+        if form is not None:  # Megatron-LM asks for the optimizer form its content metadata names (else an older one)
+            common["content_metadata"] = content_metadata(common.get("content_metadata"), form)
         if self.config is not None:  # else the source recorded no architecture, and neither does its copy
             args = self._target_args()
             common["args"] = args_namespace(args)
