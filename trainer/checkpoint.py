@@ -44,6 +44,7 @@ from reshard.layout import Layout
 from reshard.logical import describe
 from reshard.naming import canonical
 from reshard.torchfile.screen import screen
+from reshard.trainer.model import sequence_parallel
 from reshard.verify import compare
 
 CHECKPOINT_VERSION = 3.0
@@ -102,7 +103,7 @@ def megatron_args(config: ModelConfig, layout: Layout, world: int, **extra) -> a
         use_rotary_position_embeddings=config.position_embedding_type == "rope",
         moe_token_dispatcher_type="allgather" if config.is_moe else None,
         moe_grouped_gemm=False,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel(config, layout),
         tokenizer_type="NullTokenizer",
         model_type="GPT",
     )

@@ -62,3 +62,13 @@ def test_moe_distributed_optimizer_resumes_at_another_ep(moe_distopt, tmp_path, 
     src, ref = moe_distopt
     load = converted(src, tmp_path / "converted", "--to-ep", "1")
     assert_continues(resume(tmp_path, corpus, load, 4, [], MOE), ref)
+
+
+def test_moe_resumes_at_tp2_under_sequence_parallel(moe_distopt, tmp_path, corpus):  # noqa: F811
+    """megatron-core runs MoE at TP > 1 only with sequence parallel, whose local-spec (torch) norms it refuses: the
+    trainer builds them marked for the TP all-reduce of their gradients (`model._torch_norms_under_sequence_parallel`).
+    EP2 DP4 converted to TP2 EP2 (DP2) continues the run. Left unmarked (each TP rank's norm gradient from its
+    half of the sequence only), a TP2 EP2 run from scratch was off the TP1 run by 2.4e-3 at iteration 4."""
+    src, ref = moe_distopt
+    load = converted(src, tmp_path / "converted", "--to-tp", "2")
+    assert_continues(resume(tmp_path, corpus, load, 4, ["--tp", 2, "--ep", 2], MOE), ref)
