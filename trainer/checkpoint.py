@@ -39,10 +39,12 @@ from reshard.config import ModelConfig
 from reshard.dtypes import from_torch
 from reshard.errors import ReshardError
 from reshard.formats.base import Manifest
+from reshard.formats.distrib_optim import is_dp_reshardable
 from reshard.layout import Layout
 from reshard.logical import describe
 from reshard.naming import canonical
 from reshard.torchfile.screen import screen
+from reshard.trainer.model import sequence_parallel
 from reshard.verify import compare
 
 CHECKPOINT_VERSION = 3.0
@@ -101,7 +103,7 @@ def megatron_args(config: ModelConfig, layout: Layout, world: int, **extra) -> a
         use_rotary_position_embeddings=config.position_embedding_type == "rope",
         moe_token_dispatcher_type="allgather" if config.is_moe else None,
         moe_grouped_gemm=False,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel(config, layout),
         tokenizer_type="NullTokenizer",
         model_type="GPT",
     )
@@ -186,7 +188,7 @@ def optimizer_sharded_state_dict(models: list, optimizer, is_loading: bool, form
 def saved_optimizer_form(saved_keys: set[str]) -> str:
     """The DistributedOptimizer form a checkpoint holds, from its tensor keys: Megatron-LM builds its load
     request in the checkpoint's form, not its own flags', and so does the trainer."""
-    return "dp_reshardable" if any(k.startswith("optimizer.distributed.") for k in saved_keys) else "fully_reshardable"
+    return "dp_reshardable" if any(map(is_dp_reshardable, saved_keys)) else "fully_reshardable"
 
 
 def spell_as_saved(optimizer_state: dict, saved_keys: set[str]) -> None:
@@ -270,9 +272,12 @@ def _align(loaded: dict, request: dict, step) -> dict:
     if "param_groups" in request and step is not None:
         if "state" in request:  # the plain optimizer: one step shared by all parameters
             out.setdefault("state", {}).setdefault("common_step", step)
+        from_request = loaded.get("param_groups") is None
         for group, wanted in zip(out["param_groups"], _unwrap_value(request["param_groups"])):
-            if "step" in wanted:  # the DistributedOptimizer: the step in every param group
-                group.setdefault("step", step)
+            # the DistributedOptimizer: the step in every param group; groups taken from the request (a chain
+            # of another length than the checkpoint's) hold the live optimizer's step, 0, not the run's
+            if "step" in wanted and (from_request or "step" not in group):
+                group["step"] = step
     return out
 
 
@@ -471,7 +476,8 @@ def load_checkpoint(ckpt: Path, models: list, optimizer, scheduler, layout: Layo
     common = read_common(ckpt)
     keys = saved_tensor_keys(ckpt)
     saved_args = vars(common.get("args") or argparse.Namespace())
-    has_optim = any(k.startswith(("optimizer.state.", "optimizer.distributed.")) for k in keys)
+    # an MoE model's buckets are a chain of two optimizers' (`chained_0.optimizer.distributed.`, `chained_1.`...)
+    has_optim = any(k.startswith("optimizer.state.") or is_dp_reshardable(k) for k in keys)
     saved_dtype = "bfloat16" if saved_args.get("bf16") else "float16" if saved_args.get("fp16") else "float32"
     if saved_dtype != config.params_dtype:
         raise CheckpointError(

@@ -8,7 +8,8 @@ with gloo on a CPU-only torch). `apply()` redirects exactly those calls:
   - `torch.cuda.current_device()` answers `cpu`, `synchronize`/`empty_cache` do nothing,
     `Stream`/`stream`/`current_stream`/`default_stream` give inert stand-ins;
   - tensor factories (`zeros`, `ones`, `empty`, ...) asked for `device="cuda"` allocate on the CPU.
-  This covers GlobalMemoryBuffer (core/utils.py), TP gathers (tensor_parallel/mappings.py), the pipeline schedules and p2p communication,
+  This covers GlobalMemoryBuffer (core/utils.py), TP gathers (tensor_parallel/mappings.py), sequence parallel's
+  reduce-scatter buffer in the linear layers' backward (tensor_parallel/layers.py), the pipeline schedules and p2p communication,
   filesystem_async's synchronize and the torch_dist saver's result all-reduce, RoPE's and the MoE
   router's first-use move of CPU tensors to the GPU, MoE dispatcher/shared-expert streams, the
   default causal mask, the DDP grad buffers and non-distributed optimizer of an Adam step, and the
@@ -52,6 +53,7 @@ _CUDA_MODULES = (
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
     "megatron.core.transformer.utils",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from functools import partial
@@ -51,6 +52,38 @@ def activation(config: ModelConfig):
     return partial(F.gelu, approximate="tanh") if config.openai_gelu else F.gelu
 
 
+def sequence_parallel(config: ModelConfig, layout: Layout) -> bool:
+    return config.is_moe and layout.tp > 1
+
+
+def _torch_norms_under_sequence_parallel() -> None:
+    """Let the local spec's torch norms (megatron-core's WrappedTorchNorm, what it builds without Apex or
+    Transformer Engine) run under sequence parallel, which WrappedTorchNorm refuses.
+
+    Under sequence parallel each TP rank normalises its own part of the sequence, so a norm's weight gradient is
+    a partial sum that `finalize_model_grads` must all-reduce over TP; it does so for parameters marked
+    `sequence_parallel`, as Apex's and Transformer Engine's norms mark theirs and the torch norm does not. Built
+    here with the same marking; with sequence parallel off nothing changes. Idempotent.
+    """
+    from megatron.core.transformer import torch_norm
+
+    cls = torch_norm.WrappedTorchNorm
+    if getattr(cls, "_reshard_sequence_parallel", False):
+        return
+    build = cls.__new__
+
+    def new(cls_, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return build(cls_, config, *args, **kwargs)
+        norm = build(cls_, dataclasses.replace(config, sequence_parallel=False), *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    cls.__new__ = staticmethod(new)
+    cls._reshard_sequence_parallel = True
+
+
 def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype = torch.float32):
     """Megatron's TransformerConfig for `config` at `layout` (no dropout, no fusions)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -79,7 +112,8 @@ def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype =
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         **parallel_sizes(layout),
-        sequence_parallel=False,
+        # megatron-core refuses MoE with TP > 1 without sequence parallel; dense models keep it off
+        sequence_parallel=sequence_parallel(config, layout),
         use_cpu_initialization=not on_gpu,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -156,6 +190,8 @@ def build_model(config: ModelConfig, layout: Layout, dtype: torch.dtype = torch.
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     tconfig = transformer_config(config, layout, dtype)
+    if tconfig.sequence_parallel:
+        _torch_norms_under_sequence_parallel()
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     models = []
     for vstage in range(layout.vpp):

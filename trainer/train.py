@@ -346,6 +346,10 @@ def run(args) -> None:
         args.data, args.seq_length, args.tokenizer, PRESETS[args.model].vocab_rows, [args.load, args.save])
     config = model_config(args, saved_args, tokenizer.get_vocab_size())
     layout.validate(config)
+    if config.is_moe and layout.tp > 1 and args.seq_length % layout.tp:
+        # sequence parallel, which megatron-core needs for MoE at TP > 1, splits each sequence over TP
+        raise TrainerError(f"MoE at TP={layout.tp} runs sequence parallel: --seq-length {args.seq_length} must be a "
+                           f"multiple of {layout.tp}")
     if args.save is not None and _rank() == 0:
         args.save.mkdir(parents=True, exist_ok=True)
         if not (args.save / "tokenizer.json").exists():

@@ -61,6 +61,26 @@ def test_plain_optimizer_common_step_goes_to_every_distributed_optimizer_group()
     assert "state" not in out["optimizer"]
 
 
+def _distributed(step: float, wd_mults=(1.0, 0.0)) -> dict:
+    return {"optimizer": {"param_groups": [{"lr": 1e-3, "wd_mult": w, "step": step} for w in wd_mults]},
+            "param_state_sharding_type": "fully_reshardable"}
+
+
+def test_a_chain_of_another_length_resumes_at_the_checkpoints_step():
+    """MoE: Megatron chains a dense and an expert DistributedOptimizer at EP2, builds one at EP1. The common part
+    of an EP2 checkpoint (`{0: ..., 1: ...}`, as its common.pt holds it) does not fit an EP1 request, whose
+    param groups, taken instead, carry the fresh optimizer's step 0: the resumed run must take the checkpoint's
+    step (3 here), or Adam's bias correction restarts (the resumed loss was 1.4% off at the second step)."""
+    ep2 = {0: _distributed(3.0), 1: _distributed(3.0, wd_mults=(1.0,))}
+    out = align_optimizer_state(ep2, _distributed(0.0), _Sub([{"lr": 0.0}, {"lr": 0.0}]))
+    assert [g["step"] for g in out["optimizer"]["param_groups"]] == [3.0, 3.0]
+    # and the other way: an EP1 checkpoint resumed by a chain
+    request = {0: _distributed(0.0), 1: _distributed(0.0, wd_mults=(1.0,))}
+    chained = type("Chained", (), {"chained_optimizers": [_Sub([{"lr": 0.0}] * 2), _Sub([{"lr": 0.0}])]})()
+    out = align_optimizer_state(_distributed(3.0), request, chained)
+    assert [g["step"] for k in (0, 1) for g in out[k]["optimizer"]["param_groups"]] == [3.0, 3.0, 3.0]
+
+
 def test_the_torch_adam_load_fixes_leave_fused_adam_alone(monkeypatch):
     """With Transformer Engine or Apex (FusedAdam, a GPU) the DistributedOptimizer is megatron's own."""
     from megatron.core.optimizer import distrib_optimizer

@@ -251,6 +251,7 @@ def test_a_resume_that_would_not_continue_the_run_is_refused(bf16, tmp_path, cor
     (1, ["--vpp", 2], "--vpp needs --pp 2 or more"),
     (1, ["--lr-warmup-iters", TOTAL], f"--lr-warmup-iters {TOTAL} must be below --lr-decay-iters {TOTAL}"),
     (2, ["--ep", 2], "EP=2 needs a mixture-of-experts model"),
+    (2, ["--tp", 2, "--model", "tiny-moe", "--seq-length", 15], "MoE at TP=2 runs sequence parallel: --seq-length 15"),
 ])
 def test_a_launch_megatron_would_refuse_is_refused_in_one_line(tmp_path, corpus, nproc, flags, message):
     with pytest.raises(RuntimeError, match=message) as info:
