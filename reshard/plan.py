@@ -401,7 +401,7 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
     if dtype is not None:
         common.args.update(precision_args(dtype))
     if target.optimizer_form == "dp_reshardable":
-        writer = dp_reshardable_writer.prepare_target(reader, format_name, {m.target.name: m.target for m in moves}, common, target)
+        writer = dp_reshardable_writer.prepare_target(reader, format_name, {m.target.name: m.target for m in moves}, common, target, layout)
     plan = ConversionPlan(
         source=reader.path,
         source_format=reader.format_name,
