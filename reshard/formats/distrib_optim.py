@@ -24,8 +24,8 @@ exp_avg_sq>.<model key>` with the model tensor's global shape, so that everythin
 parameter it needs (streaming per parameter, never a whole bucket).
 
 With virtual pipeline stages each model chunk is its own buffer (`gbuf_idx_<chunk>`, never bucketed past the
-first chunk). An MoE model's state is a chain of two optimizers (keys prefixed `chained_0.` dense, `chained_1.`
-experts; see `BufferLayout`). Not yet decoded (refused by name): several parameter dtypes in one chunk, a
+first chunk). An MoE model's state at EP > 1 is a chain of two optimizers (keys prefixed `chained_0.` dense,
+`chained_1.` experts; see `BufferLayout`). Not yet decoded (refused by name): several parameter dtypes in one chunk, a
 chain per model chunk (`overlap_param_gather_with_optimizer_step`), MoE stages without experts, Transformer-Engine
 module order (`transformer_impl=transformer_engine`: not yet verified against megatron-core).
 """

@@ -90,7 +90,13 @@ def prepare_target(
             "verified against megatron-core; write local-spec names (--naming local) or the fully_reshardable form"
         )
     param_groups(common.extra.get("optimizer"), reader.config.is_moe and layout.ep > 1)
-    common.args["data_parallel_size"] = target.dp or int(reader.common.args.get("data_parallel_size") or 1)
+    dp = target.dp or int(reader.common.args.get("data_parallel_size") or 1)
+    if reader.config.is_moe and (dp * layout.tp) % (layout.expert_tp * layout.ep):
+        raise ReshardError(
+            f"data-parallel size {dp} x TP {layout.tp} is not a multiple of ETP {layout.expert_tp} x EP {layout.ep}, as "
+            "megatron-core's expert data-parallel size needs: choose another --to-dp"
+        )
+    common.args["data_parallel_size"] = dp
     return DpReshardableWriter
 
 
