@@ -175,3 +175,26 @@ def test_dry_run_shows_the_optimizer_work(distrib_optim, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "optimizer state: dp_reshardable buckets (DP 2) -> dp_reshardable buckets (DP 4), 2.1 MiB" in out.stdout, out.stdout
     assert not (tmp_path / "out").exists()
+
+
+def test_moe_requests_it_cannot_write_are_refused_in_one_line(distrib_optim, tmp_path):
+    """An expert DP size that does not divide, and a chained expert optimizer from a source with one optimizer
+    (reshard's own EP1 output: no expert param_groups recorded) are refused at planning; nothing is written."""
+    source = distrib_optim("tiny-moe", tp=1, ep=2)["dp"]
+    _one_line_error(reshard("convert", source, tmp_path / "out", "--to-ep", 4, "--optimizer-form", "dp_reshardable", "--to-dp", 2),
+                    "data-parallel size 2 x TP 1", "ETP 1 x EP 4", "--to-dp")
+    assert not (tmp_path / "out").exists()
+    out = reshard("convert", source, tmp_path / "ep1", "--to-ep", 1, "--optimizer-form", "dp_reshardable")
+    assert out.returncode == 0, out.stderr
+    _one_line_error(reshard("convert", tmp_path / "ep1", tmp_path / "out", "--to-ep", 2, "--optimizer-form", "dp_reshardable"),
+                    "EP > 1", "chained expert optimizer", "fully_reshardable")
+    assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_shows_the_moe_optimizer_work(distrib_optim, tmp_path):
+    source = distrib_optim("tiny-moe", tp=1, ep=2)["dp"]
+    out = reshard("convert", source, tmp_path / "out", "--to-ep", 4, "--to-pp", 2, "--optimizer-form", "dp_reshardable", "--to-dp", 4,
+                  "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "optimizer state: dp_reshardable buckets (DP 4) -> dp_reshardable buckets (DP 4), 3.2 MiB" in out.stdout, out.stdout
+    assert not (tmp_path / "out").exists()
