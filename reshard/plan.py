@@ -401,9 +401,9 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
     if dtype is not None:
         common.args.update(precision_args(dtype))
     if target.optimizer_form == "dp_reshardable":
-        writer = dp_reshardable_writer.prepare_target(reader, format_name, {m.target.name: m.target for m in moves}, common, target)
+        writer = dp_reshardable_writer.prepare_target(reader, format_name, {m.target.name: m.target for m in moves}, common, target, layout)
     elif format_name == "legacy" and any(m.target.is_optimizer for m in moves):  # the DistributedOptimizer's distrib_optim.pt
-        writer = distrib_optim_legacy.prepare_target(reader, {m.target.name: m.target for m in moves}, common, target)
+        writer = distrib_optim_legacy.prepare_target(reader, {m.target.name: m.target for m in moves}, common, target, layout)
     plan = ConversionPlan(
         source=reader.path,
         source_format=reader.format_name,

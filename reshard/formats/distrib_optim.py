@@ -24,8 +24,8 @@ exp_avg_sq>.<model key>` with the model tensor's global shape, so that everythin
 parameter it needs (streaming per parameter, never a whole bucket).
 
 With virtual pipeline stages each model chunk is its own buffer (`gbuf_idx_<chunk>`, never bucketed past the
-first chunk). An MoE model's state is a chain of two optimizers (keys prefixed `chained_0.` dense, `chained_1.`
-experts; see `BufferLayout`). Not yet decoded (refused by name): several parameter dtypes in one chunk, a
+first chunk). An MoE model's state at EP > 1 is a chain of two optimizers (keys prefixed `chained_0.` dense,
+`chained_1.` experts; see `BufferLayout`). Not yet decoded (refused by name): several parameter dtypes in one chunk, a
 chain per model chunk (`overlap_param_gather_with_optimizer_step`), MoE stages without experts, Transformer-Engine
 module order (`transformer_impl=transformer_engine`: not yet verified against megatron-core).
 """
@@ -75,6 +75,7 @@ _LAYER_ORDER = (
     "pre_mlp_layernorm.weight",  # an MoE layer's
     "pre_mlp_layernorm.bias",
     "mlp.router.weight",
+    "mlp.experts",  # the experts, where they share the dense buffer (EP1)
     "mlp.shared_experts.gate_weight",
     "mlp.shared_experts.linear_fc1.weight",
     "mlp.shared_experts.linear_fc1.bias",
@@ -85,7 +86,7 @@ _LAYER_ORDER = (
     "mlp.linear_fc2.weight",
     "mlp.linear_fc2.bias",
 )
-# One expert's parameters (SequentialMLP's local_experts.<i>), in the expert optimizer's own buffer.
+# One expert's parameters (SequentialMLP's local_experts.<i>), in the expert optimizer's own buffer (EP > 1).
 _EXPERT_ORDER = (
     "mlp.experts.experts.linear_fc1.weight",
     "mlp.experts.experts.linear_fc1.bias",
@@ -154,17 +155,20 @@ def _unknown_place(param: str) -> ReshardError:
     )
 
 
-def _order_key(spec: TensorSpec, layer: int | None, expert: int | None) -> tuple[int, int, int, int]:
+def _order_key(spec: TensorSpec, layer: int | None, expert: int | None) -> tuple[int, int, int, int, int]:
     param = spec.param
     if param.startswith("decoder.layers."):
         tail = re.sub(r"^decoder\.layers\.(\d+\.)?", "", param)
         order = _EXPERT_ORDER if spec.experts else _LAYER_ORDER
         if tail not in order:
             raise _unknown_place(param)
-        return (_TOP_ORDER.index(None), layer if layer is not None else spec.layer, expert or 0, order.index(tail))
+        layer = layer if layer is not None else spec.layer
+        if spec.experts:
+            return (_TOP_ORDER.index(None), layer, _LAYER_ORDER.index("mlp.experts"), expert or 0, order.index(tail))
+        return (_TOP_ORDER.index(None), layer, order.index(tail), 0, 0)
     if param not in _TOP_ORDER:
         raise _unknown_place(param)
-    return (_TOP_ORDER.index(param), 0, 0, 0)
+    return (_TOP_ORDER.index(param), 0, 0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -187,7 +191,8 @@ class BufferLayout:
     optimizer/__init__.py).
 
     An MoE model's optimizer is megatron-core's ChainedOptimizer: the dense optimizer (keys prefixed
-    `chained_0.`), then the expert one (`chained_1.`). The expert parameters lie in buffers of their own (one
+    `chained_0.`), then the expert one (`chained_1.`), where EP > 1 (at EP1 megatron-core marks no parameter
+    expert-parallel: the experts lie in the dense buffer, after the router, one optimizer). The expert parameters lie in buffers of their own (one
     per model chunk that has experts), keyed by the rank in the expert tensor-, expert- and pipeline-parallel
     group (`etp + ETP * (ep + EP * pp)`), their buckets padded for the expert data-parallel size
     (`DP * TP / (ETP * EP)`); a rank without experts has an unchained dense optimizer."""
@@ -211,8 +216,8 @@ class BufferLayout:
         self.placed: dict[tuple[str, int | None, int | None, int, int, int], tuple[Gbuf, Placed]] = {}
         self.chains: set[int | None] = set()
         for pp in range(layout.pp):
-            # megatron-core chains the optimizers only where the rank holds expert parameters
-            chained = any(self._local_params(0, 0, pp, vstage, experts=True) for vstage in range(layout.vpp))
+            # megatron-core chains the optimizers only where the rank holds expert-parallel parameters
+            chained = layout.ep > 1 and any(self._local_params(0, 0, pp, vstage, experts=True) for vstage in range(layout.vpp))
             for tp in range(layout.tp):
                 dense = DENSE_CHAIN if chained else None
                 self._place_rank(dense, tp + layout.tp * pp, tp, 0, pp, False, self.dp)
@@ -265,9 +270,9 @@ class BufferLayout:
         its copy of the word embeddings (stored under the embedding's name; it and the first stage's embedding
         are `shared_embedding`)."""
         found: dict[tuple[str, int | None, int | None], list[Piece]] = {}
-        order: dict[tuple[str, int | None, int | None], tuple[int, int, int, int]] = {}
+        order: dict[tuple[str, int | None, int | None], tuple[int, int, int, int, int]] = {}
         for name, spec in self.model_specs.items():
-            if spec.experts != experts:
+            if spec.experts != experts and (experts or self.layout.ep > 1):  # at EP1 the dense buffer holds the experts
                 continue
             for piece in pieces(spec, self.config, self.layout):
                 if (piece.rank.tp, piece.rank.ep, piece.rank.pp, piece.rank.vstage) == (tp, ep, pp, vstage):

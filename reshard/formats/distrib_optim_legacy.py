@@ -30,7 +30,7 @@ from reshard.formats.distrib_optim import STATE_KEYS, BufferLayout, flat_span, r
 from reshard.formats.dp_reshardable_writer import DpReshardableWriter
 from reshard.formats.dp_reshardable_writer import prepare_target as prepare_dp_target
 from reshard.formats.megatron_legacy import OPTIM_FILE, LegacyWriter
-from reshard.layout import RankCoord, ranks
+from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec
 from reshard.request import Target
 from reshard.sharding import Piece, Region, shift, to_slices
@@ -41,7 +41,9 @@ from reshard.torchfile.pickles import named
 _TAG = "distrib_optim"  # marks this writer's facts among the rank files'
 
 
-def prepare_target(reader: CheckpointReader, specs: dict[str, TensorSpec], common: CommonState, target: Target) -> type[LegacyDistribOptimWriter]:
+def prepare_target(
+    reader: CheckpointReader, specs: dict[str, TensorSpec], common: CommonState, target: Target, layout: Layout
+) -> type[LegacyDistribOptimWriter]:
     """The writer of legacy output with DistributedOptimizer state, the target's data-parallel size recorded in
     `common`'s args. What the state needs (all three states of every parameter, an architecture, local-spec names,
     param groups) is the dp_reshardable writer's check: the buffers are the same. MoE models are refused here."""
@@ -50,7 +52,7 @@ def prepare_target(reader: CheckpointReader, specs: dict[str, TensorSpec], commo
             "legacy output of an MoE model's DistributedOptimizer state (the ChainedOptimizer's distrib_optim.pt) is not "
             "written yet: pass --no-optimizer, or write torch_dist"
         )
-    prepare_dp_target(reader, "torch_dist", specs, common, target)  # its format check is for its own output
+    prepare_dp_target(reader, "torch_dist", specs, common, target, layout)  # its format check is for its own output
     return LegacyDistribOptimWriter
 
 

@@ -6,7 +6,10 @@ Per model-parallel rank I, model chunk g and bucket b, three 1-D fp32 tensors
 `optimizer.distributed.dp_group_idx_<I>.gbuf_idx_<g>.dtype_(<param>, <grad>).bucket_idx_<b>.<param|exp_avg|exp_avg_sq>`
 of the bucket's unpadded length, and the rank's ShardedObjects `...dp_group_idx_<I>.{optimizer, per_bucket_numel,
 per_bucket_numel_unpadded}`; common.pt's `optimizer` entry only names the form (megatron-core 0.16's
-`DistributedOptimizer.sharded_state_dict(... 'dp_reshardable')`). Where each parameter lies in its rank's bucket is
+`DistributedOptimizer.sharded_state_dict(... 'dp_reshardable')`). An MoE model at EP > 1 has megatron-core's
+ChainedOptimizer: all of that per optimizer, keys prefixed `chained_0.` (dense) and `chained_1.` (experts, keyed by the
+expert rank, buckets padded for the expert data-parallel size), common.pt's entry one per optimizer; at EP1 the experts
+are in the one dense optimizer's buffer. Where each parameter lies in its rank's bucket is
 the reader's derivation (`distrib_optim.BufferLayout`), so what is written here is decoded back by the same rules
 and checked there against the saved bucket sizes.
 
@@ -27,9 +30,9 @@ import numpy as np
 from reshard.checksum import HashedParts
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState
-from reshard.formats.distrib_optim import STATE_KEYS, BufferLayout, Gbuf, flat_span
+from reshard.formats.distrib_optim import DENSE_CHAIN, EXPERT_CHAIN, STATE_KEYS, BufferLayout, Gbuf, flat_span
 from reshard.formats.megatron_dist import TorchDistWriter, _Record
-from reshard.layout import RankCoord
+from reshard.layout import Layout, RankCoord
 from reshard.logical import TensorSpec
 from reshard.naming import uses_te_names
 from reshard.request import Target
@@ -41,8 +44,30 @@ from reshard.torchfile.pickles import named
 _OBJECT = "/shard_0_1"  # the storage key of a ShardedObject of global shape (1,) at offset (0,)
 
 
+def param_groups(recorded: Any, chained: bool) -> dict[int | None, Any]:
+    """Each target optimizer's saved state (its param_groups, by chain index; None: unchained) from common.pt's
+    `optimizer` entry as the source records it (one optimizer's, or one per chained optimizer). The dense optimizer's
+    is either form's dense one; the expert optimizer's only a chained source records."""
+    if not isinstance(recorded, dict):
+        recorded = {}
+    by_chain = {None: recorded["optimizer"]} if "optimizer" in recorded else {
+        chain: entry["optimizer"] for chain, entry in recorded.items() if isinstance(entry, dict) and "optimizer" in entry
+    }
+    dense = by_chain.get(DENSE_CHAIN, by_chain.get(None))
+    if not isinstance(dense, dict):
+        raise ReshardError("the source records no DistributedOptimizer param_groups: its optimizer state cannot be written as dp_reshardable")
+    if not chained:
+        return {None: dense}
+    if not isinstance(by_chain.get(EXPERT_CHAIN), dict):
+        raise ReshardError(
+            "--optimizer-form dp_reshardable at EP > 1 writes megatron-core's chained expert optimizer, whose param_groups "
+            "the source (one optimizer, an EP1 run's) does not record: write the fully_reshardable form"
+        )
+    return {DENSE_CHAIN: dense, EXPERT_CHAIN: by_chain[EXPERT_CHAIN]}
+
+
 def prepare_target(
-    reader: CheckpointReader, target_format: str, specs: dict[str, TensorSpec], common: CommonState, target: Target
+    reader: CheckpointReader, target_format: str, specs: dict[str, TensorSpec], common: CommonState, target: Target, layout: Layout
 ) -> type[DpReshardableWriter]:
     """The writer of `--optimizer-form dp_reshardable` output with the target's data-parallel size recorded in
     `common`'s args (the source's unless `target.dp`); a request it cannot write is refused in one line."""
@@ -59,17 +84,19 @@ def prepare_target(
         )
     if reader.config is None:
         raise ReshardError("--optimizer-form dp_reshardable places parameters by the architecture, which the source does not record: pass --config")
-    if reader.config.is_moe:
-        raise ReshardError("writing the dp_reshardable optimizer state of a MoE model (chained expert optimizer) is not supported yet")
     if uses_te_names(common.args) if target.naming is None else target.naming == "te":
         raise ReshardError(
             "--optimizer-form dp_reshardable: the DistributedOptimizer's buffer order of Transformer-Engine modules is not "
             "verified against megatron-core; write local-spec names (--naming local) or the fully_reshardable form"
         )
-    recorded = common.extra.get("optimizer")
-    if not (isinstance(recorded, dict) and isinstance(recorded.get("optimizer"), dict)):
-        raise ReshardError("the source records no DistributedOptimizer param_groups: its optimizer state cannot be written as dp_reshardable")
-    common.args["data_parallel_size"] = target.dp or int(reader.common.args.get("data_parallel_size") or 1)
+    param_groups(common.extra.get("optimizer"), reader.config.is_moe and layout.ep > 1)
+    dp = target.dp or int(reader.common.args.get("data_parallel_size") or 1)
+    if reader.config.is_moe and (dp * layout.tp) % (layout.expert_tp * layout.ep):
+        raise ReshardError(
+            f"data-parallel size {dp} x TP {layout.tp} is not a multiple of ETP {layout.expert_tp} x EP {layout.ep}, as "
+            "megatron-core's expert data-parallel size needs: choose another --to-dp"
+        )
+    common.args["data_parallel_size"] = dp
     return DpReshardableWriter
 
 
@@ -93,22 +120,25 @@ class DpReshardableWriter(TorchDistWriter):
         grad = "float32" if args.get("grad_reduce_in_fp32") else self.config.params_dtype
         self._dtypes = f"(torch.{self.config.params_dtype}, torch.{grad})"  # as bucket tensor keys spell them
         dtype_key = (named("torch", self.config.params_dtype), named("torch", grad))
-        # a dense model's optimizer is unchained (`prepare_target` refuses MoE): one rank's buffers per model chunk
+        # one optimizer's buffers per rank and model chunk; an MoE model at EP > 1 chains a dense and an expert one
         self.buffer_layout = BufferLayout(self.specs, self.config, self.layout, args)
+        groups = param_groups(self.common.extra.get("optimizer"), None not in self.buffer_layout.chains)
         self.buckets: dict[str, int] = {}  # bucket tensor key prefix -> unpadded length
         objects = dict(self.common.objects)
-        for group in sorted({gbuf.group for gbuf in self.buffer_layout.buffers}):
+        for chain, group in sorted({(g.chain, g.group) for g in self.buffer_layout.buffers}, key=lambda cg: (cg[0] or 0, cg[1])):
+            dp = self.buffer_layout.expert_dp if chain == EXPERT_CHAIN else self.buffer_layout.dp
             unpadded, padded = [], []
-            for gbuf in self.buffer_layout.rank_buffers(None, group):
+            for gbuf in self.buffer_layout.rank_buffers(chain, group):
                 sizes = list(self.buffer_layout.buffers[gbuf].sizes)
                 self.buckets.update((self._bucket_key(gbuf, b), size) for b, size in enumerate(sizes))
                 unpadded.append({dtype_key: sizes})
-                padded.append({dtype_key: [self.buffer_layout.pad_bucket(size, self.buffer_layout.dp) for size in sizes]})
-            group_key = Gbuf(None, group, 0).prefix
-            objects[f"{group_key}.optimizer{_OBJECT}"] = self.common.extra["optimizer"]["optimizer"]
+                padded.append({dtype_key: [self.buffer_layout.pad_bucket(size, dp) for size in sizes]})
+            group_key = Gbuf(chain, group, 0).prefix
+            objects[f"{group_key}.optimizer{_OBJECT}"] = groups[chain]
             objects[f"{group_key}.per_bucket_numel{_OBJECT}"] = padded
             objects[f"{group_key}.per_bucket_numel_unpadded{_OBJECT}"] = unpadded
-        extra = {**self.common.extra, "optimizer": {"param_state_sharding_type": "dp_reshardable"}}
+        form = {"param_state_sharding_type": "dp_reshardable"}
+        extra = {**self.common.extra, "optimizer": form if None in groups else {chain: dict(form) for chain in groups}}
         self.common = replace(self.common, objects=objects, extra=extra)
 
     def _target_args(self) -> dict[str, Any]:
@@ -139,11 +169,18 @@ class DpReshardableWriter(TorchDistWriter):
             raise ReshardError(f"{spec.name}: a target piece is not one run of its rank's parameter; not written as dp_reshardable")
         return f"{self._bucket_key(gbuf, place.bucket)}.{spec.name.split('.')[2]}", place.start + span[0]
 
+    def _bucket_pieces(self, spec: TensorSpec, pieces: list[Piece]) -> list[Piece]:
+        """The pieces that have a place of their own in a bucket: a dense parameter's EP ranks are data-parallel
+        replicas in one dense optimizer (its dp_group_idx has no EP), so only EP rank 0's copy is written."""
+        if self.buffer_layout.model_specs[spec.param].experts:
+            return pieces
+        return [piece for piece in pieces if piece.rank.ep == 0]
+
     def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Record]:
         if not spec.is_optimizer:
             return super().reserve(spec, slab, pieces)
         records = []
-        for piece in pieces:
+        for piece in self._bucket_pieces(spec, pieces):
             key, offset = self._place(spec, piece)
             index = self._file_index[RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)]
             records.append(self._reserve_record(index, (offset,), (region_size(piece.region),), spec.dtype, key))
@@ -156,7 +193,7 @@ class DpReshardableWriter(TorchDistWriter):
         the reader decodes (primary pieces) are vouched for as written, as the reader finds them in the buckets."""
         if not spec.is_optimizer:
             return super().prepare(spec, slab, data, pieces, reserved, hashed)
-        for piece, record in zip(pieces, reserved):
+        for piece, record in zip(self._bucket_pieces(spec, pieces), reserved, strict=True):
             flat = data[to_slices(shift(piece.region, slab))].reshape(-1)  # a copy only of a strided (TP-split) piece
             saved = save_tensor(flat, At(self._files[record.index], record.storage.offset), self._scratch.scratch)
             if saved.size != record.storage.length:
