@@ -268,18 +268,24 @@ def _peer(variable: str, name: str) -> Path:
     return Path(os.environ.get(variable, GOLDEN.parents[2] / "peers" / name))
 
 
-def test_megatron_lm_loads_reshards_torch_dist_at_tp2_pp2(tmp_path):
-    """Megatron-LM's own load_checkpoint (core_v0.17.1 tree, its tools/checkpoint loader's arguments and GPT model,
-    one gloo process per rank) reads reshard's torch_dist at TP2 PP2, and each rank's model then holds the HF
-    original's weights bit for bit (its TP slice, stage-local layers; the real vocabulary rows)."""
+def megatron_lm_peer():
+    """(Megatron-LM's venv, its tree, make_golden.py as a module), or the calling test is skipped with the reason."""
     venv, tree = _peer("MLM_VENV", "mlm-venv"), _peer("MLM_TREE", "mlm-tree")
     if not (venv / "bin" / "torchrun").exists() or not (tree / "tools" / "checkpoint" / "loader_core.py").exists():
         pytest.skip(f"needs Megatron-LM's peer install ({venv}, {tree}; MLM_VENV/MLM_TREE): shared/peers/setup_mlm.sh")
     spec = importlib.util.spec_from_file_location("make_golden", GOLDEN / "make_golden.py")
     make_golden = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_golden)
+    return venv, tree.resolve(), make_golden
+
+
+def test_megatron_lm_loads_reshards_torch_dist_at_tp2_pp2(tmp_path):
+    """Megatron-LM's own load_checkpoint (core_v0.17.1 tree, its tools/checkpoint loader's arguments and GPT model,
+    one gloo process per rank) reads reshard's torch_dist at TP2 PP2, and each rank's model then holds the HF
+    original's weights bit for bit (its TP slice, stage-local layers; the real vocabulary rows)."""
+    venv, tree, make_golden = megatron_lm_peer()
     convert(HF, tmp_path / "dist", Target(format="torch_dist", layout=Layout(tp=2, pp=2), naming="local"))
-    checked = make_golden.mlm_load_ranks(venv, tree.resolve(), tmp_path, "dist", 2, 2, HF)
+    checked = make_golden.mlm_load_ranks(venv, tree, tmp_path, "dist", 2, 2, HF)
     assert checked.endswith("30 tensors ok at TP2 PP2"), checked
 
 
