@@ -92,7 +92,10 @@ def _agree(reader: CheckpointReader, master: str, name: str, region: Region) -> 
     weights = reader.read(name, region)
     master_weights = np.empty(weights.shape, np.float32)
     reader.read_into(master, region, master_weights)
-    return bool(np.array_equal(master_weights.astype(numpy_dtype(reader.specs[name].dtype)).view(np.uint8), weights.view(np.uint8)))
+    dtype = numpy_dtype(reader.specs[name].dtype)
+    rounded = master_weights if dtype == master_weights.dtype else master_weights.astype(dtype)
+    bits = np.dtype(f"u{dtype.itemsize}")  # compared as bits: a NaN or -0.0 must be the very same value
+    return bool(np.array_equal(rounded.view(bits), weights.view(bits)))
 
 
 def layout_refusal(bad: list[str]) -> ReshardError:
