@@ -6,7 +6,8 @@ Every conversion of a dp_reshardable (or distrib_optim.pt) source reads its mode
 once more and compares them. In one run, each step cold where the page cache can be dropped (bench_convert's
 `measure`): bench_optimizer's synthetic source (bf16 model, dp_reshardable TP2 DP4, master weights = the weights),
 `cp -r` of it, `reshard convert` of it to TP1 PP2 (check included), and the check alone on the same plan; all that
-twice. Reported: each step's seconds, peak RSS, and the check's share of the conversion (check alone / convert).
+--rounds times (medians reported: a shared machine's load drifts within minutes).
+Reported: each step's seconds, peak RSS, and the check's share of the conversion (check alone / convert).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-drop-cache", action="store_true")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--_check", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._check:
@@ -63,16 +65,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"bench_master_weights: could not build the source:\n{build['output_tail']}")
     source_bytes = dir_bytes(src)
     steps = []
-    for round_ in ("first", "second"):
-        cp = measure(f"cp -r ({round_})", ["cp", "-r", str(src), str(work / "cp")], drop=drop, timeout=3600, env=env)
+    for round_ in range(1, args.rounds + 1):
+        cp = measure(f"cp -r (round {round_})", ["cp", "-r", str(src), str(work / "cp")], drop=drop, timeout=3600, env=env)
         shutil.rmtree(work / "cp", ignore_errors=True)
         steps.append({**cp, "kind": "cp"})
         convert = [sys.executable, "-m", "reshard", "convert", str(src), str(work / "out"), *TARGET, "--workers", str(args.workers), "-q"]
-        steps.append({**measure(f"convert TP2 DP4 -> TP1 PP2, check included ({round_})", convert, drop=drop, timeout=3600, env=env),
+        steps.append({**measure(f"convert TP2 DP4 -> TP1 PP2, check included (round {round_})", convert, drop=drop, timeout=3600, env=env),
                       "kind": "convert"})
         shutil.rmtree(work / "out", ignore_errors=True)
         check = [sys.executable, __file__, "--_check", str(src)]
-        steps.append({**measure(f"the check alone ({round_})", check, drop=drop, timeout=3600, env=env), "kind": "check"})
+        steps.append({**measure(f"the check alone (round {round_})", check, drop=drop, timeout=3600, env=env), "kind": "check"})
     seconds = {kind: statistics.median(s["seconds"] for s in steps if s["kind"] == kind) for kind in ("cp", "convert", "check")}
     results = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -82,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         "source_dir_bytes": source_bytes,
         "workers": args.workers,
         "steps": steps,
+        "median_seconds": seconds,
         "check_share_of_convert": round(seconds["check"] / seconds["convert"], 3),
         "check_vs_cp": round(seconds["check"] / seconds["cp"], 3),
     }
