@@ -3,17 +3,24 @@
 Megatron keeps fp32 master weights in the optimizer state (`optimizer.state.param.<X>` in the
 DistributedOptimizer's forms, `optimizer.state.fp32_param.<X>` in the plain optimizer's) and copies them into
 the model after every step, so a checkpoint's weights are its master weights rounded to the model's dtype.
-megatron-core 0.15-0.19 break that in a `fully_reshardable` save of a DistributedOptimizer buffer in two or
-more buckets: past the first bucket they read the state at offsets shifted by the earlier buckets' padding
-and zero-fill the overrun (fixed upstream by Megatron-LM #5077, after 0.19). Such state loads without error
-and resumes a run with moments for the wrong elements, so a conversion refuses it, naming the tensors.
+Two things break that, and a conversion refuses either, naming the tensors:
 
-Only checkpoints that can hold that damage are checked (it reads the model and its master weights once
-more): the DistributedOptimizer's per-parameter form as saved (a dp_reshardable save is decoded from the
-buckets themselves, whose sizes are checked), from a run whose buffers had several buckets.
+- megatron-core 0.15-0.19 in a `fully_reshardable` save of a DistributedOptimizer buffer in two or more
+  buckets: past the first bucket they read the state at offsets shifted by the earlier buckets' padding and
+  zero-fill the overrun (fixed upstream by Megatron-LM #5077, after 0.19). Such state loads without error and
+  resumes a run with moments for the wrong elements. Checked where the args say the run had several buckets.
+- a wrong buffer layout of reshard's own: the `dp_reshardable` and `distrib_optim.pt` forms hold flat buckets
+  whose parameter order reshard derives (`formats.distrib_optim.BufferLayout`). The bucket lengths catch most
+  errors, not two parameters of one size in each other's place; the master weights catch those, whatever the
+  spec, so every conversion of those forms checks them.
+
+The check reads the model and its master weights once more, a unit of at most UNIT_BYTES at a time, each unit
+whole pieces of the source's layout (so a decoded read touches each rank's parameter once).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -21,9 +28,9 @@ from reshard.collective import Collective, shares
 from reshard.dtypes import itemsize, numpy_dtype
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader
-from reshard.logical import OPTIMIZER_PREFIX
+from reshard.logical import OPTIMIZER_PREFIX, TensorSpec
 from reshard.plan import UNIT_BYTES, TensorMove
-from reshard.sharding import Region, bands, region_size, slabs
+from reshard.sharding import Region, intersect, pieces, slabs, units
 
 MASTER_STATES = ("param", "fp32_param")
 
@@ -44,38 +51,59 @@ def at_risk(reader: CheckpointReader) -> bool:
     return bool(args.get("overlap_grad_reduce")) or (reader.layout.pp > 1 and tied)
 
 
+def decoded_from_buffers(reader: CheckpointReader) -> bool:
+    """Whether the checkpoint's optimizer state is decoded from DistributedOptimizer buffers by the layout reshard
+    derives (dp_reshardable buckets, or the legacy format's distrib_optim.pt)."""
+    return getattr(reader, "dp_reshardable", None) is not None or getattr(reader, "distrib_optim", None) is not None
+
+
 def check(reader: CheckpointReader, moves: list[TensorMove], team: Collective) -> None:
-    """Refuse the conversion if, among the tensors `moves` carry, the master weights of a checkpoint at risk are not
-    its weights (each rank of `team` reads its share)."""
+    """Refuse the conversion if, among the tensors `moves` carry, the master weights of a checkpoint at risk or
+    decoded from buffers are not its weights (each rank of `team` reads its share)."""
     masters = [m for m in moves if master_of(m.source.name)]
-    if masters and at_risk(reader):
+    decoded = decoded_from_buffers(reader)
+    if masters and (decoded or at_risk(reader)):
         bad = sorted(n for part in team.together(lambda: mismatched(reader, shares(masters, team.size)[team.rank])) for n in part)
         if bad:
-            raise refusal(bad)
+            raise layout_refusal(bad) if decoded else refusal(bad)
 
 
 def mismatched(reader: CheckpointReader, moves: list[TensorMove]) -> list[str]:
     """The model tensors, among the master-weight `moves`, whose saved weights are not their master weights in
-    the model's dtype; read a band of at most UNIT_BYTES of both at a time."""
+    the model's dtype; read a unit of both at a time (`_units`)."""
     bad = []
     for move in moves:
         name = master_of(move.source.name)
         assert name is not None
-        model = reader.specs[name]
-        if not all(_agree(reader, move.source.name, name, region) for slab in slabs(model) for region in _bands(slab, model.dtype)):
+        if not all(_agree(reader, move.source.name, name, region) for region in _units(reader, reader.specs[name])):
             bad.append(name)
     return bad
 
 
-def _bands(slab: Region, dtype: str) -> list[Region]:
-    return bands(slab, -(-region_size(slab) * max(4, itemsize(dtype)) // UNIT_BYTES))
+def _units(reader: CheckpointReader, model: TensorSpec) -> Iterator[Region]:
+    """`model` in units of at most UNIT_BYTES of its fp32 master weights, never through one of its pieces at the
+    source's layout (a decoded master tensor is read a rank's parameter at a time)."""
+    whole = [p.region for p in pieces(model, reader.config, reader.layout) if p.primary and p.alias is None]
+    for slab in slabs(model):
+        yield from units(slab, [r for r in whole if intersect(r, slab) is not None], UNIT_BYTES // max(4, itemsize(model.dtype)))
 
 
 def _agree(reader: CheckpointReader, master: str, name: str, region: Region) -> bool:
     weights = reader.read(name, region)
     master_weights = np.empty(weights.shape, np.float32)
     reader.read_into(master, region, master_weights)
-    return bool(np.array_equal(master_weights.astype(numpy_dtype(reader.specs[name].dtype)).view(np.uint8), weights.view(np.uint8)))
+    dtype = numpy_dtype(reader.specs[name].dtype)
+    rounded = master_weights if dtype == master_weights.dtype else master_weights.astype(dtype)
+    bits = np.dtype(f"u{dtype.itemsize}")  # compared as bits: a NaN or -0.0 must be the very same value
+    return bool(np.array_equal(rounded.view(bits), weights.view(bits)))
+
+
+def layout_refusal(bad: list[str]) -> ReshardError:
+    return ReshardError(
+        f"{bad[0]}: the fp32 master weights decoded from the checkpoint's DistributedOptimizer buffers are not its saved "
+        f"weights ({len(bad)} parameter(s) disagree): the buffer layout reshard derived from the model is not the saving "
+        "run's, so its optimizer state cannot be decoded safely (convert with --no-optimizer)"
+    )
 
 
 def refusal(bad: list[str]) -> ReshardError:

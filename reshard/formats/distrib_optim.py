@@ -7,8 +7,8 @@ of the bucket's unpadded length. This module derives where each parameter lies i
 from the checkpoint's own model tensors and args (`BufferLayout`, after megatron-core 0.16's
 param_and_grad_buffer.py; the legacy `distrib_optim.pt` reader, megatron_legacy.py, uses it too):
 
-1. the rank's parameters in `named_parameters()` order (GPTModel with the local spec), laid out in
-   **reverse** order;
+1. the rank's parameters in `named_parameters()` order (GPTModel with the local or the Transformer-Engine spec,
+   `ParamOrder`), laid out in **reverse** order;
 2. each parameter starts on a multiple of 64 elements, as its local (TP-sharded) tensor, row-major;
 3. a bucket closes when it reaches `bucket_size` (only with `overlap_grad_reduce`, never on pipeline
    stages > 0); with tied embeddings and PP > 1 the embedding (first stage) and its output-layer copy (last
@@ -26,8 +26,10 @@ parameter it needs (streaming per parameter, never a whole bucket).
 With virtual pipeline stages each model chunk is its own buffer (`gbuf_idx_<chunk>`, never bucketed past the
 first chunk). An MoE model's state at EP > 1 is a chain of two optimizers (keys prefixed `chained_0.` dense,
 `chained_1.` experts; see `BufferLayout`). Not yet decoded (refused by name): several parameter dtypes in one chunk, a
-chain per model chunk (`overlap_param_gather_with_optimizer_step`), MoE stages without experts, Transformer-Engine
-module order (`transformer_impl=transformer_engine`: not yet verified against megatron-core).
+chain per model chunk (`overlap_param_gather_with_optimizer_step`), MoE stages without experts, Transformer-Engine's
+fused-op MLP (`use_te_op_fuser`), FP8 parameters (`fp8_param_gather`), the legacy GroupedMLP. The
+Transformer-Engine order is derived from TE's and megatron-core's source (no TE-written save exists here to prove
+it against): `master_weights` checks every decode against the saved weights.
 """
 
 from __future__ import annotations
@@ -85,6 +87,21 @@ _LAYER_ORDER = (
     "mlp.linear_fc1.bias",
     "mlp.linear_fc2.weight",
     "mlp.linear_fc2.bias",
+)
+# The same layer with the Transformer-Engine spec (megatron-core 0.17.1, gpt_layer_specs.py:310-316): no
+# input_layernorm module (TransformerLayerSubmodules' IdentityOp); it is linear_qkv's own, a TE LayerNormLinear,
+# which registers layer_norm_weight, layer_norm_bias, weight, bias in that order (TE v2.14.1, the version
+# megatron-core 0.17.1 pins: pytorch/module/layernorm_linear.py:1262,1271,1358,1373; the same since TE 1.x).
+# Attention registers core_attention (no parameters here), then linear_proj (attention.py:318,349), and
+# SelfAttention then linear_qkv, q_layernorm, k_layernorm (attention.py:1278,1292,1301): the norm moves after
+# linear_proj. mlp.linear_fc1 is a LayerNormLinear too, registered where the local pre_mlp_layernorm was (just
+# before fc1's weight), and TE's Linear registers weight before bias (linear.py:1268,1283), so the rest is alike.
+_TE_LAYER_ORDER = (
+    "self_attention.linear_proj.weight",
+    "self_attention.linear_proj.bias",
+    "self_attention.linear_qkv.layer_norm_weight",
+    "self_attention.linear_qkv.layer_norm_bias",
+    *(name for name in _LAYER_ORDER if not name.startswith(("self_attention.linear_proj.", "self_attention.linear_qkv.layer_norm_"))),
 )
 # One expert's parameters (SequentialMLP's local_experts.<i>), in the expert optimizer's own buffer (EP > 1).
 _EXPERT_ORDER = (
@@ -155,20 +172,47 @@ def _unknown_place(param: str) -> ReshardError:
     )
 
 
-def _order_key(spec: TensorSpec, layer: int | None, expert: int | None) -> tuple[int, int, int, int, int]:
-    param = spec.param
-    if param.startswith("decoder.layers."):
+@dataclass(frozen=True)
+class ParamOrder:
+    """The order of a rank's parameters in `named_parameters()`, as the saving run's modules register them."""
+
+    transformer_engine: bool  # the Transformer-Engine spec (Megatron-LM's default transformer_impl), not the local one
+    grouped_experts: bool  # TEGroupedMLP experts (moe_grouped_gemm with TE), not SequentialMLP
+
+    @classmethod
+    def of(cls, args: dict[str, Any]) -> ParamOrder:
+        impl = args.get("transformer_impl", "transformer_engine")
+        if impl not in ("local", "transformer_engine"):
+            raise ReshardError(f"DistributedOptimizer state of a transformer_impl={impl} model is not decoded (convert with --no-optimizer)")
+        te = impl == "transformer_engine"
+        for flag, what in (("use_te_op_fuser", "Transformer-Engine's fused-op MLP"), ("fp8_param_gather", "FP8 parameters"),
+                           ("moe_use_legacy_grouped_gemm", "the legacy GroupedMLP experts")):
+            if args.get(flag):
+                raise ReshardError(f"DistributedOptimizer state of a model with {what} ({flag}) is not decoded yet (convert with --no-optimizer)")
+        # the local spec builds SequentialMLP whatever moe_grouped_gemm says (backends.py, LocalSpecProvider)
+        return cls(te, te and bool(args.get("moe_grouped_gemm")))
+
+    def key(self, spec: TensorSpec, layer: int | None, expert: int | None) -> tuple[int, ...]:
+        """Where parameter `spec` (at global `layer` and `expert`) comes in the rank's named_parameters()."""
+        param = spec.param
+        if not param.startswith("decoder.layers."):
+            if param not in _TOP_ORDER:
+                raise _unknown_place(param)
+            return (_TOP_ORDER.index(param), 0, 0, 0, 0)
         tail = re.sub(r"^decoder\.layers\.(\d+\.)?", "", param)
-        order = _EXPERT_ORDER if spec.experts else _LAYER_ORDER
+        order = _EXPERT_ORDER if spec.experts else _TE_LAYER_ORDER if self.transformer_engine else _LAYER_ORDER
         if tail not in order:
             raise _unknown_place(param)
         layer = layer if layer is not None else spec.layer
         if spec.experts:
-            return (_TOP_ORDER.index(None), layer, _LAYER_ORDER.index("mlp.experts"), expert or 0, order.index(tail))
+            experts_at = (_TE_LAYER_ORDER if self.transformer_engine else _LAYER_ORDER).index("mlp.experts")
+            if self.grouped_experts:
+                # TEGroupedMLP registers linear_fc1, then linear_fc2 (experts.py:185,203), each a TE GroupedLinear that
+                # registers weight<i> then bias<i> for each local expert i in turn (grouped_linear.py:704-736)
+                module, kind = divmod(order.index(tail), 2)
+                return (_TOP_ORDER.index(None), layer, experts_at, module, 2 * (expert or 0) + kind)
+            return (_TOP_ORDER.index(None), layer, experts_at, expert or 0, order.index(tail))
         return (_TOP_ORDER.index(None), layer, order.index(tail), 0, 0)
-    if param not in _TOP_ORDER:
-        raise _unknown_place(param)
-    return (_TOP_ORDER.index(param), 0, 0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -200,6 +244,7 @@ class BufferLayout:
     def __init__(self, model_specs: dict[str, TensorSpec], config: ModelConfig, layout: Layout, args: dict[str, Any]):
         self.config, self.layout, self.args = config, layout, args
         self._refuse_unsupported(args)
+        self.order = ParamOrder.of(args)
         self.dp = int(args.get("data_parallel_size") or 0)
         if self.dp < 1:
             raise ReshardError("the checkpoint's args record no data_parallel_size: its DistributedOptimizer state cannot be decoded")
@@ -235,11 +280,6 @@ class BufferLayout:
 
     @staticmethod
     def _refuse_unsupported(args: dict[str, Any]) -> None:
-        if args.get("transformer_impl", "transformer_engine") != "local":
-            raise ReshardError(
-                "DistributedOptimizer state of a Transformer-Engine model: its buffer order is not yet verified "
-                "against megatron-core, so reshard refuses to decode it (convert with --no-optimizer)"
-            )
         if args.get("use_distributed_optimizer") is False:
             raise ReshardError("the checkpoint holds DistributedOptimizer buckets but its args say use_distributed_optimizer=False")
         if args.get("overlap_param_gather_with_optimizer_step"):
@@ -270,7 +310,7 @@ class BufferLayout:
         its copy of the word embeddings (stored under the embedding's name; it and the first stage's embedding
         are `shared_embedding`)."""
         found: dict[tuple[str, int | None, int | None], list[Piece]] = {}
-        order: dict[tuple[str, int | None, int | None], tuple[int, int, int, int, int]] = {}
+        order: dict[tuple[str, int | None, int | None], tuple[int, ...]] = {}
         for name, spec in self.model_specs.items():
             if spec.experts != experts and (experts or self.layout.ep > 1):  # at EP1 the dense buffer holds the experts
                 continue
@@ -280,7 +320,7 @@ class BufferLayout:
                     expert = piece.region[int(spec.stacked)][0] if spec.experts else None
                     found.setdefault((name, layer, expert), []).append(piece)
                     ordered_as = spec if piece.alias is None else replace(spec, param=piece.alias)
-                    order[(name, layer, expert)] = _order_key(ordered_as, layer, expert)
+                    order[(name, layer, expert)] = self.order.key(ordered_as, layer, expert)
         shared = self.layout.pp > 1 and not self.config.untie_embeddings_and_output_weights
         return [
             (name, layer, expert, tuple(found[(name, layer, expert)]), shared and name == "embedding.word_embeddings.weight")
