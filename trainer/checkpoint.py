@@ -11,6 +11,8 @@ Layout on disk (what Megatron-LM writes, so `reshard` and Megatron-LM read it):
 master weights of the DistributedOptimizer) are global ShardedTensors; the DistributedOptimizer saves
 by default, as Megatron-LM does, its flat buckets instead (`optimizer.distributed.*`, "dp_reshardable");
 `rng_state` is a per-rank ShardedObject (layout-bound: `reshard convert` drops it on a layout change).
+`common.pt` also records Megatron-LM's `content_metadata` (the DistributedOptimizer's form), which
+Megatron-LM's loader builds its optimizer load request from.
 
 Atomicity: every rank writes into `<save>/iter_NNNNNNN.tmp`; once all shards are on disk (fsynced),
 rank 0 adds the manifest, renames the directory to `iter_NNNNNNN`, then replaces the tracker file via a
@@ -185,9 +187,26 @@ def optimizer_sharded_state_dict(models: list, optimizer, is_loading: bool, form
                                         metadata={**SHARDED_SD_METADATA, "distrib_optim_sharding_type": form})
 
 
+def content_metadata(args: argparse.Namespace) -> dict:
+    """What Megatron-LM (megatron-core 0.15+) records as the checkpoint's `content_metadata` for a run's `args`
+    (its training/checkpointing.py `_build_sharded_state_dict_metadata`, less the process group it strips
+    before saving): the DistributedOptimizer's form, which its loader builds the load request from, and which,
+    absent, it takes for the pre-0.13 `dp_zero_gather_scatter`."""
+    metadata = {}
+    if getattr(args, "use_distributed_optimizer", False):
+        if getattr(args, "dist_ckpt_optim_fully_reshardable", False):
+            metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+        else:
+            metadata["distrib_optim_sharding_type"] = "dp_reshardable"
+    return {**metadata, "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
 def saved_optimizer_form(saved_keys: set[str]) -> str:
-    """The DistributedOptimizer form a checkpoint holds, from its tensor keys: Megatron-LM builds its load
-    request in the checkpoint's form, not its own flags', and so does the trainer."""
+    """The DistributedOptimizer form a checkpoint holds: Megatron-LM builds its load request in the checkpoint's
+    form, not its own flags', and so does the trainer. Megatron-LM reads the form from `content_metadata`; the
+    trainer goes by the tensors themselves (an MoE chain's `chained_<i>.` prefix included): reshard's conversion
+    of dp_reshardable buckets to per-parameter tensors keeps the source's content_metadata, dp_reshardable."""
     return "dp_reshardable" if any(map(is_dp_reshardable, saved_keys)) else "fully_reshardable"
 
 
@@ -363,10 +382,9 @@ def _in_process_results_queue() -> None:
 
 
 def save_checkpoint(save_dir: Path, iteration: int, models: list, optimizer, scheduler, layout: Layout,
-                    config: ModelConfig, args: argparse.Namespace, data_state: dict,
-                    optimizer_form: str = "fully_reshardable") -> dict:
-    """Save atomically (see the module docstring); returns {'seconds', 'bytes'}. `optimizer_form`: the
-    DistributedOptimizer's `dp_reshardable` or `fully_reshardable`."""
+                    config: ModelConfig, args: argparse.Namespace, data_state: dict) -> dict:
+    """Save atomically (see the module docstring); returns {'seconds', 'bytes'}. `args` (Megatron-LM's) chooses
+    the DistributedOptimizer's form, recorded as Megatron-LM does in `content_metadata` (see there)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -389,6 +407,8 @@ def save_checkpoint(save_dir: Path, iteration: int, models: list, optimizer, sch
         "opt_param_scheduler": scheduler.state_dict() if scheduler is not None else None,
         "data_state": data_state,
     }
+    metadata = content_metadata(args)
+    optimizer_form = metadata.get("distrib_optim_sharding_type", "fully_reshardable")
     state.update(model_sharded_state_dict(models))
     if optimizer is not None:
         state["optimizer"] = optimizer_sharded_state_dict(models, optimizer, is_loading=False, form=optimizer_form)
@@ -402,7 +422,7 @@ def save_checkpoint(save_dir: Path, iteration: int, models: list, optimizer, sch
 
     _in_process_results_queue()
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
-    dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy)
+    dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy, content_metadata=metadata)
     checksums = combine_checksums(local)
     for f in tmp.glob(f"__{_rank()}_*.distcp"):
         fsync_path(f)

@@ -419,17 +419,12 @@ def run(args) -> None:
         tokenizer_type="HuggingFaceTokenizer", data_path=[str(args.data)],
     )
 
-    # the DistributedOptimizer's form only: a chained plain optimizer told dp_reshardable prefixes its keys
-    dp_reshardable = args.use_distributed_optimizer and not args.ckpt_optim_fully_reshardable
-    optimizer_form = "dp_reshardable" if dp_reshardable else "fully_reshardable"
-
     def save(it: int) -> None:
         margs.iteration = it
         margs.consumed_train_samples = consumed
         data_state = {"consumed_samples": consumed, "fingerprint": dataset.fingerprint(), "seed": args.seed,
                       "num_samples": len(dataset)}
-        info = ckpt.save_checkpoint(args.save, it, ddp, optimizer, scheduler, layout, config, margs, data_state,
-                                    optimizer_form=optimizer_form)
+        info = ckpt.save_checkpoint(args.save, it, ddp, optimizer, scheduler, layout, config, margs, data_state)
         logger.event({"event": "checkpoint_save", "iteration": it, **info})
         log(f"saved {args.save / ckpt.iter_dirname(it)} ({info['bytes'] / 1e6:.1f} MB) in {info['seconds']:.2f} s")
 

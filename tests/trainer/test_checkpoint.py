@@ -8,14 +8,38 @@ The DistributedOptimizer saves the fp32 master weights as
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+from fixtures.torchrun import REPO
 from reshard.trainer.checkpoint import (
     align_optimizer_state,
+    content_metadata,
+    saved_optimizer_form,
     spell_as_saved,
 )
 from reshard.trainer.optim import _let_distributed_optimizer_over_torch_adam_load
+
+# Megatron-LM's own content metadata for the run's args, as its save writes it (the process group stripped)
+_MLM_CONTENT_METADATA = """
+import json, sys
+from argparse import Namespace
+from megatron.training.checkpointing import _build_sharded_state_dict_metadata
+from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+out = []
+for dist, full in json.loads(sys.argv[1]):
+    args = Namespace(use_distributed_optimizer=dist, dist_ckpt_optim_fully_reshardable=full, ckpt_format="torch_dist",
+                     distrib_optim_fully_reshardable_mem_efficient=False)
+    out.append(_clean_metadata_for_serialization(_build_sharded_state_dict_metadata(args, dp_cp_group=object())))
+print(json.dumps(out))
+"""
 
 
 class _Sub:
@@ -81,6 +105,13 @@ def test_a_chain_of_another_length_resumes_at_the_checkpoints_step():
     assert [g["step"] for k in (0, 1) for g in out[k]["optimizer"]["param_groups"]] == [3.0, 3.0, 3.0]
 
 
+def test_the_optimizer_form_is_told_by_the_tensors():
+    """An MoE chain's buckets (`chained_<i>.` prefix) are dp_reshardable; per-parameter tensors fully_reshardable."""
+    assert saved_optimizer_form({"chained_0.optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"}) == "dp_reshardable"
+    assert saved_optimizer_form({"optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"}) == "dp_reshardable"
+    assert saved_optimizer_form({"optimizer.state.exp_avg.embedding.word_embeddings.weight"}) == "fully_reshardable"
+
+
 def test_the_torch_adam_load_fixes_leave_fused_adam_alone(monkeypatch):
     """With Transformer Engine or Apex (FusedAdam, a GPU) the DistributedOptimizer is megatron's own."""
     from megatron.core.optimizer import distrib_optimizer
@@ -91,3 +122,21 @@ def test_the_torch_adam_load_fixes_leave_fused_adam_alone(monkeypatch):
     monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
     _let_distributed_optimizer_over_torch_adam_load()
     assert {name: cls.__dict__[name] for name in names} == before
+
+
+def test_content_metadata_is_what_megatron_lm_writes():
+    """Megatron-LM (core_v0.17.1 tree, its training/checkpointing.py) builds the same content metadata for the plain
+    optimizer and both DistributedOptimizer forms (its loader reads the optimizer's form from it)."""
+    venv = Path(os.environ.get("MLM_VENV", REPO.parent / "peers" / "mlm-venv"))
+    tree = Path(os.environ.get("MLM_TREE", REPO.parent / "peers" / "mlm-tree"))
+    if not (venv / "bin" / "python").exists() or not (tree / "megatron" / "training" / "checkpointing.py").exists():
+        pytest.skip(f"needs Megatron-LM's peer install ({venv}, {tree}; MLM_VENV/MLM_TREE): shared/peers/setup_mlm.sh")
+    runs = [(False, False), (True, False), (True, True)]
+    proc = subprocess.run([venv / "bin" / "python", "-c", _MLM_CONTENT_METADATA, json.dumps(runs)], env=dict(
+        os.environ, PYTHONPATH=str(tree), PYTHONWARNINGS="ignore"), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    ours = [content_metadata(argparse.Namespace(use_distributed_optimizer=d, dist_ckpt_optim_fully_reshardable=f))
+            for d, f in runs]
+    assert ours == theirs
+    assert [m.get("distrib_optim_sharding_type") for m in ours] == [None, "dp_reshardable", "fully_reshardable"]

@@ -148,10 +148,31 @@ def test_distributed_optimizer_resumes_its_dp_reshardable_checkpoint(distopt, tm
     src, ref = distopt
     saved = _optimizer_keys(src / f"iter_{K:07d}")
     assert saved and all(k.startswith("optimizer.distributed.") for k in saved), sorted(saved)[:3]
+    assert content_metadata(src / f"iter_{K:07d}") == MEGATRON_LM_CONTENT_METADATA["dp_reshardable"]
     load = converted(src, tmp_path / "converted", *map(str, to)) if to else src / f"iter_{K:07d}"
     if to:
         assert any(k.startswith("optimizer.state.param.") for k in _optimizer_keys(load / f"iter_{K:07d}"))
     assert_continues(resume(tmp_path, corpus, load, 4, layout, ["--use-distributed-optimizer"]), ref)
+
+
+# What Megatron-LM (core_v0.17.1 training/checkpointing.py, `_build_sharded_state_dict_metadata`) saves as a
+# checkpoint's content_metadata, by optimizer; its loader builds the optimizer's load request from it and takes a
+# DistributedOptimizer checkpoint without it for the pre-0.13 `dp_zero_gather_scatter` form.
+MEGATRON_LM_CONTENT_METADATA = {
+    "plain": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True},
+    "dp_reshardable": {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+                       "chained_optim_avoid_prefix": True},
+    "fully_reshardable": {"distrib_optim_sharding_type": "fully_reshardable",
+                          "distrib_optim_fully_reshardable_mem_efficient": False, "singleton_local_shards": False,
+                          "chained_optim_avoid_prefix": True},
+}
+
+
+def content_metadata(iter_dir: Path):
+    """The checkpoint's content_metadata as megatron-core's own reader gives it."""
+    from megatron.core.dist_checkpointing import load_content_metadata
+
+    return load_content_metadata(str(iter_dir))
 
 
 def test_ckpt_optim_fully_reshardable_saves_per_parameter_tensors_that_resume(tmp_path_factory, tmp_path, corpus):
@@ -159,6 +180,7 @@ def test_ckpt_optim_fully_reshardable_saves_per_parameter_tensors_that_resume(tm
     src, ref = reference(tmp_path_factory, corpus, "distopt_full", 2, [], [*distopt, "--ckpt-optim-fully-reshardable"])
     saved = _optimizer_keys(src / f"iter_{K:07d}")
     assert saved and all(k.startswith("optimizer.state.") for k in saved), sorted(saved)[:3]
+    assert content_metadata(src / f"iter_{K:07d}") == MEGATRON_LM_CONTENT_METADATA["fully_reshardable"]
     assert_continues(resume(tmp_path, corpus, src / f"iter_{K:07d}", 2, [], distopt), ref)
 
 
@@ -281,6 +303,7 @@ def test_trainer_checkpoints_verify(tp2):
     args = common_pt["args"]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size) == (2, 1, 1)
     assert args.padded_vocab_size == 256 and args.vocab_size == 250 and args.transformer_impl == "local"
+    assert content_metadata(src / f"iter_{K:07d}") == MEGATRON_LM_CONTENT_METADATA["plain"]
     assert common_pt["iteration"] == K and common_pt["data_state"]["consumed_samples"] == 8 * K
     assert common_pt["opt_param_scheduler"]["num_steps"] == 8 * K
     assert any((src.parent.parent / "tb").rglob("events.out.tfevents.*"))
