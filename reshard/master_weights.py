@@ -14,13 +14,17 @@ Two things break that, and a conversion refuses either, naming the tensors:
   errors, not two parameters of one size in each other's place; the master weights catch those, whatever the
   spec, so every conversion of those forms checks them.
 
-The check reads the model and its master weights once more, a unit of at most UNIT_BYTES at a time, each unit
-whole pieces of the source's layout (so a decoded read touches each rank's parameter once).
+Where the shifted saves can occur the check reads the model and its master weights once more, a unit of at most
+UNIT_BYTES at a time, each unit whole pieces of the source's layout (so a decoded read touches each rank's parameter
+once). A decoded layout is checked on a sample instead: the first and last rows of every rank's piece of every
+parameter. A parameter in another's place, or a shift anywhere in its bucket, moves all of its elements, so the
+edges show it, at a few rows per piece rather than a second read of the whole state (which cost 0.4-0.75 of the
+conversion's time).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -61,21 +65,24 @@ def check(reader: CheckpointReader, moves: list[TensorMove], team: Collective) -
     """Refuse the conversion if, among the tensors `moves` carry, the master weights of a checkpoint at risk or
     decoded from buffers are not its weights (each rank of `team` reads its share)."""
     masters = [m for m in moves if master_of(m.source.name)]
-    decoded = decoded_from_buffers(reader)
-    if masters and (decoded or at_risk(reader)):
-        bad = sorted(n for part in team.together(lambda: mismatched(reader, shares(masters, team.size)[team.rank])) for n in part)
+    decoded, risky = decoded_from_buffers(reader), at_risk(reader)
+    if masters and (decoded or risky):
+        regions = _units if risky else _edges
+        bad = sorted(n for part in team.together(lambda: mismatched(reader, shares(masters, team.size)[team.rank], regions)) for n in part)
         if bad:
             raise layout_refusal(bad) if decoded else refusal(bad)
 
 
-def mismatched(reader: CheckpointReader, moves: list[TensorMove]) -> list[str]:
+def mismatched(
+    reader: CheckpointReader, moves: list[TensorMove], regions: Callable[[CheckpointReader, TensorSpec], Iterator[Region]] | None = None
+) -> list[str]:
     """The model tensors, among the master-weight `moves`, whose saved weights are not their master weights in
-    the model's dtype; read a unit of both at a time (`_units`)."""
+    the model's dtype, compared over `regions` of each (all of it, a unit at a time, by default)."""
     bad = []
     for move in moves:
         name = master_of(move.source.name)
         assert name is not None
-        if not all(_agree(reader, move.source.name, name, region) for region in _units(reader, reader.specs[name])):
+        if not all(_agree(reader, move.source.name, name, region) for region in (regions or _units)(reader, reader.specs[name])):
             bad.append(name)
     return bad
 
@@ -86,6 +93,24 @@ def _units(reader: CheckpointReader, model: TensorSpec) -> Iterator[Region]:
     whole = [p.region for p in pieces(model, reader.config, reader.layout) if p.primary and p.alias is None]
     for slab in slabs(model):
         yield from units(slab, [r for r in whole if intersect(r, slab) is not None], UNIT_BYTES // max(4, itemsize(model.dtype)))
+
+
+EDGE_ELEMENTS = 1024  # of a 1-D piece, at either end
+
+
+def _edges(reader: CheckpointReader, model: TensorSpec) -> Iterator[Region]:
+    """The first and last rows (of a 1-D piece, EDGE_ELEMENTS) of each piece of `model` at the source's layout."""
+    for piece in pieces(model, reader.config, reader.layout):
+        if piece.primary and piece.alias is None:
+            (start, stop), *rest = piece.region
+            if rest:
+                yield ((start, start + 1), *rest)
+                if stop - start > 1:
+                    yield ((stop - 1, stop), *rest)
+            else:
+                yield ((start, min(stop, start + EDGE_ELEMENTS)),)
+                if stop - start > EDGE_ELEMENTS:
+                    yield ((max(start + EDGE_ELEMENTS, stop - EDGE_ELEMENTS), stop),)
 
 
 def _agree(reader: CheckpointReader, master: str, name: str, region: Region) -> bool:
