@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         build_main(args._build, args.size)
         return 0
 
-    work = args.work
+    work = args.work.resolve()  # the old tree runs from its own directory
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     env = python_env()
