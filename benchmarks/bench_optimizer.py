@@ -2,6 +2,7 @@
 
     python benchmarks/bench_optimizer.py --size 1 --out benchmarks/results_optimizer.json   # ~1 GB bf16 model
     python benchmarks/bench_optimizer.py --size 0.1                                         # smoke
+    python benchmarks/bench_optimizer.py --size 1 --old main --out benchmarks/results_optimizer.json  # vs main too
 
 What it does, in one run:
   1. builds a deterministic synthetic Llama-style model of --size GB in bf16 (bench_convert's `dense_config`) with
@@ -11,7 +12,9 @@ What it does, in one run:
      included, peak RSS from os.wait4): `cp -r` of the source, then `reshard convert` of it to TP1 PP2 DP4, once
      written again as dp_reshardable buckets and once as per-parameter fully_reshardable tensors; all that twice,
      then `cp -r` once more (x cp is against the median of the three: this disk's speed drifts within minutes);
-  3. writes JSON and prints a markdown table.
+     with `--old REV`, each conversion also by that revision's tree (`git archive`), right after or before the new
+     one (alternating), so that the ratio of the two is measured under the same load and disk;
+  3. writes JSON (commands repo-relative) and prints a markdown table.
 
 Throughput is the source directory's bytes per second (model and optimizer, as `cp` moves them). The memory target
 is 1 GiB + 2 x the largest parameter's fp32 state (one state tensor of the largest single parameter).
@@ -26,6 +29,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -81,6 +85,18 @@ def largest_parameter_fp32_bytes(size_gb: float) -> int:
     return largest
 
 
+def new_vs_old(steps: list[dict]) -> dict[str, dict[str, float]]:
+    """Each conversion's median seconds by this tree and by `--old`'s, and how many times faster this one is."""
+    rows = {}
+    for name in STEPS:
+        by = {
+            tree: statistics.median(s["seconds"] for s in steps if s.get("tree") == tree and s["name"].startswith(name + " ("))
+            for tree in ("new", "old")
+        }
+        rows[name] = {"new_seconds": by["new"], "old_seconds": by["old"], "speedup": round(by["old"] / by["new"], 3)}
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=float, default=1.0, help="the model's bf16 size in GB (its optimizer state is 6x)")
@@ -88,19 +104,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-drop-cache", action="store_true")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--old", help="also convert with this revision (a commit, tag or branch), alternately with this tree")
     parser.add_argument("--_build", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._build:
         build_main(args._build, args.size)
         return 0
 
-    work = args.work
+    work = args.work.resolve()  # the old tree runs from its own directory
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     env = python_env()
     drop = not args.no_drop_cache
     src = work / "src"
     steps = []
+    trees = {"new": REPO}
+    if args.old:
+        trees["old"] = Path(tempfile.mkdtemp(prefix="old-tree-", dir=work))
+        archive = subprocess.run(["git", "archive", args.old], cwd=REPO, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(trees["old"])], input=archive, check=True)
     build = measure("build source", [sys.executable, __file__, "--size", str(args.size), "--_build", str(src)], drop=False, timeout=3600, env=env)
     if not build["ok"]:
         raise SystemExit(f"bench_optimizer: could not build the source:\n{build['output_tail']}")
@@ -112,15 +134,17 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work / "cp", ignore_errors=True)
         steps.append({**cp, "kind": "cp"})
 
-    for round_ in ("first", "second"):  # each step twice, alternating, so that drift does not favour one
+    for i, round_ in enumerate(("first", "second")):  # each step twice, alternating, so that drift does not favour one
         measure_cp(round_)
         for name, flags in STEPS.items():
-            out = work / "out"
-            cmd = [sys.executable, "-m", "reshard", "convert", str(src), str(out), *flags, "--workers", str(args.workers), "-q"]
-            res = measure(f"{name} ({round_})", cmd, drop=drop, timeout=3600, env=env)
-            res.update(kind="reshard", output_dir_bytes=dir_bytes(out))
-            steps.append(res)
-            shutil.rmtree(out, ignore_errors=True)
+            for tree in sorted(trees, reverse=i % 2 == 1):
+                out = work / "out"
+                cmd = [sys.executable, "-m", "reshard", "convert", str(src), str(out), *flags, "--workers", str(args.workers), "-q"]
+                label = f"{name} ({round_}{', ' + args.old if tree == 'old' else ''})"
+                res = measure(label, cmd, drop=drop, timeout=3600, env=dict(env, PYTHONPATH=str(trees[tree])), cwd=trees[tree])
+                res.update(kind="reshard", tree=tree, output_dir_bytes=dir_bytes(out))
+                steps.append(res)
+                shutil.rmtree(out, ignore_errors=True)
     measure_cp("last")
     cp_rate = statistics.median(source_bytes / st["seconds"] for st in steps if st["kind"] == "cp")
     largest = largest_parameter_fp32_bytes(args.size)
@@ -129,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         s["mb_per_s"] = round(source_bytes / s["seconds"] / 1e6, 1)
         s["vs_cp"] = round(source_bytes / s["seconds"] / cp_rate, 3)
         s["meets_memory_target"] = s["peak_rss_bytes"] <= target_rss
+        for key in ("cmd", "output_tail"):  # as one would type them in the repository, on any machine
+            s[key] = s[key].replace(sys.executable, "python").replace(f"{REPO}/", "")
     results = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(work),
@@ -139,8 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         "largest_parameter_fp32_bytes": largest,
         "memory_target_bytes": target_rss,
         "workers": args.workers,
+        "old": args.old,
         "build_seconds": build["seconds"],
         "steps": steps,
+        "new_vs_old": new_vs_old(steps) if args.old else None,
     }
     shutil.rmtree(work, ignore_errors=True)
     print(f"\nsource {source_bytes / 1e9:.2f} GB; memory target {target_rss / MIB:.0f} MiB")
@@ -150,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             f"| {s['name']} | {s['seconds']:.1f} | {s['mb_per_s']:.0f} | {s['vs_cp']:.2f} | {s['peak_rss_bytes'] / MIB:.0f} | "
             f"{'yes' if s['meets_memory_target'] else 'no'} |"
         )
+    for name, row in (results["new_vs_old"] or {}).items():
+        print(f"{name}: median {row['new_seconds']:.1f} s (this tree) vs {row['old_seconds']:.1f} s ({args.old}): x{row['speedup']:.2f}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
     subprocess.run(["sync"], check=False)

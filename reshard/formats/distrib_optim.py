@@ -155,14 +155,21 @@ class Placed:
     expert: int | None = None  # global expert of an expert tensor
 
 
+def _row_major(shape: tuple[int, ...]) -> list[int]:
+    return [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+
+
+def _run(region: Region, strides: list[int]) -> tuple[int, int]:
+    """First element and element count of the row-major range that holds `region`."""
+    first = sum(a * s for (a, _), s in zip(region, strides))
+    return first, sum((b - 1) * s for (_, b), s in zip(region, strides)) + 1 - first
+
+
 def flat_span(piece: Piece) -> tuple[int, int] | None:
     """Where a piece lies in its rank's parameter flattened row-major, as the bucket holds it: (first element,
     count), or None where it is not one run (then it has no place of its own in a bucket)."""
-    strides = [math.prod(piece.local_shape[i + 1 :]) for i in range(len(piece.local_shape))]
-    first = sum(a * s for (a, _), s in zip(piece.local_region, strides))
-    last = sum((b - 1) * s for (_, b), s in zip(piece.local_region, strides))
-    n = region_size(piece.local_region)
-    return (first, n) if last - first + 1 == n else None
+    first, count = _run(piece.local_region, _row_major(piece.local_shape))
+    return (first, count) if count == region_size(piece.local_region) else None
 
 
 def _unknown_place(param: str) -> ReshardError:
@@ -382,11 +389,14 @@ class BufferLayout:
             for k in STATE_KEYS
         }
 
-    def read_into(self, name: str, region: Region, out: np.ndarray, read_place: Callable[[Gbuf, Placed, str, np.ndarray], None]) -> None:
-        """Fill `out` with `region` of the logical optimizer tensor `name`, each rank's local tensor read by
-        `read_place(buffer, place, state key, flat float32 out)`."""
+    def read_into(self, name: str, region: Region, out: np.ndarray, read_place: Callable[[Gbuf, Placed, str, int, np.ndarray], None]) -> None:
+        """Fill `out` with `region` of the logical optimizer tensor `name`, each rank's part read by
+        `read_place(buffer, place, state key, first element in the place, flat float32 out)`: only the run of
+        the local tensor that holds the part (a unit of work cut across a piece would otherwise read the
+        whole piece once per unit), straight into `out` where that run is the part and `out` holds it in order."""
         state, model_name = name.split(".", 3)[2:]
         model = self.model_specs[model_name]
+        prefix = model.prefix_axes
         filled = 0
         for piece in pieces(model, self.config, self.layout):
             if not piece.primary or piece.alias is not None:
@@ -395,15 +405,18 @@ class BufferLayout:
             if inside is None:
                 continue
             gbuf, place = self.place_of(model, piece)
-            local = np.empty(place.numel, dtype=np.float32)
-            read_place(gbuf, place, state, local)
-            local = local.reshape(piece.local_shape)
-            prefix = model.prefix_axes
-            slices = tuple(
-                slice(lo + a - g0, lo + b - g0) for (a, b), (g0, _), (lo, _) in zip(inside[prefix:], piece.region[prefix:], piece.local_region)
-            )
+            local = tuple((lo + a - g0, lo + b - g0) for (a, b), (g0, _), (lo, _) in zip(inside[prefix:], piece.region[prefix:], piece.local_region))
+            strides = _row_major(piece.local_shape)
+            first, count = _run(local, strides)
             target = out[to_slices(shift(inside, region))]
-            target[...] = local[slices].reshape(target.shape)
+            if count == target.size and target.flags.c_contiguous and target.dtype == np.float32:
+                read_place(gbuf, place, state, first, target.reshape(-1))
+            else:
+                run = np.empty(count, dtype=np.float32)
+                read_place(gbuf, place, state, first, run)
+                sizes = [b - a for a, b in local]
+                laid = np.lib.stride_tricks.as_strided(run, sizes, [s * run.itemsize for s in strides], writeable=False)
+                target[...] = laid.reshape(target.shape)
             filled += region_size(inside)
         if filled != region_size(region):
             raise ReshardError(f"{name}: the DistributedOptimizer buffers do not cover the tensor; the checkpoint is damaged")
@@ -510,8 +523,9 @@ class DpReshardable:
                     f"the model has {len(buffer.sizes)}; the optimizer state cannot be decoded safely"
                 )
 
-    def _read_place(self, gbuf: Gbuf, place: Placed, state: str, out: np.ndarray) -> None:
-        self.read_raw(self.bucket_keys[(gbuf, place.bucket)][state], ((place.start, place.start + place.numel),), out)
+    def _read_place(self, gbuf: Gbuf, place: Placed, state: str, first: int, out: np.ndarray) -> None:
+        start = place.start + first
+        self.read_raw(self.bucket_keys[(gbuf, place.bucket)][state], ((start, start + out.size),), out)
 
     def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
         self.buffer_layout.read_into(name, region, out, self._read_place)

@@ -488,11 +488,11 @@ class DistribOptimFiles:
                     )
                 self.records[(chain, group, gbuf.index, key)] = record
 
-    def _read_place(self, gbuf: Gbuf, place: Placed, state: str, out: np.ndarray) -> None:
+    def _read_place(self, gbuf: Gbuf, place: Placed, state: str, first: int, out: np.ndarray) -> None:
         path = self.paths[(gbuf.chain, gbuf.group)]
         file = cached(self._files, path, lambda: RecordFile(path))
-        start = self.buffer_layout.buffers[gbuf].coalesced_start(place)
-        file.read_into(self.records[(gbuf.chain, gbuf.group, gbuf.index, state)], ((start, start + place.numel),), out)
+        start = self.buffer_layout.buffers[gbuf].coalesced_start(place) + first
+        file.read_into(self.records[(gbuf.chain, gbuf.group, gbuf.index, state)], ((start, start + out.size),), out)
 
     def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
         self.buffer_layout.read_into(name, region, out, self._read_place)
