@@ -247,6 +247,14 @@ def measure(name: str, cmd: list[str], *, drop: bool, timeout: float, env: dict 
     return result
 
 
+def finish(results: dict, steps: list[dict], out: Path | None) -> int:
+    """Write `results` to `out` (if given), flush the disk for the next job, and the exit status: 0 when every step ran."""
+    if out:
+        out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    subprocess.run(["sync"], check=False)
+    return 0 if all(s["ok"] for s in steps) else 1
+
+
 def python_env(threads: int | None = None) -> dict:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)

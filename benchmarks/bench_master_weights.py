@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_convert import MIB, REPO, dir_bytes, machine_info, measure, python_env  # noqa: E402
+from bench_convert import MIB, REPO, dir_bytes, finish, machine_info, measure, python_env  # noqa: E402
 
 BENCH_OPTIMIZER = Path(__file__).resolve().parent / "bench_optimizer.py"
 TARGET = ["--to-tp", "1", "--to-pp", "2"]
@@ -93,10 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| step | s | peak RSS MiB |\n|---|---|---|")
     for s in steps:
         print(f"| {s['name']} | {s['seconds']:.1f} | {s['peak_rss_bytes'] / MIB:.0f} |")
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
-    subprocess.run(["sync"], check=False)
-    return 0 if all(s["ok"] for s in steps) else 1
+    return finish(results, steps, args.out)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import shutil
 import statistics
 import subprocess
@@ -33,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_convert import MIB, REPO, dense_config, dir_bytes, machine_info, measure, python_env, tensor_stats  # noqa: E402
+from bench_convert import MIB, REPO, dense_config, dir_bytes, finish, machine_info, measure, python_env, tensor_stats  # noqa: E402
 
 GIB = 1 << 30
 SOURCE = dict(tp=2, dp=4)
@@ -180,10 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     for name, row in (results["new_vs_old"] or {}).items():
         print(f"{name}: median {row['new_seconds']:.1f} s (this tree) vs {row['old_seconds']:.1f} s ({args.old}): x{row['speedup']:.2f}")
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
-    subprocess.run(["sync"], check=False)
-    return 0 if all(s["ok"] for s in steps) else 1
+    return finish(results, steps, args.out)
 
 
 if __name__ == "__main__":
