@@ -40,6 +40,7 @@ from reshard.checksum import TensorChecksum
 from reshard.config import ModelConfig
 from reshard.dtypes import from_torch
 from reshard.errors import ReshardError
+from reshard.formats import megatron_dist
 from reshard.formats.base import Manifest
 from reshard.formats.distrib_optim import is_dp_reshardable
 from reshard.layout import Layout
@@ -191,22 +192,18 @@ def content_metadata(args: argparse.Namespace) -> dict:
     """What Megatron-LM (megatron-core 0.15+) records as the checkpoint's `content_metadata` for a run's `args`
     (its training/checkpointing.py `_build_sharded_state_dict_metadata`, less the process group it strips
     before saving): the DistributedOptimizer's form, which its loader builds the load request from, and which,
-    absent, it takes for the pre-0.13 `dp_zero_gather_scatter`."""
-    metadata = {}
+    absent, it takes for the pre-0.13 `dp_zero_gather_scatter`. The same record reshard's torch_dist writer makes."""
+    form = None
     if getattr(args, "use_distributed_optimizer", False):
-        if getattr(args, "dist_ckpt_optim_fully_reshardable", False):
-            metadata["distrib_optim_sharding_type"] = "fully_reshardable"
-            metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
-        else:
-            metadata["distrib_optim_sharding_type"] = "dp_reshardable"
-    return {**metadata, "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+        form = "fully_reshardable" if getattr(args, "dist_ckpt_optim_fully_reshardable", False) else "dp_reshardable"
+    return megatron_dist.content_metadata(None, form)
 
 
 def saved_optimizer_form(saved_keys: set[str]) -> str:
     """The DistributedOptimizer form a checkpoint holds: Megatron-LM builds its load request in the checkpoint's
     form, not its own flags', and so does the trainer. Megatron-LM reads the form from `content_metadata`; the
-    trainer goes by the tensors themselves (an MoE chain's `chained_<i>.` prefix included): reshard's conversion
-    of dp_reshardable buckets to per-parameter tensors keeps the source's content_metadata, dp_reshardable."""
+    trainer goes by the tensors themselves (an MoE chain's `chained_<i>.` prefix included), which a checkpoint
+    written before megatron-core 0.15 holds without that record."""
     return "dp_reshardable" if any(map(is_dp_reshardable, saved_keys)) else "fully_reshardable"
 
 

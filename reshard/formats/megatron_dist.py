@@ -70,9 +70,13 @@ T = TypeVar("T")
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
-def content_metadata(recorded: object, form: str) -> dict[str, Any]:
-    """The source's content metadata (if any) naming the DistributedOptimizer form and key spellings reshard wrote."""
-    out = {**(recorded if isinstance(recorded, dict) else {}), **CONTENT_METADATA, "distrib_optim_sharding_type": form}
+def content_metadata(recorded: object, form: str | None) -> dict[str, Any]:
+    """The source's content metadata (if any) naming the DistributedOptimizer form (None: no DistributedOptimizer
+    state) and key spellings written."""
+    out = {**(recorded if isinstance(recorded, dict) else {}), **CONTENT_METADATA}
+    if form is None:
+        return out
+    out["distrib_optim_sharding_type"] = form
     if form == "fully_reshardable":  # as Megatron-LM's own fully_reshardable save records it
         out.setdefault("distrib_optim_fully_reshardable_mem_efficient", False)
     else:
