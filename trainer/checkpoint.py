@@ -5,7 +5,8 @@ Layout on disk (what Megatron-LM writes, so `reshard` and Megatron-LM read it):
     <save>/latest_checkpointed_iteration.txt
     <save>/iter_NNNNNNN/{__R_0.distcp, .metadata, common.pt, metadata.json, reshard_manifest.json}
 
-`common.pt` holds `args` (a Megatron-LM Namespace), `checkpoint_version`, `iteration`,
+`common.pt` (under megatron-core 0.19 the ShardedObject `common_state` in the .distcp files instead)
+holds `args` (a Megatron-LM Namespace), `checkpoint_version`, `iteration`,
 `opt_param_scheduler`, `data_state` and the non-tensor part of the optimizer; model and optimizer tensors
 (`optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<param>`, "fully reshardable"; `param` for the fp32
 master weights of the DistributedOptimizer) are global ShardedTensors; the DistributedOptimizer saves
@@ -470,9 +471,15 @@ def find_checkpoint(load_dir: Path) -> Path | None:
 
 
 def read_common(ckpt: Path) -> dict:
-    import megatron.core  # noqa: F401  registers the classes of Megatron-LM's args as safe for weights_only
+    """The checkpoint's common (non-sharded) state: `common.pt` as megatron-core up to 0.16 saves it, else the
+    ShardedObject `common_state` in the .distcp files that megatron-core 0.19 saves instead (its own reader,
+    weights_only as well)."""
+    from megatron.core import dist_checkpointing  # registers the classes of Megatron-LM's args as safe for weights_only
 
-    return torch.load(Path(ckpt) / "common.pt", map_location="cpu", weights_only=True)
+    path = Path(ckpt) / "common.pt"
+    if path.is_file():
+        return torch.load(path, map_location="cpu", weights_only=True)
+    return dist_checkpointing.load_common_state_dict(str(ckpt))
 
 
 def saved_tensor_keys(ckpt: Path) -> set[str]:

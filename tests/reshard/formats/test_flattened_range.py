@@ -1,7 +1,7 @@
 """megatron-core 0.14's DistributedOptimizer state in its fully_sharded_model_space form (per-parameter
 `flattened_range` shards), read against megatron-core 0.14's own view of the same state.
 
-The golden fixture `mcore014-distopt-tp2dp2` (fixtures/golden/make_mcore014.py) is megatron-core 0.14's save at TP2
+The golden fixture `mcore014-distopt-tp2dp2` (fixtures/golden/make_mcore_distopt.py --version 0.14) is megatron-core 0.14's save at TP2
 DP2 after two Adam steps; its `oracle.safetensors` is each parameter's fp32 master weight / exp_avg / exp_avg_sq as
 megatron-core 0.14 itself loaded them back into a DistributedOptimizer at TP1 DP1."""
 
@@ -60,17 +60,18 @@ def test_inspect_names_the_form():
     assert "optimizer: fully_sharded_model_space, DP 2" in out.stdout
 
 
-def _dump(checkpoint: Path, form: str, out: Path, dp: int = 1):
-    """megatron-core 0.16 (this venv) loads `checkpoint` into its DistributedOptimizer at TP1 DP`dp` and writes what it
-    holds (the DP ranks' ranges gathered)."""
+def megatron_016_dump(release: str, checkpoint: Path, form: str, out: Path, dp: int = 1):
+    """megatron-core 0.16 (this venv) loads `checkpoint` (of the golden of megatron-core `release`'s model) into its
+    DistributedOptimizer at TP1 DP`dp` and writes what it holds (the DP ranks' ranges gathered)."""
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={dp}",
-        str(REPO / "fixtures" / "golden" / "make_mcore014.py"),
+        str(REPO / "fixtures" / "golden" / "make_mcore_distopt.py"),
         "_dump",
+        release,
         str(checkpoint),
         form,
         str(out),
@@ -81,7 +82,7 @@ def _dump(checkpoint: Path, form: str, out: Path, dp: int = 1):
 
 def test_megatron_016_cannot_load_the_form_itself(tmp_path):
     """Why the conversion is needed: megatron-core 0.16 refuses the flattened ranges."""
-    proc = _dump(CHECKPOINT / ITER, "fully_sharded_model_space", tmp_path / "state.safetensors")
+    proc = megatron_016_dump("0.14", CHECKPOINT / ITER, "fully_sharded_model_space", tmp_path / "state.safetensors")
     assert proc.returncode != 0 and "flattened_range" in proc.stdout
     assert not (tmp_path / "state.safetensors").exists()
 
@@ -100,7 +101,7 @@ def test_converted_loads_in_megatron_016_with_the_oracles_state(tmp_path, target
     oracle = load_file(ORACLE)
     found, _ = optimizer_tensors(tmp_path / "converted")
     assert_same(found, oracle)
-    proc = _dump(tmp_path / "converted" / ITER, "fully_reshardable", tmp_path / "loaded.safetensors", dp)
+    proc = megatron_016_dump("0.14", tmp_path / "converted" / ITER, "fully_reshardable", tmp_path / "loaded.safetensors", dp)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert_same(load_file(tmp_path / "loaded.safetensors"), oracle)
     assert safe_open(tmp_path / "loaded.safetensors", "np").metadata()["step"] == "2.0"
