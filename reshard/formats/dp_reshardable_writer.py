@@ -125,7 +125,7 @@ class DpReshardableWriter(TorchDistWriter):
         groups = param_groups(self.common.extra.get("optimizer"), None not in self.buffer_layout.chains)
         self.buckets: dict[str, int] = {}  # bucket tensor key prefix -> unpadded length
         objects = dict(self.common.objects)
-        for chain, group in sorted({(g.chain, g.group) for g in self.buffer_layout.buffers}, key=lambda cg: (cg[0] or 0, cg[1])):
+        for chain, group in self.buffer_layout.optimizers():
             dp = self.buffer_layout.expert_dp if chain == EXPERT_CHAIN else self.buffer_layout.dp
             unpadded, padded = [], []
             for gbuf in self.buffer_layout.rank_buffers(chain, group):
@@ -170,11 +170,7 @@ class DpReshardableWriter(TorchDistWriter):
         return f"{self._bucket_key(gbuf, place.bucket)}.{spec.name.split('.')[2]}", place.start + span[0]
 
     def _bucket_pieces(self, spec: TensorSpec, pieces: list[Piece]) -> list[Piece]:
-        """The pieces that have a place of their own in a bucket: a dense parameter's EP ranks are data-parallel
-        replicas in one dense optimizer (its dp_group_idx has no EP), so only EP rank 0's copy is written."""
-        if self.buffer_layout.model_specs[spec.param].experts:
-            return pieces
-        return [piece for piece in pieces if piece.rank.ep == 0]
+        return self.buffer_layout.own_pieces(self.buffer_layout.model_specs[spec.param], pieces)
 
     def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Record]:
         if not spec.is_optimizer:

@@ -136,18 +136,19 @@ def test_the_older_per_bucket_layout_is_refused_by_name(distrib_optim, tmp_path)
 
 @pytest.fixture(scope="module")
 def legacy_resaved(distrib_optim, tmp_path_factory):
-    """legacy_resaved(preset, bf16, to_tp, to_pp) -> the iteration directory of megatron-core's own legacy save
-    (model_optim_rng.pt, distrib_optim.pt) of `distrib_optim(preset, tp=2)`'s state, loaded by its DistributedOptimizer
-    at TP `to_tp` PP `to_pp` on 4 ranks (DP = 4 / (TP x PP))."""
+    """legacy_resaved(preset, bf16, to_tp, to_pp, to_ep=1, source=TP2) -> the iteration directory of megatron-core's own
+    legacy save (model_optim_rng.pt, distrib_optim.pt) of `distrib_optim(preset, **source)`'s state, loaded by its
+    DistributedOptimizer at TP `to_tp` PP `to_pp` EP `to_ep` on 4 ranks (DP = 4 / (TP x PP))."""
     cache = {}
 
-    def made(preset, bf16, to_tp, to_pp):
-        key = (preset, bf16, to_tp, to_pp)
+    def made(preset, bf16, to_tp, to_pp, to_ep=1, source=(("tp", 2),)):
+        key = (preset, bf16, to_tp, to_pp, to_ep, source)
         if key not in cache:
             out = tmp_path_factory.mktemp("legacy_resaved")
-            full = distrib_optim(preset, tp=2, bf16=bf16)["full"] / ITER
-            run("fixtures.distrib_optim_resave", ["--preset", preset, "--tp", to_tp, "--pp", to_pp, "--load", full, "--out", out / "dp",
-                                                  "--legacy-out", out / "legacy", *(["--bf16"] if bf16 else [])], nproc=4, timeout=600)
+            full = distrib_optim(preset, bf16=bf16, **dict(source))["full"] / ITER
+            run("fixtures.distrib_optim_resave", ["--preset", preset, "--tp", to_tp, "--pp", to_pp, "--ep", to_ep, "--load", full,
+                                                  "--out", out / "dp", "--legacy-out", out / "legacy", *(["--bf16"] if bf16 else [])],
+                nproc=4, timeout=600)
             cache[key] = out / "legacy" / ITER
         return cache[key]
 
@@ -219,6 +220,52 @@ def test_written_distrib_optim_is_megatrons_own_legacy_save_at_the_new_layout(di
     assert [d.split(":")[0] for d in buffer_differences(mine, theirs)] == [f"{rank} buffer 0 exp_avg"]
 
 
+def by_optimizer(files: dict[str, object]) -> dict[str, dict]:
+    """Each distrib_optim.pt's optimizer states by rank directory, an MoE model's ChainedOptimizer's list by
+    `<rank directory>[<chain>]` (its None places left out: a state where the other has None is a difference)."""
+    out = {}
+    for rank, state in files.items():
+        for i, one in enumerate(state) if isinstance(state, list) else [(None, state)]:
+            if one is not None:
+                out[rank if i is None else f"{rank}[{i}]"] = one
+    return out
+
+
+MOE_WRITE_CASES = [  # source form, target PP, EP (DP 4 / PP); the source: tiny-moe TP1 EP2 DP4
+    ("dp", 1, 2),  # experts in their own chained optimizer, expert DP 2
+    ("dp", 1, 1),  # one optimizer, the experts in the dense buffer after the router
+    ("legacy", 2, 2),  # two stages, each a chain
+]
+
+
+@pytest.mark.parametrize("form, to_pp, to_ep", MOE_WRITE_CASES, ids=[f"tiny-moe-{c[0]}-ep2-to-pp{c[1]}ep{c[2]}" for c in MOE_WRITE_CASES])
+def test_written_moe_distrib_optim_is_megatrons_own_chained_legacy_save(distrib_optim, legacy_resaved, tmp_path, form, to_pp, to_ep):
+    """An MoE model's ChainedOptimizer state written for a new layout: every distrib_optim.pt (the list `[dense,
+    experts]` at EP > 1, None where the file's writer is not that optimizer's DP rank 0) and every rank file's
+    `optimizer` entry are megatron-core's own legacy save of the same state loaded at that layout, tensor for tensor."""
+    dp = 4 // to_pp
+    source = distrib_optim("tiny-moe", tp=1, ep=2)[form]
+    out = reshard("convert", source, tmp_path / "out", "--to-format", "legacy", "--to-pp", to_pp, "--to-ep", to_ep, "--to-dp", dp)
+    assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
+    theirs_dir = legacy_resaved("tiny-moe", False, 1, to_pp, to_ep=to_ep, source=(("ep", 2), ("tp", 1)))
+    mine_files, theirs_files = rank_files(tmp_path / "out" / ITER, "distrib_optim.pt"), rank_files(theirs_dir, "distrib_optim.pt")
+    assert sorted(mine_files) == sorted(theirs_files) and len(theirs_files) == to_pp * to_ep
+    assert all(isinstance(f, list) and len(f) == 2 for f in theirs_files.values()) == (to_ep > 1)
+    mine, theirs = by_optimizer(mine_files), by_optimizer(theirs_files)
+    assert len(theirs) == to_pp * (to_ep + 1 if to_ep > 1 else 1)
+    assert buffer_differences(mine, theirs) == []
+    my_ranks, their_ranks = rank_files(tmp_path / "out" / ITER, "model_optim_rng.pt"), rank_files(theirs_dir, "model_optim_rng.pt")
+    assert sorted(my_ranks) == sorted(their_ranks)
+    for rank, state in their_ranks.items():
+        assert my_ranks[rank]["optimizer"] == state["optimizer"]  # each optimizer's state_dict(): param groups, step
+        assert isinstance(state["optimizer"], list) == (to_ep > 1)
+    # control: the comparison notices the last expert buffer shifted by one parameter alignment
+    name = sorted(theirs)[-1]
+    (tensors,) = mine[name][0].values()
+    tensors["exp_avg_sq"] = torch.roll(tensors["exp_avg_sq"], 64)
+    assert [d.split(":")[0] for d in buffer_differences(mine, theirs)] == [f"{name} buffer 0 exp_avg_sq"]
+
+
 def resumed_losses(tmp_path: Path, name: str, layout: list, *extra) -> dict[int, float]:
     out = tmp_path / f"{name}.json"
     run("fixtures.distrib_optim_legacy_resume", ["--preset", "tiny-llama", *layout, "--steps", STEPS, "--out", out, *extra], nproc=4, timeout=600)
@@ -252,15 +299,6 @@ def test_dry_run_shows_the_optimizer_work(distrib_optim, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "optimizer state: dp_reshardable buckets (DP 2) -> distrib_optim.pt buffers (DP 4)" in out.stdout, out.stdout
     assert not (tmp_path / "out").exists()
-
-
-def test_legacy_output_of_an_moe_models_optimizer_is_refused_in_one_line(distrib_optim, tmp_path):
-    """Not written yet (the ChainedOptimizer's list): refused when planning, nothing written; the model still converts."""
-    source = distrib_optim("tiny-moe", tp=1, ep=2)["full"]
-    _one_line_error(reshard("convert", source, tmp_path / "out", "--to-format", "legacy", "--to-ep", 1), "MoE", "not written yet", "--no-optimizer")
-    assert not (tmp_path / "out").exists()
-    model_only = reshard("convert", source, tmp_path / "model", "--to-format", "legacy", "--to-ep", 1, "--no-optimizer")
-    assert model_only.returncode == 0, model_only.stderr
 
 
 def test_two_ranks_write_the_distrib_optim_pt_one_process_writes(distrib_optim, tmp_path):
