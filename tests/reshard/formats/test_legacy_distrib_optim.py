@@ -158,18 +158,19 @@ def test_the_older_per_bucket_layout_is_refused_by_name(distrib_optim, tmp_path)
 
 @pytest.fixture(scope="module")
 def legacy_resaved(distrib_optim, tmp_path_factory):
-    """legacy_resaved(preset, bf16, to_tp, to_pp, to_ep=1, source=TP2) -> the iteration directory of megatron-core's own
-    legacy save (model_optim_rng.pt, distrib_optim.pt) of `distrib_optim(preset, **source)`'s state, loaded by its
-    DistributedOptimizer at TP `to_tp` PP `to_pp` EP `to_ep` on 4 ranks (DP = 4 / (TP x PP))."""
+    """legacy_resaved(preset, bf16, to_tp, to_pp, to_ep=1, to_etp=None, source=TP2) -> the iteration directory of
+    megatron-core's own legacy save (model_optim_rng.pt, distrib_optim.pt) of `distrib_optim(preset, **source)`'s state,
+    loaded by its DistributedOptimizer at TP `to_tp` PP `to_pp` EP `to_ep` ETP `to_etp` on 4 ranks (DP = 4 / (TP x PP))."""
     cache = {}
 
-    def made(preset, bf16, to_tp, to_pp, to_ep=1, source=(("tp", 2),)):
-        key = (preset, bf16, to_tp, to_pp, to_ep, source)
+    def made(preset, bf16, to_tp, to_pp, to_ep=1, to_etp=None, source=(("tp", 2),)):
+        key = (preset, bf16, to_tp, to_pp, to_ep, to_etp, source)
         if key not in cache:
             out = tmp_path_factory.mktemp("legacy_resaved")
             full = distrib_optim(preset, bf16=bf16, **dict(source))["full"] / ITER
             run("fixtures.distrib_optim_resave", ["--preset", preset, "--tp", to_tp, "--pp", to_pp, "--ep", to_ep, "--load", full,
-                                                  "--out", out / "dp", "--legacy-out", out / "legacy", *(["--bf16"] if bf16 else [])],
+                                                  "--out", out / "dp", "--legacy-out", out / "legacy", *(["--bf16"] if bf16 else []),
+                                                  *(["--etp", to_etp] if to_etp else [])],
                 nproc=4, timeout=600)
             cache[key] = out / "legacy" / ITER
         return cache[key]
@@ -253,31 +254,34 @@ def by_optimizer(files: dict[str, object]) -> dict[str, dict]:
     return out
 
 
-MOE_WRITE_CASES = [  # source form, target PP, EP (DP 4 / PP); the source: tiny-moe TP1 EP2 DP4
-    ("dp", 1, 2),  # experts in their own chained optimizer, expert DP 2
-    ("dp", 1, 1),  # one optimizer, the experts in the dense buffer after the router
-    ("legacy", 2, 2),  # two stages, each a chain
+MOE_WRITE_CASES = [  # source form, target TP, PP, EP, ETP (DP 4 / (TP x PP)); the source: tiny-moe TP1 EP2 DP4
+    ("dp", 1, 1, 2, None),  # experts in their own chained optimizer, expert DP 2
+    ("dp", 1, 1, 1, None),  # one optimizer, the experts in the dense buffer after the router
+    ("legacy", 2, 1, 2, 1),  # ETP < TP: two files hold both chains (`BufferLayout.holder`), the TP rank past ETP's experts none
 ]
 
 
-@pytest.mark.parametrize("form, to_pp, to_ep", MOE_WRITE_CASES, ids=[f"tiny-moe-{c[0]}-ep2-to-pp{c[1]}ep{c[2]}" for c in MOE_WRITE_CASES])
-def test_written_moe_distrib_optim_is_megatrons_own_chained_legacy_save(distrib_optim, legacy_resaved, tmp_path, form, to_pp, to_ep):
+@pytest.mark.parametrize("form, to_tp, to_pp, to_ep, to_etp", MOE_WRITE_CASES,
+                         ids=[f"tiny-moe-{c[0]}-ep2-to-tp{c[1]}pp{c[2]}ep{c[3]}{f'etp{c[4]}' if c[4] else ''}" for c in MOE_WRITE_CASES])
+def test_written_moe_distrib_optim_is_megatrons_own_chained_legacy_save(distrib_optim, legacy_resaved, tmp_path, form, to_tp, to_pp, to_ep,
+                                                                        to_etp):
     """An MoE model's ChainedOptimizer state written for a new layout: every distrib_optim.pt (the list `[dense,
     experts]` at EP > 1, None where the file's writer is not that optimizer's DP rank 0) and every rank file's
     `optimizer` entry are megatron-core's own legacy save of the same state loaded at that layout, tensor for tensor."""
-    dp = 4 // to_pp
+    dp = 4 // (to_tp * to_pp)
     source = distrib_optim("tiny-moe", tp=1, ep=2)[form]
-    out = reshard("convert", source, tmp_path / "out", "--to-format", "legacy", "--to-pp", to_pp, "--to-ep", to_ep, "--to-dp", dp)
+    layout = ["--to-tp", to_tp, "--to-pp", to_pp, "--to-ep", to_ep, *(["--to-etp", to_etp] if to_etp else [])]
+    out = reshard("convert", source, tmp_path / "out", "--to-format", "legacy", *layout, "--to-dp", dp)
     assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
-    theirs_dir = legacy_resaved("tiny-moe", False, 1, to_pp, to_ep=to_ep, source=(("ep", 2), ("tp", 1)))
+    theirs_dir = legacy_resaved("tiny-moe", False, to_tp, to_pp, to_ep=to_ep, to_etp=to_etp, source=(("ep", 2), ("tp", 1)))
     mine_files, theirs_files = rank_files(tmp_path / "out" / ITER, "distrib_optim.pt"), rank_files(theirs_dir, "distrib_optim.pt")
-    assert sorted(mine_files) == sorted(theirs_files) and len(theirs_files) == to_pp * to_ep
+    assert sorted(mine_files) == sorted(theirs_files) and len(theirs_files) == to_tp * to_pp * to_ep // (to_tp // (to_etp or to_tp))
     assert all(isinstance(f, list) and len(f) == 2 for f in theirs_files.values()) == (to_ep > 1)
     mine, theirs = by_optimizer(mine_files), by_optimizer(theirs_files)
-    assert len(theirs) == to_pp * (to_ep + 1 if to_ep > 1 else 1)
+    assert len(theirs) == to_pp * (to_tp + to_ep * (to_etp or to_tp) if to_ep > 1 else to_tp)
     assert buffer_differences(mine, theirs) == []
     my_ranks, their_ranks = rank_files(tmp_path / "out" / ITER, "model_optim_rng.pt"), rank_files(theirs_dir, "model_optim_rng.pt")
-    assert sorted(my_ranks) == sorted(their_ranks)
+    assert set(their_ranks) <= set(my_ranks)  # reshard writes every (TP, EP) pair's; megatron only the ranks ETP < TP has
     for rank, state in their_ranks.items():
         assert my_ranks[rank]["optimizer"] == state["optimizer"]  # each optimizer's state_dict(): param groups, step
         assert isinstance(state["optimizer"], list) == (to_ep > 1)
