@@ -50,25 +50,23 @@ def oracle(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def distrib_optim(tmp_path_factory):
-    """distrib_optim(preset, tp=.., pp=.., vpp=1, bucket_size=None, bf16=False, ep=1, te_order=False, etp=None) -> {'dp':
-    dp_reshardable, 'full': fully_reshardable, 'legacy': Megatron-LM's --ckpt-format torch (model_optim_rng.pt and megatron-core's own
+    """distrib_optim(preset, tp=.., pp=.., vpp=1, bucket_size=None, bf16=False, ep=1, te_order=False) -> {'dp': dp_reshardable, 'full':
+    fully_reshardable, 'legacy': Megatron-LM's --ckpt-format torch (model_optim_rng.pt and megatron-core's own
     distrib_optim.pt)}: the preset trained two steps by Megatron-Core's DistributedOptimizer on 4 ranks (gloo, CPU;
-    DP = 4 / (TP x PP), experts over EP of them, split over ETP (default TP); with `bucket_size`, gradients reduced in
-    overlapped buckets of about that many elements;
+    DP = 4 / (TP x PP), experts over EP of them; with `bucket_size`, gradients reduced in overlapped buckets of about that many elements;
     `bf16`: bf16 parameters, fp32 master weights and grads; `te_order`: its buffers in the Transformer-Engine spec's parameter
     order, fixtures/distrib_optim_checkpoint.py), the same state saved in both forms. Made once per
     session per argument set."""
     root = tmp_path_factory.mktemp("distrib_optim")
     cache = {}
 
-    def made(preset="tiny-llama", tp=2, pp=1, vpp=1, bucket_size=None, bf16=False, ep=1, te_order=False, etp=None):
-        key = (preset, tp, pp, vpp, bucket_size, bf16, ep, te_order, etp)
+    def made(preset="tiny-llama", tp=2, pp=1, vpp=1, bucket_size=None, bf16=False, ep=1, te_order=False):
+        key = (preset, tp, pp, vpp, bucket_size, bf16, ep, te_order)
         if key not in cache:
-            name = f"{preset}-tp{tp}pp{pp}vpp{vpp}ep{ep}{f'etp{etp}' if etp else ''}-b{bucket_size}"
-            out = root / f"{name}{'-bf16' if bf16 else ''}{'-te' if te_order else ''}"
+            out = root / f"{preset}-tp{tp}pp{pp}vpp{vpp}ep{ep}-b{bucket_size}{'-bf16' if bf16 else ''}{'-te' if te_order else ''}"
             cache[key] = {"dp": out / "dp", "full": out / "full"}
             extra = ([] if bucket_size is None else ["--bucket-size", bucket_size]) + (["--bf16"] if bf16 else [])
-            extra += (["--te-order"] if te_order else []) + (["--etp", etp] if etp else [])
+            extra += ["--te-order"] if te_order else []
             cache[key]["legacy"] = out / "legacy"
             extra += ["--legacy-out", cache[key]["legacy"]]
             run("fixtures.distrib_optim_checkpoint", ["--preset", preset, "--tp", tp, "--pp", pp, "--vpp", vpp, "--ep", ep, "--steps", 2, *extra,

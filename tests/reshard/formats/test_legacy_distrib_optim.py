@@ -68,28 +68,6 @@ def test_moe_distrib_optim_pt_reads_bit_for_bit_as_megatrons_fully_reshardable(d
     assert all(np.any(t != 0) for name, t in legacy.items() if ".exp_avg" in name)
 
 
-def test_moe_distrib_optim_pt_with_expert_tp_below_tp_reads_as_megatrons_fully_reshardable(distrib_optim, tmp_path):
-    """TP2 EP2 ETP1 on 4 ranks: megatron-core numbers expert ranks etp + ETP * (ep + EP * edp), so only mp_rank_00_000
-    and mp_rank_01_001 exist, each holding TP rank tp's dense state and EP rank ep's expert state (`BufferLayout.holder`):
-    decoded, every optimizer tensor equals Megatron's own fully_reshardable save; with the two expert states swapped
-    between the files (control) the expert tensors no longer do."""
-    made = distrib_optim("tiny-moe", tp=2, ep=2, etp=1)
-    files = {p.parent.name: torch.load(p, weights_only=True) for p in sorted((made["legacy"] / ITER).glob("mp_rank_*/distrib_optim.pt"))}
-    assert sorted(files) == ["mp_rank_00_000", "mp_rank_01_001"] and all(None not in f for f in files.values())
-    full, full_common = optimizer_tensors(made["full"])
-    legacy, legacy_common = optimizer_tensors(made["legacy"], LegacyReader)
-    assert len(legacy) == len(full) == 3 * 10
-    assert_same(legacy, full)
-    assert legacy_common == full_common and sorted(legacy_common) == [0, 1]
-    shutil.copytree(made["legacy"], tmp_path / "swapped")
-    first, second = (tmp_path / "swapped" / ITER / name / "distrib_optim.pt" for name in files)
-    torch.save([files["mp_rank_00_000"][0], files["mp_rank_01_001"][1]], first)
-    torch.save([files["mp_rank_01_001"][0], files["mp_rank_00_000"][1]], second)
-    swapped, _ = optimizer_tensors(tmp_path / "swapped", LegacyReader)
-    experts = sorted(n for n in full if ".mlp.experts." in n)
-    assert len(experts) == 3 * 2 and sorted(n for n in full if not np.array_equal(swapped[n], full[n])) == experts
-
-
 def test_moe_legacy_converts_to_torch_dist_as_megatrons_fully_reshardable_does(distrib_optim, tmp_path):
     made = distrib_optim("tiny-moe", tp=1, ep=2)
     legacy = reshard("convert", made["legacy"], tmp_path / "legacy", "--to-format", "torch_dist", "--to-ep", "1")
@@ -252,6 +230,30 @@ def by_optimizer(files: dict[str, object]) -> dict[str, dict]:
             if one is not None:
                 out[rank if i is None else f"{rank}[{i}]"] = one
     return out
+
+
+def test_moe_distrib_optim_pt_with_expert_tp_below_tp_reads_as_megatrons_fully_reshardable(distrib_optim, legacy_resaved, tmp_path):
+    """TP2 EP2 ETP1 on 4 ranks: megatron-core numbers expert ranks etp + ETP * (ep + EP * edp), so only mp_rank_00_000
+    and mp_rank_01_001 exist, each holding TP rank tp's dense state and EP rank ep's expert state (`BufferLayout.holder`).
+    Megatron's own legacy save there of the state it loaded from the TP1 EP2 run's fully_reshardable save decodes as
+    that save, every optimizer tensor; with the two expert states swapped between the files (control) the expert
+    tensors no longer do."""
+    source = distrib_optim("tiny-moe", tp=1, ep=2)["full"]
+    resaved = legacy_resaved("tiny-moe", False, 2, 1, to_ep=2, to_etp=1, source=(("ep", 2), ("tp", 1))).parent
+    files = {p.parent.name: torch.load(p, weights_only=True) for p in sorted((resaved / ITER).glob("mp_rank_*/distrib_optim.pt"))}
+    assert sorted(files) == ["mp_rank_00_000", "mp_rank_01_001"] and all(None not in f for f in files.values())
+    full, full_common = optimizer_tensors(source)
+    legacy, legacy_common = optimizer_tensors(resaved, LegacyReader)
+    assert len(legacy) == len(full) == 3 * 10
+    assert_same(legacy, full)
+    assert legacy_common == full_common and sorted(legacy_common) == [0, 1]
+    shutil.copytree(resaved, tmp_path / "swapped")
+    first, second = (tmp_path / "swapped" / ITER / name / "distrib_optim.pt" for name in files)
+    torch.save([files["mp_rank_00_000"][0], files["mp_rank_01_001"][1]], first)
+    torch.save([files["mp_rank_01_001"][0], files["mp_rank_00_000"][1]], second)
+    swapped, _ = optimizer_tensors(tmp_path / "swapped", LegacyReader)
+    experts = sorted(n for n in full if ".mlp.experts." in n)
+    assert len(experts) == 3 * 2 and sorted(n for n in full if not np.array_equal(swapped[n], full[n])) == experts
 
 
 MOE_WRITE_CASES = [  # source form, target TP, PP, EP, ETP (DP 4 / (TP x PP)); the source: tiny-moe TP1 EP2 DP4
