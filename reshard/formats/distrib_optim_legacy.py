@@ -52,6 +52,8 @@ def prepare_target(
     """The writer of legacy output with DistributedOptimizer state, the target's data-parallel size recorded in
     `common`'s args. What the state needs (all three states of every parameter, an architecture, local-spec names,
     param groups, an expert data-parallel size) is the dp_reshardable writer's check: the buffers are the same."""
+    if reader.config is not None and reader.config.is_moe and layout.ep > 1:
+        param_groups(common.extra.get("optimizer"), True, "--to-format legacy with the DistributedOptimizer's state")
     prepare_dp_target(reader, "torch_dist", specs, common, target, layout)  # its format check is for its own output
     return LegacyDistribOptimWriter
 

@@ -44,10 +44,10 @@ from reshard.torchfile.pickles import named
 _OBJECT = "/shard_0_1"  # the storage key of a ShardedObject of global shape (1,) at offset (0,)
 
 
-def param_groups(recorded: Any, chained: bool) -> dict[int | None, Any]:
+def param_groups(recorded: Any, chained: bool, output: str = "--optimizer-form dp_reshardable") -> dict[int | None, Any]:
     """Each target optimizer's saved state (its param_groups, by chain index; None: unchained) from common.pt's
     `optimizer` entry as the source records it (one optimizer's, or one per chained optimizer). The dense optimizer's
-    is either form's dense one; the expert optimizer's only a chained source records."""
+    is either form's dense one; the expert optimizer's only a chained source records (else refused, naming `output`)."""
     if not isinstance(recorded, dict):
         recorded = {}
     by_chain = {None: recorded["optimizer"]} if "optimizer" in recorded else {
@@ -60,8 +60,8 @@ def param_groups(recorded: Any, chained: bool) -> dict[int | None, Any]:
         return {None: dense}
     if not isinstance(by_chain.get(EXPERT_CHAIN), dict):
         raise ReshardError(
-            "--optimizer-form dp_reshardable at EP > 1 writes megatron-core's chained expert optimizer, whose param_groups "
-            "the source (one optimizer, an EP1 run's) does not record: write the fully_reshardable form"
+            f"{output} at EP > 1 writes megatron-core's chained expert optimizer, whose param_groups "
+            "the source (one optimizer, an EP1 run's) does not record: write torch_dist's fully_reshardable form"
         )
     return {DENSE_CHAIN: dense, EXPERT_CHAIN: by_chain[EXPERT_CHAIN]}
 

@@ -329,6 +329,18 @@ def test_dry_run_shows_the_optimizer_work(distrib_optim, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_chained_expert_optimizer_from_a_one_optimizer_source_is_refused_in_one_line(distrib_optim, tmp_path):
+    """Legacy output at EP > 1 holds the expert optimizer's `state_dict()`, whose param groups a one-optimizer source
+    (reshard's own EP1 legacy output) does not record: refused when planning, nothing written; the model still converts."""
+    ep1 = reshard("convert", distrib_optim("tiny-moe", tp=1, ep=2)["dp"], tmp_path / "ep1", "--to-format", "legacy", "--to-ep", 1)
+    assert ep1.returncode == 0, ep1.stderr
+    result = reshard("convert", tmp_path / "ep1", tmp_path / "out", "--to-format", "legacy", "--to-ep", 2)
+    _one_line_error(result, "--to-format legacy", "EP > 1", "chained expert optimizer", "fully_reshardable")
+    assert not (tmp_path / "out").exists()
+    model_only = reshard("convert", tmp_path / "ep1", tmp_path / "model", "--to-format", "legacy", "--to-ep", 2, "--no-optimizer")
+    assert model_only.returncode == 0, model_only.stderr
+
+
 def test_two_ranks_write_the_distrib_optim_pt_one_process_writes(distrib_optim, tmp_path):
     """Under torchrun the ranks split the tensors, each writing its pieces into every distrib_optim.pt; rank 0 seals the
     records with the CRC-32s combined from both ranks' parts: the same bytes as one process (which the test above holds
