@@ -44,7 +44,7 @@ import numpy as np
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
-from reshard.layout import Layout
+from reshard.layout import Layout, RankCoord
 from reshard.logical import TensorSpec, describe
 from reshard.sharding import Piece, Region, intersect, pieces, region_size, shift, to_slices
 
@@ -309,6 +309,33 @@ class BufferLayout:
         """One rank's optimizer's buffers, in gbuf_idx order."""
         return sorted((g for g in self.buffers if g.chain == chain and g.group == group), key=lambda g: g.index)
 
+    def optimizers(self) -> list[tuple[int | None, int]]:
+        """Every rank's optimizers as (chain, dp_group_idx): the dense (or only) ones first."""
+        return sorted({(g.chain, g.group) for g in self.buffers}, key=lambda cg: (-1 if cg[0] is None else cg[0], cg[1]))
+
+    def holder(self, chain: int | None, group: int) -> RankCoord:
+        """The rank whose legacy directory holds the `distrib_optim.pt` state of optimizer `chain` of dp_group_idx
+        `group`: that optimizer's data-parallel rank 0, which writes it in megatron-core's `save_parameter_state`.
+        megatron-core numbers a pipeline stage's ranks tp + TP * dp for the dense groups and etp + ETP * (ep + EP * edp)
+        for the expert ones (its default order tp-cp-ep-dp-pp, CP 1), and Megatron-LM names a rank's directory by its
+        TP and EP ranks: the dense optimizer of (tp, pp) is stage rank tp's, of EP rank (tp // ETP) % EP; the expert one
+        of (etp, ep, pp) stage rank etp + ETP * ep's, of TP rank (etp + ETP * ep) % TP (ETP = TP: tp and ep themselves)."""
+        etp_size, layout = self.layout.expert_tp, self.layout
+        if chain == EXPERT_CHAIN:
+            etp, ep, pp = group % etp_size, group // etp_size % layout.ep, group // (etp_size * layout.ep)
+            return RankCoord(pp=pp, tp=(etp + etp_size * ep) % layout.tp, ep=ep)
+        tp, pp = group % layout.tp, group // layout.tp
+        return RankCoord(pp=pp, tp=tp, ep=tp // etp_size % layout.ep)
+
+    def own_pieces(self, model: TensorSpec, candidates: list[Piece]) -> list[Piece]:
+        """The pieces of `model` that have a place of their own in a buffer: a dense parameter's EP ranks are
+        data-parallel replicas in one dense optimizer (its dp_group_idx has no EP), so only EP rank 0's copy; an
+        expert parameter in the expert optimizer (EP > 1) is keyed by its expert TP rank, so the TP ranks past ETP
+        (which hold the same parts again) have none."""
+        if model.experts and self.layout.ep > 1:
+            return [piece for piece in candidates if piece.rank.tp < self.layout.expert_tp]
+        return [piece for piece in candidates if piece.rank.ep == 0]
+
     def _local_params(
         self, tp: int, ep: int, pp: int, vstage: int, experts: bool
     ) -> list[tuple[str, int | None, int | None, tuple[Piece, ...], bool]]:
@@ -482,7 +509,7 @@ class DpReshardable:
         self.buffer_layout = BufferLayout(model_specs, config, layout, args)
         self.dp = self.buffer_layout.dp
         self.placed = self.buffer_layout.placed
-        for chain, group in sorted({(g.chain, g.group) for g in self.buffer_layout.buffers}, key=lambda cg: (-1 if cg[0] is None else cg[0], cg[1])):
+        for chain, group in self.buffer_layout.optimizers():
             self._check_rank(chain, group, objects)
         stray = sorted({str(gbuf) for gbuf, _ in self.bucket_keys if gbuf not in self.buffer_layout.buffers})
         if stray:

@@ -9,6 +9,11 @@ end padding, the 64-element alignment gaps between parameters zero (megatron-cor
 `Buffer.coalesced_start`), so what is written here decodes back by the same rules. The rank file's `optimizer`
 entry is the DistributedOptimizer's `state_dict()`: its param groups (with `step`), no parameter state.
 
+An MoE model at EP > 1 has megatron-core's ChainedOptimizer, whose `save_parameter_state` writes the list of its
+optimizers' states `[dense, experts]`, each in the file of that optimizer's data-parallel rank 0
+(`BufferLayout.holder`), None in the other's place; a file neither writes to is not written. The rank files'
+`optimizer` entry is then the list of both `state_dict()`s. At EP1 the experts are in the one dense optimizer.
+
 Each target piece of a logical optimizer tensor is written where it lies in its rank's buffer as its slab streams
 by (memory: one parameter's state); the three records of a buffer are sealed at `finish`, their CRC-32 combined
 from their parts' (`torchfile.crc32`). A rank's file is its buffers' 12 bytes per local parameter, plus alignment
@@ -26,11 +31,11 @@ from isal.isal_zlib import crc32
 from reshard.checksum import HashedParts
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CommonState, Manifest
-from reshard.formats.distrib_optim import STATE_KEYS, BufferLayout, flat_span, run_args
-from reshard.formats.dp_reshardable_writer import DpReshardableWriter
+from reshard.formats.distrib_optim import STATE_KEYS, BufferLayout, Gbuf, flat_span, run_args
+from reshard.formats.dp_reshardable_writer import DpReshardableWriter, param_groups
 from reshard.formats.dp_reshardable_writer import prepare_target as prepare_dp_target
 from reshard.formats.megatron_legacy import OPTIM_FILE, LegacyWriter
-from reshard.layout import Layout, RankCoord, ranks
+from reshard.layout import Layout
 from reshard.logical import TensorSpec
 from reshard.request import Target
 from reshard.sharding import Piece, Region, shift, to_slices
@@ -46,12 +51,9 @@ def prepare_target(
 ) -> type[LegacyDistribOptimWriter]:
     """The writer of legacy output with DistributedOptimizer state, the target's data-parallel size recorded in
     `common`'s args. What the state needs (all three states of every parameter, an architecture, local-spec names,
-    param groups) is the dp_reshardable writer's check: the buffers are the same. MoE models are refused here."""
-    if reader.config is not None and reader.config.is_moe:
-        raise ReshardError(
-            "legacy output of an MoE model's DistributedOptimizer state (the ChainedOptimizer's distrib_optim.pt) is not "
-            "written yet: pass --no-optimizer, or write torch_dist"
-        )
+    param groups, an expert data-parallel size) is the dp_reshardable writer's check: the buffers are the same."""
+    if reader.config is not None and reader.config.is_moe and layout.ep > 1:
+        param_groups(common.extra.get("optimizer"), True, "--to-format legacy with the DistributedOptimizer's state")
     prepare_dp_target(reader, "torch_dist", specs, common, target, layout)  # its format check is for its own output
     return LegacyDistribOptimWriter
 
@@ -65,29 +67,32 @@ class LegacyDistribOptimWriter(LegacyWriter):
         grad = "float32" if target_args.get("grad_reduce_in_fp32") else self.config.params_dtype
         dtype_key = (named("torch", self.config.params_dtype), named("torch", grad))
         self.buffer_layout = BufferLayout(self.specs, self.config, self.layout, target_args)
+        chains = sorted(self.buffer_layout.chains, key=lambda c: -1 if c is None else c)  # [None] or [dense, experts]
         self._optim: dict[str, StreamingTorchSave] = {}  # rank directory -> its distrib_optim.pt
-        self._records: dict[tuple[str, int, str], Slot] = {}  # (rank directory, gbuf_idx, state) -> its record
-        self._parts: dict[tuple[str, int, str], dict[int, tuple[int, int]]] = {}  # -> {byte offset: (length, CRC-32)}
-        self._states: dict[str, dict[Any, Any]] = {}  # rank directory -> what its file pickles
-        for rank in ranks(self.layout):
-            dirname = rank.legacy_dirname(self.layout)
-            self._optim[dirname] = StreamingTorchSave(self.directory / dirname / OPTIM_FILE)
+        self._records: dict[tuple[Gbuf, str], Slot] = {}  # (buffer, state) -> its record
+        self._parts: dict[tuple[Gbuf, str], dict[int, tuple[int, int]]] = {}  # -> {byte offset: (length, CRC-32)}
+        self._states: dict[str, Any] = {}  # rank directory -> what its file pickles: one optimizer's state, or the chain's
+        for chain, group in self.buffer_layout.optimizers():
+            dirname = self._dirname(chain, group)
+            stream = self._optim.setdefault(dirname, StreamingTorchSave(self.directory / dirname / OPTIM_FILE))
             state: dict[Any, Any] = {"buckets_coalesced": True}
-            for gbuf in self.buffer_layout.rank_buffers(None, self._group(rank)):
+            for gbuf in self.buffer_layout.rank_buffers(chain, group):
                 numel = sum(self.buffer_layout.buffers[gbuf].sizes)
                 tensors: dict[str, Any] = {}
                 for key in STATE_KEYS:
-                    slot = self._records[(dirname, gbuf.index, key)] = self._optim[dirname].reserve((numel,), "float32")
-                    self._parts[(dirname, gbuf.index, key)] = {}
-                    tensors[key] = slot.stub
+                    tensors[key] = (slot := stream.reserve((numel,), "float32")).stub
+                    self._records[(gbuf, key)], self._parts[(gbuf, key)] = slot, {}
                 state[gbuf.index] = {dtype_key: {**tensors, "numel_unpadded": numel}}
-            self._states[dirname] = state
-        saved = self.common.extra["optimizer"]  # the fully_reshardable form's common entry (`prepare_target` checked it)
-        extra = {**self.common.extra, "optimizer": {k: v for k, v in saved.items() if k != "param_state_sharding_type"}}
-        self.common = replace(self.common, extra=extra)
+            if chain is None:
+                self._states[dirname] = state
+            else:
+                self._states.setdefault(dirname, [None] * len(chains))[chain] = state
+        groups = param_groups(self.common.extra["optimizer"], chains != [None])  # `prepare_target` checked they are there
+        saved = {"optimizer": groups[None]} if chains == [None] else [{"optimizer": groups[chain]} for chain in chains]
+        self.common = replace(self.common, extra={**self.common.extra, "optimizer": saved})
 
-    def _group(self, rank: RankCoord) -> int:
-        return rank.tp + self.layout.tp * rank.pp  # dp_group_idx of a dense model's rank
+    def _dirname(self, chain: int | None, group: int) -> str:
+        return self.buffer_layout.holder(chain, group).legacy_dirname(self.layout)
 
     def _target_args(self) -> dict[str, Any]:
         """A run at the recorded data-parallel size with the DistributedOptimizer, saving the legacy format."""
@@ -99,20 +104,21 @@ class LegacyDistribOptimWriter(LegacyWriter):
             return super().whole_regions(spec, slab, pieces)
         return DpReshardableWriter.whole_regions(spec, slab, pieces)  # every rank's copy has its own place, as in buckets
 
-    def _place(self, spec: TensorSpec, piece: Piece) -> tuple[tuple[str, int, str], int]:
+    def _own_pieces(self, spec: TensorSpec, pieces: list[Piece]) -> list[Piece]:
+        return self.buffer_layout.own_pieces(self.buffer_layout.model_specs[spec.param], pieces)
+
+    def _place(self, spec: TensorSpec, piece: Piece) -> tuple[tuple[Gbuf, str], int]:
         """The record a piece of an optimizer tensor goes to, and its element offset there."""
         gbuf, place = self.buffer_layout.place_of(self.buffer_layout.model_specs[spec.param], piece)
         span = flat_span(piece)
         if span is None:
             raise ReshardError(f"{spec.name}: a target piece is not one run of its rank's parameter; not written to {OPTIM_FILE}")
-        buffer = self.buffer_layout.buffers[gbuf]
-        dirname = RankCoord(pp=piece.rank.pp, tp=piece.rank.tp).legacy_dirname(self.layout)
-        return (dirname, gbuf.index, spec.name.split(".")[2]), buffer.coalesced_start(place) + span[0]
+        return (gbuf, spec.name.split(".")[2]), self.buffer_layout.buffers[gbuf].coalesced_start(place) + span[0]
 
     def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> Any:
         if not spec.is_optimizer:
             return super().reserve(spec, slab, pieces)
-        return [self._place(spec, piece) for piece in pieces]
+        return [self._place(spec, piece) for piece in self._own_pieces(spec, pieces)]
 
     def prepare(
         self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
@@ -123,14 +129,14 @@ class LegacyDistribOptimWriter(LegacyWriter):
         if not spec.is_optimizer:
             return super().prepare(spec, slab, data, pieces, reserved, hashed)
         written = []
-        for piece, (record, offset) in zip(pieces, reserved):
+        for piece, ((gbuf, key), offset) in zip(self._own_pieces(spec, pieces), reserved, strict=True):
             flat = np.ascontiguousarray(data[to_slices(shift(piece.region, slab))], dtype=np.float32).reshape(-1)
-            slot = self._records[record]
-            self._optim[record[0]].write_part(slot, offset * 4, flat)
-            written.append([_TAG, *record, offset * 4, flat.nbytes, crc32(memoryview(flat).cast("B"))])
+            slot, dirname = self._records[(gbuf, key)], self._dirname(gbuf.chain, gbuf.group)
+            self._optim[dirname].write_part(slot, offset * 4, flat)
+            written.append([_TAG, gbuf.chain, gbuf.group, gbuf.index, key, offset * 4, flat.nbytes, crc32(memoryview(flat).cast("B"))])
             if piece.primary and piece.alias is None:
                 values = flat.reshape([b - a for a, b in piece.region])
-                self.vouch(spec, piece.region, f"{record[0]}/{OPTIM_FILE}", slot.data_offset + offset * 4, values, hashed)
+                self.vouch(spec, piece.region, f"{dirname}/{OPTIM_FILE}", slot.data_offset + offset * 4, values, hashed)
         return written
 
     def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
@@ -139,12 +145,13 @@ class LegacyDistribOptimWriter(LegacyWriter):
         self.restore(prepared)
 
     def restore(self, facts: list[Any]) -> None:
-        """The rank files' facts to LegacyWriter; a distrib_optim.pt part's: `[tag, rank directory, gbuf_idx, state,
+        """The rank files' facts to LegacyWriter; a distrib_optim.pt part's: `[tag, chain, dp_group_idx, gbuf_idx, state,
         byte offset, length, CRC-32]`."""
         super().restore([fact for fact in facts if fact[0] != _TAG])
-        for _, dirname, index, key, offset, length, crc in (fact for fact in facts if fact[0] == _TAG):
-            self._parts[(dirname, index, key)][offset] = (length, crc)
-            self._facts.append([_TAG, dirname, index, key, offset, length, crc])
+        for fact in (fact for fact in facts if fact[0] == _TAG):
+            chain, group, index, key, offset, length, crc = fact[1:]
+            self._parts[(Gbuf(chain, group, index), key)][offset] = (length, crc)
+            self._facts.append(fact)
 
     def sync(self) -> None:
         super().sync()
@@ -163,9 +170,9 @@ class LegacyDistribOptimWriter(LegacyWriter):
         pickled; then the rank files, manifest and tracker (LegacyWriter's), last."""
         for part in parts or []:
             self.restore(part)
-        for (dirname, index, key), written in self._parts.items():
-            slot, (tensors,) = self._records[(dirname, index, key)], self._states[dirname][index].values()
-            nbytes = tensors["numel_unpadded"] * 4
+        for (gbuf, key), written in self._parts.items():
+            slot, dirname = self._records[(gbuf, key)], self._dirname(gbuf.chain, gbuf.group)
+            nbytes = sum(self.buffer_layout.buffers[gbuf].sizes) * 4
             at = 0
             for offset, (length, _) in [*sorted(written.items()), (nbytes, (0, 0))]:
                 if offset > at:  # a gap: at most an alignment's 63 elements
@@ -173,7 +180,7 @@ class LegacyDistribOptimWriter(LegacyWriter):
                     self._optim[dirname].write_part(slot, at, zeros)
                     written[at] = (zeros.nbytes, crc32(zeros))
                 at = max(at, offset + length)
-            self._optim[dirname].seal(slot, crc32_of_parts(written, nbytes, f"{dirname}/{OPTIM_FILE} buffer {index} {key}"))
+            self._optim[dirname].seal(slot, crc32_of_parts(written, nbytes, f"{dirname}/{OPTIM_FILE} {gbuf} {key}"))
         for dirname, stream in self._optim.items():
             stream.finish(self._states[dirname])
         super().finish(manifest, None)

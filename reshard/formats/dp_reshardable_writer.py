@@ -44,10 +44,10 @@ from reshard.torchfile.pickles import named
 _OBJECT = "/shard_0_1"  # the storage key of a ShardedObject of global shape (1,) at offset (0,)
 
 
-def param_groups(recorded: Any, chained: bool) -> dict[int | None, Any]:
+def param_groups(recorded: Any, chained: bool, output: str = "--optimizer-form dp_reshardable") -> dict[int | None, Any]:
     """Each target optimizer's saved state (its param_groups, by chain index; None: unchained) from common.pt's
     `optimizer` entry as the source records it (one optimizer's, or one per chained optimizer). The dense optimizer's
-    is either form's dense one; the expert optimizer's only a chained source records."""
+    is either form's dense one; the expert optimizer's only a chained source records (else refused, naming `output`)."""
     if not isinstance(recorded, dict):
         recorded = {}
     by_chain = {None: recorded["optimizer"]} if "optimizer" in recorded else {
@@ -60,8 +60,8 @@ def param_groups(recorded: Any, chained: bool) -> dict[int | None, Any]:
         return {None: dense}
     if not isinstance(by_chain.get(EXPERT_CHAIN), dict):
         raise ReshardError(
-            "--optimizer-form dp_reshardable at EP > 1 writes megatron-core's chained expert optimizer, whose param_groups "
-            "the source (one optimizer, an EP1 run's) does not record: write the fully_reshardable form"
+            f"{output} at EP > 1 writes megatron-core's chained expert optimizer, whose param_groups "
+            "the source (one optimizer, an EP1 run's) does not record: write torch_dist's fully_reshardable form"
         )
     return {DENSE_CHAIN: dense, EXPERT_CHAIN: by_chain[EXPERT_CHAIN]}
 
@@ -125,7 +125,7 @@ class DpReshardableWriter(TorchDistWriter):
         groups = param_groups(self.common.extra.get("optimizer"), None not in self.buffer_layout.chains)
         self.buckets: dict[str, int] = {}  # bucket tensor key prefix -> unpadded length
         objects = dict(self.common.objects)
-        for chain, group in sorted({(g.chain, g.group) for g in self.buffer_layout.buffers}, key=lambda cg: (cg[0] or 0, cg[1])):
+        for chain, group in self.buffer_layout.optimizers():
             dp = self.buffer_layout.expert_dp if chain == EXPERT_CHAIN else self.buffer_layout.dp
             unpadded, padded = [], []
             for gbuf in self.buffer_layout.rank_buffers(chain, group):
@@ -170,11 +170,7 @@ class DpReshardableWriter(TorchDistWriter):
         return f"{self._bucket_key(gbuf, place.bucket)}.{spec.name.split('.')[2]}", place.start + span[0]
 
     def _bucket_pieces(self, spec: TensorSpec, pieces: list[Piece]) -> list[Piece]:
-        """The pieces that have a place of their own in a bucket: a dense parameter's EP ranks are data-parallel
-        replicas in one dense optimizer (its dp_group_idx has no EP), so only EP rank 0's copy is written."""
-        if self.buffer_layout.model_specs[spec.param].experts:
-            return pieces
-        return [piece for piece in pieces if piece.rank.ep == 0]
+        return self.buffer_layout.own_pieces(self.buffer_layout.model_specs[spec.param], pieces)
 
     def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Record]:
         if not spec.is_optimizer:

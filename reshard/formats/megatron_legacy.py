@@ -39,7 +39,6 @@ from reshard.formats.base import (
 )
 from reshard.formats.distrib_optim import (
     DENSE_CHAIN,
-    EXPERT_CHAIN,
     STATE_KEYS,
     BufferLayout,
     Gbuf,
@@ -409,8 +408,9 @@ class DistribOptimFiles:
     per-bucket layout (no `buckets_coalesced`).
 
     An MoE model's ChainedOptimizer writes the list of its optimizers' states `[dense, experts]`, each written by
-    that optimizer's DP rank 0 (None in the other files): the dense state in the EP rank 0 file of each TP/PP rank,
-    the experts' in every EP rank's file; the rank files' `optimizer` entry is the list of their `state_dict()`s."""
+    that optimizer's DP rank 0 (None in the other files; `BufferLayout.holder` names its file, at any expert TP): the
+    dense state in the EP rank 0 file of each TP/PP rank where ETP = TP, the experts' in every EP rank's file; the rank
+    files' `optimizer` entry is the list of their `state_dict()`s."""
 
     def __init__(
         self,
@@ -421,8 +421,6 @@ class DistribOptimFiles:
         layout: Layout,
         args: dict[str, Any],
     ):
-        if config.is_moe and layout.expert_tp != layout.tp:
-            raise ReshardError(f"{OPTIM_FILE} of an MoE model with expert TP {layout.expert_tp} != TP {layout.tp} is not decoded yet")
         self.buffer_layout = BufferLayout(model_specs, config, layout, args)
         chains = sorted(self.buffer_layout.chains, key=lambda c: -1 if c is None else c)  # [None] or [dense, experts]
         chained = chains != [None]
@@ -439,11 +437,10 @@ class DistribOptimFiles:
         self.names: dict[tuple[int | None, int], str] = {}  # the same, relative to the iteration directory
         self._files: dict[Path, RecordFile] = {}
         loaded: dict[Path, Any] = {}
-        for chain, group in sorted({(g.chain, g.group) for g in self.buffer_layout.buffers}, key=lambda cg: (-1 if cg[0] is None else cg[0], cg[1])):
-            tp, rest = group % layout.tp, group // layout.tp
-            rank = RankCoord(pp=rest // layout.ep, tp=tp, ep=rest % layout.ep) if chain == EXPERT_CHAIN else RankCoord(pp=rest, tp=tp)
-            path = self.paths[(chain, group)] = path_of(rank.legacy_dirname(layout))
-            self.names[(chain, group)] = f"{rank.legacy_dirname(layout)}/{OPTIM_FILE}"
+        for chain, group in self.buffer_layout.optimizers():
+            dirname = self.buffer_layout.holder(chain, group).legacy_dirname(layout)
+            path = self.paths[(chain, group)] = path_of(dirname)
+            self.names[(chain, group)] = f"{dirname}/{OPTIM_FILE}"
             if not path.is_file():
                 raise ReshardError(f"{path} is missing beside the first rank's: the checkpoint is incomplete")
             state = cached(loaded, path, lambda p=path: load_archive(p, str(p)))

@@ -16,8 +16,12 @@ import numpy as np
 import pytest
 import torch
 
+from fixtures.models import TINY_MOE
+from fixtures.synthetic import SyntheticReader
 from reshard.dtypes import numpy_dtype
+from reshard.formats.distrib_optim import BufferLayout
 from reshard.formats.megatron_dist import TorchDistReader
+from reshard.layout import Layout, RankCoord
 from reshard.sharding import full_region
 from reshard.torchfile import dcp_metadata
 from reshard.torchfile.dcp_metadata import Storage
@@ -349,3 +353,51 @@ def test_inspect_names_an_moe_models_optimizer_forms(distrib_optim):
         "dp": {"form": "dp_reshardable", "dp": 4, "buckets": 3, "ranks": 3},
         "full": {"form": "fully_reshardable", "dp": 4, "buckets": None, "ranks": None},
     }
+
+
+def _megatron_holders(layout, dp: int) -> dict[tuple[int | None, int], RankCoord]:
+    """megatron-core's own rank numbering (parallel_state.RankGenerator, its default order, as initialize_model_parallel
+    builds it): for each optimizer (chain, dp_group_idx = the rank in its model-parallel group, tp-pp dense and tp-ep-pp
+    expert), the (pp, tp, ep) of its data-parallel rank 0, whose directory `save_parameter_state` writes."""
+    from megatron.core.parallel_state import RankGenerator
+
+    order = "tp-cp-ep-dp-pp"
+    dense = RankGenerator(tp=layout.tp, ep=1, dp=dp, pp=layout.pp, cp=1, order=order)
+    expert_dp = dp * layout.tp // (layout.expert_tp * layout.ep)
+    expert = RankGenerator(tp=layout.expert_tp, ep=layout.ep, dp=expert_dp, pp=layout.pp, cp=1, order=order)
+
+    def index(generator, token: str) -> dict[int, int]:  # global rank -> its rank in its `token` group
+        return {rank: i for group in generator.get_ranks(token) for i, rank in enumerate(group)}
+
+    tp, pp, ep = index(dense, "tp"), index(dense, "pp"), index(expert, "ep")
+    chained = layout.ep > 1
+    out = {}
+    for chain, generator, mp in ((0 if chained else None, dense, "tp-pp"), *([(1, expert, "tp-ep-pp")] if chained else [])):
+        first_in_dp = {group[0] for group in generator.get_ranks("dp")}
+        for rank, group in index(generator, mp).items():
+            if rank in first_in_dp:
+                out[(chain, group)] = RankCoord(pp=pp[rank], tp=tp[rank], ep=ep[rank])
+    return out
+
+
+@pytest.mark.parametrize("tp, pp, ep, etp, dp", [(1, 1, 2, None, 4), (2, 1, 2, 1, 2), (2, 2, 2, 1, 2), (4, 1, 2, 2, 2), (2, 1, 4, 1, 2),
+                                                 (2, 1, 1, None, 2)])
+def test_holder_is_the_rank_megatron_core_makes_each_optimizers_dp_rank_0(tp, pp, ep, etp, dp):
+    """`BufferLayout.holder`: the legacy directory of each optimizer's distrib_optim.pt is that of its data-parallel rank
+    0 in megatron-core's own rank numbering, at ETP = TP and ETP < TP alike; a numbering with TP and ETP swapped
+    (control) is not."""
+    layout = Layout(tp=tp, pp=pp, ep=ep, etp=etp)
+    specs = SyntheticReader(TINY_MOE, layout).specs
+    buffer_layout = BufferLayout(specs, TINY_MOE, layout, {"data_parallel_size": dp, "transformer_impl": "local"})
+    want = _megatron_holders(layout, dp)
+    assert sorted(want, key=str) == sorted(buffer_layout.optimizers(), key=str)
+    assert {key: buffer_layout.holder(*key) for key in want} == want
+    # control: the files as named where ETP = TP (dense in EP rank 0's, experts in TP rank etp's) are not megatron-core's
+    # at ETP < TP
+    etp_size = layout.expert_tp
+    as_if_etp_is_tp = {
+        (chain, group): RankCoord(pp=group // (etp_size * ep), tp=group % etp_size, ep=group // etp_size % ep) if chain == 1
+        else RankCoord(pp=group // tp, tp=group % tp, ep=0)
+        for chain, group in want
+    }
+    assert (as_if_etp_is_tp == want) == (etp_size == tp)

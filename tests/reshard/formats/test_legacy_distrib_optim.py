@@ -136,18 +136,20 @@ def test_the_older_per_bucket_layout_is_refused_by_name(distrib_optim, tmp_path)
 
 @pytest.fixture(scope="module")
 def legacy_resaved(distrib_optim, tmp_path_factory):
-    """legacy_resaved(preset, bf16, to_tp, to_pp) -> the iteration directory of megatron-core's own legacy save
-    (model_optim_rng.pt, distrib_optim.pt) of `distrib_optim(preset, tp=2)`'s state, loaded by its DistributedOptimizer
-    at TP `to_tp` PP `to_pp` on 4 ranks (DP = 4 / (TP x PP))."""
+    """legacy_resaved(preset, bf16, to_tp, to_pp, to_ep=1, to_etp=None, source=TP2) -> the iteration directory of
+    megatron-core's own legacy save (model_optim_rng.pt, distrib_optim.pt) of `distrib_optim(preset, **source)`'s state,
+    loaded by its DistributedOptimizer at TP `to_tp` PP `to_pp` EP `to_ep` ETP `to_etp` on 4 ranks (DP = 4 / (TP x PP))."""
     cache = {}
 
-    def made(preset, bf16, to_tp, to_pp):
-        key = (preset, bf16, to_tp, to_pp)
+    def made(preset, bf16, to_tp, to_pp, to_ep=1, to_etp=None, source=(("tp", 2),)):
+        key = (preset, bf16, to_tp, to_pp, to_ep, to_etp, source)
         if key not in cache:
             out = tmp_path_factory.mktemp("legacy_resaved")
-            full = distrib_optim(preset, tp=2, bf16=bf16)["full"] / ITER
-            run("fixtures.distrib_optim_resave", ["--preset", preset, "--tp", to_tp, "--pp", to_pp, "--load", full, "--out", out / "dp",
-                                                  "--legacy-out", out / "legacy", *(["--bf16"] if bf16 else [])], nproc=4, timeout=600)
+            full = distrib_optim(preset, bf16=bf16, **dict(source))["full"] / ITER
+            run("fixtures.distrib_optim_resave", ["--preset", preset, "--tp", to_tp, "--pp", to_pp, "--ep", to_ep, "--load", full,
+                                                  "--out", out / "dp", "--legacy-out", out / "legacy", *(["--bf16"] if bf16 else []),
+                                                  *(["--etp", to_etp] if to_etp else [])],
+                nproc=4, timeout=600)
             cache[key] = out / "legacy" / ITER
         return cache[key]
 
@@ -219,6 +221,79 @@ def test_written_distrib_optim_is_megatrons_own_legacy_save_at_the_new_layout(di
     assert [d.split(":")[0] for d in buffer_differences(mine, theirs)] == [f"{rank} buffer 0 exp_avg"]
 
 
+def by_optimizer(files: dict[str, object]) -> dict[str, dict]:
+    """Each distrib_optim.pt's optimizer states by rank directory, an MoE model's ChainedOptimizer's list by
+    `<rank directory>[<chain>]` (its None places left out: a state where the other has None is a difference)."""
+    out = {}
+    for rank, state in files.items():
+        for i, one in enumerate(state) if isinstance(state, list) else [(None, state)]:
+            if one is not None:
+                out[rank if i is None else f"{rank}[{i}]"] = one
+    return out
+
+
+def test_moe_distrib_optim_pt_with_expert_tp_below_tp_reads_as_megatrons_fully_reshardable(distrib_optim, legacy_resaved, tmp_path):
+    """TP2 EP2 ETP1 on 4 ranks: megatron-core numbers expert ranks etp + ETP * (ep + EP * edp), so only mp_rank_00_000
+    and mp_rank_01_001 exist, each holding TP rank tp's dense state and EP rank ep's expert state (`BufferLayout.holder`).
+    Megatron's own legacy save there of the state it loaded from the TP1 EP2 run's fully_reshardable save decodes as
+    that save, every optimizer tensor; with the two expert states swapped between the files (control) the expert
+    tensors no longer do."""
+    source = distrib_optim("tiny-moe", tp=1, ep=2)["full"]
+    resaved = legacy_resaved("tiny-moe", False, 2, 1, to_ep=2, to_etp=1, source=(("ep", 2), ("tp", 1))).parent
+    files = {p.parent.name: torch.load(p, weights_only=True) for p in sorted((resaved / ITER).glob("mp_rank_*/distrib_optim.pt"))}
+    assert sorted(files) == ["mp_rank_00_000", "mp_rank_01_001"] and all(None not in f for f in files.values())
+    full, full_common = optimizer_tensors(source)
+    legacy, legacy_common = optimizer_tensors(resaved, LegacyReader)
+    assert len(legacy) == len(full) == 3 * 10
+    assert_same(legacy, full)
+    assert legacy_common == full_common and sorted(legacy_common) == [0, 1]
+    shutil.copytree(resaved, tmp_path / "swapped")
+    first, second = (tmp_path / "swapped" / ITER / name / "distrib_optim.pt" for name in files)
+    torch.save([files["mp_rank_00_000"][0], files["mp_rank_01_001"][1]], first)
+    torch.save([files["mp_rank_01_001"][0], files["mp_rank_00_000"][1]], second)
+    swapped, _ = optimizer_tensors(tmp_path / "swapped", LegacyReader)
+    experts = sorted(n for n in full if ".mlp.experts." in n)
+    assert len(experts) == 3 * 2 and sorted(n for n in full if not np.array_equal(swapped[n], full[n])) == experts
+
+
+MOE_WRITE_CASES = [  # source form, target TP, PP, EP, ETP (DP 4 / (TP x PP)); the source: tiny-moe TP1 EP2 DP4
+    ("dp", 1, 1, 2, None),  # experts in their own chained optimizer, expert DP 2
+    ("dp", 1, 1, 1, None),  # one optimizer, the experts in the dense buffer after the router
+    ("legacy", 2, 1, 2, 1),  # ETP < TP: two files hold both chains (`BufferLayout.holder`), the TP rank past ETP's experts none
+]
+
+
+@pytest.mark.parametrize("form, to_tp, to_pp, to_ep, to_etp", MOE_WRITE_CASES,
+                         ids=[f"tiny-moe-{c[0]}-ep2-to-tp{c[1]}pp{c[2]}ep{c[3]}{f'etp{c[4]}' if c[4] else ''}" for c in MOE_WRITE_CASES])
+def test_written_moe_distrib_optim_is_megatrons_own_chained_legacy_save(distrib_optim, legacy_resaved, tmp_path, form, to_tp, to_pp, to_ep,
+                                                                        to_etp):
+    """An MoE model's ChainedOptimizer state written for a new layout: every distrib_optim.pt (the list `[dense,
+    experts]` at EP > 1, None where the file's writer is not that optimizer's DP rank 0) and every rank file's
+    `optimizer` entry are megatron-core's own legacy save of the same state loaded at that layout, tensor for tensor."""
+    dp = 4 // (to_tp * to_pp)
+    source = distrib_optim("tiny-moe", tp=1, ep=2)[form]
+    layout = ["--to-tp", to_tp, "--to-pp", to_pp, "--to-ep", to_ep, *(["--to-etp", to_etp] if to_etp else [])]
+    out = reshard("convert", source, tmp_path / "out", "--to-format", "legacy", *layout, "--to-dp", dp)
+    assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
+    theirs_dir = legacy_resaved("tiny-moe", False, to_tp, to_pp, to_ep=to_ep, to_etp=to_etp, source=(("ep", 2), ("tp", 1)))
+    mine_files, theirs_files = rank_files(tmp_path / "out" / ITER, "distrib_optim.pt"), rank_files(theirs_dir, "distrib_optim.pt")
+    assert sorted(mine_files) == sorted(theirs_files) and len(theirs_files) == to_tp * to_pp * to_ep // (to_tp // (to_etp or to_tp))
+    assert all(isinstance(f, list) and len(f) == 2 for f in theirs_files.values()) == (to_ep > 1)
+    mine, theirs = by_optimizer(mine_files), by_optimizer(theirs_files)
+    assert len(theirs) == to_pp * (to_tp + to_ep * (to_etp or to_tp) if to_ep > 1 else to_tp)
+    assert buffer_differences(mine, theirs) == []
+    my_ranks, their_ranks = rank_files(tmp_path / "out" / ITER, "model_optim_rng.pt"), rank_files(theirs_dir, "model_optim_rng.pt")
+    assert set(their_ranks) <= set(my_ranks)  # reshard writes every (TP, EP) pair's; megatron only the ranks ETP < TP has
+    for rank, state in their_ranks.items():
+        assert my_ranks[rank]["optimizer"] == state["optimizer"]  # each optimizer's state_dict(): param groups, step
+        assert isinstance(state["optimizer"], list) == (to_ep > 1)
+    # control: the comparison notices the last expert buffer shifted by one parameter alignment
+    name = sorted(theirs)[-1]
+    (tensors,) = mine[name][0].values()
+    tensors["exp_avg_sq"] = torch.roll(tensors["exp_avg_sq"], 64)
+    assert [d.split(":")[0] for d in buffer_differences(mine, theirs)] == [f"{name} buffer 0 exp_avg_sq"]
+
+
 def resumed_losses(tmp_path: Path, name: str, layout: list, *extra) -> dict[int, float]:
     out = tmp_path / f"{name}.json"
     run("fixtures.distrib_optim_legacy_resume", ["--preset", "tiny-llama", *layout, "--steps", STEPS, "--out", out, *extra], nproc=4, timeout=600)
@@ -254,12 +329,15 @@ def test_dry_run_shows_the_optimizer_work(distrib_optim, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_legacy_output_of_an_moe_models_optimizer_is_refused_in_one_line(distrib_optim, tmp_path):
-    """Not written yet (the ChainedOptimizer's list): refused when planning, nothing written; the model still converts."""
-    source = distrib_optim("tiny-moe", tp=1, ep=2)["full"]
-    _one_line_error(reshard("convert", source, tmp_path / "out", "--to-format", "legacy", "--to-ep", 1), "MoE", "not written yet", "--no-optimizer")
+def test_a_chained_expert_optimizer_from_a_one_optimizer_source_is_refused_in_one_line(distrib_optim, tmp_path):
+    """Legacy output at EP > 1 holds the expert optimizer's `state_dict()`, whose param groups a one-optimizer source
+    (reshard's own EP1 legacy output) does not record: refused when planning, nothing written; the model still converts."""
+    ep1 = reshard("convert", distrib_optim("tiny-moe", tp=1, ep=2)["dp"], tmp_path / "ep1", "--to-format", "legacy", "--to-ep", 1)
+    assert ep1.returncode == 0, ep1.stderr
+    result = reshard("convert", tmp_path / "ep1", tmp_path / "out", "--to-format", "legacy", "--to-ep", 2)
+    _one_line_error(result, "--to-format legacy", "EP > 1", "chained expert optimizer", "fully_reshardable")
     assert not (tmp_path / "out").exists()
-    model_only = reshard("convert", source, tmp_path / "model", "--to-format", "legacy", "--to-ep", 1, "--no-optimizer")
+    model_only = reshard("convert", tmp_path / "ep1", tmp_path / "model", "--to-format", "legacy", "--to-ep", 2, "--no-optimizer")
     assert model_only.returncode == 0, model_only.stderr
 
 
