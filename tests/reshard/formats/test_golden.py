@@ -374,3 +374,71 @@ def test_a_zarr_copy_without_an_architecture_says_how_to_get_one(tmp_path, monke
     convert(tmp_path / "zarr", tmp_path / "dist", Target(format="torch_dist"))
     convert(tmp_path / "dist", tmp_path / "hf", Target(format="hf"), hints=SourceHints(config=HF / "config.json"))
     _same_as_original(tmp_path / "hf")
+
+
+MLM_TRAIN = GOLDEN / "mlm-distopt-tp2dp2"  # Megatron-LM's own training run, saved at iteration 3 (make_golden.py mlm-train)
+
+
+def test_megatron_lms_own_dp_reshardable_save_reads_as_its_fully_reshardable_save():
+    """What a real Megatron-LM run (--use-distributed-optimizer, TP2 DP2, fp32) writes by default: reshard decodes
+    its dp_reshardable buckets into every parameter's master weight, exp_avg and exp_avg_sq equal bit for bit to
+    Megatron-LM's own fully_reshardable save of the same state (read alike), and the master weights are the model's."""
+    from reshard.torchfile import dcp_metadata
+    from tests.reshard.formats.test_distrib_optim import assert_same, master_weights_are_the_model, optimizer_tensors
+
+    stored = dcp_metadata.load(MLM_TRAIN / "checkpoint" / "iter_0000003" / ".metadata").tensors
+    assert any(k.startswith("optimizer.distributed.") for k in stored) and not any(k.startswith("optimizer.state.") for k in stored)
+    ours, _ = optimizer_tensors(MLM_TRAIN / "checkpoint")
+    theirs, _ = optimizer_tensors(MLM_TRAIN / "oracle")
+    assert len(ours) == 3 * 9  # 9 tensors: embedding, output layer, final norm, 6 of the layers (stacked)
+    assert_same(ours, theirs)
+    assert master_weights_are_the_model(MLM_TRAIN / "checkpoint", ours) == []
+
+
+def _damaged_bucket(source: Path, dest: Path) -> str:
+    """A copy of `source` with one bit changed in the middle of the first stored chunk of an exp_avg_sq bucket."""
+    from reshard.torchfile import dcp_metadata
+
+    shutil.copytree(source, dest)
+    iter_dir = dest / "iter_0000003"
+    metadata = dcp_metadata.load(iter_dir / ".metadata")
+    key = next(k for k in metadata.tensors if k.startswith("optimizer.distributed.") and k.endswith("exp_avg_sq"))
+    storage = metadata.storage[(key, metadata.tensors[key].chunks[0].offsets)]
+    with open(iter_dir / storage.relative_path, "r+b") as f:
+        f.seek(storage.offset + storage.length // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x40]))
+    return key
+
+
+def test_a_flipped_bit_in_megatron_lms_buckets_shows_against_its_fully_reshardable_save(tmp_path):
+    """The control: one bit of one exp_avg_sq bucket changed in Megatron-LM's file, and the comparison above fails."""
+    from tests.reshard.formats.test_distrib_optim import assert_same, optimizer_tensors
+
+    _damaged_bucket(MLM_TRAIN / "checkpoint", tmp_path / "damaged")
+    ours, _ = optimizer_tensors(tmp_path / "damaged")
+    with pytest.raises(AssertionError, match=r"optimizer\.state\.exp_avg_sq\..* differs"):
+        assert_same(ours, optimizer_tensors(MLM_TRAIN / "oracle")[0])
+
+
+def test_megatron_lms_own_save_reshards_to_what_megatron_core_loads(tmp_path):
+    """reshard converts Megatron-LM's dp_reshardable save to TP1 PP2 (fully_reshardable), alike to converting its own
+    fully_reshardable save; megatron-core 0.16's own dist_checkpointing.load then reads every tensor of the conversion,
+    model and optimizer, equal bit for bit to Megatron-LM's fully_reshardable save (read by torch's DCP reader)."""
+    import torch
+
+    from fixtures.torchrun import run
+    from tests.reshard.formats.test_distrib_optim import assert_converted_alike
+
+    for form in ("checkpoint", "oracle"):
+        convert(MLM_TRAIN / form, tmp_path / form, Target(format="torch_dist", layout=Layout(tp=1, pp=2)))
+    assert_converted_alike(tmp_path / "checkpoint", tmp_path / "oracle")
+    run("fixtures.megatron_load_all", ["--load", tmp_path / "checkpoint", "--out", tmp_path / "loaded.pt"], nproc=1)
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    oracle = _dcp_tensors(MLM_TRAIN / "oracle" / "iter_0000003")
+    assert set(loaded["tensors"]) ^ set(oracle) == set() and len(oracle) == 4 * 9
+    for key, value in oracle.items():
+        assert _same_bits(loaded["tensors"][key].numpy(), value), key
+    assert loaded["common"]["iteration"] == 3
+    assert loaded["common"]["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
