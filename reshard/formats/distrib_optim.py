@@ -303,6 +303,11 @@ class BufferLayout:
         self.config, self.layout, self.args = config, layout, args
         self._refuse_unsupported(args)
         self.order = ParamOrder.of(args)
+        if self.order.transformer_engine and self.order.mla and layout.tp > 1:
+            raise ReshardError(
+                "DistributedOptimizer state of multi-latent attention with the Transformer-Engine spec at TP > 1 is not decoded "
+                "yet: its linear_q_down_proj/linear_kv_down_proj are whole on every TP rank (convert with --no-optimizer)"
+            )
         self.dp = int(args.get("data_parallel_size") or 0)
         if self.dp < 1:
             raise ReshardError("the checkpoint's args record no data_parallel_size: its DistributedOptimizer state cannot be decoded")
