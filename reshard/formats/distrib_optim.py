@@ -7,8 +7,8 @@ of the bucket's unpadded length. This module derives where each parameter lies i
 from the checkpoint's own model tensors and args (`BufferLayout`, after megatron-core 0.16's
 param_and_grad_buffer.py; the legacy `distrib_optim.pt` reader, megatron_legacy.py, uses it too):
 
-1. the rank's parameters in `named_parameters()` order (GPTModel with the local or the Transformer-Engine spec,
-   `ParamOrder`), laid out in **reverse** order;
+1. the rank's parameters in `named_parameters()` order (GPTModel with the local or the Transformer-Engine spec, its
+   attention multi-head or multi-latent, `ParamOrder`), laid out in **reverse** order;
 2. each parameter starts on a multiple of 64 elements, as its local (TP-sharded) tensor, row-major;
 3. a bucket closes when it reaches `bucket_size` (only with `overlap_grad_reduce`, never on pipeline
    stages > 0); with tied embeddings and PP > 1 the embedding (first stage) and its output-layer copy (last
@@ -27,7 +27,9 @@ With virtual pipeline stages each model chunk is its own buffer (`gbuf_idx_<chun
 first chunk). An MoE model's state at EP > 1 is a chain of two optimizers (keys prefixed `chained_0.` dense,
 `chained_1.` experts; see `BufferLayout`). Not yet decoded (refused by name): several parameter dtypes in one chunk, a
 chain per model chunk (`overlap_param_gather_with_optimizer_step`), MoE stages without experts, Transformer-Engine's
-fused-op MLP (`use_te_op_fuser`), FP8 parameters (`fp8_param_gather`), the legacy GroupedMLP. The
+fused-op MLP (`use_te_op_fuser`), FP8 parameters (`fp8_param_gather`), the legacy GroupedMLP, multi-latent attention's
+fused q/kv down projection (`mla_down_proj_fusion`), and multi-latent attention with the Transformer-Engine spec at
+TP > 1 (its down projections whole on every TP rank, where `sharding.pieces` splits them as the local spec does). The
 Transformer-Engine order is derived from TE's and megatron-core's source (no TE-written save exists here to prove
 it against): `master_weights` checks every decode against the saved weights.
 """
