@@ -7,8 +7,9 @@ biases, a biased linear_proj; the down projections column-parallel (the local sp
 heads, the norms replicated: each TP rank keeps its own buffer slot of them. tiny-mla-moe at EP2 DP4: DeepSeek-V3's
 layer kinds in small (no q_lora_rank: linear_q_proj; the first layer dense, the second MoE with a shared expert, keyed
 per layer; megatron-core's chained expert optimizer). The Transformer-Engine spec's MLA order is read from source only
-(no TE here): refused at TP > 1 (its down projections are whole on every TP rank), at TP1 guarded by the master-weight
-check as the GPT TE order is (test_te_order.py)."""
+(no TE here): refused at TP > 1 (its down projections are whole on every TP rank); at TP1 proven only as test_te_order.py
+proves the GPT one (megatron-core's buffers laid out in the order we read, not TE's own), the master-weight check
+guarding a real TE save."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from reshard.request import LayoutChange, Target
 from tests.reshard.formats.test_distrib_optim import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
 from tests.reshard.formats.test_dp_reshardable_writer import differences, resaved, saved_state  # noqa: F401  (resaved: the fixture)
 from tests.reshard.formats.test_dp_reshardable_writer import test_written_buckets_are_megatrons_own_at_the_new_layout as written_as_megatrons
-from tests.reshard.formats.test_te_order import _with_args
+from tests.reshard.formats.test_te_order import _start, _with_args
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 
 ATTENTION = "decoder.layers.self_attention."
@@ -59,6 +60,24 @@ def test_mla_buffers_read_bit_for_bit_as_megatrons_fully_reshardable(distrib_opt
         out = reshard("convert", made[form], tmp_path / form, *target)
         assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
     assert len(assert_converted_alike(tmp_path / "dp", tmp_path / "full")) == 3 * params
+
+
+def test_te_ordered_mla_buffers_decode_bit_for_bit_as_megatrons_fully_reshardable(distrib_optim):
+    """The Transformer-Engine spec's MLA order at TP1 DP4, its latent norms owned by the up projections (each right
+    before its projection's weight): megatron-core's DDP laying its buffers out in that order (fixture `te_order`) saves
+    state that decodes to its own fully_reshardable save bit for bit, the norm on the other side of the weight than in
+    the local spec's buffer."""
+    te = distrib_optim("tiny-mla", tp=1, te_order=True)
+    dp, dp_common = optimizer_tensors(te["dp"])
+    full, full_common = optimizer_tensors(te["full"])
+    assert len(dp) == 3 * 22
+    assert_same(dp, full)
+    assert dp_common == full_common
+    assert master_weights_are_the_model(te["dp"], dp) == []
+    local = distrib_optim("tiny-mla", tp=2)["dp"]
+    for up in ("linear_q_up_proj", "linear_kv_up_proj"):
+        norm, weight = f"{ATTENTION}{up}.layer_norm_weight", f"{ATTENTION}{up}.weight"
+        assert _start(local, norm) < _start(local, weight) and _start(te["dp"], norm) > _start(te["dp"], weight)
 
 
 def test_mla_written_buckets_are_megatrons_own_at_the_new_layout(distrib_optim, resaved, tmp_path):  # noqa: F811
