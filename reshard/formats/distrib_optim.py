@@ -232,7 +232,8 @@ class ParamOrder:
     mla: bool = False  # multi-latent attention
 
     @classmethod
-    def of(cls, args: dict[str, Any]) -> ParamOrder:
+    def of(cls, args: dict[str, Any], mla: bool = False) -> ParamOrder:
+        """The order of a run with saved `args`, of a multi-latent-attention model where `mla`."""
         impl = args.get("transformer_impl", "transformer_engine")
         if impl not in ("local", "transformer_engine"):
             raise ReshardError(f"DistributedOptimizer state of a transformer_impl={impl} model is not decoded (convert with --no-optimizer)")
@@ -243,7 +244,7 @@ class ParamOrder:
             if args.get(flag):
                 raise ReshardError(f"DistributedOptimizer state of a model with {what} ({flag}) is not decoded yet (convert with --no-optimizer)")
         # the local spec builds SequentialMLP whatever moe_grouped_gemm says (backends.py, LocalSpecProvider)
-        return cls(te, te and bool(args.get("moe_grouped_gemm")), bool(args.get("multi_latent_attention")))
+        return cls(te, te and bool(args.get("moe_grouped_gemm")), mla)
 
     @property
     def layer(self) -> tuple[str, ...]:
@@ -304,7 +305,7 @@ class BufferLayout:
     def __init__(self, model_specs: dict[str, TensorSpec], config: ModelConfig, layout: Layout, args: dict[str, Any]):
         self.config, self.layout, self.args = config, layout, args
         self._refuse_unsupported(args)
-        self.order = ParamOrder.of(args)
+        self.order = ParamOrder.of(args, config.multi_latent_attention)
         if self.order.transformer_engine and self.order.mla and layout.tp > 1:
             raise ReshardError(
                 "DistributedOptimizer state of multi-latent attention with the Transformer-Engine spec at TP > 1 is not decoded "

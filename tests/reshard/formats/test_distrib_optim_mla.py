@@ -13,6 +13,8 @@ guarding a real TE save."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -23,8 +25,12 @@ from reshard.formats.distrib_optim import STATE_KEYS
 from reshard.formats.megatron_legacy import LegacyReader
 from reshard.request import LayoutChange, Target
 from tests.reshard.formats.test_distrib_optim import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
-from tests.reshard.formats.test_dp_reshardable_writer import differences, resaved, saved_state  # noqa: F401  (resaved: the fixture)
+from tests.reshard.formats.test_dp_reshardable_writer import differences, saved_state
 from tests.reshard.formats.test_dp_reshardable_writer import test_written_buckets_are_megatrons_own_at_the_new_layout as written_as_megatrons
+from tests.reshard.formats.test_legacy_distrib_optim import legacy_resaved  # noqa: F401  (the fixture)
+from tests.reshard.formats.test_legacy_distrib_optim import (
+    test_written_distrib_optim_is_megatrons_own_legacy_save_at_the_new_layout as written_as_megatrons_legacy,
+)
 from tests.reshard.formats.test_te_order import _start, _with_args
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 
@@ -80,13 +86,29 @@ def test_te_ordered_mla_buffers_decode_bit_for_bit_as_megatrons_fully_reshardabl
         assert _start(local, norm) < _start(local, weight) and _start(te["dp"], norm) > _start(te["dp"], weight)
 
 
-def test_mla_written_buckets_are_megatrons_own_at_the_new_layout(distrib_optim, resaved, tmp_path):  # noqa: F811
-    """`--optimizer-form dp_reshardable` of tiny-mla TP2 DP2 at TP1 PP2 DP2 equals megatron-core's own dp_reshardable save
-    of the same state at that layout (its DistributedOptimizer loading the fully_reshardable save), bucket for bucket."""
-    written_as_megatrons(distrib_optim, resaved, tmp_path, "tiny-mla", 2, 1, 1, False, 1, 2, 1, 2)
+@pytest.fixture(scope="module")
+def resaved(legacy_resaved):  # noqa: F811
+    """test_dp_reshardable_writer's `resaved` of tiny-mla TP2 at TP1 PP2 DP2, from the one megatron-core resave that also
+    writes the legacy form (`legacy_resaved`): its dp_reshardable iteration directory and where it put each parameter."""
+
+    def made(preset, tp, pp, bf16, to_tp, to_pp, ep=1, to_ep=1, to_dp=None):
+        assert (preset, tp, pp, bf16, to_tp, to_pp, ep, to_ep, to_dp) == ("tiny-mla", 2, 1, False, 1, 2, 1, 1, 2)
+        out = legacy_resaved(preset, bf16, to_tp, to_pp).parent.parent / "dp"
+        return out / ITER, {k: v for path in sorted(out.glob("param_ranges_*.json")) for k, v in json.loads(path.read_text()).items()}
+
+    return made
 
 
-def test_a_swap_in_the_mla_order_is_caught(distrib_optim, resaved, tmp_path, monkeypatch):  # noqa: F811
+def test_mla_written_buckets_are_megatrons_own_at_the_new_layout(distrib_optim, resaved, legacy_resaved, tmp_path):  # noqa: F811
+    """`--optimizer-form dp_reshardable` and `--to-format legacy` (distrib_optim.pt) of tiny-mla TP2 DP2 at TP1 PP2 DP2 equal
+    megatron-core's own saves of the same state at that layout (its DistributedOptimizer loading the fully_reshardable
+    save), bucket for bucket (a shifted buffer fails the legacy comparison, its test's own control; a swap in the MLA
+    order fails the dp_reshardable one, below)."""
+    written_as_megatrons(distrib_optim, resaved, tmp_path / "dp", "tiny-mla", 2, 1, 1, False, 1, 2, 1, 2)
+    written_as_megatrons_legacy(distrib_optim, legacy_resaved, tmp_path / "legacy", "tiny-mla", False, "dp", 1, 2)
+
+
+def test_a_swap_in_the_mla_order_is_caught(distrib_optim, resaved, tmp_path, monkeypatch):
     """A deliberate error in reshard's MLA order (q_layernorm's weight and bias, one size, in each other's place) leaves
     every bucket length right: the decode then differs from Megatron's fully_reshardable save, the master-weight check
     refuses the conversion naming both, writing nothing, and buckets written by that order differ from Megatron's."""
