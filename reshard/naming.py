@@ -40,7 +40,9 @@ _SPELLINGS: dict[tuple[str, bool, bool], dict[str, str]] = {
 # Transformer Engine fuses the q/kv latent norms into the up projections and a dense pre-MLP norm into fc1.
 _MLA_LOCAL = {
     "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_bias": "self_attention.q_layernorm.bias",  # LayerNorm's
     "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_bias": "self_attention.kv_layernorm.bias",
 }
 _MLA_LOCAL_DENSE = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",

@@ -43,6 +43,18 @@ TINY_ODD = TINY_LLAMA.replace(hidden_size=40, kv_channels=10, ffn_hidden_size=72
                               add_bias_linear=True, qk_layernorm=True, position_embedding_type="learned_absolute")
 TINY_ODD_TIED = TINY_ODD.replace(untie_embeddings_and_output_weights=False)
 
+# multi-latent attention (DeepSeek-V3's, in small) with every parameter kind it has: the query latent (q_lora_rank),
+# LayerNorm latent norms with biases (qk_layernorm), a biased output projection; sizes unlike each other so that a
+# mix-up shows in the shapes, and not multiples of 64 (DistributedOptimizer alignment gaps). Splits over TP 1, 2, 4.
+TINY_MLA = TINY_ODD.replace(hidden_size=64, num_attention_heads=4, num_query_groups=None, kv_channels=None,
+                            position_embedding_type="rope", multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=20,
+                            qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=10)
+# DeepSeek-V3's layer kinds in small: the query straight from the hidden state (no q_lora_rank), RMSNorm, the first
+# layer dense and the next MoE with a shared expert (Megatron keys each layer apart)
+TINY_MLA_MOE = TINY_MLA.replace(num_layers=2, q_lora_rank=None, normalization="RMSNorm", add_bias_linear=False,
+                                num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+                                moe_shared_expert_intermediate_size=40, moe_layer_freq=(0, 1))
+
 PRESETS = {
     "tiny-llama": TINY_LLAMA,
     "tiny-tied": TINY_TIED,
@@ -52,4 +64,6 @@ PRESETS = {
     "small-llama": SMALL_LLAMA,
     "tiny-odd": TINY_ODD,
     "tiny-odd-tied": TINY_ODD_TIED,
+    "tiny-mla": TINY_MLA,
+    "tiny-mla-moe": TINY_MLA_MOE,
 }

@@ -7,8 +7,8 @@ of the bucket's unpadded length. This module derives where each parameter lies i
 from the checkpoint's own model tensors and args (`BufferLayout`, after megatron-core 0.16's
 param_and_grad_buffer.py; the legacy `distrib_optim.pt` reader, megatron_legacy.py, uses it too):
 
-1. the rank's parameters in `named_parameters()` order (GPTModel with the local or the Transformer-Engine spec,
-   `ParamOrder`), laid out in **reverse** order;
+1. the rank's parameters in `named_parameters()` order (GPTModel with the local or the Transformer-Engine spec, its
+   attention multi-head or multi-latent, `ParamOrder`), laid out in **reverse** order;
 2. each parameter starts on a multiple of 64 elements, as its local (TP-sharded) tensor, row-major;
 3. a bucket closes when it reaches `bucket_size` (only with `overlap_grad_reduce`, never on pipeline
    stages > 0); with tied embeddings and PP > 1 the embedding (first stage) and its output-layer copy (last
@@ -27,7 +27,9 @@ With virtual pipeline stages each model chunk is its own buffer (`gbuf_idx_<chun
 first chunk). An MoE model's state at EP > 1 is a chain of two optimizers (keys prefixed `chained_0.` dense,
 `chained_1.` experts; see `BufferLayout`). Not yet decoded (refused by name): several parameter dtypes in one chunk, a
 chain per model chunk (`overlap_param_gather_with_optimizer_step`), MoE stages without experts, Transformer-Engine's
-fused-op MLP (`use_te_op_fuser`), FP8 parameters (`fp8_param_gather`), the legacy GroupedMLP. The
+fused-op MLP (`use_te_op_fuser`), FP8 parameters (`fp8_param_gather`), the legacy GroupedMLP, multi-latent attention's
+fused q/kv down projection (`mla_down_proj_fusion`), and multi-latent attention with the Transformer-Engine spec at
+TP > 1 (its down projections whole on every TP rank, where `sharding.pieces` splits them as the local spec does). The
 Transformer-Engine order is derived from TE's and megatron-core's source (no TE-written save exists here to prove
 it against): `master_weights` checks every decode against the saved weights.
 """
@@ -102,6 +104,48 @@ _TE_LAYER_ORDER = (
     "self_attention.linear_qkv.layer_norm_weight",
     "self_attention.linear_qkv.layer_norm_bias",
     *(name for name in _LAYER_ORDER if not name.startswith(("self_attention.linear_proj.", "self_attention.linear_qkv.layer_norm_"))),
+)
+_MLP_ORDER = _LAYER_ORDER[_LAYER_ORDER.index("mlp.linear_fc1.layer_norm_weight") :]  # the same in every table
+# A multi-latent-attention layer (megatron-core 0.16.1; alike in 0.17.1 and 0.19.2): TransformerLayer registers
+# input_layernorm (a module of its own in both specs), self_attention, pre_mlp_layernorm, mlp (transformer_layer.py:
+# 287,304,334,370). Attention.__init__ builds linear_proj (attention.py:349; MultiLatentAttention's rebuild at
+# multi_latent_attention.py:169 keeps its place) before MLASelfAttention builds linear_q_proj (no q_lora_rank) or
+# linear_q_down_proj and linear_q_up_proj, then linear_kv_down_proj, linear_kv_up_proj, q_layernorm, kv_layernorm
+# (multi_latent_attention.py:393,419,438,464,483,498,505). MLA's projections have no bias.
+_MLA_HEAD = (
+    "input_layernorm.weight",
+    "input_layernorm.bias",
+    "self_attention.linear_proj.weight",
+    "self_attention.linear_proj.bias",
+    "self_attention.linear_q_proj.weight",
+    "self_attention.linear_q_down_proj.weight",
+)
+# The local spec's latent norms are q_layernorm and kv_layernorm (gpt_layer_specs.py:383-384), canonically the up
+# projections' layer_norm_*: last in the attention.
+_MLA_LAYER_ORDER = (
+    *_MLA_HEAD,
+    "self_attention.linear_q_up_proj.weight",
+    "self_attention.linear_kv_down_proj.weight",
+    "self_attention.linear_kv_up_proj.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight",  # q_layernorm.weight
+    "self_attention.linear_q_up_proj.layer_norm_bias",
+    "self_attention.linear_kv_up_proj.layer_norm_weight",  # kv_layernorm.weight
+    "self_attention.linear_kv_up_proj.layer_norm_bias",
+    *_MLP_ORDER,
+)
+# The Transformer-Engine spec (gpt_layer_specs.py:233-265): input_layernorm a TENorm, q/kv_layernorm IdentityOp; with
+# qk_layernorm the up projections are TE LayerNormLinears, which register their norm before their weight (as
+# linear_qkv above). The down projections are TELinear(parallel_mode="duplicated"): whole on every TP rank.
+_MLA_TE_LAYER_ORDER = (
+    *_MLA_HEAD,
+    "self_attention.linear_q_up_proj.layer_norm_weight",
+    "self_attention.linear_q_up_proj.layer_norm_bias",
+    "self_attention.linear_q_up_proj.weight",
+    "self_attention.linear_kv_down_proj.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight",
+    "self_attention.linear_kv_up_proj.layer_norm_bias",
+    "self_attention.linear_kv_up_proj.weight",
+    *_MLP_ORDER,
 )
 # One expert's parameters (SequentialMLP's local_experts.<i>), in the expert optimizer's own buffer (EP > 1).
 _EXPERT_ORDER = (
@@ -185,19 +229,29 @@ class ParamOrder:
 
     transformer_engine: bool  # the Transformer-Engine spec (Megatron-LM's default transformer_impl), not the local one
     grouped_experts: bool  # TEGroupedMLP experts (moe_grouped_gemm with TE), not SequentialMLP
+    mla: bool = False  # multi-latent attention
 
     @classmethod
-    def of(cls, args: dict[str, Any]) -> ParamOrder:
+    def of(cls, args: dict[str, Any], mla: bool = False) -> ParamOrder:
+        """The order of a run with saved `args`, of a multi-latent-attention model where `mla`."""
         impl = args.get("transformer_impl", "transformer_engine")
         if impl not in ("local", "transformer_engine"):
             raise ReshardError(f"DistributedOptimizer state of a transformer_impl={impl} model is not decoded (convert with --no-optimizer)")
         te = impl == "transformer_engine"
         for flag, what in (("use_te_op_fuser", "Transformer-Engine's fused-op MLP"), ("fp8_param_gather", "FP8 parameters"),
-                           ("moe_use_legacy_grouped_gemm", "the legacy GroupedMLP experts")):
+                           ("moe_use_legacy_grouped_gemm", "the legacy GroupedMLP experts"),
+                           ("mla_down_proj_fusion", "multi-latent attention's fused q/kv down projection")):
             if args.get(flag):
                 raise ReshardError(f"DistributedOptimizer state of a model with {what} ({flag}) is not decoded yet (convert with --no-optimizer)")
         # the local spec builds SequentialMLP whatever moe_grouped_gemm says (backends.py, LocalSpecProvider)
-        return cls(te, te and bool(args.get("moe_grouped_gemm")))
+        return cls(te, te and bool(args.get("moe_grouped_gemm")), mla)
+
+    @property
+    def layer(self) -> tuple[str, ...]:
+        """A transformer layer's parameters in registration order."""
+        if self.mla:
+            return _MLA_TE_LAYER_ORDER if self.transformer_engine else _MLA_LAYER_ORDER
+        return _TE_LAYER_ORDER if self.transformer_engine else _LAYER_ORDER
 
     def key(self, spec: TensorSpec, layer: int | None, expert: int | None) -> tuple[int, ...]:
         """Where parameter `spec` (at global `layer` and `expert`) comes in the rank's named_parameters()."""
@@ -207,12 +261,12 @@ class ParamOrder:
                 raise _unknown_place(param)
             return (_TOP_ORDER.index(param), 0, 0, 0, 0)
         tail = re.sub(r"^decoder\.layers\.(\d+\.)?", "", param)
-        order = _EXPERT_ORDER if spec.experts else _TE_LAYER_ORDER if self.transformer_engine else _LAYER_ORDER
+        order = _EXPERT_ORDER if spec.experts else self.layer
         if tail not in order:
             raise _unknown_place(param)
         layer = layer if layer is not None else spec.layer
         if spec.experts:
-            experts_at = (_TE_LAYER_ORDER if self.transformer_engine else _LAYER_ORDER).index("mlp.experts")
+            experts_at = self.layer.index("mlp.experts")
             if self.grouped_experts:
                 # TEGroupedMLP registers linear_fc1, then linear_fc2 (experts.py:185,203), each a TE GroupedLinear that
                 # registers weight<i> then bias<i> for each local expert i in turn (grouped_linear.py:704-736)
@@ -251,7 +305,12 @@ class BufferLayout:
     def __init__(self, model_specs: dict[str, TensorSpec], config: ModelConfig, layout: Layout, args: dict[str, Any]):
         self.config, self.layout, self.args = config, layout, args
         self._refuse_unsupported(args)
-        self.order = ParamOrder.of(args)
+        self.order = ParamOrder.of(args, config.multi_latent_attention)
+        if self.order.transformer_engine and self.order.mla and layout.tp > 1:
+            raise ReshardError(
+                "DistributedOptimizer state of multi-latent attention with the Transformer-Engine spec at TP > 1 is not decoded "
+                "yet: its linear_q_down_proj/linear_kv_down_proj are whole on every TP rank (convert with --no-optimizer)"
+            )
         self.dp = int(args.get("data_parallel_size") or 0)
         if self.dp < 1:
             raise ReshardError("the checkpoint's args record no data_parallel_size: its DistributedOptimizer state cannot be decoded")
