@@ -37,6 +37,7 @@ from reshard.formats.dp_reshardable_writer import prepare_target as prepare_dp_t
 from reshard.formats.megatron_legacy import OPTIM_FILE, LegacyWriter
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
+from reshard.naming import uses_te_names
 from reshard.request import Target
 from reshard.sharding import Piece, Region, shift, to_slices
 from reshard.torchfile.archive_writer import Slot, StreamingTorchSave
@@ -50,10 +51,16 @@ def prepare_target(
     reader: CheckpointReader, specs: dict[str, TensorSpec], common: CommonState, target: Target, layout: Layout
 ) -> type[LegacyDistribOptimWriter]:
     """The writer of legacy output with DistributedOptimizer state, the target's data-parallel size recorded in
-    `common`'s args. What the state needs (all three states of every parameter, an architecture, local-spec names,
-    param groups, an expert data-parallel size) is the dp_reshardable writer's check: the buffers are the same."""
+    `common`'s args. What the state needs (all three states of every parameter, an architecture, param groups, an
+    expert data-parallel size) is the dp_reshardable writer's check: the buffers are the same. Transformer-Engine names
+    are refused here (their buffer order is proven for torch_dist output only)."""
     if reader.config is not None and reader.config.is_moe and layout.ep > 1:
         param_groups(common.extra.get("optimizer"), True, "--to-format legacy with the DistributedOptimizer's state")
+    if uses_te_names(common.args) if target.naming is None else target.naming == "te":
+        raise ReshardError(
+            "legacy output of DistributedOptimizer state with Transformer-Engine names: its distrib_optim.pt in the TE "
+            "buffer order is not verified against megatron-core; write local-spec names (--naming local) or torch_dist"
+        )
     prepare_dp_target(reader, "torch_dist", specs, common, target, layout)  # its format check is for its own output
     return LegacyDistribOptimWriter
 

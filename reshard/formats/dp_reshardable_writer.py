@@ -11,7 +11,9 @@ ChainedOptimizer: all of that per optimizer, keys prefixed `chained_0.` (dense) 
 expert rank, buckets padded for the expert data-parallel size), common.pt's entry one per optimizer; at EP1 the experts
 are in the one dense optimizer's buffer. Where each parameter lies in its rank's bucket is
 the reader's derivation (`distrib_optim.BufferLayout`), so what is written here is decoded back by the same rules
-and checked there against the saved bucket sizes.
+and checked there against the saved bucket sizes: in the Transformer-Engine spec's order where the output has its
+names, and in buckets of the size the source run's args record (a target run with another bucket size refuses the
+load: megatron-core checks `per_bucket_numel_unpadded`).
 
 Each target piece of a logical optimizer tensor (`optimizer.state.<state>.<param>`, any source form) is one chunk
 of its rank's bucket tensor, written as its slab streams by: memory stays one parameter's state, never a bucket.
@@ -34,7 +36,6 @@ from reshard.formats.distrib_optim import DENSE_CHAIN, EXPERT_CHAIN, STATE_KEYS,
 from reshard.formats.megatron_dist import TorchDistWriter, _Record
 from reshard.layout import Layout, RankCoord
 from reshard.logical import TensorSpec
-from reshard.naming import uses_te_names
 from reshard.request import Target
 from reshard.sharding import Piece, Region, region_size, shift, to_slices
 from reshard.torchfile.archive_writer import At, save_tensor
@@ -84,11 +85,6 @@ def prepare_target(
         )
     if reader.config is None:
         raise ReshardError("--optimizer-form dp_reshardable places parameters by the architecture, which the source does not record: pass --config")
-    if uses_te_names(common.args) if target.naming is None else target.naming == "te":
-        raise ReshardError(
-            "--optimizer-form dp_reshardable: the DistributedOptimizer's buffer order of Transformer-Engine modules is not "
-            "verified against megatron-core; write local-spec names (--naming local) or the fully_reshardable form"
-        )
     param_groups(common.extra.get("optimizer"), reader.config.is_moe and layout.ep > 1)
     dp = target.dp or int(reader.common.args.get("data_parallel_size") or 1)
     if reader.config.is_moe and (dp * layout.tp) % (layout.expert_tp * layout.ep):

@@ -341,6 +341,15 @@ def test_a_chained_expert_optimizer_from_a_one_optimizer_source_is_refused_in_on
     assert model_only.returncode == 0, model_only.stderr
 
 
+def test_legacy_output_with_transformer_engine_names_is_refused_in_one_line(distrib_optim, tmp_path):
+    """Its distrib_optim.pt in the TE buffer order is not proven (the dp_reshardable writer's is, for torch_dist):
+    refused when planning, nothing written."""
+    source = distrib_optim("tiny-llama", tp=2)["dp"]
+    _one_line_error(reshard("convert", source, tmp_path / "out", "--to-format", "legacy", "--naming", "te"),
+                    "legacy output", "Transformer-Engine", "--naming local")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 def test_two_ranks_write_the_distrib_optim_pt_one_process_writes(distrib_optim, tmp_path):
     """Under torchrun the ranks split the tensors, each writing its pieces into every distrib_optim.pt; rank 0 seals the
     records with the CRC-32s combined from both ranks' parts: the same bytes as one process (which the test above holds
