@@ -25,7 +25,7 @@ from reshard.formats.distrib_optim import STATE_KEYS
 from reshard.formats.megatron_legacy import LegacyReader
 from reshard.request import LayoutChange, Target
 from tests.reshard.formats.test_distrib_optim import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
-from tests.reshard.formats.test_dp_reshardable_writer import differences, saved_state
+from tests.reshard.formats.test_dp_reshardable_writer import Case, differences, saved_state
 from tests.reshard.formats.test_dp_reshardable_writer import test_written_buckets_are_megatrons_own_at_the_new_layout as written_as_megatrons
 from tests.reshard.formats.test_legacy_distrib_optim import legacy_resaved  # noqa: F401  (the fixture)
 from tests.reshard.formats.test_legacy_distrib_optim import (
@@ -86,14 +86,17 @@ def test_te_ordered_mla_buffers_decode_bit_for_bit_as_megatrons_fully_reshardabl
         assert _start(local, norm) < _start(local, weight) and _start(te["dp"], norm) > _start(te["dp"], weight)
 
 
+MLA_WRITE = Case("tiny-mla", tp=2, to_tp=1, to_pp=2, dp=2)  # TP2 DP2 -> TP1 PP2 DP2
+
+
 @pytest.fixture(scope="module")
 def resaved(legacy_resaved):  # noqa: F811
     """test_dp_reshardable_writer's `resaved` of tiny-mla TP2 at TP1 PP2 DP2, from the one megatron-core resave that also
     writes the legacy form (`legacy_resaved`): its dp_reshardable iteration directory and where it put each parameter."""
 
-    def made(preset, tp, pp, bf16, to_tp, to_pp, ep=1, to_ep=1, to_dp=None):
-        assert (preset, tp, pp, bf16, to_tp, to_pp, ep, to_ep, to_dp) == ("tiny-mla", 2, 1, False, 1, 2, 1, 1, 2)
-        out = legacy_resaved(preset, bf16, to_tp, to_pp).parent.parent / "dp"
+    def made(case: Case):
+        assert case == MLA_WRITE
+        out = legacy_resaved(case.preset, case.bf16, case.to_tp, case.to_pp).parent.parent / "dp"
         return out / ITER, {k: v for path in sorted(out.glob("param_ranges_*.json")) for k, v in json.loads(path.read_text()).items()}
 
     return made
@@ -104,7 +107,7 @@ def test_mla_written_buckets_are_megatrons_own_at_the_new_layout(distrib_optim, 
     megatron-core's own saves of the same state at that layout (its DistributedOptimizer loading the fully_reshardable
     save), bucket for bucket (a shifted buffer fails the legacy comparison, its test's own control; a swap in the MLA
     order fails the dp_reshardable one, below)."""
-    written_as_megatrons(distrib_optim, resaved, tmp_path / "dp", "tiny-mla", 2, 1, 1, False, 1, 2, 1, 2)
+    written_as_megatrons(distrib_optim, resaved, tmp_path / "dp", MLA_WRITE)
     written_as_megatrons_legacy(distrib_optim, legacy_resaved, tmp_path / "legacy", "tiny-mla", False, "dp", 1, 2)
 
 
@@ -126,7 +129,7 @@ def test_a_swap_in_the_mla_order_is_caught(distrib_optim, resaved, tmp_path, mon
     assert "2 parameter(s) disagree" in str(refused.value) and str(refused.value).split(":")[0] in swapped
     assert not (tmp_path / "out").exists()
     convert(made["full"], tmp_path / "written", Target(layout=LayoutChange(tp=1, pp=2), optimizer_form="dp_reshardable", dp=2))
-    resaved_dir, ranges = resaved("tiny-mla", 2, 1, False, 1, 2, 1, 1, 2)
+    resaved_dir, ranges = resaved(MLA_WRITE)
     wrong = differences(saved_state(tmp_path / "written" / ITER)[0], saved_state(resaved_dir)[0], ranges)
     assert {line.split(":")[0].rsplit(".", 1)[1] for line in wrong} == set(STATE_KEYS)  # on both stages
     assert {line.split(".dp_group_idx_")[1][0] for line in wrong} == {"0", "1"}
