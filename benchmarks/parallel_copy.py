@@ -15,6 +15,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from reshard.atomic import fsync_path
+
 MIB = 1 << 20
 
 
@@ -47,16 +49,8 @@ def copy_tree(src: Path, dst: Path, threads: int, chunk: int = 64 * MIB, block: 
             ranges += [(Path(root) / name, out / name, offset, min(chunk, size - offset)) for offset in range(0, size, chunk)]
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(lambda r: copy_range(*r, block), ranges))
-
-    def sync(path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(sync, files))
+        list(pool.map(fsync_path, files))
     return sum(length for *_, length in ranges)
 
 
