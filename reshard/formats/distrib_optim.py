@@ -166,6 +166,10 @@ _TOP_ORDER = (
 DENSE_CHAIN, EXPERT_CHAIN = 0, 1
 
 
+def _chain_key(chain: int | None) -> int:
+    return -1 if chain is None else chain
+
+
 def is_dp_reshardable(key: str) -> bool:
     return _DISTRIBUTED.match(key) is not None
 
@@ -325,24 +329,25 @@ class BufferLayout:
         self.buffers: dict[Gbuf, Buffer] = {}
         # (name, layer, expert, tp, ep, pp) of a primary piece -> its buffer and place
         self.placed: dict[tuple[str, int | None, int | None, int, int, int], tuple[Gbuf, Placed]] = {}
-        self.chains: set[int | None] = set()
+        chains: set[int | None] = set()
         for pp in range(layout.pp):
             # megatron-core chains the optimizers only where the rank holds expert-parallel parameters
             chained = layout.ep > 1 and any(self._local_params(0, 0, pp, vstage, experts=True) for vstage in range(layout.vpp))
             for tp in range(layout.tp):
                 dense = DENSE_CHAIN if chained else None
                 self._place_rank(dense, tp + layout.tp * pp, tp, 0, pp, False, self.dp)
-                self.chains.add(dense)
+                chains.add(dense)
             for ep in range(layout.ep if chained else 0):
                 for etp in range(layout.expert_tp):
                     group = etp + layout.expert_tp * (ep + layout.ep * pp)
                     self._place_rank(EXPERT_CHAIN, group, etp, ep, pp, True, self.expert_dp)
-                    self.chains.add(EXPERT_CHAIN)
-        if None in self.chains and len(self.chains) > 1:
+                    chains.add(EXPERT_CHAIN)
+        if None in chains and len(chains) > 1:
             raise ReshardError(
                 "DistributedOptimizer state of an MoE model with pipeline stages without experts (chained and "
                 "unchained optimizers side by side) is not decoded yet (convert with --no-optimizer)"
             )
+        self.chains: list[int | None] = sorted(chains, key=_chain_key)  # [None] (one optimizer) or [dense, experts]
 
     @staticmethod
     def _refuse_unsupported(args: dict[str, Any]) -> None:
@@ -370,7 +375,7 @@ class BufferLayout:
 
     def optimizers(self) -> list[tuple[int | None, int]]:
         """Every rank's optimizers as (chain, dp_group_idx): the dense (or only) ones first."""
-        return sorted({(g.chain, g.group) for g in self.buffers}, key=lambda cg: (-1 if cg[0] is None else cg[0], cg[1]))
+        return sorted({(g.chain, g.group) for g in self.buffers}, key=lambda cg: (_chain_key(cg[0]), cg[1]))
 
     def holder(self, chain: int | None, group: int) -> RankCoord:
         """The rank whose legacy directory holds the `distrib_optim.pt` state of optimizer `chain` of dp_group_idx

@@ -74,7 +74,7 @@ class LegacyDistribOptimWriter(LegacyWriter):
         grad = "float32" if target_args.get("grad_reduce_in_fp32") else self.config.params_dtype
         dtype_key = (named("torch", self.config.params_dtype), named("torch", grad))
         self.buffer_layout = BufferLayout(self.specs, self.config, self.layout, target_args)
-        chains = sorted(self.buffer_layout.chains, key=lambda c: -1 if c is None else c)  # [None] or [dense, experts]
+        chains = self.buffer_layout.chains  # [None] or [dense, experts]
         self._optim: dict[str, StreamingTorchSave] = {}  # rank directory -> its distrib_optim.pt
         self._records: dict[tuple[Gbuf, str], Slot] = {}  # (buffer, state) -> its record
         self._parts: dict[tuple[Gbuf, str], dict[int, tuple[int, int]]] = {}  # -> {byte offset: (length, CRC-32)}

@@ -422,7 +422,7 @@ class DistribOptimFiles:
         args: dict[str, Any],
     ):
         self.buffer_layout = BufferLayout(model_specs, config, layout, args)
-        chains = sorted(self.buffer_layout.chains, key=lambda c: -1 if c is None else c)  # [None] or [dense, experts]
+        chains = self.buffer_layout.chains  # [None] or [dense, experts]
         chained = chains != [None]
         saved = saved_optimizer if chained and isinstance(saved_optimizer, list) else [saved_optimizer]
         if not (len(saved) == len(chains) and all(isinstance(s, dict) and isinstance(s.get("optimizer"), dict) for s in saved)):
