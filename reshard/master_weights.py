@@ -17,13 +17,15 @@ Two things break that, and a conversion refuses either, naming the tensors:
 Where the shifted saves can occur the check reads the model and its master weights once more, a unit of at most
 UNIT_BYTES at a time, each unit whole pieces of the source's layout (so a decoded read touches each rank's parameter
 once). A decoded layout is checked on a sample instead: the first and last rows of every rank's piece of every
-parameter. A parameter in another's place, or a shift anywhere in its bucket, moves all of its elements, so the
-edges show it, at a few rows per piece rather than a second read of the whole state (which cost 0.4-0.75 of the
-conversion's time).
+parameter, each layer and expert of a stacked tensor its own parameter. A parameter in another's place, or a shift
+anywhere in its bucket, moves all of its elements, so the edges show it, at a few rows per parameter rather than a
+second read of the whole state (which cost 0.4-0.75 of the conversion's time, and 2.65 GB more read for a 7.09 GB
+source while the sample took each layer's piece whole).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -99,18 +101,26 @@ EDGE_ELEMENTS = 1024  # of a 1-D piece, at either end
 
 
 def _edges(reader: CheckpointReader, model: TensorSpec) -> Iterator[Region]:
-    """The first and last rows (of a 1-D piece, EDGE_ELEMENTS) of each piece of `model` at the source's layout."""
+    """The first and last rows (of a 1-D parameter, EDGE_ELEMENTS) of each piece of `model` at the source's layout,
+    for every layer and expert a stacked piece holds: each is a parameter of its own in the buffers."""
+    prefix = model.prefix_axes
     for piece in pieces(model, reader.config, reader.layout):
-        if piece.primary and piece.alias is None:
-            (start, stop), *rest = piece.region
+        if not piece.primary or piece.alias is not None:
+            continue
+        if len(piece.region) == prefix:  # no axes of its own: the whole of it
+            yield piece.region
+            continue
+        (start, stop), *rest = piece.region[prefix:]
+        for index in itertools.product(*(range(a, b) for a, b in piece.region[:prefix])):
+            at = tuple((i, i + 1) for i in index)
             if rest:
-                yield ((start, start + 1), *rest)
+                yield (*at, (start, start + 1), *rest)
                 if stop - start > 1:
-                    yield ((stop - 1, stop), *rest)
+                    yield (*at, (stop - 1, stop), *rest)
             else:
-                yield ((start, min(stop, start + EDGE_ELEMENTS)),)
+                yield (*at, (start, min(stop, start + EDGE_ELEMENTS)))
                 if stop - start > EDGE_ELEMENTS:
-                    yield ((max(start + EDGE_ELEMENTS, stop - EDGE_ELEMENTS), stop),)
+                    yield (*at, (max(start + EDGE_ELEMENTS, stop - EDGE_ELEMENTS), stop))
 
 
 def _agree(reader: CheckpointReader, master: str, name: str, region: Region) -> bool:

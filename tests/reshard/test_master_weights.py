@@ -124,6 +124,24 @@ def test_two_parameters_swapped_in_megatrons_buckets_are_refused_and_nothing_is_
     assert reshard("convert", tmp_path / "bad", tmp_path / "model", "--to-tp", "1", "--no-optimizer").returncode == 0
 
 
+def test_the_sampled_check_covers_every_layer_and_expert_at_a_few_rows_each(distrib_optim, tmp_path):
+    """A conversion checks decoded master weights on the edges of every parameter (`_edges`): of each layer and expert
+    a stacked piece holds, its first and last rows, not the piece's first and last layers whole. Two middle layers
+    traded in Megatron's own bucket (every bucket length right) are refused by the conversion's sampled check."""
+    with TorchDistReader(distrib_optim("tiny-moe", tp=1, ep=2)["dp"]) as reader:
+        for name in (QKV, "decoder.layers.mlp.experts.experts.linear_fc1.weight", "decoder.layers.mlp.router.weight"):
+            spec = reader.specs[name]
+            regions = list(master_weights._edges(reader, spec))
+            stacked = {tuple(r[: spec.prefix_axes]) for r in regions}
+            assert stacked == {tuple((i, i + 1) for i in index) for index in np.ndindex(spec.shape[: spec.prefix_axes])}, name
+            assert sum(int(np.prod([b - a for a, b in r])) for r in regions) <= 4 * np.prod(spec.shape) / spec.shape[spec.prefix_axes], name
+    source = distrib_optim("tiny-odd", tp=2)["dp"]
+    _swap_in_buckets(source, tmp_path / "bad", (QKV, 1), (QKV, 2))
+    result = reshard("convert", tmp_path / "bad", tmp_path / "out", "--to-tp", "1")
+    _one_line_error(result, f"{QKV}: the fp32 master weights decoded", "1 parameter(s) disagree", "--no-optimizer")
+    assert not (tmp_path / "out").exists()
+
+
 def test_two_parameters_swapped_in_distrib_optim_pt_are_refused(distrib_optim, tmp_path):
     """The same swap in the legacy format's distrib_optim.pt (megatron-core's own save_parameter_state) of TP rank 0."""
     made = distrib_optim("tiny-odd", tp=2)
