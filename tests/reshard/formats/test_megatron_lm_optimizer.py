@@ -15,8 +15,8 @@ Skipped where Megatron-LM's peer install is absent (CI), with the reason. The sa
 Then Megatron-LM's own training run is the source (fixtures/megatron_lm_train.py: its setup_model_and_optimizer,
 mock data, train_step): it trains TP2 DP2 (fp32) to iteration 6, saving iteration 3 in its default form
 (dp_reshardable) and as fully_reshardable, and records each iteration's loss. Resumed from reshard's conversion at
-TP2 DP2 it must train iterations 4-6 as the uninterrupted run did, and at TP1 PP2 DP2 as Megatron-LM resumes its own
-fully_reshardable save there, within 1e-5 relative (both measured equal).
+TP2 DP2 and at TP1 PP2 DP2 it must train iterations 4-6 as the uninterrupted run did, as Megatron-LM's resume of its
+own fully_reshardable save at TP1 PP2 does, within 1e-5 relative (measured: equal at TP2, 7e-8 at TP1 PP2).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def test_megatron_lm_resumes_reshards_conversion_of_its_own_run_as_if_uninterrup
     """reshard converts Megatron-LM's dp_reshardable save (TP2 DP2) to fully_reshardable, the form Megatron-LM loads
     of an fp32 run (make_golden.PEERS_OPTIM); Megatron-LM resumes it and trains iterations 4-6 with the uninterrupted
     run's losses (1e-5 relative; measured: equal). The control: the same resume without the optimizer state
-    (--no-load-optim, Adam restarted) misses them (measured: by 6e-3 at iteration 5)."""
+    (--no-load-optim, Adam restarted) misses them (measured: by 7.5e-3 at iteration 5)."""
     work, uninterrupted = megatron_lm_run
     converted = _converted(work, "converted-tp2", 2, 1)
     assert _worst_relative(_resumed_losses(megatron_lm, work, converted, 2, 1), uninterrupted) <= 1e-5
@@ -140,16 +140,13 @@ def test_megatron_lm_resumes_reshards_conversion_of_its_own_run_as_if_uninterrup
 
 
 def test_megatron_lm_resumes_reshards_new_layout_as_it_resumes_its_own_fully_reshardable_save(megatron_lm, megatron_lm_run):
-    """At a new layout (TP1 PP2 DP2) the oracle is Megatron-LM's own resharding: it resumes reshard's conversion and
-    its own fully_reshardable save of the same iteration alike (1e-5 relative; measured: equal), and without the
-    optimizer state (the control) otherwise (measured: by 5e-3 at iteration 5). Neither continues as the uninterrupted
-    TP2 run did: on the CPU (gloo) Megatron-LM's first resumed step differs with the layout even from its own save
-    (iteration 5's loss 3.8530 at TP1 PP2 against 3.8681; on a variant of this model, same weights and batch, a first
-    gradient norm of 1.80 at TP2 PP2 DP1, 2.28 at TP1 PP2 DP2, 2.31 at TP2 DP2, 3.39 at TP1 DP4), so the
-    uninterrupted run is no oracle across layouts here."""
-    work, _ = megatron_lm_run
+    """At a new layout (TP1 PP2 DP2) Megatron-LM resumes reshard's conversion as it resumes its own fully_reshardable
+    save of the same iteration, and both continue as the uninterrupted TP2 run did (1e-5 relative; measured: 7e-8);
+    without the optimizer state (the control) they do not (measured: by 7.5e-3 at iteration 5)."""
+    work, uninterrupted = megatron_lm_run
     converted = _converted(work, "converted-tp1pp2", 1, 2)
     theirs = _resumed_losses(megatron_lm, work, "run/oracle", 1, 2)
-    assert _worst_relative(_resumed_losses(megatron_lm, work, converted, 1, 2), theirs) <= 1e-5
+    assert _worst_relative(theirs, uninterrupted) <= 1e-5
+    assert _worst_relative(_resumed_losses(megatron_lm, work, converted, 1, 2), uninterrupted) <= 1e-5
     control = _resumed_losses(megatron_lm, work, converted, 1, 2, "--no-load-optim", name="tp1pp2-no-load-optim")
-    assert _worst_relative(control, theirs) > 1e-3
+    assert _worst_relative(control, uninterrupted) > 1e-3
