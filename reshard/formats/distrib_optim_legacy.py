@@ -56,12 +56,13 @@ def prepare_target(
     are refused here (their buffer order is proven for torch_dist output only)."""
     if reader.config is not None and reader.config.is_moe and layout.ep > 1:
         param_groups(common.extra.get("optimizer"), True, "--to-format legacy with the DistributedOptimizer's state")
+    prepare_dp_target(reader, "torch_dist", specs, common, target, layout)  # its format check is for its own output
     if uses_te_names(common.args) if target.naming is None else target.naming == "te":
         raise ReshardError(
             "legacy output of DistributedOptimizer state with Transformer-Engine names: its distrib_optim.pt in the TE "
-            "buffer order is not verified against megatron-core; write local-spec names (--naming local) or torch_dist"
+            "buffer order is not verified against megatron-core; write local-spec names (--naming local) or torch_dist, "
+            "or pass --no-optimizer"
         )
-    prepare_dp_target(reader, "torch_dist", specs, common, target, layout)  # its format check is for its own output
     return LegacyDistribOptimWriter
 
 
