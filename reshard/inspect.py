@@ -9,7 +9,7 @@ from typing import Any
 
 from reshard.dtypes import itemsize
 from reshard.formats import open_checkpoint
-from reshard.formats.flattened_range import FORM as FLATTENED_RANGE_FORM
+from reshard.optim.flattened_range import FORM as FLATTENED_RANGE_FORM
 from reshard.plan import human_bytes
 from reshard.torchfile.screen import screen
 

@@ -13,11 +13,12 @@ from reshard.checksum import CHECKSUM_BLOCK_BYTES
 from reshard.config import ModelConfig
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
-from reshard.formats import WRITERS, distrib_optim_legacy, dp_reshardable_writer
+from reshard.formats import WRITERS
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, WriteOptions, precision_args
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
 from reshard.naming import default_extra_state, is_layout_bound, uses_te_names
+from reshard.optim import distrib_optim_pt, dp_reshardable
 from reshard.request import Run, Target
 from reshard.sharding import Piece, Region, contiguous_offset, intersect, pieces, pieces_by_slab, region_size, shift, slab_of, slabs, units
 
@@ -401,9 +402,9 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
     if dtype is not None:
         common.args.update(precision_args(dtype))
     if target.optimizer_form == "dp_reshardable":
-        writer = dp_reshardable_writer.prepare_target(reader, format_name, {m.target.name: m.target for m in moves}, common, target, layout)
+        writer = dp_reshardable.prepare_target(reader, format_name, {m.target.name: m.target for m in moves}, common, target, layout)
     elif format_name == "legacy" and any(m.target.is_optimizer for m in moves):  # the DistributedOptimizer's distrib_optim.pt
-        writer = distrib_optim_legacy.prepare_target(reader, {m.target.name: m.target for m in moves}, common, target, layout)
+        writer = distrib_optim_pt.prepare_target(reader, {m.target.name: m.target for m in moves}, common, target, layout)
     plan = ConversionPlan(
         source=reader.path,
         source_format=reader.format_name,
@@ -419,7 +420,7 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         dropped=dropped,
         workers=run.workers,
         scratch_bytes=reader.scratch_bytes,
-        optimizer_forms=dp_reshardable_writer.forms(reader, writer, common.args) if any(m.target.is_optimizer for m in moves) else None,
+        optimizer_forms=dp_reshardable.forms(reader, writer, common.args) if any(m.target.is_optimizer for m in moves) else None,
     )
     plan.moves = [replace(move, aligned=_records_are_chunks(plan, move, reader)) for move in moves]
     plan.bytes_read = reader.stored_bytes if reader.stored_bytes is not None else sum(m.source.numel * itemsize(m.source.dtype) for m in moves)

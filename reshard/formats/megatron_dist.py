@@ -38,8 +38,6 @@ from reshard.formats.base import (
     args_for_layout,
     cached,
 )
-from reshard.formats.distrib_optim import DpReshardable, is_dp_reshardable
-from reshard.formats.flattened_range import FlattenedRange, is_model_space
 from reshard.formats.megatron_tree import (
     args_dict,
     args_namespace,
@@ -53,6 +51,8 @@ from reshard.formats.model_args import RUN_CONFIG, args_from_file, bridge_args, 
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, layer_is_moe, spell, uses_te_names
+from reshard.optim.buffers import DpReshardable, is_dp_reshardable
+from reshard.optim.flattened_range import FlattenedRange, is_model_space
 from reshard.paths import confined
 from reshard.sharding import Piece, Region, RegionIndex, region_size, shift, split_by_slab, to_slices
 from reshard.torchfile import PARSE_ERRORS, dcp_metadata

@@ -9,7 +9,7 @@ rank of a multi-rank conversion).
 
 With `--use-distributed-optimizer` each rank directory also holds megatron-core's `distrib_optim.pt`
 (`DistribOptimFiles`), read as the logical per-parameter optimizer tensors of the fully_reshardable form; the
-writer of legacy output with that state is `distrib_optim_legacy.LegacyDistribOptimWriter`.
+writer of legacy output with that state is `reshard.optim.distrib_optim_pt.LegacyDistribOptimWriter`.
 """
 
 from __future__ import annotations
@@ -37,15 +37,6 @@ from reshard.formats.base import (
     args_for_layout,
     cached,
 )
-from reshard.formats.distrib_optim import (
-    DENSE_CHAIN,
-    STATE_KEYS,
-    BufferLayout,
-    Gbuf,
-    Placed,
-    flat_span,
-    fully_reshardable_common,
-)
 from reshard.formats.megatron_tree import (
     args_dict,
     args_namespace,
@@ -58,6 +49,15 @@ from reshard.formats.megatron_tree import (
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import ObjectKey, canonical, layer_is_moe, spell, uses_te_names
+from reshard.optim.buffers import (
+    DENSE_CHAIN,
+    STATE_KEYS,
+    BufferLayout,
+    Gbuf,
+    Placed,
+    flat_span,
+    fully_reshardable_common,
+)
 from reshard.paths import confined
 from reshard.sharding import (
     Piece,

@@ -5,7 +5,7 @@
 Per model-parallel rank, `{"buckets_coalesced": True, <gbuf idx>: {(<param dtype>, <grad dtype>): {"param",
 "exp_avg", "exp_avg_sq": fp32 1-D, "numel_unpadded": int}}}`: each buffer's buckets laid end to end without their
 end padding, the 64-element alignment gaps between parameters zero (megatron-core 0.16's
-`get_parameter_state_dp_zero`). Where each parameter lies is the reader's derivation (`distrib_optim.BufferLayout`,
+`get_parameter_state_dp_zero`). Where each parameter lies is the reader's derivation (`buffers.BufferLayout`,
 `Buffer.coalesced_start`), so what is written here decodes back by the same rules. The rank file's `optimizer`
 entry is the DistributedOptimizer's `state_dict()`: its param groups (with `step`), no parameter state.
 
@@ -31,13 +31,13 @@ from isal.isal_zlib import crc32
 from reshard.checksum import HashedParts
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CommonState, Manifest
-from reshard.formats.distrib_optim import STATE_KEYS, BufferLayout, Gbuf, flat_span, run_args
-from reshard.formats.dp_reshardable_writer import DpReshardableWriter, param_groups
-from reshard.formats.dp_reshardable_writer import prepare_target as prepare_dp_target
 from reshard.formats.megatron_legacy import OPTIM_FILE, LegacyWriter
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
 from reshard.naming import uses_te_names
+from reshard.optim.buffers import STATE_KEYS, BufferLayout, Gbuf, flat_span, run_args
+from reshard.optim.dp_reshardable import DpReshardableWriter, param_groups
+from reshard.optim.dp_reshardable import prepare_target as prepare_dp_target
 from reshard.request import Target
 from reshard.sharding import Piece, Region, shift, to_slices
 from reshard.torchfile.archive_writer import Slot, StreamingTorchSave

@@ -19,9 +19,9 @@ import torch
 from fixtures.models import TINY_MOE
 from fixtures.synthetic import SyntheticReader
 from reshard.dtypes import numpy_dtype
-from reshard.formats.distrib_optim import BufferLayout
 from reshard.formats.megatron_dist import TorchDistReader
 from reshard.layout import Layout, RankCoord
+from reshard.optim.buffers import BufferLayout
 from reshard.sharding import full_region
 from reshard.torchfile import dcp_metadata
 from reshard.torchfile.dcp_metadata import Storage

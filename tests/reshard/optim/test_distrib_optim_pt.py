@@ -21,7 +21,7 @@ from reshard.formats.megatron_legacy import LegacyReader
 from reshard.layout import Layout
 from reshard.request import Target
 from reshard.worklog import LOG_NAME
-from tests.reshard.formats.test_distrib_optim import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
+from tests.reshard.optim.test_dp_reshardable import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 from tests.reshard.test_resume import Stop, _bomb, _files
 

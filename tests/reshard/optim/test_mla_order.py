@@ -20,18 +20,18 @@ import pytest
 
 from reshard.convert import convert
 from reshard.errors import ReshardError
-from reshard.formats import distrib_optim as distrib_optim_format
-from reshard.formats.distrib_optim import STATE_KEYS
 from reshard.formats.megatron_legacy import LegacyReader
+from reshard.optim import order as distrib_optim_format
+from reshard.optim.buffers import STATE_KEYS
 from reshard.request import LayoutChange, Target
-from tests.reshard.formats.test_distrib_optim import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
-from tests.reshard.formats.test_dp_reshardable_writer import Case, differences, saved_state
-from tests.reshard.formats.test_dp_reshardable_writer import test_written_buckets_are_megatrons_own_at_the_new_layout as written_as_megatrons
-from tests.reshard.formats.test_legacy_distrib_optim import legacy_resaved  # noqa: F401  (the fixture)
-from tests.reshard.formats.test_legacy_distrib_optim import (
+from tests.reshard.optim.test_distrib_optim_pt import legacy_resaved  # noqa: F401  (the fixture)
+from tests.reshard.optim.test_distrib_optim_pt import (
     test_written_distrib_optim_is_megatrons_own_legacy_save_at_the_new_layout as written_as_megatrons_legacy,
 )
-from tests.reshard.formats.test_te_order import _start, _with_args
+from tests.reshard.optim.test_dp_reshardable import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
+from tests.reshard.optim.test_dp_reshardable_writer import Case, differences, saved_state
+from tests.reshard.optim.test_dp_reshardable_writer import test_written_buckets_are_megatrons_own_at_the_new_layout as written_as_megatrons
+from tests.reshard.optim.test_te_order import _start, _with_args
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 
 ATTENTION = "decoder.layers.self_attention."

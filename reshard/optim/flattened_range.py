@@ -9,7 +9,7 @@ Its torch_dist strategy stores such a tensor of global shape [X, Y] cut into loc
 `.metadata`'s `mcore_data` (`nd_reformulated_orig_global_shape`); a prepended layer axis is one more chunk axis.
 
 This module names each as Megatron's `fully_reshardable` form does (`optimizer.state.<param|exp_avg|exp_avg_sq>.
-<model key>` at the model tensor's global shape, `param` being the fp32 master weight), like distrib_optim.py does
+<model key>` at the model tensor's global shape, `param` being the fp32 master weight), like buffers.py does
 for dp_reshardable, so that everything downstream treats the forms alike. A read touches only the span of each
 local chunk it needs (one parameter's TP shard at most in memory). Ranges that do not tile every local chunk are
 refused when the checkpoint is opened, naming the parameter.

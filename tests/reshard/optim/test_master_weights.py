@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from reshard import master_weights
 from reshard.convert import convert
 from reshard.errors import ReshardError
-from reshard.formats import distrib_optim as distrib_optim_format
 from reshard.formats.megatron_dist import TorchDistReader
 from reshard.formats.megatron_legacy import LegacyReader
+from reshard.optim import master_weights
+from reshard.optim import order as distrib_optim_format
 from reshard.request import LayoutChange, Target
 from reshard.torchfile import dcp_metadata
 from reshard.torchfile.dcp_metadata import Storage
-from tests.reshard.formats.test_distrib_optim import ITER
+from tests.reshard.optim.test_dp_reshardable import ITER
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 
 QKV = "decoder.layers.self_attention.linear_qkv.weight"

@@ -10,7 +10,7 @@ per_bucket_numel_unpadded}`; common.pt's `optimizer` entry only names the form (
 ChainedOptimizer: all of that per optimizer, keys prefixed `chained_0.` (dense) and `chained_1.` (experts, keyed by the
 expert rank, buckets padded for the expert data-parallel size), common.pt's entry one per optimizer; at EP1 the experts
 are in the one dense optimizer's buffer. Where each parameter lies in its rank's bucket is
-the reader's derivation (`distrib_optim.BufferLayout`), so what is written here is decoded back by the same rules
+the reader's derivation (`buffers.BufferLayout`), so what is written here is decoded back by the same rules
 and checked there against the saved bucket sizes: in the Transformer-Engine spec's order where the output has its
 names, and in buckets of the size the source run's args record (a target run with another bucket size refuses the
 load: megatron-core checks `per_bucket_numel_unpadded`).
@@ -32,10 +32,10 @@ import numpy as np
 from reshard.checksum import HashedParts
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState
-from reshard.formats.distrib_optim import DENSE_CHAIN, EXPERT_CHAIN, STATE_KEYS, BufferLayout, Gbuf, flat_span
 from reshard.formats.megatron_dist import TorchDistWriter, _Record
 from reshard.layout import Layout, RankCoord
 from reshard.logical import TensorSpec
+from reshard.optim.buffers import DENSE_CHAIN, EXPERT_CHAIN, STATE_KEYS, BufferLayout, Gbuf, flat_span
 from reshard.request import Target
 from reshard.sharding import Piece, Region, region_size, shift, to_slices
 from reshard.torchfile.archive_writer import At, save_tensor

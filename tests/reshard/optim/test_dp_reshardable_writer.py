@@ -31,8 +31,8 @@ import pytest
 import torch
 
 from fixtures.torchrun import run
-from reshard.formats.distrib_optim import is_dp_reshardable
-from tests.reshard.formats.test_distrib_optim import assert_same, optimizer_tensors
+from reshard.optim.buffers import is_dp_reshardable
+from tests.reshard.optim.test_dp_reshardable import assert_same, optimizer_tensors
 from tests.reshard.test_cli import _one_line_error, reshard
 
 ITER = "iter_0000002"

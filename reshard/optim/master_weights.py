@@ -10,7 +10,7 @@ Two things break that, and a conversion refuses either, naming the tensors:
   zero-fill the overrun (fixed upstream by Megatron-LM #5077, after 0.19). Such state loads without error and
   resumes a run with moments for the wrong elements. Checked where the args say the run had several buckets.
 - a wrong buffer layout of reshard's own: the `dp_reshardable` and `distrib_optim.pt` forms hold flat buckets
-  whose parameter order reshard derives (`formats.distrib_optim.BufferLayout`). The bucket lengths catch most
+  whose parameter order reshard derives (`optim.buffers.BufferLayout`). The bucket lengths catch most
   errors, not two parameters of one size in each other's place; the master weights catch those, whatever the
   spec, so every conversion of those forms checks them.
 

@@ -20,7 +20,7 @@ import torch
 
 from reshard.formats.megatron_dist import TorchDistReader
 from reshard.formats.megatron_legacy import LegacyReader
-from tests.reshard.formats.test_distrib_optim import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
+from tests.reshard.optim.test_dp_reshardable import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 
 QKV_NORM, PROJ = "decoder.layers.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.self_attention.linear_proj.weight"
