@@ -18,7 +18,7 @@ from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
 from reshard.naming import default_extra_state, is_layout_bound, uses_te_names
-from reshard.optim import distrib_optim_pt, dp_reshardable
+from reshard.optim import forms
 from reshard.request import Run, Target
 from reshard.sharding import Piece, Region, contiguous_offset, intersect, pieces, pieces_by_slab, region_size, shift, slab_of, slabs, units
 
@@ -126,11 +126,16 @@ class ConversionPlan:
     max_memory: int = 0  # bytes of working memory; make_plan fills in the default
     scratch_bytes: int = 0  # the source reader's staging buffer per reading thread
     bytes_read: int = 0  # what the source's files hold of the tensors moved (`CheckpointReader.stored_bytes`)
-    optimizer_forms: tuple[str, str] | None = None  # the optimizer state's form as read and as written, if carried
 
     @property
     def target_format(self) -> str:
         return self.writer.format_name
+
+    @property
+    def optimizer_forms(self) -> tuple[str, str] | None:
+        """The optimizer state's form as read and as written, if carried."""
+        optimizer = self.options.optimizer
+        return None if optimizer is None else (optimizer.read, optimizer.written)
 
     def new_writer(self, rank: int = 0) -> CheckpointWriter:
         """The target's writer, for this process's share (`rank`) of the plan."""
@@ -150,7 +155,9 @@ class ConversionPlan:
     def units(self, move: TensorMove, first_slab_only: bool = False) -> Iterator[Unit]:
         """The move's units of work in order: its slabs, a large one cut where the target's writer allows
         (every piece it writes lies in one of its whole regions)."""
-        writer = self.writer
+        optimizer = self.options.optimizer
+        # optimizer state in a buffer form is written where its sink places it
+        writer = optimizer.form.sink if optimizer is not None and optimizer.form.sink and move.target.is_optimizer else self.writer
         by_slab = pieces_by_slab(pieces(move.target, self.config, self.target_layout), move.target)
         for slab in slabs(move.target):
             slab_pieces = by_slab.get(slab_of(move.target, slab), [])
@@ -393,18 +400,16 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         )
     if not moves:
         raise ReshardError(f"{reader.path} holds no model tensors")
-    if writer.optimizer_refusal and any(m.target.is_optimizer for m in moves):
-        raise ReshardError(f"{writer.optimizer_refusal}; pass --no-optimizer or convert to torch_dist")
     te_names = None if target.naming is None else target.naming == "te"
     common = _target_common(reader, layout, writer, optimizer, te_names, dropped)
     if target.for_bridge and common.iteration == "release":
         common.iteration = 0
     if dtype is not None:
         common.args.update(precision_args(dtype))
-    if target.optimizer_form == "dp_reshardable":
-        writer = dp_reshardable.prepare_target(reader, format_name, {m.target.name: m.target for m in moves}, common, target, layout)
-    elif format_name == "legacy" and any(m.target.is_optimizer for m in moves):  # the DistributedOptimizer's distrib_optim.pt
-        writer = distrib_optim_pt.prepare_target(reader, {m.target.name: m.target for m in moves}, common, target, layout)
+    form = forms.requested(format_name, target)
+    written = None
+    if any(m.target.is_optimizer for m in moves):
+        written = forms.output(form, format_name, reader, {m.target.name: m.target for m in moves}, common, target, layout)
     plan = ConversionPlan(
         source=reader.path,
         source_format=reader.format_name,
@@ -416,11 +421,10 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         moves=moves,
         common=common,
         options=WriteOptions(te_names=te_names, dtype=dtype, max_shard_bytes=target.max_shard_bytes, fp8_blocks=target.fp8_blocks,
-                             tokenizer_from=reader.tokenizer_dir),
+                             tokenizer_from=reader.tokenizer_dir, optimizer=written),
         dropped=dropped,
         workers=run.workers,
         scratch_bytes=reader.scratch_bytes,
-        optimizer_forms=dp_reshardable.forms(reader, writer, common.args) if any(m.target.is_optimizer for m in moves) else None,
     )
     plan.moves = [replace(move, aligned=_records_are_chunks(plan, move, reader)) for move in moves]
     plan.bytes_read = reader.stored_bytes if reader.stored_bytes is not None else sum(m.source.numel * itemsize(m.source.dtype) for m in moves)

@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -23,6 +23,9 @@ from reshard.logical import TensorSpec
 from reshard.sharding import Piece, Region, pieces, region_size, slabs
 from reshard.torchfile.archive_reader import READ_BLOCK
 from reshard.torchfile.pickles import named
+
+if TYPE_CHECKING:  # reshard.optim's sinks build on this module
+    from reshard.optim.forms import OptimizerOutput
 
 MANIFEST_NAME = "reshard_manifest.json"
 _DEFAULTS = Path(__file__).with_name("megatron_lm_args.json")  # fixtures/golden/make_golden.py --only mlm-args
@@ -266,6 +269,7 @@ class WriteOptions:
     # records its files' digests; for other formats the conversion copies them
     tokenizer_from: Path | None = None
     fp8_blocks: bool = False  # HF: the decoder's linear weights re-quantized to fp8 per block (`reshard.fp8_blocks`)
+    optimizer: OptimizerOutput | None = None  # the form the optimizer tensors are written in (`reshard.optim.forms`)
 
 
 class CheckpointWriter(abc.ABC):
@@ -277,8 +281,6 @@ class CheckpointWriter(abc.ABC):
     # Megatron's loader insists on an `_extra_state` entry per module; a writer of its formats gets empty ones
     # when the source has none
     needs_extra_state: ClassVar[bool] = False
-    # why the format cannot hold resharded optimizer state, if it cannot
-    optimizer_refusal: ClassVar[str | None] = None
 
     def __init__(
         self,

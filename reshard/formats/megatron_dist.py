@@ -52,7 +52,9 @@ from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, layer_is_moe, spell, uses_te_names
 from reshard.optim.buffers import DpReshardable, is_dp_reshardable
+from reshard.optim.dp_reshardable import DpReshardableSink
 from reshard.optim.flattened_range import FlattenedRange, is_model_space
+from reshard.optim.sink import Placement
 from reshard.paths import confined
 from reshard.sharding import Piece, Region, RegionIndex, region_size, shift, split_by_slab, to_slices
 from reshard.torchfile import PARSE_ERRORS, dcp_metadata
@@ -377,12 +379,14 @@ class _Record:
     storage: Storage
     chunk: Chunk
     key: str | None = None  # the tensor it is a chunk of, where not the logical tensor's own (optimizer buckets)
+    placement: Placement | None = None  # the piece it holds, where `prepare` writes it
 
 
 class TorchDistWriter(CheckpointWriter):
     """Each piece is one `torch.save` archive in its target rank's file. Archive sizes are known from the
     shapes, so `reserve` places every record in plan order and reader threads write them at once, in any
-    order (`os.pwrite`); `write` then only records them, in plan order."""
+    order (`os.pwrite`); `write` then only records them, in plan order. Optimizer state in the DistributedOptimizer's
+    dp_reshardable form goes where the writer's optimizer sink places it (`optim.dp_reshardable`)."""
 
     format_name = "torch_dist"
     needs_extra_state = True
@@ -403,6 +407,11 @@ class TorchDistWriter(CheckpointWriter):
         self._scratch = PerThread()  # stages strided pieces, in each reader thread
         # without an architecture, the names tell MoE models apart, as the reader took them (`TorchDistReader`)
         self._named_moe = any(".experts." in name for name in self.specs)
+        self.sink: DpReshardableSink | None = None
+        optimizer = self.options.optimizer
+        if optimizer is not None and optimizer.form.sink is not None:
+            self.sink = optimizer.form.sink(self.specs, self.config, self.layout, self._target_args(), self.common, optimizer.dp)
+            self.common = self.sink.common
 
     def _name(self, index: int) -> str:
         return f"__{index}_{self.rank}.distcp"
@@ -415,18 +424,27 @@ class TorchDistWriter(CheckpointWriter):
     def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:
         return [p.region for p in pieces if p.primary]  # each is one record
 
-    def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Record]:
-        """Place each primary piece's record after the ones reserved before it in its file."""
-        records = []
-        for piece in pieces:
-            if not piece.primary:
-                continue
-            index = self._file_index[RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)]
-            shape = tuple(b - a for a, b in piece.region)
-            records.append(self._reserve_record(index, tuple(a for a, _ in piece.region), shape, spec.dtype))
-        return records
+    def _placements(self, spec: TensorSpec, pieces: list[Piece]) -> list[Placement]:
+        """Where the pieces of `spec` go: optimizer state in a buffer form where the sink places it, anything else
+        each primary piece as a chunk of its own tensor."""
+        if self.sink is not None and spec.is_optimizer:
+            return self.sink.placements(spec, pieces)
+        return [
+            Placement(p, RankCoord(pp=p.rank.pp, tp=p.rank.tp, ep=p.rank.ep), None, tuple(a for a, _ in p.region), tuple(b - a for a, b in p.region))
+            for p in pieces
+            if p.primary
+        ]
 
-    def _reserve_record(self, index: int, offsets: tuple[int, ...], shape: tuple[int, ...], dtype: str, key: str | None = None) -> _Record:
+    def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Record]:
+        """Place each piece's record after the ones reserved before it in its file."""
+        return [
+            self._reserve_record(self._file_index[placed.rank], placed.offsets, placed.shape, spec.dtype, placed.key, placed)
+            for placed in self._placements(spec, pieces)
+        ]
+
+    def _reserve_record(
+        self, index: int, offsets: tuple[int, ...], shape: tuple[int, ...], dtype: str, key: str | None = None, placement: Placement | None = None
+    ) -> _Record:
         """Place a chunk's archive after the ones reserved before it in file `index`."""
         if index not in self._files:
             self._open(index)
@@ -434,22 +452,23 @@ class TorchDistWriter(CheckpointWriter):
         offset = round_up(self._planned[index], storage_alignment(math.prod(shape) * itemsize(dtype)))
         length = archive_size(shape, dtype)
         self._planned[index] = offset + length
-        return _Record(index, Storage(self._name(index), offset, length), Chunk(offsets, shape), key)
+        return _Record(index, Storage(self._name(index), offset, length), Chunk(offsets, shape), key, placement)
 
     def prepare(
         self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
     ) -> list[_Record]:
         """Write the slab's records where `reserve` placed them: staging a strided piece, its CRC-32 and
         the copy into the file all run in this reader thread."""
-        primary = [p for p in pieces if p.primary]
-        for piece, record in zip(primary, reserved):
-            chunk = data[to_slices(shift(piece.region, slab))]
+        for record in reserved:
+            piece = record.placement.piece
+            # a copy only of a strided piece flattened into a bucket
+            chunk = data[to_slices(shift(piece.region, slab))].reshape(record.placement.shape)
             saved = save_tensor(chunk, At(self._files[record.index], record.storage.offset), self._scratch.scratch)
             if saved.size != record.storage.length:
                 raise AssertionError(f"{spec.name}: archive of {saved.size} bytes where {record.storage.length} were planned")
-            # the checksum of the bytes as they went to the file (staged ones included)
-            values = saved.data.view(data.dtype).reshape([b - a for a, b in piece.region])
-            self.vouch(spec, piece.region, record.storage.relative_path, record.storage.offset + saved.data_offset, values, hashed)
+            if record.placement.vouched:  # the checksum of the bytes as they went to the file (staged ones included)
+                values = saved.data.view(data.dtype).reshape([b - a for a, b in piece.region])
+                self.vouch(spec, piece.region, record.storage.relative_path, record.storage.offset + saved.data_offset, values, hashed)
         return reserved
 
     def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
@@ -467,11 +486,29 @@ class TorchDistWriter(CheckpointWriter):
 
     def _tensor_entries(self) -> dict[str, TensorEntry]:
         """.metadata's tensors, their chunks by position: the same list however the slabs were cut into units or
-        shared by ranks."""
-        return {
+        shared by ranks; optimizer state in a buffer form as its sink's tensors."""
+        entries = {
             self._key(name): TensorEntry(spec.dtype, spec.shape, sorted(self._chunks[self._key(name)], key=lambda c: c.offsets))
             for name, spec in self.specs.items()
+            if self.sink is None or not spec.is_optimizer
         }
+        if self.sink is not None:
+            entries.update(self.sink.entries(self._chunks, self._zeros))
+        return entries
+
+    def _zeros(self, key: str, start: int, count: int) -> None:
+        """A chunk of zeros of fp32 tensor `key` at `start`, in the first file (a gap between the sink's pieces)."""
+        self._open_first()
+        record = self._reserve_record(0, (start,), (count,), "float32", key)
+        save_tensor(np.zeros(count, np.float32), At(self._files[0], record.storage.offset))
+        self._add(key, record)
+
+    def _open_first(self) -> None:
+        """The first rank's file, where objects (and zeros) go after its records (closed by `part` in a multi-rank
+        run, or never written)."""
+        if 0 not in self._files:
+            path = self.directory / self._name(0)
+            self._open(0, path.stat().st_size if path.exists() else 0)
 
     def _target_args(self) -> dict[str, Any]:
         args = args_for_layout(self.common.args, self.layout, self.config, "torch_dist")
@@ -482,7 +519,7 @@ class TorchDistWriter(CheckpointWriter):
             args["no_save_rng"] = True
         if not any(spec.is_optimizer for spec in self.specs.values()):
             args["no_save_optim"] = True
-        return args
+        return args if self.sink is None else args | self.sink.extra_args
 
     def _key(self, name: str) -> str:
         if self.config is None:
@@ -493,9 +530,7 @@ class TorchDistWriter(CheckpointWriter):
         """Per-module objects go into the first rank's file, as Megatron's replica 0 saves them."""
         if not self.common.objects:
             return []
-        if 0 not in self._files:  # closed by `part` in a multi-rank run, or never written
-            path = self.directory / self._name(0)
-            self._open(0, path.stat().st_size if path.exists() else 0)
+        self._open_first()
         for key, value in sorted(self.common.objects.items()):
             buffer = io.BytesIO()
             save_archive([value], buffer)

@@ -9,7 +9,7 @@ rank of a multi-rank conversion).
 
 With `--use-distributed-optimizer` each rank directory also holds megatron-core's `distrib_optim.pt`
 (`DistribOptimFiles`), read as the logical per-parameter optimizer tensors of the fully_reshardable form; the
-writer of legacy output with that state is `reshard.optim.distrib_optim_pt.LegacyDistribOptimWriter`.
+legacy writer composes `reshard.optim.distrib_optim_pt.DistribOptimPtSink` to write that state.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from reshard.optim.buffers import (
     flat_span,
     fully_reshardable_common,
 )
+from reshard.optim.distrib_optim_pt import OPTIM_FILE, DistribOptimPtSink
 from reshard.paths import confined
 from reshard.sharding import (
     Piece,
@@ -77,7 +78,6 @@ from reshard.torchfile.archive_reader import RecordFile, TensorRecord, archive_t
 from reshard.torchfile.archive_writer import Slot, StreamingTorchSave
 
 RANK_FILE = "model_optim_rng.pt"
-OPTIM_FILE = "distrib_optim.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LOCAL_LAYER = re.compile(r"^(?P<head>(?:.*\.)?decoder\.layers\.)(?P<index>\d+)\.(?P<tail>.+)$")
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(?P<index>\d+)\.")
@@ -563,15 +563,21 @@ class LegacyWriter(CheckpointWriter):
                 for group in _local_groups(by_slab.get(slab_of(spec, slab), [])):
                     file_rank, vstage, key = self._local_key(spec, group)
                     self._slots[(file_rank, vstage, key)] = self._streams[file_rank].reserve(group[0].local_shape, spec.dtype)
+        self.sink: DistribOptimPtSink | None = None  # the optimizer tensors' writer: distrib_optim.pt beside the rank files
+        optimizer = self.options.optimizer
+        if optimizer is not None and optimizer.form.sink is not None:
+            self.sink = optimizer.form.sink(self.specs, self.config, self.layout, self._target_args(), self.common, optimizer.dp, self.directory)
+            self.common = self.sink.common
 
     def model_specs(self) -> list[TensorSpec]:
-        """The tensors of the rank files' `model` entries (the optimizer's go to distrib_optim.pt: its own writer)."""
+        """The tensors of the rank files' `model` entries (the optimizer's go to distrib_optim.pt: its own sink's)."""
         return [spec for spec in self.specs.values() if not spec.is_optimizer]
 
     def _target_args(self) -> dict[str, Any]:
-        return args_for_layout(self.common.args, self.layout, self.config, "torch") | {
+        args = args_for_layout(self.common.args, self.layout, self.config, "torch") | {
             "transformer_impl": "transformer_engine" if self.te_names else "local"
         }
+        return args if self.sink is None else args | self.sink.extra_args
 
     def _local_key(self, spec: TensorSpec, group: list[Piece]) -> tuple[RankCoord, int, str]:
         rank = group[0].rank
@@ -586,8 +592,13 @@ class LegacyWriter(CheckpointWriter):
             for group in _local_groups(pieces)
         ]
 
-    def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Local]:
+    def _sink_takes(self, spec: TensorSpec) -> bool:
+        return self.sink is not None and spec.is_optimizer
+
+    def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> Any:
         """Each rank's local tensor of this slab (several pieces share one: a fused gated MLP), with its record."""
+        if self._sink_takes(spec):
+            return self.sink.reserve(spec, pieces)
         locals_ = []
         for group in _local_groups(pieces):
             file_rank, vstage, key = self._local_key(spec, group)
@@ -596,9 +607,11 @@ class LegacyWriter(CheckpointWriter):
 
     def prepare(
         self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
-    ) -> list[_Local]:
+    ) -> Any:
         """Write the slab's local tensors where `reserve` placed them, and keep the checksums of their
         primary pieces as written."""
+        if self._sink_takes(spec):
+            return self.sink.prepare(spec, slab, data, pieces, reserved, hashed, self.vouch)
         for local in reserved:
             first = local.pieces[0]
             if len(local.pieces) == 1 and first.local_region == full_region(first.local_shape):  # layer/expert axes dropped
@@ -620,6 +633,8 @@ class LegacyWriter(CheckpointWriter):
         return reserved
 
     def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
+        if self._sink_takes(spec):
+            return self.restore(prepared)
         for local in prepared:
             self._models[local.rank][local.vstage][local.key] = local.slot.stub
             self._facts.append([local.rank.legacy_dirname(self.layout), local.vstage, local.key, self._streams[local.rank].crc(local.slot)])
@@ -660,16 +675,24 @@ class LegacyWriter(CheckpointWriter):
     def sync(self) -> None:
         for stream in self._streams.values():
             stream.sync()
+        if self.sink is not None:
+            self.sink.sync()
 
     def restore(self, facts: list[Any]) -> None:
-        """Take the local tensors of `facts` (each `[rank file, model chunk, key, CRC-32 of its record]`) as written."""
+        """Take the local tensors of `facts` (each `[rank file, model chunk, key, CRC-32 of its record]`) as written,
+        and hand the optimizer sink its own."""
+        sunk = [fact for fact in facts if self.sink is not None and self.sink.owns(fact)]
+        own = [fact for fact in facts if not (self.sink is not None and self.sink.owns(fact))]
         by_name = {f.legacy_dirname(self.layout): f for f in self._streams}
-        for name, vstage, key, crc in facts:
+        for name, vstage, key, crc in own:
             file_rank = by_name[name]
             slot = self._slots[(file_rank, vstage, key)]
             self._streams[file_rank].restore(slot, crc)
             self._models[file_rank][vstage][key] = slot.stub
-        self._facts.extend(facts)
+        self._facts.extend(own)
+        if sunk:
+            self.sink.restore(sunk)
+            self._facts.extend(sunk)
 
     def part(self) -> list[Any]:
         """Rank 0 finishes every file; the others hand it what they wrote and close theirs."""
@@ -677,11 +700,16 @@ class LegacyWriter(CheckpointWriter):
         if self.rank != 0:
             for stream in self._streams.values():
                 stream.close()
+            if self.sink is not None:
+                self.sink.close()
         return self.facts()
 
     def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
+        """The optimizer sink's files first, then each rank file, the manifest and the tracker, last."""
         for part in parts or []:
             self.restore(part)
+        if self.sink is not None:
+            self.sink.finish()
         rng = self._place_objects()
         args = args_namespace(self._target_args())
         for rank, stream in self._streams.items():
