@@ -46,7 +46,7 @@ from reshard.formats.base import Manifest
 from reshard.layout import Layout
 from reshard.logical import describe
 from reshard.naming import canonical
-from reshard.optim.buffers import is_dp_reshardable
+from reshard.optim.dp_reshardable import is_dp_reshardable
 from reshard.torchfile.screen import screen
 from reshard.trainer.model import sequence_parallel
 from reshard.verify import compare

@@ -51,10 +51,10 @@ from reshard.formats.model_args import RUN_CONFIG, args_from_file, bridge_args, 
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, layer_is_moe, spell, uses_te_names
-from reshard.optim.buffers import DpReshardable, is_dp_reshardable
-from reshard.optim.dp_reshardable import DpReshardableSink
+from reshard.optim.dp_reshardable import DpReshardable, DpReshardableSink, is_dp_reshardable
 from reshard.optim.flattened_range import FlattenedRange, is_model_space
 from reshard.optim.sink import Placement
+from reshard.optim.state import OptimizerState
 from reshard.paths import confined
 from reshard.sharding import Piece, Region, RegionIndex, region_size, shift, split_by_slab, to_slices
 from reshard.torchfile import PARSE_ERRORS, dcp_metadata
@@ -163,28 +163,30 @@ class TorchDistReader(CheckpointReader):
             self._index_chunks(name, key, by_offset)
         if self.config is not None:
             check_shapes(self.config, {name: spec.shape for name, spec in self.specs.items()}, str(path))
-        self.dp_reshardable = None
+        self.optimizer: OptimizerState | None = None
         # decoding the buffers needs the saving run's layout and architecture; without them they stay listed as not read
         if self.config is not None and any(is_dp_reshardable(key) for key in self.unsupported_optimizer):
             self._decode_dp_reshardable(objects, by_offset)
-        self.flattened_range = None
-        if any(is_model_space(key, self.metadata.flattened) for key in self.unsupported_optimizer):
+        elif any(is_model_space(key, self.metadata.flattened) for key in self.unsupported_optimizer):
             moe = (lambda key: layer_is_moe(self.config, key)) if self.config else (lambda key: named_moe)
             self._decode_flattened_range(by_offset, lambda key: canonical(key, "dist", moe(key), mla))
 
+    def _decoded(self, state: OptimizerState, keys: list[str]) -> None:
+        """Take `state`, decoded from the stored `keys`, as the checkpoint's optimizer state."""
+        self.optimizer = state
+        self.specs.update(state.specs)
+        self.common.extra = state.common(self.common.extra)
+        self.unsupported_optimizer = [key for key in self.unsupported_optimizer if key not in keys]
+
     def _decode_flattened_range(self, by_offset: dict[str, list], canonical_name: Callable[[str], str]) -> None:
         """megatron-core <= 0.14's fully_sharded_model_space state, read as its fully_reshardable tensors
-        (flattened_range.py); the stored tensors are indexed here and read by `_read_chunks`."""
+        (optim/flattened_range.py); the stored tensors are indexed here and read by `_read_chunks`."""
         keys = [key for key in self.unsupported_optimizer if is_model_space(key, self.metadata.flattened)]
         for key in keys:
             self._index_chunks(key, key, by_offset)
-        self.flattened_range = FlattenedRange(
-            {key: self.metadata.tensors[key] for key in keys}, self.metadata.flattened, canonical_name,
-            self.specs, self.config, self._read_chunks,
-        )
-        self.specs.update(self.flattened_range.specs)
-        self.common.extra = self.flattened_range.common(self.common.extra)
-        self.unsupported_optimizer = [key for key in self.unsupported_optimizer if key not in keys]
+        tensors = {key: self.metadata.tensors[key] for key in keys}
+        dp = self.common.args.get("data_parallel_size")
+        self._decoded(FlattenedRange(tensors, self.metadata.flattened, canonical_name, self.specs, self.config, dp, self._read_chunks), keys)
 
     def _index_chunks(self, name: str, key: str, by_offset: dict[str, list]) -> None:
         """Index stored tensor `key`'s chunks (regions and where they lie) under `name`, for `_read_chunks`."""
@@ -198,7 +200,7 @@ class TorchDistReader(CheckpointReader):
 
     def _decode_dp_reshardable(self, objects: dict[str, Storage], by_offset: dict[str, list]) -> None:
         """The DistributedOptimizer's dp_reshardable buckets, read as its fully_reshardable tensors
-        (distrib_optim.py); the raw bucket tensors are indexed here and read by `_read_chunks`."""
+        (optim/dp_reshardable.py); the raw bucket tensors are indexed here and read by `_read_chunks`."""
         keys = [key for key in self.unsupported_optimizer if is_dp_reshardable(key)]
         for key in keys:
             if key in self.metadata.tensors:
@@ -210,14 +212,9 @@ class TorchDistReader(CheckpointReader):
                 raise ReshardError(f"{self.path}: {prefix} is missing from the checkpoint; its dp_reshardable optimizer state cannot be decoded")
             return self._object(objects[found[0]], found[0])
 
-        self.dp_reshardable = DpReshardable(
-            {key: self.metadata.tensors[key] for key in keys if key in self.metadata.tensors}, saved_object,
-            [key for key in keys if key not in self.metadata.tensors], self.specs, self.config, self.layout,
-            self.common.args, self._read_chunks,
-        )
-        self.specs.update(self.dp_reshardable.specs)
-        self.common.extra["optimizer"] = self.dp_reshardable.common_optimizer()
-        self.unsupported_optimizer = [key for key in self.unsupported_optimizer if key not in keys]
+        tensors = {key: self.metadata.tensors[key] for key in keys if key in self.metadata.tensors}
+        state = DpReshardable(tensors, saved_object, self.specs, self.config, self.layout, self.common.args, self._read_chunks, self._run_at)
+        self._decoded(state, keys)
 
     def _common_state(self, directory: Path, objects: dict[str, Storage]) -> dict[str, Any]:
         """Megatron's non-tensor state: `common.pt` (megatron-core up to 0.18), or from 0.19 on (Megatron-
@@ -269,10 +266,8 @@ class TorchDistReader(CheckpointReader):
         return values[0]
 
     def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
-        if self.dp_reshardable is not None and name in self.dp_reshardable.specs:
-            self.dp_reshardable.read_into(name, region, out)
-        elif self.flattened_range is not None and name in self.flattened_range.specs:
-            self.flattened_range.read_into(name, region, out)
+        if self.optimizer is not None and name in self.optimizer.specs:
+            self.optimizer.read_into(name, region, out)
         else:
             self._read_chunks(name, region, out)
 
@@ -309,8 +304,8 @@ class TorchDistReader(CheckpointReader):
         return [part for region, _ in chunks for part in split_by_slab(self.specs[name], region)]
 
     def stored_records(self, name: str) -> list[StoredRecord] | None:
-        if self.dp_reshardable is not None and name in self.dp_reshardable.specs:
-            return self._bucket_records(name)
+        if self.optimizer is not None and name in self.optimizer.specs:
+            return self.optimizer.stored_records(name)
         if name not in self._chunks:
             return None
         records = []
@@ -321,22 +316,15 @@ class TorchDistReader(CheckpointReader):
             records.append(StoredRecord(name, region, record.dtype, info.relative_path, record.offset))
         return records
 
-    def _bucket_records(self, name: str) -> list[StoredRecord] | None:
-        """A tensor decoded from DistributedOptimizer buckets as records: each piece's run in the bucket chunk
-        that holds it whole; None where a run is split over chunks or a piece is not one run."""
-        spans = list(self.dp_reshardable.spans(name))
-        if sum(region_size(region) for region, *_ in spans) != self.specs[name].numel:
+    def _run_at(self, key: str, start: int, count: int) -> tuple[str, int, str] | None:
+        """Where elements [start, start + count) of stored 1-D tensor `key` lie as one run of one chunk: its file,
+        the byte offset of the first and the dtype; None where they are not."""
+        found = list(self._index[key].overlapping(((start, start + count),)))
+        if len(found) != 1 or found[0][1] != ((start, start + count),):
             return None
-        records = []
-        for region, key, start, n in spans:
-            found = list(self._index[key].overlapping(((start, start + n),)))
-            if len(found) != 1 or found[0][1] != ((start, start + n),):
-                return None
-            chunk, _, info = found[0]
-            _, record = self._record(info)
-            offset = record.offset + (start - chunk[0][0]) * itemsize(record.dtype)
-            records.append(StoredRecord(name, region, record.dtype, info.relative_path, offset))
-        return records
+        chunk, _, info = found[0]
+        _, record = self._record(info)
+        return info.relative_path, record.offset + (start - chunk[0][0]) * itemsize(record.dtype), record.dtype
 
     def _record(self, info: Storage) -> tuple[RecordFile, TensorRecord]:
         """The chunk's file and where its tensor lies in it (headers parsed once per chunk)."""
@@ -363,6 +351,8 @@ class TorchDistReader(CheckpointReader):
 
     def close(self) -> None:
         self._closed = True
+        if self.optimizer is not None:
+            self.optimizer.close()
         if self._header_pool is not None:
             self._header_pool.shutdown(cancel_futures=True)
             self._header_pool = None

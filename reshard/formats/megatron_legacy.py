@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -49,16 +49,7 @@ from reshard.formats.megatron_tree import (
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import ObjectKey, canonical, layer_is_moe, spell, uses_te_names
-from reshard.optim.buffers import (
-    DENSE_CHAIN,
-    STATE_KEYS,
-    BufferLayout,
-    Gbuf,
-    Placed,
-    flat_span,
-    fully_reshardable_common,
-)
-from reshard.optim.distrib_optim_pt import OPTIM_FILE, DistribOptimPtSink
+from reshard.optim.distrib_optim_pt import OPTIM_FILE, DistribOptimFiles, DistribOptimPtSink
 from reshard.paths import confined
 from reshard.sharding import (
     Piece,
@@ -154,7 +145,8 @@ class LegacyReader(CheckpointReader):
         if tree is None or not is_legacy(path):
             raise ReshardError(f"{path} is not a legacy Megatron checkpoint (no mp_rank_* directories)")
         self.path, self.tree, self.tokenizer_dir = path, tree, tree.root
-        first = self._load_path(self._rank_file(sorted(p.name for p in tree.iteration_dir.iterdir() if _RANK_DIR.match(p.name))[0]))
+        first_file = self._rank_file(sorted(p.name for p in tree.iteration_dir.iterdir() if _RANK_DIR.match(p.name))[0])
+        first = self._load_path(first_file)
         args = args_dict(first.get("args"))
         self.config = ModelConfig.from_megatron_args(args)
         self.layout = Layout.from_megatron_args(args)
@@ -176,22 +168,15 @@ class LegacyReader(CheckpointReader):
         self.specs = self._discover()
         check_shapes(self.config, {name: spec.shape for name, spec in self.specs.items()}, str(path))
         self._pieces: dict[str, list[Piece]] = {}
-        self.distrib_optim: DistribOptimFiles | None = None
+        self.optimizer: DistribOptimFiles | None = None
         if confined(tree.iteration_dir, f"{next(ranks(self.layout)).legacy_dirname(self.layout)}/{OPTIM_FILE}").is_file():
             try:
-                self.distrib_optim = DistribOptimFiles(
-                    lambda dirname: confined(tree.iteration_dir, f"{dirname}/{OPTIM_FILE}"),
-                    first.get("optimizer"),
-                    self.specs,
-                    self.config,
-                    self.layout,
-                    args,
-                )
+                self.optimizer = DistribOptimFiles(tree.iteration_dir, first_file, first.get("optimizer"), self.specs, self.config, self.layout, args)
             except ReshardError as exc:  # the model still converts (--no-optimizer); with the optimizer the plan refuses, saying why
                 self.unsupported_optimizer = [str(exc)]
             else:
-                self.specs.update(self.distrib_optim.specs)
-                self.common.extra["optimizer"] = self.distrib_optim.common_optimizer
+                self.specs.update(self.optimizer.specs)
+                self.common.extra = self.optimizer.common(self.common.extra)
                 self.unsupported_optimizer = []
 
     def _holder(self, rank: RankCoord, experts: bool) -> RankCoord:
@@ -352,8 +337,8 @@ class LegacyReader(CheckpointReader):
         return local
 
     def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
-        if self.distrib_optim is not None and name in self.distrib_optim.specs:
-            self.distrib_optim.read_into(name, region, out)
+        if self.optimizer is not None and name in self.optimizer.specs:
+            self.optimizer.read_into(name, region, out)
             return
         filled = 0
         for piece in self._primary(name):
@@ -376,8 +361,8 @@ class LegacyReader(CheckpointReader):
     def stored_records(self, name: str) -> list[StoredRecord] | None:
         """Each primary piece where the rank file's zip directory places its values (offset -1 where they
         are not one run there: such a record is read back)."""
-        if self.distrib_optim is not None and name in self.distrib_optim.specs:
-            return self.distrib_optim.stored_records(name)
+        if self.optimizer is not None and name in self.optimizer.specs:
+            return self.optimizer.stored_records(name)
         records = []
         for piece in self._primary(name):
             local = self._local(name, piece)
@@ -388,131 +373,9 @@ class LegacyReader(CheckpointReader):
         return records
 
     def close(self) -> None:
-        if self.distrib_optim is not None:
-            self.distrib_optim.close()
+        if self.optimizer is not None:
+            self.optimizer.close()
         self._states.clear()
-        for file in self._files.values():
-            file.close()
-        self._files.clear()
-
-
-class DistribOptimFiles:
-    """The DistributedOptimizer's `distrib_optim.pt` of every model-parallel rank, read as the logical optimizer
-    tensors of Megatron's fully_reshardable form (`optimizer.state.<param|exp_avg|exp_avg_sq>.<model key>`).
-
-    megatron-core's `save_parameter_state` (0.16: `get_parameter_state_dp_zero`) gathers the buffers on DP rank 0,
-    which writes `{"buckets_coalesced": True, <gbuf_idx>: {(param dtype, grad dtype): {"param"|"exp_avg"|
-    "exp_avg_sq": 1-D float32 tensor, "numel_unpadded": n}}}`: each buffer's buckets end to end without their
-    padding. Where a parameter lies comes from `BufferLayout` (its bucket's start in that tensor: the unpadded
-    lengths of the buckets before it); every length must agree with the derived layout. Refused by name: the older
-    per-bucket layout (no `buckets_coalesced`).
-
-    An MoE model's ChainedOptimizer writes the list of its optimizers' states `[dense, experts]`, each written by
-    that optimizer's DP rank 0 (None in the other files; `BufferLayout.holder` names its file, at any expert TP): the
-    dense state in the EP rank 0 file of each TP/PP rank where ETP = TP, the experts' in every EP rank's file; the rank
-    files' `optimizer` entry is the list of their `state_dict()`s."""
-
-    def __init__(
-        self,
-        path_of: Callable[[str], Path],  # a rank directory's distrib_optim.pt
-        saved_optimizer: Any,  # the first rank file's `optimizer` entry: the DistributedOptimizer's state_dict()
-        model_specs: dict[str, TensorSpec],
-        config: ModelConfig,
-        layout: Layout,
-        args: dict[str, Any],
-    ):
-        self.buffer_layout = BufferLayout(model_specs, config, layout, args)
-        chains = self.buffer_layout.chains  # [None] or [dense, experts]
-        chained = chains != [None]
-        saved = saved_optimizer if chained and isinstance(saved_optimizer, list) else [saved_optimizer]
-        if not (len(saved) == len(chains) and all(isinstance(s, dict) and isinstance(s.get("optimizer"), dict) for s in saved)):
-            raise ReshardError(
-                f"{RANK_FILE} holds no DistributedOptimizer state_dict{' per chained optimizer' if chained else ''} beside "
-                f"{OPTIM_FILE} (its `optimizer` entry is {type(saved_optimizer).__name__}): the checkpoint is damaged"
-            )
-        self.common_optimizer = fully_reshardable_common({chain: s["optimizer"] for chain, s in zip(chains, saved)})
-        self.specs = self.buffer_layout.optimizer_specs()
-        self.paths: dict[tuple[int | None, int], Path] = {}  # (chain, dp_group_idx) -> the file holding its state
-        self.records: dict[tuple[int | None, int, int, str], TensorRecord] = {}  # (chain, dp_group_idx, gbuf_idx, state) -> tensor
-        self.names: dict[tuple[int | None, int], str] = {}  # the same, relative to the iteration directory
-        self._files: dict[Path, RecordFile] = {}
-        loaded: dict[Path, Any] = {}
-        for chain, group in self.buffer_layout.optimizers():
-            dirname = self.buffer_layout.holder(chain, group).legacy_dirname(layout)
-            path = self.paths[(chain, group)] = path_of(dirname)
-            self.names[(chain, group)] = f"{dirname}/{OPTIM_FILE}"
-            if not path.is_file():
-                raise ReshardError(f"{path} is missing beside the first rank's: the checkpoint is incomplete")
-            state = cached(loaded, path, lambda p=path: load_archive(p, str(p)))
-            if chain is not None:
-                if not (isinstance(state, list) and len(state) == 2):
-                    raise ReshardError(f"{path} does not hold the states of an MoE model's two chained optimizers: the file is foreign or damaged")
-                state = state[chain]
-            self._index(chain, group, state)
-
-    def _index(self, chain: int | None, group: int, state: Any) -> None:
-        path = self.paths[(chain, group)]
-        which = "" if chain is None else f" ({'dense' if chain == DENSE_CHAIN else 'expert'} optimizer)"
-        if not isinstance(state, dict):
-            raise ReshardError(f"{path} does not hold one DistributedOptimizer's parameter state{which}: the file is foreign or damaged")
-        if state.get("buckets_coalesced") is not True:
-            raise ReshardError(
-                f"{path} holds the older per-bucket layout of distrib_optim.pt (no buckets_coalesced), which reshard does not "
-                "decode: load and save it once with a newer megatron-core, or convert with --no-optimizer"
-            )
-        gbufs = self.buffer_layout.rank_buffers(chain, group)
-        found = [k for k in state if k != "buckets_coalesced"]
-        if found != list(range(len(gbufs))):
-            raise ReshardError(
-                f"{path} holds buffers {[str(k) for k in found]}{which} where the layout derived from the model has "
-                f"{len(gbufs)}: the optimizer state cannot be decoded safely"
-            )
-        for gbuf in gbufs:
-            by_dtype = state[gbuf.index]
-            if not (isinstance(by_dtype, dict) and len(by_dtype) == 1 and isinstance(next(iter(by_dtype.values())), dict)):
-                raise ReshardError(f"{path}: buffer {gbuf.index}{which} is not one buffer of one dtype: not decoded yet")
-            tensors = next(iter(by_dtype.values()))
-            buffer = self.buffer_layout.buffers[gbuf]
-            derived = sum(buffer.sizes)
-            for key in STATE_KEYS:
-                record = archive_tensor(tensors.get(key))
-                if record is None or record.dtype != "float32" or record.shape != (derived,) or tensors.get("numel_unpadded") != derived:
-                    stored = "no tensor" if record is None else f"{record.dtype} {record.shape}"
-                    raise ReshardError(
-                        f"{buffer.last[-1]}: the DistributedOptimizer layout derived from the model makes buffer {gbuf.index}{which} of "
-                        f"{path} {derived} elements long, but it records numel_unpadded {tensors.get('numel_unpadded')!r} and "
-                        f"stores {key} as {stored}; the optimizer state cannot be decoded safely"
-                    )
-                self.records[(chain, group, gbuf.index, key)] = record
-
-    def _read_place(self, gbuf: Gbuf, place: Placed, state: str, first: int, out: np.ndarray) -> None:
-        path = self.paths[(gbuf.chain, gbuf.group)]
-        file = cached(self._files, path, lambda: RecordFile(path))
-        start = self.buffer_layout.buffers[gbuf].coalesced_start(place) + first
-        file.read_into(self.records[(gbuf.chain, gbuf.group, gbuf.index, state)], ((start, start + out.size),), out)
-
-    def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
-        self.buffer_layout.read_into(name, region, out, self._read_place)
-
-    def stored_records(self, name: str) -> list[StoredRecord] | None:
-        """Each primary piece of logical tensor `name` where its file places it as one run (what a conversion's
-        writer vouches for, so that verifying it need not read the values back); None where one is not one run."""
-        state, model_name = name.split(".", 3)[2:]
-        model = self.buffer_layout.model_specs[model_name]
-        records = []
-        for piece in pieces(model, self.buffer_layout.config, self.buffer_layout.layout):
-            if not piece.primary or piece.alias is not None:
-                continue
-            gbuf, place = self.buffer_layout.place_of(model, piece)
-            span = flat_span(piece)
-            record = self.records[(gbuf.chain, gbuf.group, gbuf.index, state)]
-            if span is None or record.offset < 0:
-                return None
-            start = self.buffer_layout.buffers[gbuf].coalesced_start(place) + span[0]
-            records.append(StoredRecord(name, piece.region, "float32", self.names[(gbuf.chain, gbuf.group)], record.offset + start * record.itemsize))
-        return records
-
-    def close(self) -> None:
         for file in self._files.values():
             file.close()
         self._files.clear()

@@ -1,27 +1,26 @@
-"""Megatron's DistributedOptimizer state in its `dp_reshardable` form, read as logical per-parameter tensors.
+"""Megatron's DistributedOptimizer buffers, derived: where each parameter's state lies in them.
 
-megatron-core ≥ 0.15 saves the distributed optimizer's state (by default) as its flat buckets: per
-model-parallel rank I, gradient buffer g, dtype pair and bucket b, one 1-D tensor
-`optimizer.distributed.dp_group_idx_<I>.gbuf_idx_<g>.dtype_(<p>, <g>).bucket_idx_<b>.<param|exp_avg|exp_avg_sq>`
-of the bucket's unpadded length. This module derives where each parameter lies in those buckets
-from the checkpoint's own model tensors and args (`BufferLayout`, after megatron-core 0.16's
-param_and_grad_buffer.py; the legacy `distrib_optim.pt` reader, megatron_legacy.py, uses it too):
+The DistributedOptimizer keeps each model-parallel rank's parameters in flat buffers, cut into buckets; its state
+(fp32 master weights, Adam's two moments) is saved in that layout by the `dp_reshardable` form (`optim.dp_reshardable`:
+one tensor per bucket) and the legacy `distrib_optim.pt` (`optim.distrib_optim_pt`: each buffer's buckets end to end).
+`BufferLayout` derives the layout from the checkpoint's own model tensors and args, after megatron-core 0.16's
+param_and_grad_buffer.py:
 
 1. the rank's parameters in `named_parameters()` order (GPTModel with the local or the Transformer-Engine spec, its
-   attention multi-head or multi-latent, `ParamOrder`), laid out in **reverse** order;
+   attention multi-head or multi-latent: `optim.order`), laid out in **reverse** order;
 2. each parameter starts on a multiple of 64 elements, as its local (TP-sharded) tensor, row-major;
 3. a bucket closes when it reaches `bucket_size` (only with `overlap_grad_reduce`, never on pipeline
    stages > 0); with tied embeddings and PP > 1 the embedding (first stage) and its output-layer copy (last
    stage) each get a bucket of their own, the bucket before ending after the parameter's 64-alignment;
    every bucket is padded to `lcm(dp, 128)` (`lcm(dp, 128, 2**16)` with
    `pad_buckets_for_high_nccl_busbw`); the saved tensor stops before that padding;
-4. the derived bucket lengths must equal the saved `per_bucket_numel_unpadded`, else the checkpoint is
-   refused naming the bucket's last parameter.
+4. the derived bucket lengths must equal the saved ones, else the checkpoint is refused naming the bucket's last
+   parameter (each form's reader checks its own record of them).
 
-It names the result as Megatron's `fully_reshardable` form does: `optimizer.state.<param|exp_avg|
-exp_avg_sq>.<model key>` with the model tensor's global shape, so that everything downstream
-(resharding, writing, checksums) treats both forms alike. Each read touches only the spans of the
-parameter it needs (streaming per parameter, never a whole bucket).
+The state is read and written as Megatron's `fully_reshardable` form names it: `optimizer.state.<param|exp_avg|
+exp_avg_sq>.<model key>` with the model tensor's global shape (`optimizer_specs`), so that everything downstream
+(resharding, writing, checksums) treats every form alike. Each read touches only the spans of the parameter it
+needs (streaming per parameter, never a whole bucket).
 
 With virtual pipeline stages each model chunk is its own buffer (`gbuf_idx_<chunk>`, never bucketed past the
 first chunk). An MoE model's state at EP > 1 is a chain of two optimizers (keys prefixed `chained_0.` dense,
@@ -33,12 +32,10 @@ TP > 1 (its down projections whole on every TP rank, where `sharding.pieces` spl
 Transformer-Engine order is derived from TE's and megatron-core's source (no TE-written save exists here to prove
 it against): `master_weights` checks every decode against the saved weights.
 """
-
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -54,11 +51,6 @@ from reshard.sharding import Piece, Region, intersect, pieces, region_size, shif
 PREFIX = "optimizer.distributed."
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 PARAM_ALIGN = 64
-_DISTRIBUTED = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.")
-_BUCKET = re.compile(
-    r"^(?:chained_(?P<chain>\d+)\.)?optimizer\.distributed\.dp_group_idx_(?P<group>\d+)\.gbuf_idx_(?P<gbuf>\d+)"
-    r"\.dtype_(?P<dtype>\(.*\))\.bucket_idx_(?P<bucket>\d+)\.(?P<key>[A-Za-z0-9_]+)$"
-)
 
 # megatron-core's ChainedOptimizer of an MoE model: the dense optimizer, then the expert one
 DENSE_CHAIN, EXPERT_CHAIN = 0, 1
@@ -66,10 +58,6 @@ DENSE_CHAIN, EXPERT_CHAIN = 0, 1
 
 def _chain_key(chain: int | None) -> int:
     return -1 if chain is None else chain
-
-
-def is_dp_reshardable(key: str) -> bool:
-    return _DISTRIBUTED.match(key) is not None
 
 
 @dataclass(frozen=True)
@@ -355,125 +343,3 @@ def run_args(dp: int, layout: Layout) -> dict[str, Any]:
     """The args that make a target a DistributedOptimizer run at data-parallel size `dp` (what Megatron-LM records, and
     what `BufferLayout` pads buckets by)."""
     return {"data_parallel_size": dp, "world_size": dp * layout.tp * layout.pp, "use_distributed_optimizer": True}
-
-
-def fully_reshardable_common(param_groups: dict[int | None, Any]) -> dict[Any, Any]:
-    """common.pt's `optimizer` entry as Megatron's fully_reshardable save writes it, from each chained optimizer's
-    saved `optimizer` state (by chain index; None: unchained): one entry per chained optimizer where there is a chain."""
-
-    def entry(groups: Any) -> dict[str, Any]:
-        return {"optimizer": groups, "param_state_sharding_type": "fully_reshardable"}
-
-    if None in param_groups:
-        return entry(param_groups[None])
-    return {chain: entry(groups) for chain, groups in sorted(param_groups.items())}
-
-
-class DpReshardable:
-    """The logical optimizer tensors of a dp_reshardable save, read through `read_raw(key, region, out)`
-    (the torch_dist reader's chunk reading of the bucket tensors), each bucket checked against the derived
-    `BufferLayout`."""
-
-    def __init__(
-        self,
-        tensors: dict[str, Any],  # dcp TensorEntry of every optimizer.distributed.* tensor, by key
-        objects: Callable[[str], Any],  # an optimizer.distributed.* ShardedObject's value by its key prefix
-        object_keys: list[str],
-        model_specs: dict[str, TensorSpec],
-        config: ModelConfig,
-        layout: Layout,
-        args: dict[str, Any],
-        read_raw: Callable[[str, Region, np.ndarray], None],
-    ):
-        self.read_raw = read_raw
-        # (gbuf, bucket) -> state key -> tensor key
-        self.bucket_keys: dict[tuple[Gbuf, int], dict[str, str]] = {}
-        self.bucket_numel: dict[tuple[Gbuf, int], set[int]] = {}  # the stored lengths of its state tensors
-        dtypes: dict[Gbuf, set[str]] = {}
-        for key, entry in tensors.items():
-            m = _BUCKET.match(key)
-            if m is None:
-                raise ReshardError(f"{key}: not a DistributedOptimizer bucket tensor reshard knows; the checkpoint is foreign or damaged")
-            gbuf = Gbuf(None if m["chain"] is None else int(m["chain"]), int(m["group"]), int(m["gbuf"]))
-            dtypes.setdefault(gbuf, set()).add(m["dtype"])
-            self.bucket_keys.setdefault((gbuf, int(m["bucket"])), {})[m["key"]] = key
-            self.bucket_numel.setdefault((gbuf, int(m["bucket"])), set()).add(int(entry.size[0]))
-        for gbuf, found in dtypes.items():
-            if len(found) > 1 or gbuf.index >= layout.vpp:
-                raise ReshardError(
-                    f"{gbuf}: DistributedOptimizer buffers of several parameter dtypes "
-                    f"({', '.join(sorted(found))}), or more than one per model chunk, are not decoded yet"
-                )
-        for (gbuf, bucket), keys in self.bucket_keys.items():
-            missing = [k for k in STATE_KEYS if k not in keys]
-            if missing:
-                raise ReshardError(f"bucket {bucket} of {gbuf} lacks {', '.join(missing)}: the checkpoint is damaged")
-        self.buffer_layout = BufferLayout(model_specs, config, layout, args)
-        self.dp = self.buffer_layout.dp
-        self.placed = self.buffer_layout.placed
-        for chain, group in self.buffer_layout.optimizers():
-            self._check_rank(chain, group, objects)
-        stray = sorted({str(gbuf) for gbuf, _ in self.bucket_keys if gbuf not in self.buffer_layout.buffers})
-        if stray:
-            raise ReshardError(
-                f"{stray[0]}: the checkpoint holds DistributedOptimizer buckets where the layout derived from the model "
-                "has none; the optimizer state cannot be decoded safely"
-            )
-        self.specs = self.buffer_layout.optimizer_specs()
-        firsts = [Gbuf(chain, 0, 0) for chain in self.buffer_layout.chains]
-        self.param_groups = {gbuf.chain: objects(f"{gbuf.prefix}.optimizer") for gbuf in firsts}
-
-    def _check_rank(self, chain: int | None, group: int, objects: Callable[[str], Any]) -> None:
-        """One rank's derived buckets against its saved per_bucket_numel_unpadded and stored tensor lengths."""
-        gbufs = self.buffer_layout.rank_buffers(chain, group)
-        prefix = gbufs[0].prefix
-        saved = objects(f"{prefix}.per_bucket_numel_unpadded")
-        if not (isinstance(saved, list) and len(saved) == len(gbufs) and all(isinstance(b, dict) and len(b) == 1 for b in saved)):
-            raise ReshardError(
-                f"{prefix}: per_bucket_numel_unpadded is not one buffer of one dtype per model chunk ({len(gbufs)}) "
-                "as derived from the model: not decoded yet"
-            )
-        for gbuf, by_dtype in zip(gbufs, saved):
-            saved_sizes = list(next(iter(by_dtype.values())))
-            buffer = self.buffer_layout.buffers[gbuf]
-            for b, (derived, label) in enumerate(zip(buffer.sizes, buffer.last)):
-                stored = saved_sizes[b] if b < len(saved_sizes) else None
-                stored_lengths = self.bucket_numel.get((gbuf, b), set())
-                tensor = ", ".join(map(str, sorted(stored_lengths))) or "no tensor"
-                if stored != derived or stored_lengths != {derived}:
-                    raise ReshardError(
-                        f"{label}: the DistributedOptimizer layout derived from the model puts bucket {b} of {gbuf} "
-                        f"at {derived} elements, but the checkpoint records {stored} (per_bucket_numel_unpadded) and stores "
-                        f"{tensor}; the optimizer state cannot be decoded safely"
-                    )
-            if len(saved_sizes) != len(buffer.sizes):
-                raise ReshardError(
-                    f"{gbuf}: the checkpoint records {len(saved_sizes)} buckets where the layout derived from "
-                    f"the model has {len(buffer.sizes)}; the optimizer state cannot be decoded safely"
-                )
-
-    def _read_place(self, gbuf: Gbuf, place: Placed, state: str, first: int, out: np.ndarray) -> None:
-        start = place.start + first
-        self.read_raw(self.bucket_keys[(gbuf, place.bucket)][state], ((start, start + out.size),), out)
-
-    def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
-        self.buffer_layout.read_into(name, region, out, self._read_place)
-
-    def spans(self, name: str) -> Iterator[tuple[Region, str, int, int]]:
-        """Where each primary piece of logical tensor `name` lies in the buckets, as one run: (its region, the
-        bucket tensor's key, its first element there, its count); a piece that is not one run ends the list early
-        (a verification then reads the tensor back instead)."""
-        state, model_name = name.split(".", 3)[2:]
-        model = self.buffer_layout.model_specs[model_name]
-        for piece in pieces(model, self.buffer_layout.config, self.buffer_layout.layout):
-            if not piece.primary or piece.alias is not None:
-                continue
-            gbuf, place = self.buffer_layout.place_of(model, piece)
-            span = flat_span(piece)
-            if span is None:
-                return
-            yield piece.region, self.bucket_keys[(gbuf, place.bucket)][state], place.start + span[0], span[1]
-
-    def common_optimizer(self) -> dict[Any, Any]:
-        """common.pt's `optimizer` entry as Megatron's fully_reshardable save writes it."""
-        return fully_reshardable_common(self.param_groups)

@@ -9,6 +9,18 @@ from reshard.errors import ReshardError
 from reshard.optim.buffers import DENSE_CHAIN, EXPERT_CHAIN
 
 
+def fully_reshardable_common(param_groups: dict[int | None, Any]) -> dict[Any, Any]:
+    """common.pt's `optimizer` entry as Megatron's fully_reshardable save writes it, from each chained optimizer's
+    saved `optimizer` state (by chain index; None: unchained): one entry per chained optimizer where there is a chain."""
+
+    def entry(groups: Any) -> dict[str, Any]:
+        return {"optimizer": groups, "param_state_sharding_type": "fully_reshardable"}
+
+    if None in param_groups:
+        return entry(param_groups[None])
+    return {chain: entry(groups) for chain, groups in sorted(param_groups.items())}
+
+
 def param_groups(recorded: Any, chained: bool, output: str = "--optimizer-form dp_reshardable") -> dict[int | None, Any]:
     """Each target optimizer's saved state (its param_groups, by chain index; None: unchained) from common.pt's
     `optimizer` entry as the source records it (one optimizer's, or one per chained optimizer). The dense optimizer's

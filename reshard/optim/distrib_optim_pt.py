@@ -1,12 +1,14 @@
-"""Legacy output (`--ckpt-format torch`) for a run with Megatron's DistributedOptimizer: beside each
+"""Megatron's DistributedOptimizer state in the legacy format (`--ckpt-format torch`): beside each
 `mp_rank_*/model_optim_rng.pt`, the `distrib_optim.pt` that megatron-core's `save_parameter_state` writes and its
-`load_parameter_state` reads, for the target TP/PP and data-parallel size (`--to-dp`, default the source's).
+`load_parameter_state` reads, bound to the saving run's TP/PP and data-parallel size. Read (`DistribOptimFiles`,
+the legacy reader's optimizer state) and written (`DistribOptimPtSink`, which the legacy writer composes) for the
+target TP/PP and data-parallel size (`--to-dp`, default the source's).
 
 Per model-parallel rank, `{"buckets_coalesced": True, <gbuf idx>: {(<param dtype>, <grad dtype>): {"param",
 "exp_avg", "exp_avg_sq": fp32 1-D, "numel_unpadded": int}}}`: each buffer's buckets laid end to end without their
 end padding, the 64-element alignment gaps between parameters zero (megatron-core 0.16's
-`get_parameter_state_dp_zero`). Where each parameter lies is the reader's derivation (`buffers.BufferLayout`,
-`Buffer.coalesced_start`), so what is written here decodes back by the same rules. The rank file's `optimizer`
+`get_parameter_state_dp_zero`). Where each parameter lies is `buffers.BufferLayout`'s derivation
+(`Buffer.coalesced_start`), so what is written here decodes back by the same rules. The rank file's `optimizer`
 entry is the DistributedOptimizer's `state_dict()`: its param groups (with `step`), no parameter state.
 
 An MoE model at EP > 1 has megatron-core's ChainedOptimizer, whose `save_parameter_state` writes the list of its
@@ -30,14 +32,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from isal.isal_zlib import crc32
 
+from reshard.cache import cached
 from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
+from reshard.errors import ReshardError
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
-from reshard.optim.buffers import STATE_KEYS, Gbuf
-from reshard.optim.common import param_groups
+from reshard.optim.buffers import DENSE_CHAIN, STATE_KEYS, BufferLayout, Gbuf, Placed, flat_span
+from reshard.optim.common import fully_reshardable_common, param_groups
 from reshard.optim.sink import OptimizerSink
-from reshard.sharding import Piece, Region, shift, to_slices
+from reshard.optim.state import OptimizerState, StoredForm
+from reshard.paths import confined
+from reshard.records import StoredRecord
+from reshard.sharding import Piece, Region, pieces, shift, to_slices
+from reshard.torchfile.archive_reader import RecordFile, TensorRecord, archive_tensor, load_archive
 from reshard.torchfile.archive_writer import Slot, StreamingTorchSave
 from reshard.torchfile.crc32 import crc32_of_parts
 
@@ -48,6 +56,143 @@ OPTIM_FILE = "distrib_optim.pt"
 _TAG = "distrib_optim"  # marks this sink's facts among the rank files'
 # what keeps a piece's checksum as written: (spec, region, file, offset, values, hashed), `CheckpointWriter.vouch`
 Vouch = Callable[[TensorSpec, Region, str, int, np.ndarray, "HashedParts | None"], None]
+
+
+class DistribOptimFiles(OptimizerState):
+    """The DistributedOptimizer's `distrib_optim.pt` of every model-parallel rank, read as the logical optimizer
+    tensors of Megatron's fully_reshardable form (`optimizer.state.<param|exp_avg|exp_avg_sq>.<model key>`).
+
+    megatron-core's `save_parameter_state` (0.16: `get_parameter_state_dp_zero`) gathers the buffers on DP rank 0,
+    which writes `{"buckets_coalesced": True, <gbuf_idx>: {(param dtype, grad dtype): {"param"|"exp_avg"|
+    "exp_avg_sq": 1-D float32 tensor, "numel_unpadded": n}}}`: each buffer's buckets end to end without their
+    padding. Where a parameter lies comes from `BufferLayout` (its bucket's start in that tensor: the unpadded
+    lengths of the buckets before it); every length must agree with the derived layout. Refused by name: the older
+    per-bucket layout (no `buckets_coalesced`).
+
+    An MoE model's ChainedOptimizer writes the list of its optimizers' states `[dense, experts]`, each written by
+    that optimizer's DP rank 0 (None in the other files; `BufferLayout.holder` names its file, at any expert TP): the
+    dense state in the EP rank 0 file of each TP/PP rank where ETP = TP, the experts' in every EP rank's file; the rank
+    files' `optimizer` entry is the list of their `state_dict()`s."""
+
+    from_buffers = True
+
+    def __init__(
+        self,
+        directory: Path,  # the iteration directory, holding the rank directories
+        rank_file: Path,  # the first rank's file, whose `optimizer` entry is the DistributedOptimizer's state_dict()
+        saved_optimizer: Any,  # that entry
+        model_specs: dict[str, TensorSpec],
+        config: ModelConfig,
+        layout: Layout,
+        args: dict[str, Any],
+    ):
+        self.buffer_layout = BufferLayout(model_specs, config, layout, args)
+        chains = self.buffer_layout.chains  # [None] or [dense, experts]
+        chained = chains != [None]
+        saved = saved_optimizer if chained and isinstance(saved_optimizer, list) else [saved_optimizer]
+        if not (len(saved) == len(chains) and all(isinstance(s, dict) and isinstance(s.get("optimizer"), dict) for s in saved)):
+            raise ReshardError(
+                f"{rank_file} holds no DistributedOptimizer state_dict{' per chained optimizer' if chained else ''} beside "
+                f"{OPTIM_FILE} (its `optimizer` entry is {type(saved_optimizer).__name__}): the checkpoint is damaged"
+            )
+        self.param_groups = {chain: s["optimizer"] for chain, s in zip(chains, saved)}
+        self.specs = self.buffer_layout.optimizer_specs()
+        self.paths: dict[tuple[int | None, int], Path] = {}  # (chain, dp_group_idx) -> the file holding its state
+        self.records: dict[tuple[int | None, int, int, str], TensorRecord] = {}  # (chain, dp_group_idx, gbuf_idx, state) -> tensor
+        self.names: dict[tuple[int | None, int], str] = {}  # the same, relative to the iteration directory
+        self._files: dict[Path, RecordFile] = {}
+        loaded: dict[Path, Any] = {}
+        for chain, group in self.buffer_layout.optimizers():
+            dirname = self.buffer_layout.holder(chain, group).legacy_dirname(layout)
+            path = self.paths[(chain, group)] = confined(directory, f"{dirname}/{OPTIM_FILE}")  # may not lead out of it
+            self.names[(chain, group)] = f"{dirname}/{OPTIM_FILE}"
+            if not path.is_file():
+                raise ReshardError(f"{path} is missing beside the first rank's: the checkpoint is incomplete")
+            state = cached(loaded, path, lambda p=path: load_archive(p, str(p)))
+            if chain is not None:
+                if not (isinstance(state, list) and len(state) == 2):
+                    raise ReshardError(f"{path} does not hold the states of an MoE model's two chained optimizers: the file is foreign or damaged")
+                state = state[chain]
+            self._index(chain, group, state)
+
+    def _index(self, chain: int | None, group: int, state: Any) -> None:
+        path = self.paths[(chain, group)]
+        which = "" if chain is None else f" ({'dense' if chain == DENSE_CHAIN else 'expert'} optimizer)"
+        if not isinstance(state, dict):
+            raise ReshardError(f"{path} does not hold one DistributedOptimizer's parameter state{which}: the file is foreign or damaged")
+        if state.get("buckets_coalesced") is not True:
+            raise ReshardError(
+                f"{path} holds the older per-bucket layout of distrib_optim.pt (no buckets_coalesced), which reshard does not "
+                "decode: load and save it once with a newer megatron-core, or convert with --no-optimizer"
+            )
+        gbufs = self.buffer_layout.rank_buffers(chain, group)
+        found = [k for k in state if k != "buckets_coalesced"]
+        if found != list(range(len(gbufs))):
+            raise ReshardError(
+                f"{path} holds buffers {[str(k) for k in found]}{which} where the layout derived from the model has "
+                f"{len(gbufs)}: the optimizer state cannot be decoded safely"
+            )
+        for gbuf in gbufs:
+            by_dtype = state[gbuf.index]
+            if not (isinstance(by_dtype, dict) and len(by_dtype) == 1 and isinstance(next(iter(by_dtype.values())), dict)):
+                raise ReshardError(f"{path}: buffer {gbuf.index}{which} is not one buffer of one dtype: not decoded yet")
+            tensors = next(iter(by_dtype.values()))
+            buffer = self.buffer_layout.buffers[gbuf]
+            derived = sum(buffer.sizes)
+            for key in STATE_KEYS:
+                record = archive_tensor(tensors.get(key))
+                if record is None or record.dtype != "float32" or record.shape != (derived,) or tensors.get("numel_unpadded") != derived:
+                    stored = "no tensor" if record is None else f"{record.dtype} {record.shape}"
+                    raise ReshardError(
+                        f"{buffer.last[-1]}: the DistributedOptimizer layout derived from the model makes buffer {gbuf.index}{which} of "
+                        f"{path} {derived} elements long, but it records numel_unpadded {tensors.get('numel_unpadded')!r} and "
+                        f"stores {key} as {stored}; the optimizer state cannot be decoded safely"
+                    )
+                self.records[(chain, group, gbuf.index, key)] = record
+
+    def _read_place(self, gbuf: Gbuf, place: Placed, state: str, first: int, out: np.ndarray) -> None:
+        path = self.paths[(gbuf.chain, gbuf.group)]
+        file = cached(self._files, path, lambda: RecordFile(path))
+        start = self.buffer_layout.buffers[gbuf].coalesced_start(place) + first
+        file.read_into(self.records[(gbuf.chain, gbuf.group, gbuf.index, state)], ((start, start + out.size),), out)
+
+    def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
+        self.buffer_layout.read_into(name, region, out, self._read_place)
+
+    def stored_records(self, name: str) -> list[StoredRecord] | None:
+        """Each primary piece of logical tensor `name` where its file places it as one run (what a conversion's
+        writer vouches for, so that verifying it need not read the values back); None where one is not one run."""
+        state, model_name = name.split(".", 3)[2:]
+        model = self.buffer_layout.model_specs[model_name]
+        records = []
+        for piece in pieces(model, self.buffer_layout.config, self.buffer_layout.layout):
+            if not piece.primary or piece.alias is not None:
+                continue
+            gbuf, place = self.buffer_layout.place_of(model, piece)
+            span = flat_span(piece)
+            record = self.records[(gbuf.chain, gbuf.group, gbuf.index, state)]
+            if span is None or record.offset < 0:
+                return None
+            start = self.buffer_layout.buffers[gbuf].coalesced_start(place) + span[0]
+            records.append(StoredRecord(name, piece.region, "float32", self.names[(gbuf.chain, gbuf.group)], record.offset + start * record.itemsize))
+        return records
+
+    @property
+    def form(self) -> StoredForm:
+        buckets = sum(len(buffer.sizes) for buffer in self.buffer_layout.buffers.values())
+        return StoredForm(OPTIM_FILE, self.buffer_layout.dp, buckets, len(self.paths))
+
+    @property
+    def described(self) -> str:
+        return f"{OPTIM_FILE} buffers (DP {self.buffer_layout.dp})"
+
+    def common(self, extra: dict[str, Any]) -> dict[str, Any]:
+        return dict(extra, optimizer=fully_reshardable_common(self.param_groups))
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
 
 
 class DistribOptimPtSink(OptimizerSink):

@@ -108,8 +108,7 @@ def output(
     if form is None:
         first = next(name for name, spec in specs.items() if spec.is_optimizer)
         raise ReshardError(f"{TAKES[format_name].refusal} ({first}, ...); pass --no-optimizer")
-    decoded = getattr(reader, "dp_reshardable", None)
-    read = f"dp_reshardable buckets (DP {decoded.dp})" if decoded is not None else "per-parameter tensors"
+    read = "per-parameter tensors" if reader.optimizer is None else reader.optimizer.described
     if form.sink is None:
         return OptimizerOutput(form, None, read)
     _refuse_what_buffers_lack(form, reader, specs, common, layout)

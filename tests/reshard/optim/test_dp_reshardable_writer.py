@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from fixtures.torchrun import run
-from reshard.optim.buffers import is_dp_reshardable
+from reshard.optim.dp_reshardable import is_dp_reshardable
 from tests.reshard.optim.test_dp_reshardable import assert_same, optimizer_tensors
 from tests.reshard.test_cli import _one_line_error, reshard
 

@@ -70,7 +70,7 @@ def test_megatrons_own_buffer_saves_pass(distrib_optim, preset, layout, form, bf
 def _places(path: Path, a: tuple[str, int], b: tuple[str, int]):
     """Where parameters `a` and `b` ((name, layer) on TP rank 0) lie in the buckets, as reshard derives it."""
     with TorchDistReader(path) as reader:
-        placed = reader.dp_reshardable.placed
+        placed = reader.optimizer.placed
         return placed[(*a, None, 0, 0, 0)], placed[(*b, None, 0, 0, 0)]
 
 
@@ -150,7 +150,7 @@ def test_two_parameters_swapped_in_distrib_optim_pt_are_refused(distrib_optim, t
     path = next((tmp_path / "bad" / ITER).glob("mp_rank_00*/distrib_optim.pt"))
     state = torch.load(path, weights_only=False)  # the fixture's own file
     with LegacyReader(made["legacy"]) as reader:
-        buffer = reader.distrib_optim.buffer_layout.buffers[gbuf]
+        buffer = reader.optimizer.buffer_layout.buffers[gbuf]
         a, b = buffer.coalesced_start(pa), buffer.coalesced_start(pb)
     for tensors in state[gbuf.index].values():
         for key in ("param", "exp_avg", "exp_avg_sq"):

@@ -29,7 +29,7 @@ CASES = [("tiny-odd", {"tp": 2}, 21), ("tiny-moe", {"tp": 1, "ep": 2}, 10)]
 
 def _start(path: Path, name: str) -> int:
     with TorchDistReader(path) as reader:
-        return reader.dp_reshardable.placed[(name, 0, None, 0, 0, 0)][1].start
+        return reader.optimizer.placed[(name, 0, None, 0, 0, 0)][1].start
 
 
 def _with_args(source: Path, dest: Path, **changes) -> None:
@@ -46,7 +46,7 @@ def test_te_ordered_buckets_decode_bit_for_bit_as_megatrons_fully_reshardable(di
     te = distrib_optim(preset, te_order=True, **layout)
     with TorchDistReader(te["dp"]) as reader:
         assert reader.common.args["transformer_impl"] == "transformer_engine"
-        assert reader.dp_reshardable.buffer_layout.order.grouped_experts == (preset == "tiny-moe")
+        assert reader.optimizer.buffer_layout.order.grouped_experts == (preset == "tiny-moe")
     dp, dp_common = optimizer_tensors(te["dp"])
     full, full_common = optimizer_tensors(te["full"])
     assert len(dp) == 3 * params
