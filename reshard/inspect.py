@@ -55,6 +55,7 @@ class CheckpointInfo:
     dropped: list[str]
     has_manifest: bool
     optimizer: StoredForm | None = None
+    optimizer_refused: str | None = None  # why the optimizer state found was not read
 
     @property
     def total_bytes(self) -> int:
@@ -71,6 +72,7 @@ class CheckpointInfo:
             "dtypes": dict(Counter(t.dtype for t in self.tensors)),
             "has_checksums": self.has_manifest,
             "optimizer": self.optimizer.__dict__ if self.optimizer else None,
+            "optimizer_refused": self.optimizer_refused,
             "not_tensors": self.dropped,
             "tensors": [t.__dict__ | {"shape": list(t.shape)} for t in self.tensors],
         }
@@ -91,6 +93,8 @@ class CheckpointInfo:
         ]
         if self.optimizer:
             lines.append(self.optimizer.render())
+        if self.optimizer_refused:
+            lines.append(f"optimizer: not read: {self.optimizer_refused}")
         width = max((len(t.name) for t in self.tensors), default=0)
         for t in self.tensors:
             lines.append(f"  {t.name:<{width}}  {str(list(t.shape)):<22} {t.dtype:<9} {t.split:<10} {human_bytes(t.bytes)}")
@@ -125,4 +129,5 @@ def inspect(path: Path | str, config_file: Path | None = None) -> CheckpointInfo
             dropped=list(reader.common.dropped) + list(reader.unsupported_optimizer),
             has_manifest=reader.manifest is not None,
             optimizer=optimizer_form(reader),
+            optimizer_refused=reader.optimizer_refusal.reason if reader.optimizer_refusal else None,
         )

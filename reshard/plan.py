@@ -372,13 +372,15 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
             config = config.replace(params_dtype=dtype)
     moves: list[TensorMove] = []
     dropped = list(reader.common.dropped)
-    unsupported = getattr(reader, "unsupported_optimizer", [])
+    unsupported, refused = reader.unsupported_optimizer, reader.optimizer_refusal
+    if optimizer and refused is not None:
+        raise refused.error()
     if optimizer and unsupported:
         raise ReshardError(
             f"the optimizer state ({unsupported[0]}, ...) is stored in a layout-bound form reshard cannot reshard; "
             "pass --no-optimizer to convert the model without it"
         )
-    dropped.extend(unsupported)
+    dropped.extend([*unsupported, *([refused.stored] if refused else [])])
     for name, spec in sorted(reader.specs.items()):
         if spec.is_optimizer and not optimizer:
             dropped.append(name)

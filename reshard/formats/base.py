@@ -27,7 +27,7 @@ from reshard.torchfile.pickles import named
 
 if TYPE_CHECKING:  # reshard.optim builds on this module
     from reshard.optim.forms import OptimizerOutput
-    from reshard.optim.state import OptimizerState
+    from reshard.optim.state import OptimizerRefusal, OptimizerState
 
 MANIFEST_NAME = "reshard_manifest.json"
 _DEFAULTS = Path(__file__).with_name("megatron_lm_args.json")  # fixtures/golden/make_golden.py --only mlm-args
@@ -180,7 +180,8 @@ class CheckpointReader(abc.ABC):
     common: CommonState
     manifest: Manifest | None  # checksums recorded when it was written, if any
     optimizer: OptimizerState | None = None  # the optimizer state it decodes from the form stored (`reshard.optim.state`)
-    unsupported_optimizer: list[str] = []  # optimizer state in a form that cannot be resharded
+    unsupported_optimizer: list[str] = []  # stored keys of optimizer state it does not read (a form that cannot be resharded)
+    optimizer_refusal: OptimizerRefusal | None = None  # why a decoder refused the optimizer state it found
     default_dtype: str | None = None  # what a conversion told no dtype writes (None: each tensor's own)
     # where the tokenizer files (`hf.TOKENIZER_FILES`) it was trained with lie, if anywhere: the trainer saves
     # tokenizer.json beside its iterations, and a run resumed without it would train another (other token ids)

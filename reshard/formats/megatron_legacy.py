@@ -50,6 +50,7 @@ from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import ObjectKey, canonical, layer_is_moe, spell, uses_te_names
 from reshard.optim.distrib_optim_pt import OPTIM_FILE, DistribOptimFiles, DistribOptimPtSink
+from reshard.optim.state import OptimizerRefusal
 from reshard.paths import confined
 from reshard.sharding import (
     Piece,
@@ -173,11 +174,11 @@ class LegacyReader(CheckpointReader):
             try:
                 self.optimizer = DistribOptimFiles(tree.iteration_dir, first_file, first.get("optimizer"), self.specs, self.config, self.layout, args)
             except ReshardError as exc:  # the model still converts (--no-optimizer); with the optimizer the plan refuses, saying why
-                self.unsupported_optimizer = [str(exc)]
+                self.optimizer_refusal = OptimizerRefusal(f"optimizer ({OPTIM_FILE})", str(exc))
             else:
                 self.specs.update(self.optimizer.specs)
                 self.common.extra = self.optimizer.common(self.common.extra)
-                self.unsupported_optimizer = []
+            self.unsupported_optimizer = []  # the rank files' `optimizer` entry is the DistributedOptimizer's param groups
 
     def _holder(self, rank: RankCoord, experts: bool) -> RankCoord:
         """The rank file holding `rank`'s dense (or expert) tensors. Megatron names a file by its writer's

@@ -1,6 +1,7 @@
 """The reader's seam: a checkpoint reader *has* an optimizer state, decoded from the form the checkpoint stores it in,
 which it asks for regions of Megatron's fully_reshardable per-parameter tensors (`optimizer.state.<param|exp_avg|
-exp_avg_sq>.<model key>`). What a reader does not decode it lists as not read (`CheckpointReader.unsupported_optimizer`)."""
+exp_avg_sq>.<model key>`). What a reader does not decode it lists as not read (`CheckpointReader.unsupported_optimizer`),
+and where a decoder refused what it found, it keeps why (`OptimizerRefusal`): the model still converts without it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from reshard.errors import ReshardError
 from reshard.logical import TensorSpec
 from reshard.records import StoredRecord
 from reshard.sharding import Region
@@ -31,6 +33,20 @@ class StoredForm:
     def render(self) -> str:
         where = f", {self.buckets} buckets over {self.ranks} model-parallel ranks" if self.buckets is not None else ""
         return f"optimizer: {self.form}, DP {self.dp or '?'}{where}"
+
+
+@dataclass(frozen=True)
+class OptimizerRefusal:
+    """Why a reader did not decode the optimizer state it found."""
+
+    stored: str  # what was not read, as a conversion without it lists it among what it drops
+    reason: str  # the decoder's refusal in one line, naming the file or tensor
+
+    def error(self) -> ReshardError:
+        """The refusal of a conversion that would carry the state, saying what to do."""
+        if "--no-optimizer" in self.reason:  # the decoder said what to do already
+            return ReshardError(self.reason)
+        return ReshardError(f"{self.reason}; pass --no-optimizer to convert the model without its optimizer state")
 
 
 class OptimizerState(abc.ABC):

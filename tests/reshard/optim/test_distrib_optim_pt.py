@@ -134,6 +134,26 @@ def test_the_older_per_bucket_layout_is_refused_by_name(distrib_optim, tmp_path)
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("keep, words", [(300, ["damaged"]), (0, ["not a zip-format torch.save file"])], ids=["truncated", "emptied"])
+def test_a_damaged_distrib_optim_pt_is_refused_naming_the_file(tmp_path, keep, words):
+    """Issue #33: a distrib_optim.pt that cannot be loaded was called "a layout-bound form reshard cannot reshard". The
+    refusal names the file, what is wrong with it and what to do; inspect says so; the model still converts without it.
+    The file: reshard's distrib_optim.pt of Megatron-LM's own dp_reshardable save (golden mlm-distopt-tp2dp2)."""
+    golden = Path(__file__).resolve().parents[3] / "fixtures" / "golden" / "mlm-distopt-tp2dp2" / "checkpoint"
+    assert reshard("convert", golden, tmp_path / "legacy", "--to-format", "legacy").returncode == 0
+    path = tmp_path / "legacy" / "iter_0000003" / "mp_rank_01" / "distrib_optim.pt"
+    path.write_bytes(path.read_bytes()[:keep])
+    before = _digest(tmp_path / "legacy")
+    result = reshard("convert", tmp_path / "legacy", tmp_path / "out", "--to-format", "torch_dist")
+    _one_line_error(result, "mp_rank_01/distrib_optim.pt", *words, "--no-optimizer")
+    assert "layout-bound" not in result.stderr
+    assert not (tmp_path / "out").exists() and _digest(tmp_path / "legacy") == before
+    shown = reshard("inspect", tmp_path / "legacy")
+    assert shown.returncode == 0 and "optimizer: not read: " in shown.stdout and "mp_rank_01/distrib_optim.pt" in shown.stdout
+    model_only = reshard("convert", tmp_path / "legacy", tmp_path / "model", "--to-format", "torch_dist", "--no-optimizer")
+    assert model_only.returncode == 0, model_only.stderr
+
+
 @pytest.fixture(scope="module")
 def legacy_resaved(distrib_optim, tmp_path_factory):
     """legacy_resaved(preset, bf16, to_tp, to_pp, to_ep=1, to_etp=None, source=TP2) -> the iteration directory of
