@@ -355,23 +355,59 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
     format_name = target.format or reader.format_name
     if format_name not in WRITERS:
         raise ReshardError(f"unknown format {format_name!r}; choose one of {', '.join(sorted(WRITERS))}")
-    writer = WRITERS[format_name]
     if target.fp8_blocks and format_name != "hf":
         raise ReshardError(f"--to-fp8-blocks writes HF safetensors, not {format_name}; add --to-format hf")
     layout = target.layout_for(reader.layout)
-    optimizer, dtype = target.optimizer, target.dtype or reader.default_dtype
-    config: ModelConfig | None = None
+    dtype = target.dtype or reader.default_dtype
+    config = _target_config(reader, format_name, layout, target, dtype)
+    dropped = list(reader.common.dropped)
+    moves = _moves(reader, config, target.optimizer, dtype, dropped)
+    te_names = None if target.naming is None else target.naming == "te"
+    common = _target_common(reader, layout, WRITERS[format_name], target.optimizer, te_names, dropped)
+    if target.for_bridge and common.iteration == "release":
+        common.iteration = 0
+    if dtype is not None:
+        common.args.update(precision_args(dtype))
+    form = forms.requested(format_name, target)
+    optimizer = None
+    if any(m.target.is_optimizer for m in moves):
+        optimizer = forms.output(form, format_name, reader, {m.target.name: m.target for m in moves}, common, target, layout)
+    plan = ConversionPlan(
+        source=reader.path,
+        source_format=reader.format_name,
+        source_layout=reader.layout,
+        target=destination,
+        writer=WRITERS[format_name],
+        target_layout=layout,
+        config=config,
+        moves=moves,
+        common=common,
+        options=WriteOptions(te_names=te_names, dtype=dtype, max_shard_bytes=target.max_shard_bytes, fp8_blocks=target.fp8_blocks,
+                             tokenizer_from=reader.tokenizer_dir, optimizer=optimizer),
+        dropped=dropped,
+        workers=run.workers,
+        scratch_bytes=reader.scratch_bytes,
+    )
+    _budget(plan, reader, run)
+    return plan
+
+
+def _target_config(reader: CheckpointReader, format_name: str, layout: Layout, target: Target, dtype: str | None) -> ModelConfig | None:
+    """The model config at the target layout and precision (None: the source records no architecture, which only a
+    conversion of its global tensors as they are needs)."""
     if reader.config is None:
         _refuse_what_needs_an_architecture(reader, format_name, layout, target)
-    else:
-        layout.validate(reader.config)
-        config = target_config(reader.config, layout, reader.layout.tp)
-        if target.for_bridge:
-            config = bridge_config(config, layout, format_name)
-        if dtype is not None:
-            config = config.replace(params_dtype=dtype)
-    moves: list[TensorMove] = []
-    dropped = list(reader.common.dropped)
+        return None
+    layout.validate(reader.config)
+    config = target_config(reader.config, layout, reader.layout.tp)
+    if target.for_bridge:
+        config = bridge_config(config, layout, format_name)
+    return config if dtype is None else config.replace(params_dtype=dtype)
+
+
+def _moves(reader: CheckpointReader, config: ModelConfig | None, optimizer: bool, dtype: str | None, dropped: list[str]) -> list[TensorMove]:
+    """Every tensor the target carries, at its vocabulary padding and precision (the optimizer state only where
+    `optimizer`, and only as it was saved); what it leaves behind is added to `dropped`."""
     unsupported, refused = reader.unsupported_optimizer, reader.optimizer_refusal
     if optimizer and refused is not None:
         raise refused.error()
@@ -381,6 +417,7 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
             "pass --no-optimizer to convert the model without it"
         )
     dropped.extend([*unsupported, *([refused.stored] if refused else [])])
+    moves = []
     for name, spec in sorted(reader.specs.items()):
         if spec.is_optimizer and not optimizer:
             dropped.append(name)
@@ -402,34 +439,14 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         )
     if not moves:
         raise ReshardError(f"{reader.path} holds no model tensors")
-    te_names = None if target.naming is None else target.naming == "te"
-    common = _target_common(reader, layout, writer, optimizer, te_names, dropped)
-    if target.for_bridge and common.iteration == "release":
-        common.iteration = 0
-    if dtype is not None:
-        common.args.update(precision_args(dtype))
-    form = forms.requested(format_name, target)
-    written = None
-    if any(m.target.is_optimizer for m in moves):
-        written = forms.output(form, format_name, reader, {m.target.name: m.target for m in moves}, common, target, layout)
-    plan = ConversionPlan(
-        source=reader.path,
-        source_format=reader.format_name,
-        source_layout=reader.layout,
-        target=destination,
-        writer=writer,
-        target_layout=layout,
-        config=config,
-        moves=moves,
-        common=common,
-        options=WriteOptions(te_names=te_names, dtype=dtype, max_shard_bytes=target.max_shard_bytes, fp8_blocks=target.fp8_blocks,
-                             tokenizer_from=reader.tokenizer_dir, optimizer=written),
-        dropped=dropped,
-        workers=run.workers,
-        scratch_bytes=reader.scratch_bytes,
-    )
-    plan.moves = [replace(move, aligned=_records_are_chunks(plan, move, reader)) for move in moves]
-    plan.bytes_read = reader.stored_bytes if reader.stored_bytes is not None else sum(m.source.numel * itemsize(m.source.dtype) for m in moves)
+    return moves
+
+
+def _budget(plan: ConversionPlan, reader: CheckpointReader, run: Run) -> None:
+    """The plan's units of work (records the source stores whole, read as they are), bytes read and memory budget,
+    refused where one unit alone does not fit in `--max-memory`."""
+    plan.moves = [replace(move, aligned=_records_are_chunks(plan, move, reader)) for move in plan.moves]
+    plan.bytes_read = reader.stored_bytes if reader.stored_bytes is not None else sum(m.source.numel * itemsize(m.source.dtype) for m in plan.moves)
     biggest, largest = plan.largest_unit()
     plan.max_memory = default_budget(largest, run.workers) if run.max_memory is None else run.max_memory
     if biggest is not None:
@@ -439,7 +456,6 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
                 f"--max-memory {human_bytes(plan.max_memory)} is too small: one slab (or the part of one written at once) of "
                 f"{biggest.target.name} alone takes {human_bytes(largest)}; allow at least {human_bytes(needed)}"
             )
-    return plan
 
 
 def _same_ranks(a: Layout, b: Layout, config: ModelConfig | None) -> bool:
