@@ -45,7 +45,7 @@ from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.layout import Layout, RankCoord
 from reshard.logical import TensorSpec, describe
-from reshard.optim.order import ParamOrder
+from reshard.optim.order import MULTI_LATENT, ParamOrder, attention_of
 from reshard.sharding import Piece, Region, intersect, pieces, region_size, shift, to_slices
 
 PREFIX = "optimizer.distributed."
@@ -135,8 +135,8 @@ class BufferLayout:
     def __init__(self, model_specs: dict[str, TensorSpec], config: ModelConfig, layout: Layout, args: dict[str, Any]):
         self.config, self.layout, self.args = config, layout, args
         self._refuse_unsupported(args)
-        self.order = ParamOrder.of(args, config.multi_latent_attention)
-        if self.order.transformer_engine and self.order.mla and layout.tp > 1:
+        self.order = ParamOrder.of(args, attention_of(config))
+        if self.order.transformer_engine and self.order.attention == MULTI_LATENT and layout.tp > 1:
             raise ReshardError(
                 "DistributedOptimizer state of multi-latent attention with the Transformer-Engine spec at TP > 1 is not decoded "
                 "yet: its linear_q_down_proj/linear_kv_down_proj are whole on every TP rank (convert with --no-optimizer)"

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.logical import TensorSpec
 
@@ -123,35 +124,57 @@ def _unknown_place(param: str) -> ReshardError:
     )
 
 
+MULTI_HEAD, MULTI_LATENT = "multi-head", "multi-latent"
+# A transformer layer's parameters in registration order, by what selects them: the module spec the saving run was
+# built with (its args' transformer_impl) and the layer's attention. This is the one place a parameter's place is
+# known: a model family whose layers register parameters of their own puts them in their place here (or adds the
+# entry of a new attention), and its DistributedOptimizer state is decoded and written in every form.
+LAYER_ORDERS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("local", MULTI_HEAD): _LAYER_ORDER,
+    ("transformer_engine", MULTI_HEAD): _TE_LAYER_ORDER,
+    ("local", MULTI_LATENT): _MLA_LAYER_ORDER,
+    ("transformer_engine", MULTI_LATENT): _MLA_TE_LAYER_ORDER,
+}
+
+
+def attention_of(config: ModelConfig) -> str:
+    """The attention of a model's layers, as `LAYER_ORDERS` keys it."""
+    return MULTI_LATENT if config.multi_latent_attention else MULTI_HEAD
+
+
 @dataclass(frozen=True)
 class ParamOrder:
     """The order of a rank's parameters in `named_parameters()`, as the saving run's modules register them."""
 
-    transformer_engine: bool  # the Transformer-Engine spec (Megatron-LM's default transformer_impl), not the local one
-    grouped_experts: bool  # TEGroupedMLP experts (moe_grouped_gemm with TE), not SequentialMLP
-    mla: bool = False  # multi-latent attention
+    spec: str  # the module spec: "transformer_engine" (Megatron-LM's default transformer_impl) or "local"
+    attention: str = MULTI_HEAD
+    grouped_experts: bool = False  # TEGroupedMLP experts (moe_grouped_gemm with TE), not SequentialMLP
 
     @classmethod
-    def of(cls, args: dict[str, Any], mla: bool = False) -> ParamOrder:
-        """The order of a run with saved `args`, of a multi-latent-attention model where `mla`."""
+    def of(cls, args: dict[str, Any], attention: str = MULTI_HEAD) -> ParamOrder:
+        """The order of a run with saved `args`, of a model whose layers have `attention`."""
         impl = args.get("transformer_impl", "transformer_engine")
-        if impl not in ("local", "transformer_engine"):
-            raise ReshardError(f"DistributedOptimizer state of a transformer_impl={impl} model is not decoded (convert with --no-optimizer)")
-        te = impl == "transformer_engine"
+        if (impl, attention) not in LAYER_ORDERS:
+            raise ReshardError(
+                f"DistributedOptimizer state of a transformer_impl={impl} model with {attention} attention is not decoded "
+                "(convert with --no-optimizer)"
+            )
         for flag, what in (("use_te_op_fuser", "Transformer-Engine's fused-op MLP"), ("fp8_param_gather", "FP8 parameters"),
                            ("moe_use_legacy_grouped_gemm", "the legacy GroupedMLP experts"),
                            ("mla_down_proj_fusion", "multi-latent attention's fused q/kv down projection")):
             if args.get(flag):
                 raise ReshardError(f"DistributedOptimizer state of a model with {what} ({flag}) is not decoded yet (convert with --no-optimizer)")
         # the local spec builds SequentialMLP whatever moe_grouped_gemm says (backends.py, LocalSpecProvider)
-        return cls(te, te and bool(args.get("moe_grouped_gemm")), mla)
+        return cls(impl, attention, impl == "transformer_engine" and bool(args.get("moe_grouped_gemm")))
+
+    @property
+    def transformer_engine(self) -> bool:
+        return self.spec == "transformer_engine"
 
     @property
     def layer(self) -> tuple[str, ...]:
         """A transformer layer's parameters in registration order."""
-        if self.mla:
-            return _MLA_TE_LAYER_ORDER if self.transformer_engine else _MLA_LAYER_ORDER
-        return _TE_LAYER_ORDER if self.transformer_engine else _LAYER_ORDER
+        return LAYER_ORDERS[(self.spec, self.attention)]
 
     def key(self, spec: TensorSpec, layer: int | None, expert: int | None) -> tuple[int, ...]:
         """Where parameter `spec` (at global `layer` and `expert`) comes in the rank's named_parameters()."""

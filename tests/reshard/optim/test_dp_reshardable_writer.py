@@ -106,7 +106,7 @@ def resaved(distrib_optim, tmp_path_factory):
     """resaved(case) -> Megatron's dp_reshardable save of the case's source state at its target layout and DP (ranks:
     TP x PP x DP), and where Megatron put each parameter in its buckets. Megatron loads the state from the source run's
     fully_reshardable save trained without buckets: megatron-core 0.15-0.19 saves a buffer of several buckets shifted
-    in that form (an upstream bug, reshard/master_weights.py), and the same run trained in buckets holds the same state
+    in that form (an upstream bug, reshard/optim/master_weights.py), and the same run trained in buckets holds the same state
     bit for bit (each gradient element is the same sum; the test asserts it)."""
     cache = {}
 

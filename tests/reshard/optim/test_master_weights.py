@@ -18,7 +18,7 @@ from reshard.errors import ReshardError
 from reshard.formats.megatron_dist import TorchDistReader
 from reshard.formats.megatron_legacy import LegacyReader
 from reshard.optim import master_weights
-from reshard.optim import order as distrib_optim_format
+from reshard.optim.order import LAYER_ORDERS, MULTI_HEAD
 from reshard.request import LayoutChange, Target
 from reshard.torchfile import dcp_metadata
 from reshard.torchfile.dcp_metadata import Storage
@@ -166,10 +166,10 @@ def test_two_parameters_swapped_in_distrib_optim_pt_are_refused(distrib_optim, t
 def test_a_wrong_order_of_reshards_own_is_refused(distrib_optim, tmp_path, monkeypatch):
     """A deliberate error in reshard's order table (q_layernorm and k_layernorm, one size, in each other's place)
     leaves every bucket length right; the check refuses the conversion, naming both norms."""
-    order = list(distrib_optim_format._LAYER_ORDER)
+    order = list(LAYER_ORDERS[("local", MULTI_HEAD)])
     q, k = order.index("self_attention.q_layernorm.weight"), order.index("self_attention.k_layernorm.weight")
     order[q], order[k] = order[k], order[q]
-    monkeypatch.setattr(distrib_optim_format, "_LAYER_ORDER", tuple(order))
+    monkeypatch.setitem(LAYER_ORDERS, ("local", MULTI_HEAD), tuple(order))
     with pytest.raises(ReshardError) as refused:
         convert(distrib_optim("tiny-odd", tp=2)["dp"], tmp_path / "out", Target(layout=LayoutChange(tp=1)))
     assert str(refused.value).startswith("decoder.layers.self_attention.k_layernorm.weight: the fp32 master weights decoded")

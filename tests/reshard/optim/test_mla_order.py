@@ -1,5 +1,5 @@
 """DistributedOptimizer state of multi-latent-attention models (DeepSeek-V3's attention), decoded and written by the MLA
-parameter order of reshard/formats/distrib_optim.py, against Megatron-Core's own saves of the same state (fixture
+parameter order of reshard/optim/order.py, against Megatron-Core's own saves of the same state (fixture
 `distrib_optim`: its DistributedOptimizer trains two steps on 4 CPU ranks, local spec).
 
 tiny-mla at TP2 DP2: the query latent (linear_q_down_proj, q_layernorm, linear_q_up_proj), LayerNorm latent norms with
@@ -21,8 +21,8 @@ import pytest
 from reshard.convert import convert
 from reshard.errors import ReshardError
 from reshard.formats.megatron_legacy import LegacyReader
-from reshard.optim import order as distrib_optim_format
 from reshard.optim.buffers import STATE_KEYS
+from reshard.optim.order import LAYER_ORDERS, MULTI_LATENT
 from reshard.request import LayoutChange, Target
 from tests.reshard.optim.test_distrib_optim_pt import legacy_resaved  # noqa: F401  (the fixture)
 from tests.reshard.optim.test_distrib_optim_pt import (
@@ -115,10 +115,10 @@ def test_a_swap_in_the_mla_order_is_caught(distrib_optim, resaved, tmp_path, mon
     """A deliberate error in reshard's MLA order (q_layernorm's weight and bias, one size, in each other's place) leaves
     every bucket length right: the decode then differs from Megatron's fully_reshardable save, the master-weight check
     refuses the conversion naming both, writing nothing, and buckets written by that order differ from Megatron's."""
-    order = list(distrib_optim_format._MLA_LAYER_ORDER)
+    order = list(LAYER_ORDERS[("local", MULTI_LATENT)])
     weight, bias = (order.index(f"self_attention.linear_q_up_proj.layer_norm_{kind}") for kind in ("weight", "bias"))
     order[weight], order[bias] = order[bias], order[weight]
-    monkeypatch.setattr(distrib_optim_format, "_MLA_LAYER_ORDER", tuple(order))
+    monkeypatch.setitem(LAYER_ORDERS, ("local", MULTI_LATENT), tuple(order))
     made = distrib_optim("tiny-mla", tp=2)
     dp, _ = optimizer_tensors(made["dp"])
     full, _ = optimizer_tensors(made["full"])

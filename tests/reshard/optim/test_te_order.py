@@ -1,5 +1,5 @@
 """DistributedOptimizer buffers of a Transformer-Engine-spec model (`transformer_impl=transformer_engine`, Megatron-LM's
-default), decoded by the TE parameter order of reshard/formats/distrib_optim.py (`ParamOrder`).
+default), decoded by the TE parameter order of reshard/optim/order.py (`ParamOrder`).
 
 What is and is not proven here. Transformer Engine is not installable on this machine and no TE-written save exists,
 so the fixture (`distrib_optim(..., te_order=True)`) is a local-spec model whose named_parameters() yield the order
@@ -7,7 +7,7 @@ so the fixture (`distrib_optim(..., te_order=True)`) is a local-spec model whose
 saying transformer_engine. Megatron-core's own DDP lays its buffers out by that order, trains two steps and saves
 them itself; so these tests prove reshard's bucket layout for that order against Megatron's (alignment, reversal,
 buckets, padding, the chained expert optimizer, grouped experts) bit for bit, NOT that TE registers its parameters
-in that order: that remains our opinion, and the master-weight check (reshard/master_weights.py) is the guard
+in that order: that remains our opinion, and the master-weight check (reshard/optim/master_weights.py) is the guard
 that refuses a real TE save if it is wrong (shown below with the wrong order on purpose)."""
 
 from __future__ import annotations
