@@ -26,7 +26,7 @@ from reshard.torchfile.archive_reader import READ_BLOCK
 from reshard.torchfile.pickles import named
 
 if TYPE_CHECKING:  # reshard.optim builds on this module
-    from reshard.optim.forms import OptimizerOutput
+    from reshard.optim.sink import OptimizerOutput
     from reshard.optim.state import OptimizerRefusal, OptimizerState
 
 MANIFEST_NAME = "reshard_manifest.json"

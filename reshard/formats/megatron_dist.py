@@ -15,7 +15,7 @@ import os
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -400,8 +400,9 @@ class TorchDistWriter(CheckpointWriter):
         self.sink: DpReshardableSink | None = None
         optimizer = self.options.optimizer
         if optimizer is not None and optimizer.form.sink is not None:
-            self.sink = optimizer.form.sink(self.specs, self.config, self.layout, self._target_args(), self.common, optimizer.dp)
-            self.common = self.sink.common
+            self.sink = optimizer.form.sink(self.specs, self.config, self.layout, self._target_args(), self.common.objects, self.common.extra,
+                                            optimizer.dp)
+            self.common = replace(self.common, objects=self.sink.objects, extra=self.sink.extra)
 
     def _name(self, index: int) -> str:
         return f"__{index}_{self.rank}.distcp"

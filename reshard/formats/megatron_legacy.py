@@ -430,8 +430,9 @@ class LegacyWriter(CheckpointWriter):
         self.sink: DistribOptimPtSink | None = None  # the optimizer tensors' writer: distrib_optim.pt beside the rank files
         optimizer = self.options.optimizer
         if optimizer is not None and optimizer.form.sink is not None:
-            self.sink = optimizer.form.sink(self.specs, self.config, self.layout, self._target_args(), self.common, optimizer.dp, self.directory)
-            self.common = self.sink.common
+            self.sink = optimizer.form.sink(self.specs, self.config, self.layout, self._target_args(), self.common.objects, self.common.extra,
+                                            optimizer.dp, self.directory)
+            self.common = replace(self.common, objects=self.sink.objects, extra=self.sink.extra)
 
     def model_specs(self) -> list[TensorSpec]:
         """The tensors of the rank files' `model` entries (the optimizer's go to distrib_optim.pt: its own sink's)."""

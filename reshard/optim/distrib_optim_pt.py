@@ -24,10 +24,9 @@ gaps: torch.save of it needs no memory here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from isal.isal_zlib import crc32
@@ -48,9 +47,6 @@ from reshard.sharding import Piece, Region, pieces, shift, to_slices
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord, archive_tensor, load_archive
 from reshard.torchfile.archive_writer import Slot, StreamingTorchSave
 from reshard.torchfile.crc32 import crc32_of_parts
-
-if TYPE_CHECKING:
-    from reshard.formats.base import CommonState
 
 OPTIM_FILE = "distrib_optim.pt"
 _TAG = "distrib_optim"  # marks this sink's facts among the rank files'
@@ -202,10 +198,10 @@ class DistribOptimPtSink(OptimizerSink):
     written_as = f"to {OPTIM_FILE}"
 
     def __init__(
-        self, specs: dict[str, TensorSpec], config: ModelConfig, layout: Layout, args: dict[str, Any], common: CommonState, dp: int,
-        directory: Path,  # the iteration directory, holding the rank directories
+        self, specs: dict[str, TensorSpec], config: ModelConfig, layout: Layout, args: dict[str, Any], objects: Mapping[str, Any],
+        extra: dict[str, Any], dp: int, directory: Path,  # the iteration directory, holding the rank directories
     ):
-        super().__init__(specs, config, layout, args, common, dp)
+        super().__init__(specs, config, layout, args, objects, extra, dp)
         chains = self.buffer_layout.chains  # [None] or [dense, experts]
         self._optim: dict[str, StreamingTorchSave] = {}  # rank directory -> its distrib_optim.pt
         self._records: dict[tuple[Gbuf, str], Slot] = {}  # (buffer, state) -> its record
@@ -226,9 +222,9 @@ class DistribOptimPtSink(OptimizerSink):
                 self._states[dirname] = state
             else:
                 self._states.setdefault(dirname, [None] * len(chains))[chain] = state
-        groups = param_groups(common.extra["optimizer"], chains != [None])  # the forms table checked they are there
+        groups = param_groups(extra["optimizer"], chains != [None])  # the forms table checked they are there
         saved = {"optimizer": groups[None]} if chains == [None] else [{"optimizer": groups[chain]} for chain in chains]
-        self.common = replace(common, extra={**common.extra, "optimizer": saved})
+        self.extra = {**extra, "optimizer": saved}
 
     def _dirname(self, chain: int | None, group: int) -> str:
         return self.buffer_layout.holder(chain, group).legacy_dirname(self.layout)

@@ -28,9 +28,8 @@ Megatron's save covers it.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -45,9 +44,6 @@ from reshard.optim.state import OptimizerState, StoredForm
 from reshard.records import StoredRecord
 from reshard.sharding import Piece, Region, pieces, region_size
 from reshard.torchfile.dcp_metadata import Chunk, TensorEntry
-
-if TYPE_CHECKING:
-    from reshard.formats.base import CommonState
 
 _OBJECT = "/shard_0_1"  # the storage key of a ShardedObject of global shape (1,) at offset (0,)
 _DISTRIBUTED = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.")
@@ -203,13 +199,16 @@ class DpReshardableSink(OptimizerSink):
 
     written_as = "as dp_reshardable"
 
-    def __init__(self, specs: dict[str, TensorSpec], config: ModelConfig, layout: Layout, args: dict[str, Any], common: CommonState, dp: int):
-        super().__init__(specs, config, layout, args, common, dp)
+    def __init__(
+        self, specs: dict[str, TensorSpec], config: ModelConfig, layout: Layout, args: dict[str, Any], objects: Mapping[str, Any],
+        extra: dict[str, Any], dp: int,
+    ):
+        super().__init__(specs, config, layout, args, objects, extra, dp)
         self._dtypes = f"(torch.{config.params_dtype}, torch.{self.grad_dtype})"  # as bucket tensor keys spell them
         # one optimizer's buffers per rank and model chunk; an MoE model at EP > 1 chains a dense and an expert one
-        groups = param_groups(common.extra.get("optimizer"), None not in self.buffer_layout.chains)
+        groups = param_groups(extra.get("optimizer"), None not in self.buffer_layout.chains)
         self.buckets: dict[str, int] = {}  # bucket tensor key prefix -> unpadded length
-        objects = dict(common.objects)
+        objects = dict(objects)
         for chain, group in self.buffer_layout.optimizers():
             dp = self.buffer_layout.expert_dp if chain == EXPERT_CHAIN else self.buffer_layout.dp
             unpadded, padded = [], []
@@ -223,8 +222,8 @@ class DpReshardableSink(OptimizerSink):
             objects[f"{group_key}.per_bucket_numel{_OBJECT}"] = padded
             objects[f"{group_key}.per_bucket_numel_unpadded{_OBJECT}"] = unpadded
         form = {"param_state_sharding_type": "dp_reshardable"}
-        extra = {**common.extra, "optimizer": form if None in groups else {chain: dict(form) for chain in groups}}
-        self.common = replace(common, objects=objects, extra=extra)
+        self.objects = objects
+        self.extra = {**extra, "optimizer": form if None in groups else {chain: dict(form) for chain in groups}}
 
     @staticmethod
     def run_args(dp: int, layout: Layout) -> dict[str, Any]:

@@ -22,20 +22,11 @@ from reshard.optim.buffers import STATE_KEYS
 from reshard.optim.common import param_groups
 from reshard.optim.distrib_optim_pt import DistribOptimPtSink
 from reshard.optim.dp_reshardable import DpReshardableSink
-from reshard.optim.sink import OptimizerSink
+from reshard.optim.sink import Form, OptimizerOutput
 from reshard.request import Target
 
 if TYPE_CHECKING:
     from reshard.formats.base import CheckpointReader, CommonState
-
-
-@dataclass(frozen=True)
-class Form:
-    """One form a target format can hold the optimizer state in."""
-
-    name: str  # in a plan's words
-    sink: type[OptimizerSink] | None = None  # what lays it out (None: the format writer's own per-parameter tensors)
-    requested_as: str = ""  # how a refusal names the request for it
 
 
 FULLY_RESHARDABLE = Form("per-parameter tensors (fully_reshardable)")
@@ -60,20 +51,6 @@ TAKES: dict[str, Takes] = {
     "zarr": Takes(PER_PARAMETER),
     "hf": Takes(None, refusal="the HF format holds no optimizer state"),
 }
-
-
-@dataclass(frozen=True)
-class OptimizerOutput:
-    """How a conversion writes the optimizer state: in `form`, for a target run at data-parallel size `dp` where the
-    form is bound to one (its buffers), from the source's form `read` (in words)."""
-
-    form: Form
-    dp: int | None
-    read: str
-
-    @property
-    def written(self) -> str:
-        return self.form.name if self.dp is None else f"{self.form.name} (DP {self.dp})"
 
 
 def requested(format_name: str, target: Target) -> Form | None:

@@ -2,12 +2,15 @@
 the sink lays them out in one of the DistributedOptimizer's buffer forms (`dp_reshardable` buckets in torch_dist's
 files, `distrib_optim.pt` beside legacy rank files) for the target layout, at the target run's data-parallel size.
 Neither subclasses the other: the writer asks its sink where a piece goes (`DpReshardableSink.placements`) or
-leaves the writing of the pieces to it (`DistribOptimPtSink`), as its format's files allow."""
+leaves the writing of the pieces to it (`DistribOptimPtSink`), as its format's files allow. A writer learns its form
+(`Form`, and with it the sink) and the target's data-parallel size from the plan (`WriteOptions.optimizer`, an
+`OptimizerOutput` of `reshard.optim.forms`' table)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
@@ -16,9 +19,6 @@ from reshard.logical import TensorSpec
 from reshard.optim.buffers import BufferLayout, Gbuf, Placed, flat_span, run_args
 from reshard.sharding import Piece, Region
 from reshard.torchfile.pickles import named
-
-if TYPE_CHECKING:  # the formats import this module: at run time it needs none of theirs
-    from reshard.formats.base import CommonState
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,14 @@ class OptimizerSink:
 
     written_as: ClassVar[str]  # how a refusal names the output
 
-    def __init__(self, specs: dict[str, TensorSpec], config: ModelConfig, layout: Layout, args: dict[str, Any], common: CommonState, dp: int):
+    def __init__(
+        self, specs: dict[str, TensorSpec], config: ModelConfig, layout: Layout, args: dict[str, Any], objects: Mapping[str, Any],
+        extra: dict[str, Any], dp: int,
+    ):
         self.extra_args = self.run_args(dp, layout)  # what the sink adds to the writer's target args
         self.args = args | self.extra_args
-        self.config, self.layout, self.common = config, layout, common
+        self.config, self.layout = config, layout
+        self.objects, self.extra = objects, extra  # the writer's common state's, as the form needs them (`CommonState`)
         self.buffer_layout = BufferLayout(specs, config, layout, self.args)
         self.grad_dtype = "float32" if self.args.get("grad_reduce_in_fp32") else config.params_dtype
         self.dtype_key = (named("torch", config.params_dtype), named("torch", self.grad_dtype))  # as the saved state keys them
@@ -69,3 +73,26 @@ class OptimizerSink:
         if span is None:
             raise ReshardError(f"{spec.name}: a target piece is not one run of its rank's parameter; not written {self.written_as}")
         return gbuf, place, span[0]
+
+
+@dataclass(frozen=True)
+class Form:
+    """One form a target format can hold the optimizer state in."""
+
+    name: str  # in a plan's words
+    sink: type[OptimizerSink] | None = None  # what lays it out (None: the format writer's own per-parameter tensors)
+    requested_as: str = ""  # how a refusal names the request for it
+
+
+@dataclass(frozen=True)
+class OptimizerOutput:
+    """How a conversion writes the optimizer state: in `form`, for a target run at data-parallel size `dp` where the
+    form is bound to one (its buffers), from the source's form `read` (in words)."""
+
+    form: Form
+    dp: int | None
+    read: str
+
+    @property
+    def written(self) -> str:
+        return self.form.name if self.dp is None else f"{self.form.name} (DP {self.dp})"
