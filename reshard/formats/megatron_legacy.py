@@ -8,8 +8,9 @@ every local tensor's record placed when the writer opens and written by the read
 rank of a multi-rank conversion).
 
 With `--use-distributed-optimizer` each rank directory also holds megatron-core's `distrib_optim.pt`
-(`DistribOptimFiles`), read as the logical per-parameter optimizer tensors of the fully_reshardable form; the
-legacy writer composes `reshard.optim.distrib_optim_pt.DistribOptimPtSink` to write that state.
+(`reshard.optim.distrib_optim_pt.DistribOptimFiles`, the reader's optimizer state), read as the logical per-parameter
+optimizer tensors of the fully_reshardable form; the legacy writer composes that module's `DistribOptimPtSink` to
+write that state.
 """
 
 from __future__ import annotations

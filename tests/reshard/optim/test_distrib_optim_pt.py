@@ -79,7 +79,7 @@ def test_moe_legacy_converts_to_torch_dist_as_megatrons_fully_reshardable_does(d
 
 def test_many_buckets_coalesced_decode_as_the_one_bucket_runs_state(distrib_optim):
     """7 buckets per rank laid end to end without their padding: each bucket starts where the unpadded lengths of the
-    ones before it end. The run's state is the one-bucket run's bit for bit (test_distrib_optim.py says why that,
+    ones before it end. The run's state is the one-bucket run's bit for bit (test_dp_reshardable.py says why that,
     and not Megatron 0.16's own fully_reshardable save of the many-bucket run, is the truth)."""
     legacy, _ = optimizer_tensors(distrib_optim("tiny-odd", tp=2, bucket_size=6000)["legacy"], LegacyReader)
     full, _ = optimizer_tensors(distrib_optim("tiny-odd", tp=2)["full"])
