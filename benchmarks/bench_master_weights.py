@@ -1,4 +1,4 @@
-"""What the master-weight check costs a conversion of DistributedOptimizer buckets (reshard/master_weights.py).
+"""What the master-weight check costs a conversion of DistributedOptimizer buckets (reshard/optim/master_weights.py).
 
     python benchmarks/bench_master_weights.py --size 0.25 --out benchmarks/results_master_weights.json
 
@@ -28,9 +28,9 @@ TARGET = ["--to-tp", "1", "--to-pp", "2"]
 
 def check_main(src: Path) -> None:
     """The check alone, as `reshard convert <src> ... --to-tp 1 --to-pp 2` runs it before moving a byte."""
-    from reshard import master_weights
     from reshard.collective import joined
     from reshard.formats import open_checkpoint
+    from reshard.optim import master_weights
     from reshard.plan import make_plan
     from reshard.request import LayoutChange, Target
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from reshard import master_weights
 from reshard.atomic import put_back, replace_dir
 from reshard.buffers import Pool
 from reshard.checksum import Checksum
@@ -25,6 +24,7 @@ from reshard.formats import open_checkpoint
 from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
 from reshard.formats.config_only import ConfigOnlyReader, is_config_file
 from reshard.formats.hf import copy_tokenizer
+from reshard.optim import master_weights
 from reshard.plan import ConversionPlan, human_bytes, make_plan
 from reshard.request import Run, SourceHints, Target
 from reshard.streaming import Progress, manifest_for, write_moves

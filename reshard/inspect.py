@@ -9,7 +9,7 @@ from typing import Any
 
 from reshard.dtypes import itemsize
 from reshard.formats import open_checkpoint
-from reshard.formats.flattened_range import FORM as FLATTENED_RANGE_FORM
+from reshard.optim.state import StoredForm
 from reshard.plan import human_bytes
 from reshard.torchfile.screen import screen
 
@@ -27,40 +27,20 @@ class TensorRow:
     bytes: int
 
 
-@dataclass(frozen=True)
-class OptimizerForm:
-    """How a torch_dist checkpoint stores its optimizer state: `fully_reshardable` (per-parameter tensors, any
-    layout), `dp_reshardable` (the DistributedOptimizer's flat buckets, tied to their DP size), `plain` (the
-    non-distributed optimizer's per-parameter tensors), `fully_sharded_model_space` (megatron-core <= 0.14's
-    per-parameter flattened ranges), or the name Megatron records for another form."""
-
-    form: str
-    dp: int | None  # the data-parallel size the state was saved at
-    buckets: int | None = None  # dp_reshardable: buckets over every model-parallel rank and model chunk
-    ranks: int | None = None  # dp_reshardable: model-parallel ranks holding buckets
-
-    def render(self) -> str:
-        where = f", {self.buckets} buckets over {self.ranks} model-parallel ranks" if self.buckets is not None else ""
-        return f"optimizer: {self.form}, DP {self.dp or '?'}{where}"
-
-
-def optimizer_form(reader) -> OptimizerForm | None:
-    """The optimizer form of an open torch_dist `reader`; None for other formats or without optimizer state."""
+def optimizer_form(reader) -> StoredForm | None:
+    """The optimizer form of an open `reader`; None without optimizer state, or where the format names none."""
+    if reader.optimizer is not None:  # the reader presents it as fully_reshardable: name what is stored
+        return reader.optimizer.form
     if reader.format_name != "torch_dist":
         return None
     dp = reader.common.args.get("data_parallel_size")
-    if reader.dp_reshardable is not None:  # the reader presents it as fully_reshardable: name what is stored
-        buckets = reader.dp_reshardable.bucket_keys
-        return OptimizerForm("dp_reshardable", reader.dp_reshardable.dp, len(buckets), len({(gbuf.chain, gbuf.group) for gbuf, _ in buckets}))
-    if reader.flattened_range is not None:  # presented as fully_reshardable too
-        return OptimizerForm(FLATTENED_RANGE_FORM, dp)
     common = reader.common.extra.get("optimizer") or {}
     common = common.get(0, common)  # an MoE model's chained optimizers: one entry each, by index
     recorded = common.get("param_state_sharding_type") if isinstance(common, dict) else None
     if recorded:
-        return OptimizerForm(str(recorded), dp)
+        return StoredForm(str(recorded), dp)
     if any(spec.is_optimizer for spec in reader.specs.values()):
-        return OptimizerForm("plain", dp)
+        return StoredForm("plain", dp)
     return None
 
 
@@ -74,7 +54,8 @@ class CheckpointInfo:
     tensors: list[TensorRow]
     dropped: list[str]
     has_manifest: bool
-    optimizer: OptimizerForm | None = None
+    optimizer: StoredForm | None = None
+    optimizer_refused: str | None = None  # why the optimizer state found was not read
 
     @property
     def total_bytes(self) -> int:
@@ -91,6 +72,7 @@ class CheckpointInfo:
             "dtypes": dict(Counter(t.dtype for t in self.tensors)),
             "has_checksums": self.has_manifest,
             "optimizer": self.optimizer.__dict__ if self.optimizer else None,
+            "optimizer_refused": self.optimizer_refused,
             "not_tensors": self.dropped,
             "tensors": [t.__dict__ | {"shape": list(t.shape)} for t in self.tensors],
         }
@@ -111,6 +93,8 @@ class CheckpointInfo:
         ]
         if self.optimizer:
             lines.append(self.optimizer.render())
+        if self.optimizer_refused:
+            lines.append(f"optimizer: not read: {self.optimizer_refused}")
         width = max((len(t.name) for t in self.tensors), default=0)
         for t in self.tensors:
             lines.append(f"  {t.name:<{width}}  {str(list(t.shape)):<22} {t.dtype:<9} {t.split:<10} {human_bytes(t.bytes)}")
@@ -145,4 +129,5 @@ def inspect(path: Path | str, config_file: Path | None = None) -> CheckpointInfo
             dropped=list(reader.common.dropped) + list(reader.unsupported_optimizer),
             has_manifest=reader.manifest is not None,
             optimizer=optimizer_form(reader),
+            optimizer_refused=reader.optimizer_refusal.reason if reader.optimizer_refusal else None,
         )

@@ -13,11 +13,12 @@ from reshard.checksum import CHECKSUM_BLOCK_BYTES
 from reshard.config import ModelConfig
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
-from reshard.formats import WRITERS, distrib_optim_legacy, dp_reshardable_writer
+from reshard.formats import WRITERS
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, WriteOptions, precision_args
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
 from reshard.naming import default_extra_state, is_layout_bound, uses_te_names
+from reshard.optim import forms
 from reshard.request import Run, Target
 from reshard.sharding import Piece, Region, contiguous_offset, intersect, pieces, pieces_by_slab, region_size, shift, slab_of, slabs, units
 
@@ -125,11 +126,16 @@ class ConversionPlan:
     max_memory: int = 0  # bytes of working memory; make_plan fills in the default
     scratch_bytes: int = 0  # the source reader's staging buffer per reading thread
     bytes_read: int = 0  # what the source's files hold of the tensors moved (`CheckpointReader.stored_bytes`)
-    optimizer_forms: tuple[str, str] | None = None  # the optimizer state's form as read and as written, if carried
 
     @property
     def target_format(self) -> str:
         return self.writer.format_name
+
+    @property
+    def optimizer_forms(self) -> tuple[str, str] | None:
+        """The optimizer state's form as read and as written, if carried."""
+        optimizer = self.options.optimizer
+        return None if optimizer is None else (optimizer.read, optimizer.written)
 
     def new_writer(self, rank: int = 0) -> CheckpointWriter:
         """The target's writer, for this process's share (`rank`) of the plan."""
@@ -149,7 +155,9 @@ class ConversionPlan:
     def units(self, move: TensorMove, first_slab_only: bool = False) -> Iterator[Unit]:
         """The move's units of work in order: its slabs, a large one cut where the target's writer allows
         (every piece it writes lies in one of its whole regions)."""
-        writer = self.writer
+        optimizer = self.options.optimizer
+        # optimizer state in a buffer form is written where its sink places it
+        writer = optimizer.form.sink if optimizer is not None and optimizer.form.sink and move.target.is_optimizer else self.writer
         by_slab = pieces_by_slab(pieces(move.target, self.config, self.target_layout), move.target)
         for slab in slabs(move.target):
             slab_pieces = by_slab.get(slab_of(move.target, slab), [])
@@ -347,30 +355,69 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
     format_name = target.format or reader.format_name
     if format_name not in WRITERS:
         raise ReshardError(f"unknown format {format_name!r}; choose one of {', '.join(sorted(WRITERS))}")
-    writer = WRITERS[format_name]
     if target.fp8_blocks and format_name != "hf":
         raise ReshardError(f"--to-fp8-blocks writes HF safetensors, not {format_name}; add --to-format hf")
     layout = target.layout_for(reader.layout)
-    optimizer, dtype = target.optimizer, target.dtype or reader.default_dtype
-    config: ModelConfig | None = None
+    dtype = target.dtype or reader.default_dtype
+    config = _target_config(reader, format_name, layout, target, dtype)
+    dropped = list(reader.common.dropped)
+    moves = _moves(reader, config, target.optimizer, dtype, dropped)
+    te_names = None if target.naming is None else target.naming == "te"
+    common = _target_common(reader, layout, WRITERS[format_name], target.optimizer, te_names, dropped)
+    if target.for_bridge and common.iteration == "release":
+        common.iteration = 0
+    if dtype is not None:
+        common.args.update(precision_args(dtype))
+    form = forms.requested(format_name, target)
+    optimizer = None
+    if any(m.target.is_optimizer for m in moves):
+        optimizer = forms.output(form, format_name, reader, {m.target.name: m.target for m in moves}, common, target, layout)
+    plan = ConversionPlan(
+        source=reader.path,
+        source_format=reader.format_name,
+        source_layout=reader.layout,
+        target=destination,
+        writer=WRITERS[format_name],
+        target_layout=layout,
+        config=config,
+        moves=moves,
+        common=common,
+        options=WriteOptions(te_names=te_names, dtype=dtype, max_shard_bytes=target.max_shard_bytes, fp8_blocks=target.fp8_blocks,
+                             tokenizer_from=reader.tokenizer_dir, optimizer=optimizer),
+        dropped=dropped,
+        workers=run.workers,
+        scratch_bytes=reader.scratch_bytes,
+    )
+    _budget(plan, reader, run)
+    return plan
+
+
+def _target_config(reader: CheckpointReader, format_name: str, layout: Layout, target: Target, dtype: str | None) -> ModelConfig | None:
+    """The model config at the target layout and precision (None: the source records no architecture, which only a
+    conversion of its global tensors as they are needs)."""
     if reader.config is None:
         _refuse_what_needs_an_architecture(reader, format_name, layout, target)
-    else:
-        layout.validate(reader.config)
-        config = target_config(reader.config, layout, reader.layout.tp)
-        if target.for_bridge:
-            config = bridge_config(config, layout, format_name)
-        if dtype is not None:
-            config = config.replace(params_dtype=dtype)
-    moves: list[TensorMove] = []
-    dropped = list(reader.common.dropped)
-    unsupported = getattr(reader, "unsupported_optimizer", [])
+        return None
+    layout.validate(reader.config)
+    config = target_config(reader.config, layout, reader.layout.tp)
+    if target.for_bridge:
+        config = bridge_config(config, layout, format_name)
+    return config if dtype is None else config.replace(params_dtype=dtype)
+
+
+def _moves(reader: CheckpointReader, config: ModelConfig | None, optimizer: bool, dtype: str | None, dropped: list[str]) -> list[TensorMove]:
+    """Every tensor the target carries, at its vocabulary padding and precision (the optimizer state only where
+    `optimizer`, and only as it was saved); what it leaves behind is added to `dropped`."""
+    unsupported, refused = reader.unsupported_optimizer, reader.optimizer_refusal
+    if optimizer and refused is not None:
+        raise refused.error()
     if optimizer and unsupported:
         raise ReshardError(
             f"the optimizer state ({unsupported[0]}, ...) is stored in a layout-bound form reshard cannot reshard; "
             "pass --no-optimizer to convert the model without it"
         )
-    dropped.extend(unsupported)
+    dropped.extend([*unsupported, *([refused.stored] if refused else [])])
+    moves = []
     for name, spec in sorted(reader.specs.items()):
         if spec.is_optimizer and not optimizer:
             dropped.append(name)
@@ -392,37 +439,14 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         )
     if not moves:
         raise ReshardError(f"{reader.path} holds no model tensors")
-    if writer.optimizer_refusal and any(m.target.is_optimizer for m in moves):
-        raise ReshardError(f"{writer.optimizer_refusal}; pass --no-optimizer or convert to torch_dist")
-    te_names = None if target.naming is None else target.naming == "te"
-    common = _target_common(reader, layout, writer, optimizer, te_names, dropped)
-    if target.for_bridge and common.iteration == "release":
-        common.iteration = 0
-    if dtype is not None:
-        common.args.update(precision_args(dtype))
-    if target.optimizer_form == "dp_reshardable":
-        writer = dp_reshardable_writer.prepare_target(reader, format_name, {m.target.name: m.target for m in moves}, common, target, layout)
-    elif format_name == "legacy" and any(m.target.is_optimizer for m in moves):  # the DistributedOptimizer's distrib_optim.pt
-        writer = distrib_optim_legacy.prepare_target(reader, {m.target.name: m.target for m in moves}, common, target, layout)
-    plan = ConversionPlan(
-        source=reader.path,
-        source_format=reader.format_name,
-        source_layout=reader.layout,
-        target=destination,
-        writer=writer,
-        target_layout=layout,
-        config=config,
-        moves=moves,
-        common=common,
-        options=WriteOptions(te_names=te_names, dtype=dtype, max_shard_bytes=target.max_shard_bytes, fp8_blocks=target.fp8_blocks,
-                             tokenizer_from=reader.tokenizer_dir),
-        dropped=dropped,
-        workers=run.workers,
-        scratch_bytes=reader.scratch_bytes,
-        optimizer_forms=dp_reshardable_writer.forms(reader, writer, common.args) if any(m.target.is_optimizer for m in moves) else None,
-    )
-    plan.moves = [replace(move, aligned=_records_are_chunks(plan, move, reader)) for move in moves]
-    plan.bytes_read = reader.stored_bytes if reader.stored_bytes is not None else sum(m.source.numel * itemsize(m.source.dtype) for m in moves)
+    return moves
+
+
+def _budget(plan: ConversionPlan, reader: CheckpointReader, run: Run) -> None:
+    """The plan's units of work (records the source stores whole, read as they are), bytes read and memory budget,
+    refused where one unit alone does not fit in `--max-memory`."""
+    plan.moves = [replace(move, aligned=_records_are_chunks(plan, move, reader)) for move in plan.moves]
+    plan.bytes_read = reader.stored_bytes if reader.stored_bytes is not None else sum(m.source.numel * itemsize(m.source.dtype) for m in plan.moves)
     biggest, largest = plan.largest_unit()
     plan.max_memory = default_budget(largest, run.workers) if run.max_memory is None else run.max_memory
     if biggest is not None:
@@ -432,7 +456,6 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
                 f"--max-memory {human_bytes(plan.max_memory)} is too small: one slab (or the part of one written at once) of "
                 f"{biggest.target.name} alone takes {human_bytes(largest)}; allow at least {human_bytes(needed)}"
             )
-    return plan
 
 
 def _same_ranks(a: Layout, b: Layout, config: ModelConfig | None) -> bool:

@@ -59,11 +59,8 @@ class Target:
             object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         if self.optimizer_form not in ("fully_reshardable", "dp_reshardable"):
             raise ReshardError(f"unknown optimizer form {self.optimizer_form!r}; choose fully_reshardable or dp_reshardable")
-        if self.dp is not None and (self.optimizer_form != "dp_reshardable" and self.format != "legacy" or self.dp < 1):
-            raise ReshardError(
-                "--to-dp sets the data-parallel size (>= 1) of DistributedOptimizer state bound to it: add --optimizer-form "
-                "dp_reshardable (torch_dist) or --to-format legacy (distrib_optim.pt)"
-            )
+        if self.dp is not None and self.dp < 1:  # whether the form written is bound to a DP size is the plan's to say
+            raise ReshardError(f"--to-dp {self.dp}: a data-parallel size is at least 1")
 
     def layout_for(self, source: Layout) -> Layout:
         if self.layout is None:

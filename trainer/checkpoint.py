@@ -43,10 +43,10 @@ from reshard.dtypes import from_torch
 from reshard.errors import ReshardError
 from reshard.formats import megatron_dist
 from reshard.formats.base import Manifest
-from reshard.formats.distrib_optim import is_dp_reshardable
 from reshard.layout import Layout
 from reshard.logical import describe
 from reshard.naming import canonical
+from reshard.optim.dp_reshardable import is_dp_reshardable
 from reshard.torchfile.screen import screen
 from reshard.trainer.model import sequence_parallel
 from reshard.verify import compare

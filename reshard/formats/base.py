@@ -6,50 +6,32 @@ import abc
 import functools
 import json
 import math
-import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from reshard.cache import cached
 from reshard.checksum import Checksum, HashedParts, TensorChecksum
 from reshard.config import ModelConfig
 from reshard.dtypes import numpy_dtype
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
+from reshard.records import StoredRecord
 from reshard.sharding import Piece, Region, pieces, region_size, slabs
 from reshard.torchfile.archive_reader import READ_BLOCK
 from reshard.torchfile.pickles import named
 
+if TYPE_CHECKING:  # reshard.optim builds on this module
+    from reshard.optim.sink import OptimizerOutput
+    from reshard.optim.state import OptimizerRefusal, OptimizerState
+
 MANIFEST_NAME = "reshard_manifest.json"
 _DEFAULTS = Path(__file__).with_name("megatron_lm_args.json")  # fixtures/golden/make_golden.py --only mlm-args
 _GPT = named("megatron.core.enums", "ModelType")(1)  # ModelType.encoder_or_decoder, as Megatron-LM's GPT args hold it
-_CACHE_LOCK = threading.Lock()
-_MAKING: dict[tuple[int, Any], threading.Lock] = {}  # a lock per entry being made
-
-
-def cached(cache: dict, key: Any, make: Any) -> Any:
-    """Get or create an entry of a cache that reader threads share; `make()` runs once per key. Entries are
-    made under their own lock, so threads making different ones (each reading headers) do not queue."""
-    try:
-        return cache[key]
-    except KeyError:
-        pass
-    with _CACHE_LOCK:
-        lock = _MAKING.setdefault((id(cache), key), threading.Lock())
-    try:
-        with lock:
-            if key not in cache:
-                cache[key] = make()
-            return cache[key]
-    finally:
-        with _CACHE_LOCK:
-            _MAKING.pop((id(cache), key), None)
-
-
 def precision_args(dtype: str) -> dict[str, Any]:
     """The Megatron-LM arguments that say a model's parameters are in `dtype`."""
     return {"params_dtype": named("torch", dtype), "bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
@@ -187,18 +169,6 @@ class Manifest:
         return cls.from_json(json.loads(path.read_text())) if path.exists() else None
 
 
-@dataclass(frozen=True)
-class StoredRecord:
-    """A region of a logical tensor stored whole, contiguous, at `offset` of file `file` (relative to the
-    checkpoint): as the writer placed it, or as a reader finds it from the metadata on disk."""
-
-    name: str
-    region: Region
-    dtype: str
-    file: str
-    offset: int  # of the region's first value
-
-
 class CheckpointReader(abc.ABC):
     """A checkpoint seen as logical tensors: `specs` says what exists, `read` returns any region."""
 
@@ -209,7 +179,9 @@ class CheckpointReader(abc.ABC):
     specs: dict[str, TensorSpec]
     common: CommonState
     manifest: Manifest | None  # checksums recorded when it was written, if any
-    unsupported_optimizer: list[str] = []  # optimizer state in a form that cannot be resharded
+    optimizer: OptimizerState | None = None  # the optimizer state it decodes from the form stored (`reshard.optim.state`)
+    unsupported_optimizer: list[str] = []  # stored keys of optimizer state it does not read (a form that cannot be resharded)
+    optimizer_refusal: OptimizerRefusal | None = None  # why a decoder refused the optimizer state it found
     default_dtype: str | None = None  # what a conversion told no dtype writes (None: each tensor's own)
     # where the tokenizer files (`hf.TOKENIZER_FILES`) it was trained with lie, if anywhere: the trainer saves
     # tokenizer.json beside its iterations, and a run resumed without it would train another (other token ids)
@@ -266,6 +238,7 @@ class WriteOptions:
     # records its files' digests; for other formats the conversion copies them
     tokenizer_from: Path | None = None
     fp8_blocks: bool = False  # HF: the decoder's linear weights re-quantized to fp8 per block (`reshard.fp8_blocks`)
+    optimizer: OptimizerOutput | None = None  # the form the optimizer tensors are written in (`reshard.optim.forms`)
 
 
 class CheckpointWriter(abc.ABC):
@@ -277,8 +250,6 @@ class CheckpointWriter(abc.ABC):
     # Megatron's loader insists on an `_extra_state` entry per module; a writer of its formats gets empty ones
     # when the source has none
     needs_extra_state: ClassVar[bool] = False
-    # why the format cannot hold resharded optimizer state, if it cannot
-    optimizer_refusal: ClassVar[str | None] = None
 
     def __init__(
         self,

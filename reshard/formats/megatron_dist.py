@@ -15,7 +15,7 @@ import os
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,8 +38,6 @@ from reshard.formats.base import (
     args_for_layout,
     cached,
 )
-from reshard.formats.distrib_optim import DpReshardable, is_dp_reshardable
-from reshard.formats.flattened_range import FlattenedRange, is_model_space
 from reshard.formats.megatron_tree import (
     args_dict,
     args_namespace,
@@ -53,6 +51,10 @@ from reshard.formats.model_args import RUN_CONFIG, args_from_file, bridge_args, 
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, layer_is_moe, spell, uses_te_names
+from reshard.optim.dp_reshardable import DpReshardable, DpReshardableSink, is_dp_reshardable
+from reshard.optim.flattened_range import FlattenedRange, is_model_space
+from reshard.optim.sink import Placement
+from reshard.optim.state import OptimizerState
 from reshard.paths import confined
 from reshard.sharding import Piece, Region, RegionIndex, region_size, shift, split_by_slab, to_slices
 from reshard.torchfile import PARSE_ERRORS, dcp_metadata
@@ -161,28 +163,30 @@ class TorchDistReader(CheckpointReader):
             self._index_chunks(name, key, by_offset)
         if self.config is not None:
             check_shapes(self.config, {name: spec.shape for name, spec in self.specs.items()}, str(path))
-        self.dp_reshardable = None
+        self.optimizer: OptimizerState | None = None
         # decoding the buffers needs the saving run's layout and architecture; without them they stay listed as not read
         if self.config is not None and any(is_dp_reshardable(key) for key in self.unsupported_optimizer):
             self._decode_dp_reshardable(objects, by_offset)
-        self.flattened_range = None
-        if any(is_model_space(key, self.metadata.flattened) for key in self.unsupported_optimizer):
+        elif any(is_model_space(key, self.metadata.flattened) for key in self.unsupported_optimizer):
             moe = (lambda key: layer_is_moe(self.config, key)) if self.config else (lambda key: named_moe)
             self._decode_flattened_range(by_offset, lambda key: canonical(key, "dist", moe(key), mla))
 
+    def _decoded(self, state: OptimizerState, keys: list[str]) -> None:
+        """Take `state`, decoded from the stored `keys`, as the checkpoint's optimizer state."""
+        self.optimizer = state
+        self.specs.update(state.specs)
+        self.common.extra = state.common(self.common.extra)
+        self.unsupported_optimizer = [key for key in self.unsupported_optimizer if key not in keys]
+
     def _decode_flattened_range(self, by_offset: dict[str, list], canonical_name: Callable[[str], str]) -> None:
         """megatron-core <= 0.14's fully_sharded_model_space state, read as its fully_reshardable tensors
-        (flattened_range.py); the stored tensors are indexed here and read by `_read_chunks`."""
+        (optim/flattened_range.py); the stored tensors are indexed here and read by `_read_chunks`."""
         keys = [key for key in self.unsupported_optimizer if is_model_space(key, self.metadata.flattened)]
         for key in keys:
             self._index_chunks(key, key, by_offset)
-        self.flattened_range = FlattenedRange(
-            {key: self.metadata.tensors[key] for key in keys}, self.metadata.flattened, canonical_name,
-            self.specs, self.config, self._read_chunks,
-        )
-        self.specs.update(self.flattened_range.specs)
-        self.common.extra = self.flattened_range.common(self.common.extra)
-        self.unsupported_optimizer = [key for key in self.unsupported_optimizer if key not in keys]
+        tensors = {key: self.metadata.tensors[key] for key in keys}
+        dp = self.common.args.get("data_parallel_size")
+        self._decoded(FlattenedRange(tensors, self.metadata.flattened, canonical_name, self.specs, self.config, dp, self._read_chunks), keys)
 
     def _index_chunks(self, name: str, key: str, by_offset: dict[str, list]) -> None:
         """Index stored tensor `key`'s chunks (regions and where they lie) under `name`, for `_read_chunks`."""
@@ -196,7 +200,7 @@ class TorchDistReader(CheckpointReader):
 
     def _decode_dp_reshardable(self, objects: dict[str, Storage], by_offset: dict[str, list]) -> None:
         """The DistributedOptimizer's dp_reshardable buckets, read as its fully_reshardable tensors
-        (distrib_optim.py); the raw bucket tensors are indexed here and read by `_read_chunks`."""
+        (optim/dp_reshardable.py); the raw bucket tensors are indexed here and read by `_read_chunks`."""
         keys = [key for key in self.unsupported_optimizer if is_dp_reshardable(key)]
         for key in keys:
             if key in self.metadata.tensors:
@@ -208,14 +212,9 @@ class TorchDistReader(CheckpointReader):
                 raise ReshardError(f"{self.path}: {prefix} is missing from the checkpoint; its dp_reshardable optimizer state cannot be decoded")
             return self._object(objects[found[0]], found[0])
 
-        self.dp_reshardable = DpReshardable(
-            {key: self.metadata.tensors[key] for key in keys if key in self.metadata.tensors}, saved_object,
-            [key for key in keys if key not in self.metadata.tensors], self.specs, self.config, self.layout,
-            self.common.args, self._read_chunks,
-        )
-        self.specs.update(self.dp_reshardable.specs)
-        self.common.extra["optimizer"] = self.dp_reshardable.common_optimizer()
-        self.unsupported_optimizer = [key for key in self.unsupported_optimizer if key not in keys]
+        tensors = {key: self.metadata.tensors[key] for key in keys if key in self.metadata.tensors}
+        state = DpReshardable(tensors, saved_object, self.specs, self.config, self.layout, self.common.args, self._read_chunks, self._run_at)
+        self._decoded(state, keys)
 
     def _common_state(self, directory: Path, objects: dict[str, Storage]) -> dict[str, Any]:
         """Megatron's non-tensor state: `common.pt` (megatron-core up to 0.18), or from 0.19 on (Megatron-
@@ -267,10 +266,8 @@ class TorchDistReader(CheckpointReader):
         return values[0]
 
     def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
-        if self.dp_reshardable is not None and name in self.dp_reshardable.specs:
-            self.dp_reshardable.read_into(name, region, out)
-        elif self.flattened_range is not None and name in self.flattened_range.specs:
-            self.flattened_range.read_into(name, region, out)
+        if self.optimizer is not None and name in self.optimizer.specs:
+            self.optimizer.read_into(name, region, out)
         else:
             self._read_chunks(name, region, out)
 
@@ -307,8 +304,8 @@ class TorchDistReader(CheckpointReader):
         return [part for region, _ in chunks for part in split_by_slab(self.specs[name], region)]
 
     def stored_records(self, name: str) -> list[StoredRecord] | None:
-        if self.dp_reshardable is not None and name in self.dp_reshardable.specs:
-            return self._bucket_records(name)
+        if self.optimizer is not None and name in self.optimizer.specs:
+            return self.optimizer.stored_records(name)
         if name not in self._chunks:
             return None
         records = []
@@ -319,22 +316,15 @@ class TorchDistReader(CheckpointReader):
             records.append(StoredRecord(name, region, record.dtype, info.relative_path, record.offset))
         return records
 
-    def _bucket_records(self, name: str) -> list[StoredRecord] | None:
-        """A tensor decoded from DistributedOptimizer buckets as records: each piece's run in the bucket chunk
-        that holds it whole; None where a run is split over chunks or a piece is not one run."""
-        spans = list(self.dp_reshardable.spans(name))
-        if sum(region_size(region) for region, *_ in spans) != self.specs[name].numel:
+    def _run_at(self, key: str, start: int, count: int) -> tuple[str, int, str] | None:
+        """Where elements [start, start + count) of stored 1-D tensor `key` lie as one run of one chunk: its file,
+        the byte offset of the first and the dtype; None where they are not."""
+        found = list(self._index[key].overlapping(((start, start + count),)))
+        if len(found) != 1 or found[0][1] != ((start, start + count),):
             return None
-        records = []
-        for region, key, start, n in spans:
-            found = list(self._index[key].overlapping(((start, start + n),)))
-            if len(found) != 1 or found[0][1] != ((start, start + n),):
-                return None
-            chunk, _, info = found[0]
-            _, record = self._record(info)
-            offset = record.offset + (start - chunk[0][0]) * itemsize(record.dtype)
-            records.append(StoredRecord(name, region, record.dtype, info.relative_path, offset))
-        return records
+        chunk, _, info = found[0]
+        _, record = self._record(info)
+        return info.relative_path, record.offset + (start - chunk[0][0]) * itemsize(record.dtype), record.dtype
 
     def _record(self, info: Storage) -> tuple[RecordFile, TensorRecord]:
         """The chunk's file and where its tensor lies in it (headers parsed once per chunk)."""
@@ -361,6 +351,8 @@ class TorchDistReader(CheckpointReader):
 
     def close(self) -> None:
         self._closed = True
+        if self.optimizer is not None:
+            self.optimizer.close()
         if self._header_pool is not None:
             self._header_pool.shutdown(cancel_futures=True)
             self._header_pool = None
@@ -377,12 +369,14 @@ class _Record:
     storage: Storage
     chunk: Chunk
     key: str | None = None  # the tensor it is a chunk of, where not the logical tensor's own (optimizer buckets)
+    placement: Placement | None = None  # the piece it holds, where `prepare` writes it
 
 
 class TorchDistWriter(CheckpointWriter):
     """Each piece is one `torch.save` archive in its target rank's file. Archive sizes are known from the
     shapes, so `reserve` places every record in plan order and reader threads write them at once, in any
-    order (`os.pwrite`); `write` then only records them, in plan order."""
+    order (`os.pwrite`); `write` then only records them, in plan order. Optimizer state in the DistributedOptimizer's
+    dp_reshardable form goes where the writer's optimizer sink places it (`optim.dp_reshardable`)."""
 
     format_name = "torch_dist"
     needs_extra_state = True
@@ -403,6 +397,12 @@ class TorchDistWriter(CheckpointWriter):
         self._scratch = PerThread()  # stages strided pieces, in each reader thread
         # without an architecture, the names tell MoE models apart, as the reader took them (`TorchDistReader`)
         self._named_moe = any(".experts." in name for name in self.specs)
+        self.sink: DpReshardableSink | None = None
+        optimizer = self.options.optimizer
+        if optimizer is not None and optimizer.form.sink is not None:
+            self.sink = optimizer.form.sink(self.specs, self.config, self.layout, self._target_args(), self.common.objects, self.common.extra,
+                                            optimizer.dp)
+            self.common = replace(self.common, objects=self.sink.objects, extra=self.sink.extra)
 
     def _name(self, index: int) -> str:
         return f"__{index}_{self.rank}.distcp"
@@ -415,18 +415,27 @@ class TorchDistWriter(CheckpointWriter):
     def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:
         return [p.region for p in pieces if p.primary]  # each is one record
 
-    def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Record]:
-        """Place each primary piece's record after the ones reserved before it in its file."""
-        records = []
-        for piece in pieces:
-            if not piece.primary:
-                continue
-            index = self._file_index[RankCoord(pp=piece.rank.pp, tp=piece.rank.tp, ep=piece.rank.ep)]
-            shape = tuple(b - a for a, b in piece.region)
-            records.append(self._reserve_record(index, tuple(a for a, _ in piece.region), shape, spec.dtype))
-        return records
+    def _placements(self, spec: TensorSpec, pieces: list[Piece]) -> list[Placement]:
+        """Where the pieces of `spec` go: optimizer state in a buffer form where the sink places it, anything else
+        each primary piece as a chunk of its own tensor."""
+        if self.sink is not None and spec.is_optimizer:
+            return self.sink.placements(spec, pieces)
+        return [
+            Placement(p, RankCoord(pp=p.rank.pp, tp=p.rank.tp, ep=p.rank.ep), None, tuple(a for a, _ in p.region), tuple(b - a for a, b in p.region))
+            for p in pieces
+            if p.primary
+        ]
 
-    def _reserve_record(self, index: int, offsets: tuple[int, ...], shape: tuple[int, ...], dtype: str, key: str | None = None) -> _Record:
+    def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Record]:
+        """Place each piece's record after the ones reserved before it in its file."""
+        return [
+            self._reserve_record(self._file_index[placed.rank], placed.offsets, placed.shape, spec.dtype, placed.key, placed)
+            for placed in self._placements(spec, pieces)
+        ]
+
+    def _reserve_record(
+        self, index: int, offsets: tuple[int, ...], shape: tuple[int, ...], dtype: str, key: str | None = None, placement: Placement | None = None
+    ) -> _Record:
         """Place a chunk's archive after the ones reserved before it in file `index`."""
         if index not in self._files:
             self._open(index)
@@ -434,22 +443,23 @@ class TorchDistWriter(CheckpointWriter):
         offset = round_up(self._planned[index], storage_alignment(math.prod(shape) * itemsize(dtype)))
         length = archive_size(shape, dtype)
         self._planned[index] = offset + length
-        return _Record(index, Storage(self._name(index), offset, length), Chunk(offsets, shape), key)
+        return _Record(index, Storage(self._name(index), offset, length), Chunk(offsets, shape), key, placement)
 
     def prepare(
         self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
     ) -> list[_Record]:
         """Write the slab's records where `reserve` placed them: staging a strided piece, its CRC-32 and
         the copy into the file all run in this reader thread."""
-        primary = [p for p in pieces if p.primary]
-        for piece, record in zip(primary, reserved):
-            chunk = data[to_slices(shift(piece.region, slab))]
+        for record in reserved:
+            piece = record.placement.piece
+            # a copy only of a strided piece flattened into a bucket
+            chunk = data[to_slices(shift(piece.region, slab))].reshape(record.placement.shape)
             saved = save_tensor(chunk, At(self._files[record.index], record.storage.offset), self._scratch.scratch)
             if saved.size != record.storage.length:
                 raise AssertionError(f"{spec.name}: archive of {saved.size} bytes where {record.storage.length} were planned")
-            # the checksum of the bytes as they went to the file (staged ones included)
-            values = saved.data.view(data.dtype).reshape([b - a for a, b in piece.region])
-            self.vouch(spec, piece.region, record.storage.relative_path, record.storage.offset + saved.data_offset, values, hashed)
+            if record.placement.vouched:  # the checksum of the bytes as they went to the file (staged ones included)
+                values = saved.data.view(data.dtype).reshape([b - a for a, b in piece.region])
+                self.vouch(spec, piece.region, record.storage.relative_path, record.storage.offset + saved.data_offset, values, hashed)
         return reserved
 
     def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
@@ -467,11 +477,29 @@ class TorchDistWriter(CheckpointWriter):
 
     def _tensor_entries(self) -> dict[str, TensorEntry]:
         """.metadata's tensors, their chunks by position: the same list however the slabs were cut into units or
-        shared by ranks."""
-        return {
+        shared by ranks; optimizer state in a buffer form as its sink's tensors."""
+        entries = {
             self._key(name): TensorEntry(spec.dtype, spec.shape, sorted(self._chunks[self._key(name)], key=lambda c: c.offsets))
             for name, spec in self.specs.items()
+            if self.sink is None or not spec.is_optimizer
         }
+        if self.sink is not None:
+            entries.update(self.sink.entries(self._chunks, self._zeros))
+        return entries
+
+    def _zeros(self, key: str, start: int, count: int) -> None:
+        """A chunk of zeros of fp32 tensor `key` at `start`, in the first file (a gap between the sink's pieces)."""
+        self._open_first()
+        record = self._reserve_record(0, (start,), (count,), "float32", key)
+        save_tensor(np.zeros(count, np.float32), At(self._files[0], record.storage.offset))
+        self._add(key, record)
+
+    def _open_first(self) -> None:
+        """The first rank's file, where objects (and zeros) go after its records (closed by `part` in a multi-rank
+        run, or never written)."""
+        if 0 not in self._files:
+            path = self.directory / self._name(0)
+            self._open(0, path.stat().st_size if path.exists() else 0)
 
     def _target_args(self) -> dict[str, Any]:
         args = args_for_layout(self.common.args, self.layout, self.config, "torch_dist")
@@ -482,7 +510,7 @@ class TorchDistWriter(CheckpointWriter):
             args["no_save_rng"] = True
         if not any(spec.is_optimizer for spec in self.specs.values()):
             args["no_save_optim"] = True
-        return args
+        return args if self.sink is None else args | self.sink.extra_args
 
     def _key(self, name: str) -> str:
         if self.config is None:
@@ -493,9 +521,7 @@ class TorchDistWriter(CheckpointWriter):
         """Per-module objects go into the first rank's file, as Megatron's replica 0 saves them."""
         if not self.common.objects:
             return []
-        if 0 not in self._files:  # closed by `part` in a multi-rank run, or never written
-            path = self.directory / self._name(0)
-            self._open(0, path.stat().st_size if path.exists() else 0)
+        self._open_first()
         for key, value in sorted(self.common.objects.items()):
             buffer = io.BytesIO()
             save_archive([value], buffer)

@@ -8,15 +8,16 @@ every local tensor's record placed when the writer opens and written by the read
 rank of a multi-rank conversion).
 
 With `--use-distributed-optimizer` each rank directory also holds megatron-core's `distrib_optim.pt`
-(`DistribOptimFiles`), read as the logical per-parameter optimizer tensors of the fully_reshardable form; the
-writer of legacy output with that state is `distrib_optim_legacy.LegacyDistribOptimWriter`.
+(`reshard.optim.distrib_optim_pt.DistribOptimFiles`, the reader's optimizer state), read as the logical per-parameter
+optimizer tensors of the fully_reshardable form; the legacy writer composes that module's `DistribOptimPtSink` to
+write that state.
 """
 
 from __future__ import annotations
 
 import re
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,15 +38,6 @@ from reshard.formats.base import (
     args_for_layout,
     cached,
 )
-from reshard.formats.distrib_optim import (
-    DENSE_CHAIN,
-    STATE_KEYS,
-    BufferLayout,
-    Gbuf,
-    Placed,
-    flat_span,
-    fully_reshardable_common,
-)
 from reshard.formats.megatron_tree import (
     args_dict,
     args_namespace,
@@ -58,6 +50,8 @@ from reshard.formats.megatron_tree import (
 from reshard.layout import Layout, RankCoord, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import ObjectKey, canonical, layer_is_moe, spell, uses_te_names
+from reshard.optim.distrib_optim_pt import OPTIM_FILE, DistribOptimFiles, DistribOptimPtSink
+from reshard.optim.state import OptimizerRefusal
 from reshard.paths import confined
 from reshard.sharding import (
     Piece,
@@ -77,7 +71,6 @@ from reshard.torchfile.archive_reader import RecordFile, TensorRecord, archive_t
 from reshard.torchfile.archive_writer import Slot, StreamingTorchSave
 
 RANK_FILE = "model_optim_rng.pt"
-OPTIM_FILE = "distrib_optim.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LOCAL_LAYER = re.compile(r"^(?P<head>(?:.*\.)?decoder\.layers\.)(?P<index>\d+)\.(?P<tail>.+)$")
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(?P<index>\d+)\.")
@@ -154,7 +147,8 @@ class LegacyReader(CheckpointReader):
         if tree is None or not is_legacy(path):
             raise ReshardError(f"{path} is not a legacy Megatron checkpoint (no mp_rank_* directories)")
         self.path, self.tree, self.tokenizer_dir = path, tree, tree.root
-        first = self._load_path(self._rank_file(sorted(p.name for p in tree.iteration_dir.iterdir() if _RANK_DIR.match(p.name))[0]))
+        first_file = self._rank_file(sorted(p.name for p in tree.iteration_dir.iterdir() if _RANK_DIR.match(p.name))[0])
+        first = self._load_path(first_file)
         args = args_dict(first.get("args"))
         self.config = ModelConfig.from_megatron_args(args)
         self.layout = Layout.from_megatron_args(args)
@@ -176,23 +170,16 @@ class LegacyReader(CheckpointReader):
         self.specs = self._discover()
         check_shapes(self.config, {name: spec.shape for name, spec in self.specs.items()}, str(path))
         self._pieces: dict[str, list[Piece]] = {}
-        self.distrib_optim: DistribOptimFiles | None = None
+        self.optimizer: DistribOptimFiles | None = None
         if confined(tree.iteration_dir, f"{next(ranks(self.layout)).legacy_dirname(self.layout)}/{OPTIM_FILE}").is_file():
             try:
-                self.distrib_optim = DistribOptimFiles(
-                    lambda dirname: confined(tree.iteration_dir, f"{dirname}/{OPTIM_FILE}"),
-                    first.get("optimizer"),
-                    self.specs,
-                    self.config,
-                    self.layout,
-                    args,
-                )
+                self.optimizer = DistribOptimFiles(tree.iteration_dir, first_file, first.get("optimizer"), self.specs, self.config, self.layout, args)
             except ReshardError as exc:  # the model still converts (--no-optimizer); with the optimizer the plan refuses, saying why
-                self.unsupported_optimizer = [str(exc)]
+                self.optimizer_refusal = OptimizerRefusal(f"optimizer ({OPTIM_FILE})", str(exc))
             else:
-                self.specs.update(self.distrib_optim.specs)
-                self.common.extra["optimizer"] = self.distrib_optim.common_optimizer
-                self.unsupported_optimizer = []
+                self.specs.update(self.optimizer.specs)
+                self.common.extra = self.optimizer.common(self.common.extra)
+            self.unsupported_optimizer = []  # the rank files' `optimizer` entry is the DistributedOptimizer's param groups
 
     def _holder(self, rank: RankCoord, experts: bool) -> RankCoord:
         """The rank file holding `rank`'s dense (or expert) tensors. Megatron names a file by its writer's
@@ -352,8 +339,8 @@ class LegacyReader(CheckpointReader):
         return local
 
     def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
-        if self.distrib_optim is not None and name in self.distrib_optim.specs:
-            self.distrib_optim.read_into(name, region, out)
+        if self.optimizer is not None and name in self.optimizer.specs:
+            self.optimizer.read_into(name, region, out)
             return
         filled = 0
         for piece in self._primary(name):
@@ -376,8 +363,8 @@ class LegacyReader(CheckpointReader):
     def stored_records(self, name: str) -> list[StoredRecord] | None:
         """Each primary piece where the rank file's zip directory places its values (offset -1 where they
         are not one run there: such a record is read back)."""
-        if self.distrib_optim is not None and name in self.distrib_optim.specs:
-            return self.distrib_optim.stored_records(name)
+        if self.optimizer is not None and name in self.optimizer.specs:
+            return self.optimizer.stored_records(name)
         records = []
         for piece in self._primary(name):
             local = self._local(name, piece)
@@ -388,131 +375,9 @@ class LegacyReader(CheckpointReader):
         return records
 
     def close(self) -> None:
-        if self.distrib_optim is not None:
-            self.distrib_optim.close()
+        if self.optimizer is not None:
+            self.optimizer.close()
         self._states.clear()
-        for file in self._files.values():
-            file.close()
-        self._files.clear()
-
-
-class DistribOptimFiles:
-    """The DistributedOptimizer's `distrib_optim.pt` of every model-parallel rank, read as the logical optimizer
-    tensors of Megatron's fully_reshardable form (`optimizer.state.<param|exp_avg|exp_avg_sq>.<model key>`).
-
-    megatron-core's `save_parameter_state` (0.16: `get_parameter_state_dp_zero`) gathers the buffers on DP rank 0,
-    which writes `{"buckets_coalesced": True, <gbuf_idx>: {(param dtype, grad dtype): {"param"|"exp_avg"|
-    "exp_avg_sq": 1-D float32 tensor, "numel_unpadded": n}}}`: each buffer's buckets end to end without their
-    padding. Where a parameter lies comes from `BufferLayout` (its bucket's start in that tensor: the unpadded
-    lengths of the buckets before it); every length must agree with the derived layout. Refused by name: the older
-    per-bucket layout (no `buckets_coalesced`).
-
-    An MoE model's ChainedOptimizer writes the list of its optimizers' states `[dense, experts]`, each written by
-    that optimizer's DP rank 0 (None in the other files; `BufferLayout.holder` names its file, at any expert TP): the
-    dense state in the EP rank 0 file of each TP/PP rank where ETP = TP, the experts' in every EP rank's file; the rank
-    files' `optimizer` entry is the list of their `state_dict()`s."""
-
-    def __init__(
-        self,
-        path_of: Callable[[str], Path],  # a rank directory's distrib_optim.pt
-        saved_optimizer: Any,  # the first rank file's `optimizer` entry: the DistributedOptimizer's state_dict()
-        model_specs: dict[str, TensorSpec],
-        config: ModelConfig,
-        layout: Layout,
-        args: dict[str, Any],
-    ):
-        self.buffer_layout = BufferLayout(model_specs, config, layout, args)
-        chains = self.buffer_layout.chains  # [None] or [dense, experts]
-        chained = chains != [None]
-        saved = saved_optimizer if chained and isinstance(saved_optimizer, list) else [saved_optimizer]
-        if not (len(saved) == len(chains) and all(isinstance(s, dict) and isinstance(s.get("optimizer"), dict) for s in saved)):
-            raise ReshardError(
-                f"{RANK_FILE} holds no DistributedOptimizer state_dict{' per chained optimizer' if chained else ''} beside "
-                f"{OPTIM_FILE} (its `optimizer` entry is {type(saved_optimizer).__name__}): the checkpoint is damaged"
-            )
-        self.common_optimizer = fully_reshardable_common({chain: s["optimizer"] for chain, s in zip(chains, saved)})
-        self.specs = self.buffer_layout.optimizer_specs()
-        self.paths: dict[tuple[int | None, int], Path] = {}  # (chain, dp_group_idx) -> the file holding its state
-        self.records: dict[tuple[int | None, int, int, str], TensorRecord] = {}  # (chain, dp_group_idx, gbuf_idx, state) -> tensor
-        self.names: dict[tuple[int | None, int], str] = {}  # the same, relative to the iteration directory
-        self._files: dict[Path, RecordFile] = {}
-        loaded: dict[Path, Any] = {}
-        for chain, group in self.buffer_layout.optimizers():
-            dirname = self.buffer_layout.holder(chain, group).legacy_dirname(layout)
-            path = self.paths[(chain, group)] = path_of(dirname)
-            self.names[(chain, group)] = f"{dirname}/{OPTIM_FILE}"
-            if not path.is_file():
-                raise ReshardError(f"{path} is missing beside the first rank's: the checkpoint is incomplete")
-            state = cached(loaded, path, lambda p=path: load_archive(p, str(p)))
-            if chain is not None:
-                if not (isinstance(state, list) and len(state) == 2):
-                    raise ReshardError(f"{path} does not hold the states of an MoE model's two chained optimizers: the file is foreign or damaged")
-                state = state[chain]
-            self._index(chain, group, state)
-
-    def _index(self, chain: int | None, group: int, state: Any) -> None:
-        path = self.paths[(chain, group)]
-        which = "" if chain is None else f" ({'dense' if chain == DENSE_CHAIN else 'expert'} optimizer)"
-        if not isinstance(state, dict):
-            raise ReshardError(f"{path} does not hold one DistributedOptimizer's parameter state{which}: the file is foreign or damaged")
-        if state.get("buckets_coalesced") is not True:
-            raise ReshardError(
-                f"{path} holds the older per-bucket layout of distrib_optim.pt (no buckets_coalesced), which reshard does not "
-                "decode: load and save it once with a newer megatron-core, or convert with --no-optimizer"
-            )
-        gbufs = self.buffer_layout.rank_buffers(chain, group)
-        found = [k for k in state if k != "buckets_coalesced"]
-        if found != list(range(len(gbufs))):
-            raise ReshardError(
-                f"{path} holds buffers {[str(k) for k in found]}{which} where the layout derived from the model has "
-                f"{len(gbufs)}: the optimizer state cannot be decoded safely"
-            )
-        for gbuf in gbufs:
-            by_dtype = state[gbuf.index]
-            if not (isinstance(by_dtype, dict) and len(by_dtype) == 1 and isinstance(next(iter(by_dtype.values())), dict)):
-                raise ReshardError(f"{path}: buffer {gbuf.index}{which} is not one buffer of one dtype: not decoded yet")
-            tensors = next(iter(by_dtype.values()))
-            buffer = self.buffer_layout.buffers[gbuf]
-            derived = sum(buffer.sizes)
-            for key in STATE_KEYS:
-                record = archive_tensor(tensors.get(key))
-                if record is None or record.dtype != "float32" or record.shape != (derived,) or tensors.get("numel_unpadded") != derived:
-                    stored = "no tensor" if record is None else f"{record.dtype} {record.shape}"
-                    raise ReshardError(
-                        f"{buffer.last[-1]}: the DistributedOptimizer layout derived from the model makes buffer {gbuf.index}{which} of "
-                        f"{path} {derived} elements long, but it records numel_unpadded {tensors.get('numel_unpadded')!r} and "
-                        f"stores {key} as {stored}; the optimizer state cannot be decoded safely"
-                    )
-                self.records[(chain, group, gbuf.index, key)] = record
-
-    def _read_place(self, gbuf: Gbuf, place: Placed, state: str, first: int, out: np.ndarray) -> None:
-        path = self.paths[(gbuf.chain, gbuf.group)]
-        file = cached(self._files, path, lambda: RecordFile(path))
-        start = self.buffer_layout.buffers[gbuf].coalesced_start(place) + first
-        file.read_into(self.records[(gbuf.chain, gbuf.group, gbuf.index, state)], ((start, start + out.size),), out)
-
-    def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
-        self.buffer_layout.read_into(name, region, out, self._read_place)
-
-    def stored_records(self, name: str) -> list[StoredRecord] | None:
-        """Each primary piece of logical tensor `name` where its file places it as one run (what a conversion's
-        writer vouches for, so that verifying it need not read the values back); None where one is not one run."""
-        state, model_name = name.split(".", 3)[2:]
-        model = self.buffer_layout.model_specs[model_name]
-        records = []
-        for piece in pieces(model, self.buffer_layout.config, self.buffer_layout.layout):
-            if not piece.primary or piece.alias is not None:
-                continue
-            gbuf, place = self.buffer_layout.place_of(model, piece)
-            span = flat_span(piece)
-            record = self.records[(gbuf.chain, gbuf.group, gbuf.index, state)]
-            if span is None or record.offset < 0:
-                return None
-            start = self.buffer_layout.buffers[gbuf].coalesced_start(place) + span[0]
-            records.append(StoredRecord(name, piece.region, "float32", self.names[(gbuf.chain, gbuf.group)], record.offset + start * record.itemsize))
-        return records
-
-    def close(self) -> None:
         for file in self._files.values():
             file.close()
         self._files.clear()
@@ -563,15 +428,22 @@ class LegacyWriter(CheckpointWriter):
                 for group in _local_groups(by_slab.get(slab_of(spec, slab), [])):
                     file_rank, vstage, key = self._local_key(spec, group)
                     self._slots[(file_rank, vstage, key)] = self._streams[file_rank].reserve(group[0].local_shape, spec.dtype)
+        self.sink: DistribOptimPtSink | None = None  # the optimizer tensors' writer: distrib_optim.pt beside the rank files
+        optimizer = self.options.optimizer
+        if optimizer is not None and optimizer.form.sink is not None:
+            self.sink = optimizer.form.sink(self.specs, self.config, self.layout, self._target_args(), self.common.objects, self.common.extra,
+                                            optimizer.dp, self.directory)
+            self.common = replace(self.common, objects=self.sink.objects, extra=self.sink.extra)
 
     def model_specs(self) -> list[TensorSpec]:
-        """The tensors of the rank files' `model` entries (the optimizer's go to distrib_optim.pt: its own writer)."""
+        """The tensors of the rank files' `model` entries (the optimizer's go to distrib_optim.pt: its own sink's)."""
         return [spec for spec in self.specs.values() if not spec.is_optimizer]
 
     def _target_args(self) -> dict[str, Any]:
-        return args_for_layout(self.common.args, self.layout, self.config, "torch") | {
+        args = args_for_layout(self.common.args, self.layout, self.config, "torch") | {
             "transformer_impl": "transformer_engine" if self.te_names else "local"
         }
+        return args if self.sink is None else args | self.sink.extra_args
 
     def _local_key(self, spec: TensorSpec, group: list[Piece]) -> tuple[RankCoord, int, str]:
         rank = group[0].rank
@@ -586,8 +458,13 @@ class LegacyWriter(CheckpointWriter):
             for group in _local_groups(pieces)
         ]
 
-    def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Local]:
+    def _sink_takes(self, spec: TensorSpec) -> bool:
+        return self.sink is not None and spec.is_optimizer
+
+    def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> Any:
         """Each rank's local tensor of this slab (several pieces share one: a fused gated MLP), with its record."""
+        if self._sink_takes(spec):
+            return self.sink.reserve(spec, pieces)
         locals_ = []
         for group in _local_groups(pieces):
             file_rank, vstage, key = self._local_key(spec, group)
@@ -596,9 +473,11 @@ class LegacyWriter(CheckpointWriter):
 
     def prepare(
         self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], reserved: Any = None, hashed: HashedParts | None = None
-    ) -> list[_Local]:
+    ) -> Any:
         """Write the slab's local tensors where `reserve` placed them, and keep the checksums of their
         primary pieces as written."""
+        if self._sink_takes(spec):
+            return self.sink.prepare(spec, slab, data, pieces, reserved, hashed, self.vouch)
         for local in reserved:
             first = local.pieces[0]
             if len(local.pieces) == 1 and first.local_region == full_region(first.local_shape):  # layer/expert axes dropped
@@ -620,6 +499,8 @@ class LegacyWriter(CheckpointWriter):
         return reserved
 
     def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
+        if self._sink_takes(spec):
+            return self.restore(prepared)
         for local in prepared:
             self._models[local.rank][local.vstage][local.key] = local.slot.stub
             self._facts.append([local.rank.legacy_dirname(self.layout), local.vstage, local.key, self._streams[local.rank].crc(local.slot)])
@@ -660,16 +541,24 @@ class LegacyWriter(CheckpointWriter):
     def sync(self) -> None:
         for stream in self._streams.values():
             stream.sync()
+        if self.sink is not None:
+            self.sink.sync()
 
     def restore(self, facts: list[Any]) -> None:
-        """Take the local tensors of `facts` (each `[rank file, model chunk, key, CRC-32 of its record]`) as written."""
+        """Take the local tensors of `facts` (each `[rank file, model chunk, key, CRC-32 of its record]`) as written,
+        and hand the optimizer sink its own."""
+        sunk = [fact for fact in facts if self.sink is not None and self.sink.owns(fact)]
+        own = [fact for fact in facts if not (self.sink is not None and self.sink.owns(fact))]
         by_name = {f.legacy_dirname(self.layout): f for f in self._streams}
-        for name, vstage, key, crc in facts:
+        for name, vstage, key, crc in own:
             file_rank = by_name[name]
             slot = self._slots[(file_rank, vstage, key)]
             self._streams[file_rank].restore(slot, crc)
             self._models[file_rank][vstage][key] = slot.stub
-        self._facts.extend(facts)
+        self._facts.extend(own)
+        if sunk:
+            self.sink.restore(sunk)
+            self._facts.extend(sunk)
 
     def part(self) -> list[Any]:
         """Rank 0 finishes every file; the others hand it what they wrote and close theirs."""
@@ -677,11 +566,16 @@ class LegacyWriter(CheckpointWriter):
         if self.rank != 0:
             for stream in self._streams.values():
                 stream.close()
+            if self.sink is not None:
+                self.sink.close()
         return self.facts()
 
     def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
+        """The optimizer sink's files first, then each rank file, the manifest and the tracker, last."""
         for part in parts or []:
             self.restore(part)
+        if self.sink is not None:
+            self.sink.finish()
         rng = self._place_objects()
         args = args_namespace(self._target_args())
         for rank, stream in self._streams.items():

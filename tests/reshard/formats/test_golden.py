@@ -384,7 +384,7 @@ def test_megatron_lms_own_dp_reshardable_save_reads_as_its_fully_reshardable_sav
     its dp_reshardable buckets into every parameter's master weight, exp_avg and exp_avg_sq equal bit for bit to
     Megatron-LM's own fully_reshardable save of the same state (read alike), and the master weights are the model's."""
     from reshard.torchfile import dcp_metadata
-    from tests.reshard.formats.test_distrib_optim import assert_same, master_weights_are_the_model, optimizer_tensors
+    from tests.reshard.optim.test_dp_reshardable import assert_same, master_weights_are_the_model, optimizer_tensors
 
     stored = dcp_metadata.load(MLM_TRAIN / "checkpoint" / "iter_0000003" / ".metadata").tensors
     assert any(k.startswith("optimizer.distributed.") for k in stored) and not any(k.startswith("optimizer.state.") for k in stored)
@@ -414,7 +414,7 @@ def _damaged_bucket(source: Path, dest: Path) -> str:
 
 def test_a_flipped_bit_in_megatron_lms_buckets_shows_against_its_fully_reshardable_save(tmp_path):
     """The control: one bit of one exp_avg_sq bucket changed in Megatron-LM's file, and the comparison above fails."""
-    from tests.reshard.formats.test_distrib_optim import assert_same, optimizer_tensors
+    from tests.reshard.optim.test_dp_reshardable import assert_same, optimizer_tensors
 
     _damaged_bucket(MLM_TRAIN / "checkpoint", tmp_path / "damaged")
     ours, _ = optimizer_tensors(tmp_path / "damaged")
@@ -429,7 +429,7 @@ def test_megatron_lms_own_save_reshards_to_what_megatron_core_loads(tmp_path):
     import torch
 
     from fixtures.torchrun import run
-    from tests.reshard.formats.test_distrib_optim import assert_converted_alike
+    from tests.reshard.optim.test_dp_reshardable import assert_converted_alike
 
     for form in ("checkpoint", "oracle"):
         convert(MLM_TRAIN / form, tmp_path / form, Target(format="torch_dist", layout=Layout(tp=1, pp=2)))

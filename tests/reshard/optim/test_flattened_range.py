@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 from fixtures.torchrun import REPO, pythonpath
 from reshard.formats.megatron_dist import TorchDistReader
 from reshard.torchfile import dcp_metadata
-from tests.reshard.formats.test_distrib_optim import assert_same, master_weights_are_the_model, optimizer_tensors
+from tests.reshard.optim.test_dp_reshardable import assert_same, master_weights_are_the_model, optimizer_tensors
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 
 GOLDEN = REPO / "fixtures" / "golden" / "mcore014-distopt-tp2dp2"

@@ -31,8 +31,8 @@ import pytest
 import torch
 
 from fixtures.torchrun import run
-from reshard.formats.distrib_optim import is_dp_reshardable
-from tests.reshard.formats.test_distrib_optim import assert_same, optimizer_tensors
+from reshard.optim.dp_reshardable import is_dp_reshardable
+from tests.reshard.optim.test_dp_reshardable import assert_same, optimizer_tensors
 from tests.reshard.test_cli import _one_line_error, reshard
 
 ITER = "iter_0000002"
@@ -106,7 +106,7 @@ def resaved(distrib_optim, tmp_path_factory):
     """resaved(case) -> Megatron's dp_reshardable save of the case's source state at its target layout and DP (ranks:
     TP x PP x DP), and where Megatron put each parameter in its buckets. Megatron loads the state from the source run's
     fully_reshardable save trained without buckets: megatron-core 0.15-0.19 saves a buffer of several buckets shifted
-    in that form (an upstream bug, reshard/master_weights.py), and the same run trained in buckets holds the same state
+    in that form (an upstream bug, reshard/optim/master_weights.py), and the same run trained in buckets holds the same state
     bit for bit (each gradient element is the same sum; the test asserts it)."""
     cache = {}
 

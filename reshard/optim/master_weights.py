@@ -10,7 +10,7 @@ Two things break that, and a conversion refuses either, naming the tensors:
   zero-fill the overrun (fixed upstream by Megatron-LM #5077, after 0.19). Such state loads without error and
   resumes a run with moments for the wrong elements. Checked where the args say the run had several buckets.
 - a wrong buffer layout of reshard's own: the `dp_reshardable` and `distrib_optim.pt` forms hold flat buckets
-  whose parameter order reshard derives (`formats.distrib_optim.BufferLayout`). The bucket lengths catch most
+  whose parameter order reshard derives (`optim.buffers.BufferLayout`). The bucket lengths catch most
   errors, not two parameters of one size in each other's place; the master weights catch those, whatever the
   spec, so every conversion of those forms checks them.
 
@@ -51,7 +51,7 @@ def at_risk(reader: CheckpointReader) -> bool:
     """Whether the checkpoint's optimizer state is a DistributedOptimizer's per-parameter save from a run with
     several buckets per buffer (bucketed for overlapping the gradient reduce, or the shared embedding's own)."""
     args = reader.common.args
-    if not args.get("use_distributed_optimizer") or getattr(reader, "dp_reshardable", None) is not None:
+    if not args.get("use_distributed_optimizer") or decoded_from_buffers(reader):
         return False
     tied = reader.config is not None and reader.config.tied_embeddings
     return bool(args.get("overlap_grad_reduce")) or (reader.layout.pp > 1 and tied)
@@ -60,7 +60,7 @@ def at_risk(reader: CheckpointReader) -> bool:
 def decoded_from_buffers(reader: CheckpointReader) -> bool:
     """Whether the checkpoint's optimizer state is decoded from DistributedOptimizer buffers by the layout reshard
     derives (dp_reshardable buckets, or the legacy format's distrib_optim.pt)."""
-    return getattr(reader, "dp_reshardable", None) is not None or getattr(reader, "distrib_optim", None) is not None
+    return reader.optimizer is not None and reader.optimizer.from_buffers
 
 
 def check(reader: CheckpointReader, moves: list[TensorMove], team: Collective) -> None:

@@ -26,8 +26,8 @@ from reshard.formats.megatron_dist import TorchDistReader
 from reshard.sharding import full_region
 from reshard.torchfile import dcp_metadata
 from reshard.torchfile.dcp_metadata import Storage
-from tests.reshard.formats.test_distrib_optim import STATES, assert_same, optimizer_tensors
-from tests.reshard.formats.test_flattened_range import megatron_016_dump
+from tests.reshard.optim.test_dp_reshardable import STATES, assert_same, optimizer_tensors
+from tests.reshard.optim.test_flattened_range import megatron_016_dump
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 
 GOLDEN = REPO / "fixtures" / "golden" / "mcore019-distopt-tp2dp2"

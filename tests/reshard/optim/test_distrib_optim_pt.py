@@ -21,7 +21,7 @@ from reshard.formats.megatron_legacy import LegacyReader
 from reshard.layout import Layout
 from reshard.request import Target
 from reshard.worklog import LOG_NAME
-from tests.reshard.formats.test_distrib_optim import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
+from tests.reshard.optim.test_dp_reshardable import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 from tests.reshard.test_resume import Stop, _bomb, _files
 
@@ -79,7 +79,7 @@ def test_moe_legacy_converts_to_torch_dist_as_megatrons_fully_reshardable_does(d
 
 def test_many_buckets_coalesced_decode_as_the_one_bucket_runs_state(distrib_optim):
     """7 buckets per rank laid end to end without their padding: each bucket starts where the unpadded lengths of the
-    ones before it end. The run's state is the one-bucket run's bit for bit (test_distrib_optim.py says why that,
+    ones before it end. The run's state is the one-bucket run's bit for bit (test_dp_reshardable.py says why that,
     and not Megatron 0.16's own fully_reshardable save of the many-bucket run, is the truth)."""
     legacy, _ = optimizer_tensors(distrib_optim("tiny-odd", tp=2, bucket_size=6000)["legacy"], LegacyReader)
     full, _ = optimizer_tensors(distrib_optim("tiny-odd", tp=2)["full"])
@@ -132,6 +132,26 @@ def test_the_older_per_bucket_layout_is_refused_by_name(distrib_optim, tmp_path)
     result = reshard("convert", tmp_path / "old", tmp_path / "out", "--to-format", "torch_dist", "--to-tp", "1")
     _one_line_error(result, "mp_rank_01/distrib_optim.pt", "per-bucket layout", "buckets_coalesced")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("keep, words", [(300, ["damaged"]), (0, ["not a zip-format torch.save file"])], ids=["truncated", "emptied"])
+def test_a_damaged_distrib_optim_pt_is_refused_naming_the_file(tmp_path, keep, words):
+    """Issue #33: a distrib_optim.pt that cannot be loaded was called "a layout-bound form reshard cannot reshard". The
+    refusal names the file, what is wrong with it and what to do; inspect says so; the model still converts without it.
+    The file: reshard's distrib_optim.pt of Megatron-LM's own dp_reshardable save (golden mlm-distopt-tp2dp2)."""
+    golden = Path(__file__).resolve().parents[3] / "fixtures" / "golden" / "mlm-distopt-tp2dp2" / "checkpoint"
+    assert reshard("convert", golden, tmp_path / "legacy", "--to-format", "legacy").returncode == 0
+    path = tmp_path / "legacy" / "iter_0000003" / "mp_rank_01" / "distrib_optim.pt"
+    path.write_bytes(path.read_bytes()[:keep])
+    before = _digest(tmp_path / "legacy")
+    result = reshard("convert", tmp_path / "legacy", tmp_path / "out", "--to-format", "torch_dist")
+    _one_line_error(result, "mp_rank_01/distrib_optim.pt", *words, "--no-optimizer")
+    assert "layout-bound" not in result.stderr
+    assert not (tmp_path / "out").exists() and _digest(tmp_path / "legacy") == before
+    shown = reshard("inspect", tmp_path / "legacy")
+    assert shown.returncode == 0 and "optimizer: not read: " in shown.stdout and "mp_rank_01/distrib_optim.pt" in shown.stdout
+    model_only = reshard("convert", tmp_path / "legacy", tmp_path / "model", "--to-format", "torch_dist", "--no-optimizer")
+    assert model_only.returncode == 0, model_only.stderr
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """DistributedOptimizer state of multi-latent-attention models (DeepSeek-V3's attention), decoded and written by the MLA
-parameter order of reshard/formats/distrib_optim.py, against Megatron-Core's own saves of the same state (fixture
+parameter order of reshard/optim/order.py, against Megatron-Core's own saves of the same state (fixture
 `distrib_optim`: its DistributedOptimizer trains two steps on 4 CPU ranks, local spec).
 
 tiny-mla at TP2 DP2: the query latent (linear_q_down_proj, q_layernorm, linear_q_up_proj), LayerNorm latent norms with
@@ -20,18 +20,18 @@ import pytest
 
 from reshard.convert import convert
 from reshard.errors import ReshardError
-from reshard.formats import distrib_optim as distrib_optim_format
-from reshard.formats.distrib_optim import STATE_KEYS
 from reshard.formats.megatron_legacy import LegacyReader
+from reshard.optim.buffers import STATE_KEYS
+from reshard.optim.order import LAYER_ORDERS, MULTI_LATENT
 from reshard.request import LayoutChange, Target
-from tests.reshard.formats.test_distrib_optim import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
-from tests.reshard.formats.test_dp_reshardable_writer import Case, differences, saved_state
-from tests.reshard.formats.test_dp_reshardable_writer import test_written_buckets_are_megatrons_own_at_the_new_layout as written_as_megatrons
-from tests.reshard.formats.test_legacy_distrib_optim import legacy_resaved  # noqa: F401  (the fixture)
-from tests.reshard.formats.test_legacy_distrib_optim import (
+from tests.reshard.optim.test_distrib_optim_pt import legacy_resaved  # noqa: F401  (the fixture)
+from tests.reshard.optim.test_distrib_optim_pt import (
     test_written_distrib_optim_is_megatrons_own_legacy_save_at_the_new_layout as written_as_megatrons_legacy,
 )
-from tests.reshard.formats.test_te_order import _start, _with_args
+from tests.reshard.optim.test_dp_reshardable import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
+from tests.reshard.optim.test_dp_reshardable_writer import Case, differences, saved_state
+from tests.reshard.optim.test_dp_reshardable_writer import test_written_buckets_are_megatrons_own_at_the_new_layout as written_as_megatrons
+from tests.reshard.optim.test_te_order import _start, _with_args
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 
 ATTENTION = "decoder.layers.self_attention."
@@ -115,10 +115,10 @@ def test_a_swap_in_the_mla_order_is_caught(distrib_optim, resaved, tmp_path, mon
     """A deliberate error in reshard's MLA order (q_layernorm's weight and bias, one size, in each other's place) leaves
     every bucket length right: the decode then differs from Megatron's fully_reshardable save, the master-weight check
     refuses the conversion naming both, writing nothing, and buckets written by that order differ from Megatron's."""
-    order = list(distrib_optim_format._MLA_LAYER_ORDER)
+    order = list(LAYER_ORDERS[("local", MULTI_LATENT)])
     weight, bias = (order.index(f"self_attention.linear_q_up_proj.layer_norm_{kind}") for kind in ("weight", "bias"))
     order[weight], order[bias] = order[bias], order[weight]
-    monkeypatch.setattr(distrib_optim_format, "_MLA_LAYER_ORDER", tuple(order))
+    monkeypatch.setitem(LAYER_ORDERS, ("local", MULTI_LATENT), tuple(order))
     made = distrib_optim("tiny-mla", tp=2)
     dp, _ = optimizer_tensors(made["dp"])
     full, _ = optimizer_tensors(made["full"])

@@ -1,27 +1,26 @@
-"""Megatron's DistributedOptimizer state in its `dp_reshardable` form, read as logical per-parameter tensors.
+"""Megatron's DistributedOptimizer buffers, derived: where each parameter's state lies in them.
 
-megatron-core ≥ 0.15 saves the distributed optimizer's state (by default) as its flat buckets: per
-model-parallel rank I, gradient buffer g, dtype pair and bucket b, one 1-D tensor
-`optimizer.distributed.dp_group_idx_<I>.gbuf_idx_<g>.dtype_(<p>, <g>).bucket_idx_<b>.<param|exp_avg|exp_avg_sq>`
-of the bucket's unpadded length. This module derives where each parameter lies in those buckets
-from the checkpoint's own model tensors and args (`BufferLayout`, after megatron-core 0.16's
-param_and_grad_buffer.py; the legacy `distrib_optim.pt` reader, megatron_legacy.py, uses it too):
+The DistributedOptimizer keeps each model-parallel rank's parameters in flat buffers, cut into buckets; its state
+(fp32 master weights, Adam's two moments) is saved in that layout by the `dp_reshardable` form (`optim.dp_reshardable`:
+one tensor per bucket) and the legacy `distrib_optim.pt` (`optim.distrib_optim_pt`: each buffer's buckets end to end).
+`BufferLayout` derives the layout from the checkpoint's own model tensors and args, after megatron-core 0.16's
+param_and_grad_buffer.py:
 
 1. the rank's parameters in `named_parameters()` order (GPTModel with the local or the Transformer-Engine spec, its
-   attention multi-head or multi-latent, `ParamOrder`), laid out in **reverse** order;
+   attention multi-head or multi-latent: `optim.order`), laid out in **reverse** order;
 2. each parameter starts on a multiple of 64 elements, as its local (TP-sharded) tensor, row-major;
 3. a bucket closes when it reaches `bucket_size` (only with `overlap_grad_reduce`, never on pipeline
    stages > 0); with tied embeddings and PP > 1 the embedding (first stage) and its output-layer copy (last
    stage) each get a bucket of their own, the bucket before ending after the parameter's 64-alignment;
    every bucket is padded to `lcm(dp, 128)` (`lcm(dp, 128, 2**16)` with
    `pad_buckets_for_high_nccl_busbw`); the saved tensor stops before that padding;
-4. the derived bucket lengths must equal the saved `per_bucket_numel_unpadded`, else the checkpoint is
-   refused naming the bucket's last parameter.
+4. the derived bucket lengths must equal the saved ones, else the checkpoint is refused naming the bucket's last
+   parameter (each form's reader checks its own record of them).
 
-It names the result as Megatron's `fully_reshardable` form does: `optimizer.state.<param|exp_avg|
-exp_avg_sq>.<model key>` with the model tensor's global shape, so that everything downstream
-(resharding, writing, checksums) treats both forms alike. Each read touches only the spans of the
-parameter it needs (streaming per parameter, never a whole bucket).
+The state is read and written as Megatron's `fully_reshardable` form names it: `optimizer.state.<param|exp_avg|
+exp_avg_sq>.<model key>` with the model tensor's global shape (`optimizer_specs`), so that everything downstream
+(resharding, writing, checksums) treats every form alike. Each read touches only the spans of the parameter it
+needs (streaming per parameter, never a whole bucket).
 
 With virtual pipeline stages each model chunk is its own buffer (`gbuf_idx_<chunk>`, never bucketed past the
 first chunk). An MoE model's state at EP > 1 is a chain of two optimizers (keys prefixed `chained_0.` dense,
@@ -33,12 +32,10 @@ TP > 1 (its down projections whole on every TP rank, where `sharding.pieces` spl
 Transformer-Engine order is derived from TE's and megatron-core's source (no TE-written save exists here to prove
 it against): `master_weights` checks every decode against the saved weights.
 """
-
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -48,130 +45,19 @@ from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.layout import Layout, RankCoord
 from reshard.logical import TensorSpec, describe
+from reshard.optim.order import MULTI_LATENT, ParamOrder, attention_of
 from reshard.sharding import Piece, Region, intersect, pieces, region_size, shift, to_slices
 
 PREFIX = "optimizer.distributed."
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 PARAM_ALIGN = 64
-_DISTRIBUTED = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.")
-_BUCKET = re.compile(
-    r"^(?:chained_(?P<chain>\d+)\.)?optimizer\.distributed\.dp_group_idx_(?P<group>\d+)\.gbuf_idx_(?P<gbuf>\d+)"
-    r"\.dtype_(?P<dtype>\(.*\))\.bucket_idx_(?P<bucket>\d+)\.(?P<key>[A-Za-z0-9_]+)$"
-)
 
-# A transformer layer's parameters in megatron-core's module order (local spec: input_layernorm,
-# self_attention.{linear_proj, linear_qkv, q_layernorm, k_layernorm}, pre_mlp_layernorm, mlp.{fc1, fc2};
-# an MoE layer's mlp: router, (experts,) shared_experts with its own gate_weight before its submodules'),
-# by their checkpoint (canonical) names.
-_LAYER_ORDER = (
-    "self_attention.linear_qkv.layer_norm_weight",  # input_layernorm.weight
-    "self_attention.linear_qkv.layer_norm_bias",
-    "self_attention.linear_proj.weight",
-    "self_attention.linear_proj.bias",
-    "self_attention.linear_qkv.weight",
-    "self_attention.linear_qkv.bias",
-    "self_attention.q_layernorm.weight",
-    "self_attention.q_layernorm.bias",
-    "self_attention.k_layernorm.weight",
-    "self_attention.k_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_weight",  # pre_mlp_layernorm.weight
-    "mlp.linear_fc1.layer_norm_bias",
-    "pre_mlp_layernorm.weight",  # an MoE layer's
-    "pre_mlp_layernorm.bias",
-    "mlp.router.weight",
-    "mlp.experts",  # the experts, where they share the dense buffer (EP1)
-    "mlp.shared_experts.gate_weight",
-    "mlp.shared_experts.linear_fc1.weight",
-    "mlp.shared_experts.linear_fc1.bias",
-    "mlp.shared_experts.linear_fc2.weight",
-    "mlp.shared_experts.linear_fc2.bias",
-    "mlp.linear_fc1.weight",
-    "mlp.linear_fc1.bias",
-    "mlp.linear_fc2.weight",
-    "mlp.linear_fc2.bias",
-)
-# The same layer with the Transformer-Engine spec (megatron-core 0.17.1, gpt_layer_specs.py:310-316): no
-# input_layernorm module (TransformerLayerSubmodules' IdentityOp); it is linear_qkv's own, a TE LayerNormLinear,
-# which registers layer_norm_weight, layer_norm_bias, weight, bias in that order (TE v2.14.1, the version
-# megatron-core 0.17.1 pins: pytorch/module/layernorm_linear.py:1262,1271,1358,1373; the same since TE 1.x).
-# Attention registers core_attention (no parameters here), then linear_proj (attention.py:318,349), and
-# SelfAttention then linear_qkv, q_layernorm, k_layernorm (attention.py:1278,1292,1301): the norm moves after
-# linear_proj. mlp.linear_fc1 is a LayerNormLinear too, registered where the local pre_mlp_layernorm was (just
-# before fc1's weight), and TE's Linear registers weight before bias (linear.py:1268,1283), so the rest is alike.
-_TE_LAYER_ORDER = (
-    "self_attention.linear_proj.weight",
-    "self_attention.linear_proj.bias",
-    "self_attention.linear_qkv.layer_norm_weight",
-    "self_attention.linear_qkv.layer_norm_bias",
-    *(name for name in _LAYER_ORDER if not name.startswith(("self_attention.linear_proj.", "self_attention.linear_qkv.layer_norm_"))),
-)
-_MLP_ORDER = _LAYER_ORDER[_LAYER_ORDER.index("mlp.linear_fc1.layer_norm_weight") :]  # the same in every table
-# A multi-latent-attention layer (megatron-core 0.16.1; alike in 0.17.1 and 0.19.2): TransformerLayer registers
-# input_layernorm (a module of its own in both specs), self_attention, pre_mlp_layernorm, mlp (transformer_layer.py:
-# 287,304,334,370). Attention.__init__ builds linear_proj (attention.py:349; MultiLatentAttention's rebuild at
-# multi_latent_attention.py:169 keeps its place) before MLASelfAttention builds linear_q_proj (no q_lora_rank) or
-# linear_q_down_proj and linear_q_up_proj, then linear_kv_down_proj, linear_kv_up_proj, q_layernorm, kv_layernorm
-# (multi_latent_attention.py:393,419,438,464,483,498,505). MLA's projections have no bias.
-_MLA_HEAD = (
-    "input_layernorm.weight",
-    "input_layernorm.bias",
-    "self_attention.linear_proj.weight",
-    "self_attention.linear_proj.bias",
-    "self_attention.linear_q_proj.weight",
-    "self_attention.linear_q_down_proj.weight",
-)
-# The local spec's latent norms are q_layernorm and kv_layernorm (gpt_layer_specs.py:383-384), canonically the up
-# projections' layer_norm_*: last in the attention.
-_MLA_LAYER_ORDER = (
-    *_MLA_HEAD,
-    "self_attention.linear_q_up_proj.weight",
-    "self_attention.linear_kv_down_proj.weight",
-    "self_attention.linear_kv_up_proj.weight",
-    "self_attention.linear_q_up_proj.layer_norm_weight",  # q_layernorm.weight
-    "self_attention.linear_q_up_proj.layer_norm_bias",
-    "self_attention.linear_kv_up_proj.layer_norm_weight",  # kv_layernorm.weight
-    "self_attention.linear_kv_up_proj.layer_norm_bias",
-    *_MLP_ORDER,
-)
-# The Transformer-Engine spec (gpt_layer_specs.py:233-265): input_layernorm a TENorm, q/kv_layernorm IdentityOp; with
-# qk_layernorm the up projections are TE LayerNormLinears, which register their norm before their weight (as
-# linear_qkv above). The down projections are TELinear(parallel_mode="duplicated"): whole on every TP rank.
-_MLA_TE_LAYER_ORDER = (
-    *_MLA_HEAD,
-    "self_attention.linear_q_up_proj.layer_norm_weight",
-    "self_attention.linear_q_up_proj.layer_norm_bias",
-    "self_attention.linear_q_up_proj.weight",
-    "self_attention.linear_kv_down_proj.weight",
-    "self_attention.linear_kv_up_proj.layer_norm_weight",
-    "self_attention.linear_kv_up_proj.layer_norm_bias",
-    "self_attention.linear_kv_up_proj.weight",
-    *_MLP_ORDER,
-)
-# One expert's parameters (SequentialMLP's local_experts.<i>), in the expert optimizer's own buffer (EP > 1).
-_EXPERT_ORDER = (
-    "mlp.experts.experts.linear_fc1.weight",
-    "mlp.experts.experts.linear_fc1.bias",
-    "mlp.experts.experts.linear_fc2.weight",
-    "mlp.experts.experts.linear_fc2.bias",
-)
-_TOP_ORDER = (
-    "embedding.word_embeddings.weight",
-    "embedding.position_embeddings.weight",
-    None,  # the decoder's layers
-    "decoder.final_layernorm.weight",
-    "decoder.final_layernorm.bias",
-    "output_layer.weight",
-)
 # megatron-core's ChainedOptimizer of an MoE model: the dense optimizer, then the expert one
 DENSE_CHAIN, EXPERT_CHAIN = 0, 1
 
 
 def _chain_key(chain: int | None) -> int:
     return -1 if chain is None else chain
-
-
-def is_dp_reshardable(key: str) -> bool:
-    return _DISTRIBUTED.match(key) is not None
 
 
 @dataclass(frozen=True)
@@ -220,66 +106,6 @@ def flat_span(piece: Piece) -> tuple[int, int] | None:
     return (first, count) if count == region_size(piece.local_region) else None
 
 
-def _unknown_place(param: str) -> ReshardError:
-    return ReshardError(
-        f"{param}: where megatron-core places this parameter in the DistributedOptimizer's buffer is not "
-        "known to reshard; its dp_reshardable optimizer state cannot be decoded (convert with --no-optimizer)"
-    )
-
-
-@dataclass(frozen=True)
-class ParamOrder:
-    """The order of a rank's parameters in `named_parameters()`, as the saving run's modules register them."""
-
-    transformer_engine: bool  # the Transformer-Engine spec (Megatron-LM's default transformer_impl), not the local one
-    grouped_experts: bool  # TEGroupedMLP experts (moe_grouped_gemm with TE), not SequentialMLP
-    mla: bool = False  # multi-latent attention
-
-    @classmethod
-    def of(cls, args: dict[str, Any], mla: bool = False) -> ParamOrder:
-        """The order of a run with saved `args`, of a multi-latent-attention model where `mla`."""
-        impl = args.get("transformer_impl", "transformer_engine")
-        if impl not in ("local", "transformer_engine"):
-            raise ReshardError(f"DistributedOptimizer state of a transformer_impl={impl} model is not decoded (convert with --no-optimizer)")
-        te = impl == "transformer_engine"
-        for flag, what in (("use_te_op_fuser", "Transformer-Engine's fused-op MLP"), ("fp8_param_gather", "FP8 parameters"),
-                           ("moe_use_legacy_grouped_gemm", "the legacy GroupedMLP experts"),
-                           ("mla_down_proj_fusion", "multi-latent attention's fused q/kv down projection")):
-            if args.get(flag):
-                raise ReshardError(f"DistributedOptimizer state of a model with {what} ({flag}) is not decoded yet (convert with --no-optimizer)")
-        # the local spec builds SequentialMLP whatever moe_grouped_gemm says (backends.py, LocalSpecProvider)
-        return cls(te, te and bool(args.get("moe_grouped_gemm")), mla)
-
-    @property
-    def layer(self) -> tuple[str, ...]:
-        """A transformer layer's parameters in registration order."""
-        if self.mla:
-            return _MLA_TE_LAYER_ORDER if self.transformer_engine else _MLA_LAYER_ORDER
-        return _TE_LAYER_ORDER if self.transformer_engine else _LAYER_ORDER
-
-    def key(self, spec: TensorSpec, layer: int | None, expert: int | None) -> tuple[int, ...]:
-        """Where parameter `spec` (at global `layer` and `expert`) comes in the rank's named_parameters()."""
-        param = spec.param
-        if not param.startswith("decoder.layers."):
-            if param not in _TOP_ORDER:
-                raise _unknown_place(param)
-            return (_TOP_ORDER.index(param), 0, 0, 0, 0)
-        tail = re.sub(r"^decoder\.layers\.(\d+\.)?", "", param)
-        order = _EXPERT_ORDER if spec.experts else self.layer
-        if tail not in order:
-            raise _unknown_place(param)
-        layer = layer if layer is not None else spec.layer
-        if spec.experts:
-            experts_at = self.layer.index("mlp.experts")
-            if self.grouped_experts:
-                # TEGroupedMLP registers linear_fc1, then linear_fc2 (experts.py:185,203), each a TE GroupedLinear that
-                # registers weight<i> then bias<i> for each local expert i in turn (grouped_linear.py:704-736)
-                module, kind = divmod(order.index(tail), 2)
-                return (_TOP_ORDER.index(None), layer, experts_at, module, 2 * (expert or 0) + kind)
-            return (_TOP_ORDER.index(None), layer, experts_at, expert or 0, order.index(tail))
-        return (_TOP_ORDER.index(None), layer, order.index(tail), 0, 0)
-
-
 @dataclass(frozen=True)
 class Buffer:
     """One derived gradient buffer: where its parameters lie and how long its buckets are (unpadded)."""
@@ -309,8 +135,8 @@ class BufferLayout:
     def __init__(self, model_specs: dict[str, TensorSpec], config: ModelConfig, layout: Layout, args: dict[str, Any]):
         self.config, self.layout, self.args = config, layout, args
         self._refuse_unsupported(args)
-        self.order = ParamOrder.of(args, config.multi_latent_attention)
-        if self.order.transformer_engine and self.order.mla and layout.tp > 1:
+        self.order = ParamOrder.of(args, attention_of(config))
+        if self.order.transformer_engine and self.order.attention == MULTI_LATENT and layout.tp > 1:
             raise ReshardError(
                 "DistributedOptimizer state of multi-latent attention with the Transformer-Engine spec at TP > 1 is not decoded "
                 "yet: its linear_q_down_proj/linear_kv_down_proj are whole on every TP rank (convert with --no-optimizer)"
@@ -517,125 +343,3 @@ def run_args(dp: int, layout: Layout) -> dict[str, Any]:
     """The args that make a target a DistributedOptimizer run at data-parallel size `dp` (what Megatron-LM records, and
     what `BufferLayout` pads buckets by)."""
     return {"data_parallel_size": dp, "world_size": dp * layout.tp * layout.pp, "use_distributed_optimizer": True}
-
-
-def fully_reshardable_common(param_groups: dict[int | None, Any]) -> dict[Any, Any]:
-    """common.pt's `optimizer` entry as Megatron's fully_reshardable save writes it, from each chained optimizer's
-    saved `optimizer` state (by chain index; None: unchained): one entry per chained optimizer where there is a chain."""
-
-    def entry(groups: Any) -> dict[str, Any]:
-        return {"optimizer": groups, "param_state_sharding_type": "fully_reshardable"}
-
-    if None in param_groups:
-        return entry(param_groups[None])
-    return {chain: entry(groups) for chain, groups in sorted(param_groups.items())}
-
-
-class DpReshardable:
-    """The logical optimizer tensors of a dp_reshardable save, read through `read_raw(key, region, out)`
-    (the torch_dist reader's chunk reading of the bucket tensors), each bucket checked against the derived
-    `BufferLayout`."""
-
-    def __init__(
-        self,
-        tensors: dict[str, Any],  # dcp TensorEntry of every optimizer.distributed.* tensor, by key
-        objects: Callable[[str], Any],  # an optimizer.distributed.* ShardedObject's value by its key prefix
-        object_keys: list[str],
-        model_specs: dict[str, TensorSpec],
-        config: ModelConfig,
-        layout: Layout,
-        args: dict[str, Any],
-        read_raw: Callable[[str, Region, np.ndarray], None],
-    ):
-        self.read_raw = read_raw
-        # (gbuf, bucket) -> state key -> tensor key
-        self.bucket_keys: dict[tuple[Gbuf, int], dict[str, str]] = {}
-        self.bucket_numel: dict[tuple[Gbuf, int], set[int]] = {}  # the stored lengths of its state tensors
-        dtypes: dict[Gbuf, set[str]] = {}
-        for key, entry in tensors.items():
-            m = _BUCKET.match(key)
-            if m is None:
-                raise ReshardError(f"{key}: not a DistributedOptimizer bucket tensor reshard knows; the checkpoint is foreign or damaged")
-            gbuf = Gbuf(None if m["chain"] is None else int(m["chain"]), int(m["group"]), int(m["gbuf"]))
-            dtypes.setdefault(gbuf, set()).add(m["dtype"])
-            self.bucket_keys.setdefault((gbuf, int(m["bucket"])), {})[m["key"]] = key
-            self.bucket_numel.setdefault((gbuf, int(m["bucket"])), set()).add(int(entry.size[0]))
-        for gbuf, found in dtypes.items():
-            if len(found) > 1 or gbuf.index >= layout.vpp:
-                raise ReshardError(
-                    f"{gbuf}: DistributedOptimizer buffers of several parameter dtypes "
-                    f"({', '.join(sorted(found))}), or more than one per model chunk, are not decoded yet"
-                )
-        for (gbuf, bucket), keys in self.bucket_keys.items():
-            missing = [k for k in STATE_KEYS if k not in keys]
-            if missing:
-                raise ReshardError(f"bucket {bucket} of {gbuf} lacks {', '.join(missing)}: the checkpoint is damaged")
-        self.buffer_layout = BufferLayout(model_specs, config, layout, args)
-        self.dp = self.buffer_layout.dp
-        self.placed = self.buffer_layout.placed
-        for chain, group in self.buffer_layout.optimizers():
-            self._check_rank(chain, group, objects)
-        stray = sorted({str(gbuf) for gbuf, _ in self.bucket_keys if gbuf not in self.buffer_layout.buffers})
-        if stray:
-            raise ReshardError(
-                f"{stray[0]}: the checkpoint holds DistributedOptimizer buckets where the layout derived from the model "
-                "has none; the optimizer state cannot be decoded safely"
-            )
-        self.specs = self.buffer_layout.optimizer_specs()
-        firsts = [Gbuf(chain, 0, 0) for chain in self.buffer_layout.chains]
-        self.param_groups = {gbuf.chain: objects(f"{gbuf.prefix}.optimizer") for gbuf in firsts}
-
-    def _check_rank(self, chain: int | None, group: int, objects: Callable[[str], Any]) -> None:
-        """One rank's derived buckets against its saved per_bucket_numel_unpadded and stored tensor lengths."""
-        gbufs = self.buffer_layout.rank_buffers(chain, group)
-        prefix = gbufs[0].prefix
-        saved = objects(f"{prefix}.per_bucket_numel_unpadded")
-        if not (isinstance(saved, list) and len(saved) == len(gbufs) and all(isinstance(b, dict) and len(b) == 1 for b in saved)):
-            raise ReshardError(
-                f"{prefix}: per_bucket_numel_unpadded is not one buffer of one dtype per model chunk ({len(gbufs)}) "
-                "as derived from the model: not decoded yet"
-            )
-        for gbuf, by_dtype in zip(gbufs, saved):
-            saved_sizes = list(next(iter(by_dtype.values())))
-            buffer = self.buffer_layout.buffers[gbuf]
-            for b, (derived, label) in enumerate(zip(buffer.sizes, buffer.last)):
-                stored = saved_sizes[b] if b < len(saved_sizes) else None
-                stored_lengths = self.bucket_numel.get((gbuf, b), set())
-                tensor = ", ".join(map(str, sorted(stored_lengths))) or "no tensor"
-                if stored != derived or stored_lengths != {derived}:
-                    raise ReshardError(
-                        f"{label}: the DistributedOptimizer layout derived from the model puts bucket {b} of {gbuf} "
-                        f"at {derived} elements, but the checkpoint records {stored} (per_bucket_numel_unpadded) and stores "
-                        f"{tensor}; the optimizer state cannot be decoded safely"
-                    )
-            if len(saved_sizes) != len(buffer.sizes):
-                raise ReshardError(
-                    f"{gbuf}: the checkpoint records {len(saved_sizes)} buckets where the layout derived from "
-                    f"the model has {len(buffer.sizes)}; the optimizer state cannot be decoded safely"
-                )
-
-    def _read_place(self, gbuf: Gbuf, place: Placed, state: str, first: int, out: np.ndarray) -> None:
-        start = place.start + first
-        self.read_raw(self.bucket_keys[(gbuf, place.bucket)][state], ((start, start + out.size),), out)
-
-    def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
-        self.buffer_layout.read_into(name, region, out, self._read_place)
-
-    def spans(self, name: str) -> Iterator[tuple[Region, str, int, int]]:
-        """Where each primary piece of logical tensor `name` lies in the buckets, as one run: (its region, the
-        bucket tensor's key, its first element there, its count); a piece that is not one run ends the list early
-        (a verification then reads the tensor back instead)."""
-        state, model_name = name.split(".", 3)[2:]
-        model = self.buffer_layout.model_specs[model_name]
-        for piece in pieces(model, self.buffer_layout.config, self.buffer_layout.layout):
-            if not piece.primary or piece.alias is not None:
-                continue
-            gbuf, place = self.buffer_layout.place_of(model, piece)
-            span = flat_span(piece)
-            if span is None:
-                return
-            yield piece.region, self.bucket_keys[(gbuf, place.bucket)][state], place.start + span[0], span[1]
-
-    def common_optimizer(self) -> dict[Any, Any]:
-        """common.pt's `optimizer` entry as Megatron's fully_reshardable save writes it."""
-        return fully_reshardable_common(self.param_groups)

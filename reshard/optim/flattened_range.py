@@ -9,7 +9,7 @@ Its torch_dist strategy stores such a tensor of global shape [X, Y] cut into loc
 `.metadata`'s `mcore_data` (`nd_reformulated_orig_global_shape`); a prepended layer axis is one more chunk axis.
 
 This module names each as Megatron's `fully_reshardable` form does (`optimizer.state.<param|exp_avg|exp_avg_sq>.
-<model key>` at the model tensor's global shape, `param` being the fp32 master weight), like distrib_optim.py does
+<model key>` at the model tensor's global shape, `param` being the fp32 master weight), like buffers.py does
 for dp_reshardable, so that everything downstream treats the forms alike. A read touches only the span of each
 local chunk it needs (one parameter's TP shard at most in memory). Ranges that do not tile every local chunk are
 refused when the checkpoint is opened, naming the parameter.
@@ -29,6 +29,7 @@ import numpy as np
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.logical import OPTIMIZER_PREFIX, TensorSpec, describe
+from reshard.optim.state import OptimizerState, StoredForm
 from reshard.sharding import Region, intersect, shift, to_slices
 from reshard.torchfile.dcp_metadata import TensorEntry
 
@@ -91,7 +92,7 @@ def is_model_space(key: str, flattened: dict[str, tuple[int, ...]]) -> bool:
     return key in flattened and key.startswith(PREFIX)
 
 
-class FlattenedRange:
+class FlattenedRange(OptimizerState):
     """The logical optimizer tensors of a fully_sharded_model_space save, read through `read_raw(key, region, out)`
     (the torch_dist reader's chunk reading of the stored, reformulated tensors)."""
 
@@ -102,9 +103,10 @@ class FlattenedRange:
         canonical: Callable[[str], str],  # a stored key's canonical name
         model_specs: dict[str, TensorSpec],
         config: ModelConfig | None,
+        dp: int | None,  # the data-parallel size the args record
         read_raw: Callable[[str, Region, np.ndarray], None],
     ):
-        self.read_raw = read_raw
+        self.read_raw, self.dp = read_raw, dp
         self.specs: dict[str, TensorSpec] = {}
         self.stored: dict[str, Flattened] = {}
         states: dict[str, set[str]] = defaultdict(set)
@@ -125,6 +127,14 @@ class FlattenedRange:
             if len(found) != len(STATES):
                 missing = ", ".join(sorted(set(STATES.values()) - found))
                 raise ReshardError(f"{param}: the checkpoint holds its {FORM} optimizer state without {missing}; it is damaged")
+
+    @property
+    def form(self) -> StoredForm:
+        return StoredForm(FORM, self.dp)
+
+    @property
+    def described(self) -> str:
+        return "per-parameter tensors"
 
     def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
         stored = self.stored[name]

@@ -19,9 +19,9 @@ import torch
 from fixtures.models import TINY_MOE
 from fixtures.synthetic import SyntheticReader
 from reshard.dtypes import numpy_dtype
-from reshard.formats.distrib_optim import BufferLayout
 from reshard.formats.megatron_dist import TorchDistReader
 from reshard.layout import Layout, RankCoord
+from reshard.optim.buffers import BufferLayout
 from reshard.sharding import full_region
 from reshard.torchfile import dcp_metadata
 from reshard.torchfile.dcp_metadata import Storage
@@ -175,7 +175,7 @@ def test_moe_dp_reshardable_reads_bit_for_bit_as_megatrons_fully_reshardable(dis
     assert experts == {f"dp_group_idx_{i}" for i in range(ep * pp)}
     assert any(k.startswith("chained_0.optimizer.distributed.dp_group_idx_0.") for k in keys)
     with TorchDistReader(made["dp"]) as reader:
-        buckets = {(str(gbuf), place.bucket) for gbuf, place in reader.dp_reshardable.placed.values()}
+        buckets = {(str(gbuf), place.bucket) for gbuf, place in reader.optimizer.placed.values()}
     assert len(buckets) == ((1 + ep) * pp * vpp if bucket_size is None else 22)  # bucketed: 6 dense, 8 per EP rank's experts
     dp, dp_common = optimizer_tensors(made["dp"])
     full, full_common = optimizer_tensors(made["full"])
@@ -268,7 +268,7 @@ def test_many_buckets_decode_as_the_one_bucket_runs_state(distrib_optim):
     many-bucket run is not the truth: its values past the first bucket are shifted, the known upstream bug.)"""
     bucketed = distrib_optim("tiny-odd", tp=2, bucket_size=6000)["dp"]
     with TorchDistReader(bucketed) as reader:
-        buckets = {place.bucket for _, place in reader.dp_reshardable.placed.values()}
+        buckets = {place.bucket for _, place in reader.optimizer.placed.values()}
         assert len(buckets) == 7
     dp, dp_common = optimizer_tensors(bucketed)
     full, full_common = optimizer_tensors(distrib_optim("tiny-odd", tp=2)["full"])
@@ -284,7 +284,7 @@ def test_tied_embeddings_with_vpp_decode_to_the_models_weights(distrib_optim):
     one_bucket = distrib_optim("tiny-odd-tied", tp=1, pp=2, vpp=2)
     bucketed = distrib_optim("tiny-odd-tied", tp=1, pp=2, vpp=2, bucket_size=3000)["dp"]
     with TorchDistReader(bucketed) as reader:
-        assert len(set(reader.dp_reshardable.bucket_keys)) > 4  # (rank, chunk, bucket)
+        assert len(set(reader.optimizer.bucket_keys)) > 4  # (rank, chunk, bucket)
     dp, _ = optimizer_tensors(bucketed)
     assert_same(dp, optimizer_tensors(one_bucket["dp"])[0])
     full, _ = optimizer_tensors(one_bucket["full"])

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from reshard import master_weights
 from reshard.convert import convert
 from reshard.errors import ReshardError
-from reshard.formats import distrib_optim as distrib_optim_format
 from reshard.formats.megatron_dist import TorchDistReader
 from reshard.formats.megatron_legacy import LegacyReader
+from reshard.optim import master_weights
+from reshard.optim.order import LAYER_ORDERS, MULTI_HEAD
 from reshard.request import LayoutChange, Target
 from reshard.torchfile import dcp_metadata
 from reshard.torchfile.dcp_metadata import Storage
-from tests.reshard.formats.test_distrib_optim import ITER
+from tests.reshard.optim.test_dp_reshardable import ITER
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 
 QKV = "decoder.layers.self_attention.linear_qkv.weight"
@@ -70,7 +70,7 @@ def test_megatrons_own_buffer_saves_pass(distrib_optim, preset, layout, form, bf
 def _places(path: Path, a: tuple[str, int], b: tuple[str, int]):
     """Where parameters `a` and `b` ((name, layer) on TP rank 0) lie in the buckets, as reshard derives it."""
     with TorchDistReader(path) as reader:
-        placed = reader.dp_reshardable.placed
+        placed = reader.optimizer.placed
         return placed[(*a, None, 0, 0, 0)], placed[(*b, None, 0, 0, 0)]
 
 
@@ -150,7 +150,7 @@ def test_two_parameters_swapped_in_distrib_optim_pt_are_refused(distrib_optim, t
     path = next((tmp_path / "bad" / ITER).glob("mp_rank_00*/distrib_optim.pt"))
     state = torch.load(path, weights_only=False)  # the fixture's own file
     with LegacyReader(made["legacy"]) as reader:
-        buffer = reader.distrib_optim.buffer_layout.buffers[gbuf]
+        buffer = reader.optimizer.buffer_layout.buffers[gbuf]
         a, b = buffer.coalesced_start(pa), buffer.coalesced_start(pb)
     for tensors in state[gbuf.index].values():
         for key in ("param", "exp_avg", "exp_avg_sq"):
@@ -166,10 +166,10 @@ def test_two_parameters_swapped_in_distrib_optim_pt_are_refused(distrib_optim, t
 def test_a_wrong_order_of_reshards_own_is_refused(distrib_optim, tmp_path, monkeypatch):
     """A deliberate error in reshard's order table (q_layernorm and k_layernorm, one size, in each other's place)
     leaves every bucket length right; the check refuses the conversion, naming both norms."""
-    order = list(distrib_optim_format._LAYER_ORDER)
+    order = list(LAYER_ORDERS[("local", MULTI_HEAD)])
     q, k = order.index("self_attention.q_layernorm.weight"), order.index("self_attention.k_layernorm.weight")
     order[q], order[k] = order[k], order[q]
-    monkeypatch.setattr(distrib_optim_format, "_LAYER_ORDER", tuple(order))
+    monkeypatch.setitem(LAYER_ORDERS, ("local", MULTI_HEAD), tuple(order))
     with pytest.raises(ReshardError) as refused:
         convert(distrib_optim("tiny-odd", tp=2)["dp"], tmp_path / "out", Target(layout=LayoutChange(tp=1)))
     assert str(refused.value).startswith("decoder.layers.self_attention.k_layernorm.weight: the fp32 master weights decoded")

@@ -1,5 +1,5 @@
 """DistributedOptimizer buffers of a Transformer-Engine-spec model (`transformer_impl=transformer_engine`, Megatron-LM's
-default), decoded by the TE parameter order of reshard/formats/distrib_optim.py (`ParamOrder`).
+default), decoded by the TE parameter order of reshard/optim/order.py (`ParamOrder`).
 
 What is and is not proven here. Transformer Engine is not installable on this machine and no TE-written save exists,
 so the fixture (`distrib_optim(..., te_order=True)`) is a local-spec model whose named_parameters() yield the order
@@ -7,7 +7,7 @@ so the fixture (`distrib_optim(..., te_order=True)`) is a local-spec model whose
 saying transformer_engine. Megatron-core's own DDP lays its buffers out by that order, trains two steps and saves
 them itself; so these tests prove reshard's bucket layout for that order against Megatron's (alignment, reversal,
 buckets, padding, the chained expert optimizer, grouped experts) bit for bit, NOT that TE registers its parameters
-in that order: that remains our opinion, and the master-weight check (reshard/master_weights.py) is the guard
+in that order: that remains our opinion, and the master-weight check (reshard/optim/master_weights.py) is the guard
 that refuses a real TE save if it is wrong (shown below with the wrong order on purpose)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from reshard.formats.megatron_dist import TorchDistReader
 from reshard.formats.megatron_legacy import LegacyReader
-from tests.reshard.formats.test_distrib_optim import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
+from tests.reshard.optim.test_dp_reshardable import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 
 QKV_NORM, PROJ = "decoder.layers.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.self_attention.linear_proj.weight"
@@ -29,7 +29,7 @@ CASES = [("tiny-odd", {"tp": 2}, 21), ("tiny-moe", {"tp": 1, "ep": 2}, 10)]
 
 def _start(path: Path, name: str) -> int:
     with TorchDistReader(path) as reader:
-        return reader.dp_reshardable.placed[(name, 0, None, 0, 0, 0)][1].start
+        return reader.optimizer.placed[(name, 0, None, 0, 0, 0)][1].start
 
 
 def _with_args(source: Path, dest: Path, **changes) -> None:
@@ -46,7 +46,7 @@ def test_te_ordered_buckets_decode_bit_for_bit_as_megatrons_fully_reshardable(di
     te = distrib_optim(preset, te_order=True, **layout)
     with TorchDistReader(te["dp"]) as reader:
         assert reader.common.args["transformer_impl"] == "transformer_engine"
-        assert reader.dp_reshardable.buffer_layout.order.grouped_experts == (preset == "tiny-moe")
+        assert reader.optimizer.buffer_layout.order.grouped_experts == (preset == "tiny-moe")
     dp, dp_common = optimizer_tensors(te["dp"])
     full, full_common = optimizer_tensors(te["full"])
     assert len(dp) == 3 * params

@@ -1,0 +1,199 @@
+"""The order of a rank's parameters in megatron-core's `named_parameters()`, by their checkpoint (canonical) names:
+where the DistributedOptimizer's buffers (`reshard.optim.buffers`) lay each of them out, in reverse.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from reshard.config import ModelConfig
+from reshard.errors import ReshardError
+from reshard.logical import TensorSpec
+
+# A transformer layer's parameters in megatron-core's module order (local spec: input_layernorm,
+# self_attention.{linear_proj, linear_qkv, q_layernorm, k_layernorm}, pre_mlp_layernorm, mlp.{fc1, fc2};
+# an MoE layer's mlp: router, (experts,) shared_experts with its own gate_weight before its submodules'),
+# by their checkpoint (canonical) names.
+_LAYER_ORDER = (
+    "self_attention.linear_qkv.layer_norm_weight",  # input_layernorm.weight
+    "self_attention.linear_qkv.layer_norm_bias",
+    "self_attention.linear_proj.weight",
+    "self_attention.linear_proj.bias",
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias",
+    "self_attention.q_layernorm.weight",
+    "self_attention.q_layernorm.bias",
+    "self_attention.k_layernorm.weight",
+    "self_attention.k_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight",  # pre_mlp_layernorm.weight
+    "mlp.linear_fc1.layer_norm_bias",
+    "pre_mlp_layernorm.weight",  # an MoE layer's
+    "pre_mlp_layernorm.bias",
+    "mlp.router.weight",
+    "mlp.experts",  # the experts, where they share the dense buffer (EP1)
+    "mlp.shared_experts.gate_weight",
+    "mlp.shared_experts.linear_fc1.weight",
+    "mlp.shared_experts.linear_fc1.bias",
+    "mlp.shared_experts.linear_fc2.weight",
+    "mlp.shared_experts.linear_fc2.bias",
+    "mlp.linear_fc1.weight",
+    "mlp.linear_fc1.bias",
+    "mlp.linear_fc2.weight",
+    "mlp.linear_fc2.bias",
+)
+# The same layer with the Transformer-Engine spec (megatron-core 0.17.1, gpt_layer_specs.py:310-316): no
+# input_layernorm module (TransformerLayerSubmodules' IdentityOp); it is linear_qkv's own, a TE LayerNormLinear,
+# which registers layer_norm_weight, layer_norm_bias, weight, bias in that order (TE v2.14.1, the version
+# megatron-core 0.17.1 pins: pytorch/module/layernorm_linear.py:1262,1271,1358,1373; the same since TE 1.x).
+# Attention registers core_attention (no parameters here), then linear_proj (attention.py:318,349), and
+# SelfAttention then linear_qkv, q_layernorm, k_layernorm (attention.py:1278,1292,1301): the norm moves after
+# linear_proj. mlp.linear_fc1 is a LayerNormLinear too, registered where the local pre_mlp_layernorm was (just
+# before fc1's weight), and TE's Linear registers weight before bias (linear.py:1268,1283), so the rest is alike.
+_TE_LAYER_ORDER = (
+    "self_attention.linear_proj.weight",
+    "self_attention.linear_proj.bias",
+    "self_attention.linear_qkv.layer_norm_weight",
+    "self_attention.linear_qkv.layer_norm_bias",
+    *(name for name in _LAYER_ORDER if not name.startswith(("self_attention.linear_proj.", "self_attention.linear_qkv.layer_norm_"))),
+)
+_MLP_ORDER = _LAYER_ORDER[_LAYER_ORDER.index("mlp.linear_fc1.layer_norm_weight") :]  # the same in every table
+# A multi-latent-attention layer (megatron-core 0.16.1; alike in 0.17.1 and 0.19.2): TransformerLayer registers
+# input_layernorm (a module of its own in both specs), self_attention, pre_mlp_layernorm, mlp (transformer_layer.py:
+# 287,304,334,370). Attention.__init__ builds linear_proj (attention.py:349; MultiLatentAttention's rebuild at
+# multi_latent_attention.py:169 keeps its place) before MLASelfAttention builds linear_q_proj (no q_lora_rank) or
+# linear_q_down_proj and linear_q_up_proj, then linear_kv_down_proj, linear_kv_up_proj, q_layernorm, kv_layernorm
+# (multi_latent_attention.py:393,419,438,464,483,498,505). MLA's projections have no bias.
+_MLA_HEAD = (
+    "input_layernorm.weight",
+    "input_layernorm.bias",
+    "self_attention.linear_proj.weight",
+    "self_attention.linear_proj.bias",
+    "self_attention.linear_q_proj.weight",
+    "self_attention.linear_q_down_proj.weight",
+)
+# The local spec's latent norms are q_layernorm and kv_layernorm (gpt_layer_specs.py:383-384), canonically the up
+# projections' layer_norm_*: last in the attention.
+_MLA_LAYER_ORDER = (
+    *_MLA_HEAD,
+    "self_attention.linear_q_up_proj.weight",
+    "self_attention.linear_kv_down_proj.weight",
+    "self_attention.linear_kv_up_proj.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight",  # q_layernorm.weight
+    "self_attention.linear_q_up_proj.layer_norm_bias",
+    "self_attention.linear_kv_up_proj.layer_norm_weight",  # kv_layernorm.weight
+    "self_attention.linear_kv_up_proj.layer_norm_bias",
+    *_MLP_ORDER,
+)
+# The Transformer-Engine spec (gpt_layer_specs.py:233-265): input_layernorm a TENorm, q/kv_layernorm IdentityOp; with
+# qk_layernorm the up projections are TE LayerNormLinears, which register their norm before their weight (as
+# linear_qkv above). The down projections are TELinear(parallel_mode="duplicated"): whole on every TP rank.
+_MLA_TE_LAYER_ORDER = (
+    *_MLA_HEAD,
+    "self_attention.linear_q_up_proj.layer_norm_weight",
+    "self_attention.linear_q_up_proj.layer_norm_bias",
+    "self_attention.linear_q_up_proj.weight",
+    "self_attention.linear_kv_down_proj.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight",
+    "self_attention.linear_kv_up_proj.layer_norm_bias",
+    "self_attention.linear_kv_up_proj.weight",
+    *_MLP_ORDER,
+)
+# One expert's parameters (SequentialMLP's local_experts.<i>), in the expert optimizer's own buffer (EP > 1).
+_EXPERT_ORDER = (
+    "mlp.experts.experts.linear_fc1.weight",
+    "mlp.experts.experts.linear_fc1.bias",
+    "mlp.experts.experts.linear_fc2.weight",
+    "mlp.experts.experts.linear_fc2.bias",
+)
+_TOP_ORDER = (
+    "embedding.word_embeddings.weight",
+    "embedding.position_embeddings.weight",
+    None,  # the decoder's layers
+    "decoder.final_layernorm.weight",
+    "decoder.final_layernorm.bias",
+    "output_layer.weight",
+)
+
+
+def _unknown_place(param: str) -> ReshardError:
+    return ReshardError(
+        f"{param}: where megatron-core places this parameter in the DistributedOptimizer's buffer is not "
+        "known to reshard; its dp_reshardable optimizer state cannot be decoded (convert with --no-optimizer)"
+    )
+
+
+MULTI_HEAD, MULTI_LATENT = "multi-head", "multi-latent"
+# A transformer layer's parameters in registration order, by what selects them: the module spec the saving run was
+# built with (its args' transformer_impl) and the layer's attention. This is the one place a parameter's place is
+# known: a model family whose layers register parameters of their own puts them in their place here (or adds the
+# entry of a new attention), and its DistributedOptimizer state is decoded and written in every form.
+LAYER_ORDERS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("local", MULTI_HEAD): _LAYER_ORDER,
+    ("transformer_engine", MULTI_HEAD): _TE_LAYER_ORDER,
+    ("local", MULTI_LATENT): _MLA_LAYER_ORDER,
+    ("transformer_engine", MULTI_LATENT): _MLA_TE_LAYER_ORDER,
+}
+
+
+def attention_of(config: ModelConfig) -> str:
+    """The attention of a model's layers, as `LAYER_ORDERS` keys it."""
+    return MULTI_LATENT if config.multi_latent_attention else MULTI_HEAD
+
+
+@dataclass(frozen=True)
+class ParamOrder:
+    """The order of a rank's parameters in `named_parameters()`, as the saving run's modules register them."""
+
+    spec: str  # the module spec: "transformer_engine" (Megatron-LM's default transformer_impl) or "local"
+    attention: str = MULTI_HEAD
+    grouped_experts: bool = False  # TEGroupedMLP experts (moe_grouped_gemm with TE), not SequentialMLP
+
+    @classmethod
+    def of(cls, args: dict[str, Any], attention: str = MULTI_HEAD) -> ParamOrder:
+        """The order of a run with saved `args`, of a model whose layers have `attention`."""
+        impl = args.get("transformer_impl", "transformer_engine")
+        if (impl, attention) not in LAYER_ORDERS:
+            raise ReshardError(
+                f"DistributedOptimizer state of a transformer_impl={impl} model with {attention} attention is not decoded "
+                "(convert with --no-optimizer)"
+            )
+        for flag, what in (("use_te_op_fuser", "Transformer-Engine's fused-op MLP"), ("fp8_param_gather", "FP8 parameters"),
+                           ("moe_use_legacy_grouped_gemm", "the legacy GroupedMLP experts"),
+                           ("mla_down_proj_fusion", "multi-latent attention's fused q/kv down projection")):
+            if args.get(flag):
+                raise ReshardError(f"DistributedOptimizer state of a model with {what} ({flag}) is not decoded yet (convert with --no-optimizer)")
+        # the local spec builds SequentialMLP whatever moe_grouped_gemm says (backends.py, LocalSpecProvider)
+        return cls(impl, attention, impl == "transformer_engine" and bool(args.get("moe_grouped_gemm")))
+
+    @property
+    def transformer_engine(self) -> bool:
+        return self.spec == "transformer_engine"
+
+    @property
+    def layer(self) -> tuple[str, ...]:
+        """A transformer layer's parameters in registration order."""
+        return LAYER_ORDERS[(self.spec, self.attention)]
+
+    def key(self, spec: TensorSpec, layer: int | None, expert: int | None) -> tuple[int, ...]:
+        """Where parameter `spec` (at global `layer` and `expert`) comes in the rank's named_parameters()."""
+        param = spec.param
+        if not param.startswith("decoder.layers."):
+            if param not in _TOP_ORDER:
+                raise _unknown_place(param)
+            return (_TOP_ORDER.index(param), 0, 0, 0, 0)
+        tail = re.sub(r"^decoder\.layers\.(\d+\.)?", "", param)
+        order = _EXPERT_ORDER if spec.experts else self.layer
+        if tail not in order:
+            raise _unknown_place(param)
+        layer = layer if layer is not None else spec.layer
+        if spec.experts:
+            experts_at = self.layer.index("mlp.experts")
+            if self.grouped_experts:
+                # TEGroupedMLP registers linear_fc1, then linear_fc2 (experts.py:185,203), each a TE GroupedLinear that
+                # registers weight<i> then bias<i> for each local expert i in turn (grouped_linear.py:704-736)
+                module, kind = divmod(order.index(tail), 2)
+                return (_TOP_ORDER.index(None), layer, experts_at, module, 2 * (expert or 0) + kind)
+            return (_TOP_ORDER.index(None), layer, experts_at, expert or 0, order.index(tail))
+        return (_TOP_ORDER.index(None), layer, order.index(tail), 0, 0)

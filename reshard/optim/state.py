@@ -1,0 +1,84 @@
+"""The reader's seam: a checkpoint reader *has* an optimizer state, decoded from the form the checkpoint stores it in,
+which it asks for regions of Megatron's fully_reshardable per-parameter tensors (`optimizer.state.<param|exp_avg|
+exp_avg_sq>.<model key>`). What a reader does not decode it lists as not read (`CheckpointReader.unsupported_optimizer`),
+and where a decoder refused what it found, it keeps why (`OptimizerRefusal`): the model still converts without it."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from reshard.errors import ReshardError
+from reshard.logical import TensorSpec
+from reshard.records import StoredRecord
+from reshard.sharding import Region
+
+
+@dataclass(frozen=True)
+class StoredForm:
+    """How a checkpoint stores its optimizer state: `fully_reshardable` (per-parameter tensors, any layout),
+    `dp_reshardable` (the DistributedOptimizer's flat buckets, tied to their DP size), `distrib_optim.pt` (the legacy
+    format's buffers, tied to it too), `plain` (the non-distributed optimizer's per-parameter tensors),
+    `fully_sharded_model_space` (megatron-core <= 0.14's per-parameter flattened ranges), or the name Megatron records
+    for another form."""
+
+    form: str
+    dp: int | None  # the data-parallel size the state was saved at
+    buckets: int | None = None  # a buffer form's buckets over every model-parallel rank and model chunk
+    ranks: int | None = None  # a buffer form's model-parallel ranks holding buckets
+
+    def render(self) -> str:
+        where = f", {self.buckets} buckets over {self.ranks} model-parallel ranks" if self.buckets is not None else ""
+        return f"optimizer: {self.form}, DP {self.dp or '?'}{where}"
+
+
+@dataclass(frozen=True)
+class OptimizerRefusal:
+    """Why a reader did not decode the optimizer state it found."""
+
+    stored: str  # what was not read, as a conversion without it lists it among what it drops
+    reason: str  # the decoder's refusal in one line, naming the file or tensor
+
+    def error(self) -> ReshardError:
+        """The refusal of a conversion that would carry the state, saying what to do."""
+        if "--no-optimizer" in self.reason:  # the decoder said what to do already
+            return ReshardError(self.reason)
+        return ReshardError(f"{self.reason}; pass --no-optimizer to convert the model without its optimizer state")
+
+
+class OptimizerState(abc.ABC):
+    """The optimizer tensors a checkpoint's stored form decodes to."""
+
+    specs: dict[str, TensorSpec]  # the logical optimizer tensors it holds
+    # decoded by the buffer layout reshard derives (`optim.buffers`), which `master_weights` checks on every decode
+    from_buffers: ClassVar[bool] = False
+
+    @property
+    @abc.abstractmethod
+    def form(self) -> StoredForm:
+        """The form as stored (for `inspect`)."""
+
+    @property
+    @abc.abstractmethod
+    def described(self) -> str:
+        """The form as a plan names what it reads."""
+
+    @abc.abstractmethod
+    def read_into(self, name: str, region: Region, out: np.ndarray) -> None:
+        """Fill `out` (shaped like `region`) with the values of `region` of logical optimizer tensor `name`."""
+
+    @abc.abstractmethod
+    def common(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's common state `extra` with its `optimizer` entry as Megatron's fully_reshardable save
+        writes it (what a conversion carries)."""
+
+    def stored_records(self, name: str) -> list[StoredRecord] | None:
+        """Where tensor `name`'s values lie as plain records (what a conversion's writer vouches for, so that
+        verifying need not read them back); None where they are not one run each."""
+        return None
+
+    def close(self) -> None:
+        """Release file handles."""

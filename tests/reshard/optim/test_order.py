@@ -1,0 +1,75 @@
+"""The parameter-order tables (`reshard.optim.order.LAYER_ORDERS`) are the one place a parameter's place in the
+DistributedOptimizer's buffers is known: a model family's new parameter is placed by its table entry alone.
+
+Megatron's own saves prove the tables' present entries (test_dp_reshardable.py, test_te_order.py, test_mla_order.py);
+these tests need no Megatron. The new parameter is gpt-oss's attention sinks: megatron-core 0.16.1's
+DotProductAttention registers `softmax_offset` with softmax_type="learnable" (dot_product_attention.py:127), and
+Attention builds core_attention before linear_proj (attention.py:318, 349), so it comes right after the input norm."""
+
+from __future__ import annotations
+
+import pytest
+
+from fixtures.models import TINY_LLAMA
+from reshard.errors import ReshardError
+from reshard.layout import Layout
+from reshard.logical import Split, TensorSpec
+from reshard.optim.buffers import BufferLayout
+from reshard.optim.order import LAYER_ORDERS, MULTI_HEAD, MULTI_LATENT, ParamOrder
+
+SINKS = "self_attention.core_attention.softmax_offset"
+LOCAL = ("local", MULTI_HEAD)
+
+
+def _layer_spec(tail: str) -> TensorSpec:
+    name = f"decoder.layers.{tail}"
+    return TensorSpec(name, (2, 4), "float32", Split.NONE, stacked=True, param=name)
+
+
+def _sinks_after_the_input_norm(order: tuple[str, ...]) -> tuple[str, ...]:
+    at = order.index("self_attention.linear_proj.weight")
+    return (*order[:at], SINKS, *order[at:])
+
+
+def test_a_parameter_no_table_places_is_refused_by_name():
+    with pytest.raises(ReshardError, match=f"decoder.layers.{SINKS}: where megatron-core places this parameter"):
+        ParamOrder("local").key(_layer_spec(SINKS), 0, None)
+
+
+def test_one_table_entry_places_a_new_parameter(monkeypatch):
+    monkeypatch.setitem(LAYER_ORDERS, LOCAL, _sinks_after_the_input_norm(LAYER_ORDERS[LOCAL]))
+    order = ParamOrder.of({"transformer_impl": "local"})
+    tails = ["self_attention.linear_proj.weight", SINKS, "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc2.weight"]
+    ranked = sorted(tails, key=lambda tail: order.key(_layer_spec(tail), 0, None))
+    assert ranked == ["self_attention.linear_qkv.layer_norm_weight", SINKS, "self_attention.linear_proj.weight", "mlp.linear_fc2.weight"]
+    assert order.key(_layer_spec(SINKS), 1, None) > order.key(_layer_spec("mlp.linear_fc2.weight"), 0, None)  # layer by layer
+
+
+def test_the_buffers_lay_out_the_new_parameter_where_its_entry_says(monkeypatch):
+    """The whole derivation follows the entry: a TINY_LLAMA rank's buffer at TP2 with the sinks (one per head, split by
+    heads as attention is: 2 on each rank) holds them between the input norm and linear_proj, in reverse order, each
+    on its own 64-element alignment."""
+    monkeypatch.setitem(LAYER_ORDERS, LOCAL, _sinks_after_the_input_norm(LAYER_ORDERS[LOCAL]))
+    specs = {
+        name: TensorSpec(name, shape, "float32", split, stacked=name.startswith("decoder.layers."), param=name)
+        for name, shape, split in (
+            ("decoder.layers.self_attention.linear_qkv.layer_norm_weight", (TINY_LLAMA.num_layers, TINY_LLAMA.hidden_size), Split.NONE),
+            (f"decoder.layers.{SINKS}", (TINY_LLAMA.num_layers, 4), Split.COLUMN),
+            ("decoder.final_layernorm.weight", (TINY_LLAMA.hidden_size,), Split.NONE),
+        )
+    }
+    layout = BufferLayout(specs, TINY_LLAMA, Layout(tp=2), {"transformer_impl": "local", "data_parallel_size": 2})
+    places = sorted((place.start, place.name, place.layer) for gbuf, place in layout.placed.values() if gbuf.group == 0)
+    last = TINY_LLAMA.num_layers - 1
+    assert [(name.rsplit(".", 2)[-2], layer) for _, name, layer in places][:3] == [
+        ("final_layernorm", None), ("core_attention", last), ("linear_qkv", last)
+    ]
+    assert all(start % 64 == 0 for start, _, _ in places)
+    assert {place.numel for _, place in layout.placed.values() if place.name.endswith(SINKS)} == {2}
+
+
+def test_every_attention_and_spec_has_its_entry():
+    """What selects an order is (module spec, attention); an order of a combination with no entry is refused."""
+    assert set(LAYER_ORDERS) == {(spec, attention) for spec in ("local", "transformer_engine") for attention in (MULTI_HEAD, MULTI_LATENT)}
+    with pytest.raises(ReshardError, match="transformer_impl=inference_optimized model with multi-head attention is not decoded"):
+        ParamOrder.of({"transformer_impl": "inference_optimized"})
