@@ -474,17 +474,7 @@ def upload(
 
     paths = local_files(folder)
     check_publishable(folder, paths, allow_code)
-    total = sum(p.stat().st_size for p in paths.values())
-    say(f"hashing {len(paths)} files ({human_bytes(total)})")
-    done = 0
-    digests = {}
-    with ThreadPoolExecutor(max(1, workers)) as pool:
-        for name, digest in zip(paths, pool.map(sha256_of, paths.values())):
-            digests[name] = digest
-            done += paths[name].stat().st_size
-            if hashed:
-                hashed(done, total)
-    files = [_Local(name, p.stat().st_size, digests[name], path=p) for name, p in paths.items()]
+    files = _hashed(paths, workers, say, hashed)
     if CARD not in paths:
         card = model_card(folder, repo_id, training, {f.name: (f.size, f.sha256) for f in files}).encode()
         files.append(_Local(CARD, len(card), hashlib.sha256(card).hexdigest(), data=card))
@@ -495,27 +485,48 @@ def upload(
         result.url = str(api.create_repo(repo_id, private=private or None, repo_type="model", exist_ok=True))
         if revision:
             api.create_branch(repo_id, branch=revision, exist_ok=True)
-        remote = _remote_files(api, repo_id, revision)
-        todo = [f for f in files if not f.same_as(remote.get(f.name))]
-        batches = commit_batches(todo, commit_bytes)
-        if len(todo) < len(files):
-            say(f"{len(files) - len(todo)} of {len(files)} files are already on the Hub")
-        if todo:
-            say(f"uploading {len(todo)} files ({human_bytes(sum(f.size for f in todo))}) to {repo_id} in {len(batches)} commit(s)")
         message = commit_message or f"Upload {path.name} (reshard, checksums verified)"
-        for number, batch in enumerate(batches, 1):
-            part = f" (part {number}/{len(batches)})" if len(batches) > 1 else ""
-            info = api.create_commit(repo_id, [f.operation() for f in batch], commit_message=message + part,
-                                     revision=revision, repo_type="model")
-            result.commit = getattr(info, "oid", None)
-            result.commits += 1
-            result.committed += [f.name for f in batch]
-            result.bytes_committed += sum(f.size for f in batch)
-            say(f"commit {number}/{len(batches)}: {len(batch)} files, {human_bytes(sum(f.size for f in batch))} "
-                f"({human_bytes(result.bytes_committed)} of {human_bytes(sum(f.size for f in todo))})")
+        _commit_missing(api, result, files, revision, commit_bytes, message, say)
         remote = _remote_files(api, repo_id, revision)
     differ = [f.name for f in files if not f.same_as(remote.get(f.name))]
     if differ:
         raise ReshardError(f"after the upload, {len(differ)} file(s) on the Hub differ from {folder} (first: {differ[0]}); "
                            "run the same command again")
     return result
+
+
+def _hashed(paths: dict[str, Path], workers: int, say: Report, hashed: Callable[[int, int], None] | None) -> list[_Local]:
+    """The files to upload with their sha256, hashed by `workers` threads; `hashed` gets (done, total) bytes."""
+    total = sum(p.stat().st_size for p in paths.values())
+    say(f"hashing {len(paths)} files ({human_bytes(total)})")
+    done = 0
+    digests = {}
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        for name, digest in zip(paths, pool.map(sha256_of, paths.values())):
+            digests[name] = digest
+            done += paths[name].stat().st_size
+            if hashed:
+                hashed(done, total)
+    return [_Local(name, p.stat().st_size, digests[name], path=p) for name, p in paths.items()]
+
+
+def _commit_missing(api: Any, result: UploadResult, files: list[_Local], revision: str | None, commit_bytes: int,
+                    message: str, say: Report) -> None:
+    """Commit the files the repository lacks (or holds otherwise), in `commit_batches`, counted in `result`."""
+    remote = _remote_files(api, result.repo_id, revision)
+    todo = [f for f in files if not f.same_as(remote.get(f.name))]
+    batches = commit_batches(todo, commit_bytes)
+    if len(todo) < len(files):
+        say(f"{len(files) - len(todo)} of {len(files)} files are already on the Hub")
+    if todo:
+        say(f"uploading {len(todo)} files ({human_bytes(sum(f.size for f in todo))}) to {result.repo_id} in {len(batches)} commit(s)")
+    for number, batch in enumerate(batches, 1):
+        part = f" (part {number}/{len(batches)})" if len(batches) > 1 else ""
+        info = api.create_commit(result.repo_id, [f.operation() for f in batch], commit_message=message + part,
+                                 revision=revision, repo_type="model")
+        result.commit = getattr(info, "oid", None)
+        result.commits += 1
+        result.committed += [f.name for f in batch]
+        result.bytes_committed += sum(f.size for f in batch)
+        say(f"commit {number}/{len(batches)}: {len(batch)} files, {human_bytes(sum(f.size for f in batch))} "
+            f"({human_bytes(result.bytes_committed)} of {human_bytes(sum(f.size for f in todo))})")
