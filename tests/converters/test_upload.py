@@ -24,6 +24,7 @@ from reshard.plan import make_plan
 from reshard.request import Target
 from reshard.streaming import stream
 from reshard.upload import RECORD, upload
+from tests.cli import tree_digest
 
 from hf_models import build
 from hub_server import Hub, isolate
@@ -311,8 +312,6 @@ TAMPERED = [
 
 @pytest.mark.parametrize("tamper,message", TAMPERED, ids=lambda v: getattr(v, "__name__", str(v))[:30])
 def test_an_export_changed_or_given_code_after_its_checksums_is_not_uploaded(export, tmp_path, tamper, message):
-    from test_hostile_hf import tree_digest
-
     tamper(export)
     before = tree_digest(tmp_path)
     with Hub() as hub:

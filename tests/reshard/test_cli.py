@@ -1,6 +1,5 @@
 """The command line: one-line errors, non-zero exits, sources untouched, no half-written output."""
 
-import hashlib
 import json
 import os
 import pickle
@@ -14,6 +13,7 @@ from fixtures.models import TINY_LLAMA
 from fixtures.synthetic import SyntheticReader, write_synthetic
 from fixtures.torchrun import pythonpath
 from reshard.layout import Layout
+from tests.cli import tree_digest
 
 REPO = Path(__file__).resolve().parents[2]
 QKV = "decoder.layers.self_attention.linear_qkv.weight"
@@ -22,14 +22,6 @@ QKV = "decoder.layers.self_attention.linear_qkv.weight"
 def reshard(*args, cwd=None):
     env = dict(os.environ, PYTHONPATH=pythonpath())
     return subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd)
-
-
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(f.relative_to(path).as_posix().encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +77,12 @@ def test_bad_input_gets_one_line_and_nothing_written(ckpt, tmp_path, args, words
     (tmp_path / "empty").mkdir()
     names = {"src": ckpt, "out": tmp_path / "out", "missing": tmp_path / "nope", "empty": tmp_path / "empty",
              "parent": ckpt.parent}
-    before = _digest(ckpt)
+    before = tree_digest(ckpt)
     result = reshard(*[a.format(**names) for a in args])
     _one_line_error(result, *words)
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.reshard-*"))
-    assert _digest(ckpt) == before
+    assert tree_digest(ckpt) == before
 
 
 def test_existing_destination_needs_overwrite(ckpt, tmp_path):

@@ -21,6 +21,7 @@ from reshard.layout import Layout
 from reshard.request import Run, Target
 from reshard.sharding import full_region
 from tests.arrays import same, tensors
+from tests.cli import tree_digest
 
 MANY_EXPERTS = TINY_MOE.replace(num_experts=16)
 
@@ -279,16 +280,6 @@ def test_an_array_leading_out_of_the_store_is_refused(tmp_path, how):
     assert not (tmp_path / "out").exists()
 
 
-def _tree_digest(root: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*")):
-        h.update(path.relative_to(root).as_posix().encode())
-        h.update(os.readlink(path).encode() if path.is_symlink() else path.read_bytes() if path.is_file() else b"/")
-    return h.hexdigest()
-
-
 @pytest.mark.parametrize("reads", ["pread", "tensorstore"])
 def test_a_chunk_file_linked_out_of_the_store_is_refused(tmp_path, monkeypatch, reads):
     """A shard (or chunk) file that is a symlink to another store's: tensorstore, and our pread, would read the
@@ -305,10 +296,10 @@ def test_a_chunk_file_linked_out_of_the_store_is_refused(tmp_path, monkeypatch, 
     shard.symlink_to(other / name / "c" / "0" / "0" / "0")
     if reads == "tensorstore":
         monkeypatch.setattr(ZarrReader, "_plain", lambda self, name: None)
-    before = _tree_digest(store)
+    before = tree_digest(store)
     with pytest.raises(ReshardError, match=rf"{name}/c/0/0/0 leads outside the checkpoint"):
         convert(store, tmp_path / "out", Target(format="torch_dist"))
-    assert not (tmp_path / "out").exists() and _tree_digest(store) == before
+    assert not (tmp_path / "out").exists() and tree_digest(store) == before
 
     monkeypatch.setattr("reshard.formats.zarr_store.confined_tree", lambda path: None)  # the defence off
     with ZarrReader(store) as reader, ZarrReader(other) as theirs:
