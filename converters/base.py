@@ -504,13 +504,12 @@ class Family:
     # ---- ModelConfig -> HF config ----------------------------------------------------------------
     def check_megatron(self, config: ModelConfig) -> None:
         """Refuse a Megatron model this family's HF classes cannot represent."""
-        values = self.megatron_features(config)
-        for field, want in self.signature.items():
-            if values[field] != want:
-                raise ReshardError(
-                    f"the model has {field}={values[field]!r} but HF {self.model_type} needs {want!r}: "
-                    f"it is not a {self.model_type} model; export it as another family (HF writer option `architecture`)"
-                )
+        if (differs := self.mismatch(config)) is not None:
+            from reshard.converters import families_for_model
+
+            fits = [family.model_type for family in families_for_model(config)]
+            raise ReshardError(f"the model has {differs}: it is not a {self.model_type} model; "
+                               + (f"it fits HF {' and '.join(fits)}" if fits else "no HF family holds it: keep it in a Megatron format"))
         if config.rotary_percent != 1.0:
             raise ReshardError(f"rotary_percent={config.rotary_percent} has no HF {self.model_type} equivalent")
         if config.unmodeled:
@@ -547,9 +546,16 @@ class Family:
             "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor,
         }
 
-    def matches(self, config: ModelConfig) -> bool:
+    def mismatch(self, config: ModelConfig) -> str | None:
+        """The first feature of the model this family's HF model cannot hold, said for a user; None if it fits."""
         features = self.megatron_features(config)
-        return all(features[k] == v for k, v in self.signature.items())
+        for field, want in self.signature.items():
+            if features[field] != want:
+                return f"{field}={features[field]!r} where HF {self.model_type} needs {want!r}"
+        return None
+
+    def matches(self, config: ModelConfig) -> bool:
+        return self.mismatch(config) is None
 
     def hf_config_base(self, config: ModelConfig, saved: dict[str, Any] | None) -> dict[str, Any]:
         """Refuse what HF cannot express; start from the imported HF config when it is this family's."""
