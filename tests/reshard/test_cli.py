@@ -63,6 +63,12 @@ def test_convert_then_verify(ckpt, tmp_path, reread):
         (["convert", "{src}", "{out}", "--to-tp", "3"], ["does not divide", "attention heads"]),
         (["convert", "{src}", "{out}", "--to-tp", "4"], ["2 query groups"]),
         (["convert", "{src}", "{out}", "--to-pp", "3"], ["layers"]),
+        # stages that cannot exist (Megatron-Core's TransformerConfig refuses each: tests/reshard/test_layout.py)
+        (["convert", "{src}", "{out}", "--to-pp", "2", "--first-stage-layers", "-1"], ["first pipeline stage of -1 layers"]),
+        (["convert", "{src}", "{out}", "--to-pp", "2", "--first-stage-layers", "0"], ["--first-stage-layers", "at least one layer"]),
+        (["convert", "{src}", "{out}", "--to-pp", "2", "--last-stage-layers", "0"], ["--last-stage-layers", "at least one layer"]),
+        (["convert", "{src}", "{out}", "--to-pp", "4", "--first-stage-layers", "2", "--last-stage-layers", "2"],
+         ["4 layers cannot be split as first=2, last=2 over PP=4", "the middle ones alike"]),
         (["convert", "{src}", "{out}", "--to-ep", "2"], ["mixture-of-experts"]),
         (["convert", "{src}", "{out}", "--tp", "4"], ["TP=2, not 4"]),
         (["convert", "{src}", "{out}", "--to-format", "legacy"], ["--no-optimizer"]),
