@@ -487,11 +487,13 @@ class HFReader(CheckpointReader):
             file.read_into(record, region, out)
             return
         grid = self._tensor(scales)
+        fp8_blocks.check_scales(grid, scales)
         (r0, r1), (c0, c1) = region
         for rows in fp8_blocks.block_rows(r1 - r0, self._block, r0):
             values = self._rows.array([rows.stop - rows.start, c1 - c0], fp8_blocks.FP8)
             file.read_into(record, ((r0 + rows.start, r0 + rows.stop), (c0, c1)), values)
             fp8_blocks.dequantize(values, grid, self._block, (r0 + rows.start, c0), out=out[rows])
+            fp8_blocks.check_finite(out[rows], hf_name, (r0 + rows.start, c0))
 
     def close(self) -> None:
         for file in self._handles.values():
