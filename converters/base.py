@@ -230,7 +230,7 @@ HF_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_v
            "num_experts_per_tok", "decoder_sparse_step", "shared_expert_intermediate_size", "n_embd", "n_layer", "n_head", "n_inner",
            "n_positions", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 HF_NULLABLE = ("num_key_value_heads", "head_dim", "n_inner", "num_local_experts", "num_experts", "q_lora_rank")
-HF_POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
+HF_POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "routed_scaling_factor")
 HF_BOOLS = ("tie_word_embeddings", "norm_topk_prob", "qkv_bias")
 MAX_INT = 1 << 31  # far past any model's sizes; a product of a few stays within numpy's int64 shapes
 

@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from fixtures.models import TINY_LLAMA, TINY_MOE
-from fixtures.synthetic import SyntheticReader
+from fixtures.synthetic import write_synthetic
 from reshard.converters import family_by_name
 from reshard.errors import ReshardError
-from reshard.plan import make_plan
-from reshard.request import Target
-from reshard.streaming import stream
+from reshard.layout import Layout
 from tests.cli import refused_cli, run_cli
-
-
-def _recorded_as(path: Path, config, hf_model_type: str) -> Path:
-    """A torch_dist checkpoint of `config` whose args say it was imported from HF `hf_model_type`."""
-    reader = SyntheticReader(config)
-    reader.common.args["hf_model_type"] = hf_model_type
-    stream(reader, make_plan(reader, path, Target(format="torch_dist")))
-    return path
 
 
 @pytest.mark.parametrize("config, recorded, differs, fits", [
@@ -35,7 +23,8 @@ def test_args_naming_a_family_the_model_does_not_fit_are_refused_and_the_advice_
         tmp_path, monkeypatch, capsys, config, recorded, differs, fits):
     """The refusal names the arg and says what to do; doing it (deleting hf_model_type from common.pt's args, as
     a user would with torch) exports the model as the family that fits."""
-    source = _recorded_as(tmp_path / "src", config, recorded)
+    source = tmp_path / "src"
+    write_synthetic(source, config, Layout(), "torch_dist", args={"hf_model_type": recorded})
     refused_cli(monkeypatch, capsys, ["convert", source, tmp_path / "out", "--to-format", "hf", "-q"],
                 f"imported from HF {recorded} (hf_model_type)", differs, "keep it in a Megatron format",
                 f"delete hf_model_type from its args to export it as HF {fits}", untouched=(source,))
