@@ -35,6 +35,7 @@ from reshard.buffers import PerThread, copy
 from reshard.checksum import HashedParts, TensorChecksum
 from reshard.config import ModelConfig
 from reshard.direct_io import ALIGN, DirectFile
+from reshard.documents import read_json
 from reshard.dtypes import itemsize, numpy_dtype
 from reshard.errors import ReshardError
 from reshard.formats.base import (
@@ -287,10 +288,7 @@ class HFReader(CheckpointReader):
         self.path = self.tokenizer_dir = Path(path)
         if not (self.path / CONFIG).is_file():
             raise ReshardError(f"{self.path} has no config.json: not a HuggingFace model directory")
-        try:
-            self.hf_config = json.loads(confined(self.path, CONFIG).read_text())
-        except ValueError as exc:
-            raise ReshardError(f"{self.path / CONFIG} is not valid JSON ({exc})") from None
+        self.hf_config = read_json(confined(self.path, CONFIG), name=str(self.path / CONFIG))
         self.family = family_for_hf(self.hf_config)
         try:
             config, extras = self.family.config_from_hf(self.hf_config)
@@ -439,7 +437,7 @@ class HFReader(CheckpointReader):
         index = self.path / INDEX
         if index.is_file():
             try:
-                weight_map = json.loads(confined(self.path, INDEX).read_text())["weight_map"]
+                weight_map = read_json(confined(self.path, INDEX), name=str(index))["weight_map"]
                 names = sorted(set(weight_map.values()))
             except (ValueError, KeyError, TypeError, AttributeError):
                 raise ReshardError(f"{index} is not a safetensors index (no weight_map of tensor -> file)") from None

@@ -38,6 +38,7 @@ from reshard.buffers import PerThread, copy
 from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
 from reshard.direct_io import DirectFile
+from reshard.documents import read_json
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, StoredRecord, cached
@@ -78,8 +79,8 @@ def is_zarr(path: Path) -> bool:
     if not meta.is_file():
         return False
     try:
-        return "reshard" in json.loads(meta.read_text()).get("attributes", {})
-    except ValueError:
+        return "reshard" in read_json(meta).get("attributes", {})
+    except (ReshardError, AttributeError, TypeError):  # no JSON object of attributes: no store of reshard's
         return False
 
 
@@ -239,7 +240,7 @@ class ZarrReader(CheckpointReader):
             raise ReshardError(f"{path} is not a reshard zarr store (no zarr.json with reshard attributes)")
         self.path = self.tokenizer_dir = path
         confined_tree(path)  # tensorstore opens chunk files by name, following links: none may lead out
-        attrs = json.loads((path / "zarr.json").read_text())["attributes"]["reshard"]
+        attrs = read_json(path / "zarr.json")["attributes"]["reshard"]
         # None: written from a checkpoint that records no architecture (global tensors, which convert only as they are)
         self.config = ModelConfig.from_dict(attrs["config"]) if attrs["config"] is not None else None
         self.layout = Layout(**attrs["layout"])

@@ -449,7 +449,22 @@ MUST_REFUSE = [
     ("deepseek_v3", "first_k_dense_replace", None, "first_k_dense_replace=null"),
     ("deepseek_v3", "rope_parameters.original_max_position_embeddings", 0, "original_max_position_embeddings=0"),
     ("deepseek_v3", "rope_parameters.mscale", "abc", "rope_scaling.mscale"),
+    # no tensor's shape pins these down: a negative or zero routing scale flips or zeroes every expert's output
+    ("deepseek_v3", "routed_scaling_factor", -1, "routed_scaling_factor=-1 is not a positive number"),
+    ("deepseek_v3", "routed_scaling_factor", 0, "routed_scaling_factor=0 is not a positive number"),
+    ("deepseek_v3", "routed_scaling_factor", float("nan"), "routed_scaling_factor=NaN"),
+    ("deepseek_v3", "routed_scaling_factor", "2.5", 'routed_scaling_factor="2.5"'),
 ]
+
+
+@pytest.mark.parametrize("depth", [33, 1000, 20_000])
+def test_a_config_json_nested_too_deep_is_refused(model, tmp_path, monkeypatch, capsys, depth):
+    """Its values ride in the args reshard pickles into its output: nested thousands deep it ended in a
+    RecursionError (an internal error), and a few hundred deep, in one as the output was written."""
+    config = (model / "config.json").read_text()
+    (model / "config.json").write_text(config[: config.rindex("}")] + ', "deep": ' + "[" * depth + "]" * depth + "}")
+    refused_cli(monkeypatch, capsys, ["inspect", model], "config.json nests deeper than 32 levels", untouched=(model,))
+    refused(monkeypatch, capsys, model, tmp_path / "out", "config.json nests deeper than 32 levels")
 
 
 @pytest.mark.parametrize("family,field,value,words", MUST_REFUSE, ids=lambda v: str(v)[:20])
