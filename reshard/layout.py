@@ -30,6 +30,11 @@ _OTHER_PIPELINE_SPLITS = {
 }
 
 
+def megatron_arg(field: str) -> str:
+    """The Megatron-LM argument that records a Layout field ("tp" -> "tensor_model_parallel_size")."""
+    return _MEGATRON_ARGS[field]
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int = 1
