@@ -264,6 +264,9 @@ def verify(path: Path, against: Path | None, as_json: bool, config_file: Path | 
               help="Upload in commits of about this size; a rerun after an interruption resumes at the first file not yet committed.")
 @click.option("--allow-code", is_flag=True, help="Upload *.py files and an auto_map (code that transformers runs with "
               "trust_remote_code) too; refused otherwise.")
+@click.option("--include-unverified", is_flag=True, help="Publish files no checksum covers too (notes, extra folders: "
+              "anything but the weights, the files whose sha256 the export recorded, the manifest and the model card); "
+              "refused otherwise, listing them.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress.")
 def upload(checkpoint: Path, repo_id: str, **opts: Any) -> None:
     """Publish CHECKPOINT to the Hub as REPO_ID, as an HF model whose checksums verify.
@@ -298,6 +301,7 @@ def upload(checkpoint: Path, repo_id: str, **opts: Any) -> None:
                 endpoint=opts["endpoint"], commit_message=opts["message"], staging=opts["staging"], dtype=opts["dtype"],
                 max_shard_bytes=sizes["max_shard_size"], metrics=opts["metrics"], workers=opts["workers"],
                 commit_bytes=sizes["commit_size"], report=say, allow_code=opts["allow_code"],
+                include_unverified=opts["include_unverified"],
                 planned=lambda plan: setattr(bar, "total", plan.bytes_moved), progress=lambda n: bar.update(n), hashed=hashed,
             )
     except KeyboardInterrupt:
@@ -305,8 +309,9 @@ def upload(checkpoint: Path, repo_id: str, **opts: Any) -> None:
                    "uploads only the files the repository lacks", err=True)
         sys.exit(130)
     done = f"{len(result.committed)} committed now, {result.files - len(result.committed)} already in the repository"
-    click.echo(f"uploaded {checkpoint} to {result.url}: {result.files} files ({done}), checksums verified before upload; "
-               f"every file on the Hub has the sha256 of {result.folder}")
+    unchecked = f", {len(result.unverified)} of them unverified (--include-unverified)" if result.unverified else ""
+    click.echo(f"uploaded {checkpoint} to {result.url}: {result.files} files ({done}{unchecked}), checksums verified before "
+               f"upload; every file on the Hub has the sha256 of {result.folder}")
 
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,

@@ -105,6 +105,30 @@ def is_hf(path: Path) -> bool:
     return (path / CONFIG).is_file() and (any(path.glob("*.safetensors")) or (path / INDEX).is_file())
 
 
+def model_files(directory: Path) -> list[Path]:
+    """The safetensors files of the HF model in `directory`: those its index names (each checked to stay in the
+    directory and to be there), or without an index every *.safetensors beside config.json."""
+    index = directory / INDEX
+    if index.is_file():
+        try:
+            weight_map = read_json(confined(directory, INDEX), name=str(index))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ReshardError(f"{index} is not a safetensors index (no weight_map of tensor -> file)") from None
+        for name in names:
+            if not isinstance(name, str) or not name.endswith(".safetensors"):
+                raise ReshardError(f"{index} names {name!r}, not a safetensors file; refusing it")
+        files = [confined(directory, n) for n in names]
+        missing = [f for f in files if not os.path.isfile(f)]  # False for a name too long, too
+        if missing:
+            raise ReshardError(f"{missing[0]} is missing: the model download is incomplete")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ReshardError(f"{directory} has no *.safetensors files (PyTorch .bin weights are not supported; re-save with safetensors)")
+    return [confined(directory, f.name) for f in files]
+
+
 def recorded_digests(directory: Path) -> dict[str, str]:
     """The sha256 of each of RECORDED_FILES the directory has."""
     return {name: hashlib.sha256((directory / name).read_bytes()).hexdigest() for name in RECORDED_FILES if (directory / name).is_file()}
@@ -333,7 +357,7 @@ class HFReader(CheckpointReader):
     def _locate_tensors(self) -> dict[str, _Stored]:
         """Where each HF tensor lives, from the index or the file headers; a name in two files is refused."""
         stored: dict[str, _Stored] = {}
-        for file in self._files():
+        for file in model_files(self.path):
             header, start = _read_header(file)
             for name, info in header.items():
                 if name in stored:
@@ -433,27 +457,6 @@ class HFReader(CheckpointReader):
         return scales
 
     # -- files ------------------------------------------------------------------------------------
-    def _files(self) -> list[Path]:
-        index = self.path / INDEX
-        if index.is_file():
-            try:
-                weight_map = read_json(confined(self.path, INDEX), name=str(index))["weight_map"]
-                names = sorted(set(weight_map.values()))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                raise ReshardError(f"{index} is not a safetensors index (no weight_map of tensor -> file)") from None
-            for name in names:
-                if not isinstance(name, str) or not name.endswith(".safetensors"):
-                    raise ReshardError(f"{index} names {name!r}, not a safetensors file; refusing it")
-            files = [confined(self.path, n) for n in names]
-            missing = [f for f in files if not os.path.isfile(f)]  # False for a name too long, too
-            if missing:
-                raise ReshardError(f"{missing[0]} is missing: the model download is incomplete")
-            return files
-        files = sorted(self.path.glob("*.safetensors"))
-        if not files:
-            raise ReshardError(f"{self.path} has no *.safetensors files (PyTorch .bin weights are not supported; re-save with safetensors)")
-        return [confined(self.path, f.name) for f in files]
-
     def _stored_as(self, hf_name: str) -> _Stored:
         stored = self._stored.get(self._alias.get(hf_name, hf_name))
         if stored is None:
