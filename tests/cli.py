@@ -44,3 +44,11 @@ def refused_cli(monkeypatch, capsys, args: list, *words: str, untouched: tuple[P
         assert word in lines[0], lines[0]
     assert [tree_digest(p) for p in untouched] == before
     return lines[0]
+
+
+def refused_by_every_command(monkeypatch, capsys, source: Path, out: Path, *words: str, to: tuple[str, ...] = ()) -> None:
+    """inspect, verify and convert (with flags `to`) each refuse `source` as `refused_cli` does, and convert
+    writes nothing at `out`."""
+    for command in (["inspect", source], ["verify", source], ["convert", source, out, *to, "-q"]):
+        refused_cli(monkeypatch, capsys, command, *words, untouched=(source,))
+    assert not out.exists()

@@ -11,7 +11,7 @@ import pytest
 from fixtures.models import TINY_LLAMA, TINY_MOE
 from fixtures.synthetic import write_synthetic
 from reshard.layout import Layout
-from tests.cli import refused_cli
+from tests.cli import refused_by_every_command, refused_cli
 
 # (Megatron-LM argument, value, the words of the refusal)
 OUT_OF_RANGE = [
@@ -43,10 +43,8 @@ def test_megatron_args_out_of_range_are_refused_when_read(tmp_path, monkeypatch,
     source = tmp_path / "src"
     config = TINY_MOE if field.startswith("moe_") else TINY_LLAMA
     write_synthetic(source, config, Layout(), fmt, args={field: value})
-    for command in (["convert", source, tmp_path / "out", "--to-format", "hf", "-q"], ["inspect", source],
-                    ["verify", source]):
-        refused_cli(monkeypatch, capsys, command, words, "fix it where the checkpoint records it", untouched=(source,))
-    assert not (tmp_path / "out").exists()
+    refused_by_every_command(monkeypatch, capsys, source, tmp_path / "out", words, "fix it where the checkpoint records it",
+                             to=("--to-format", "hf"))
 
 
 @pytest.mark.parametrize("field, value, words", [*OUT_OF_RANGE[:6], NOT_A_PRECISION], ids=lambda v: str(v)[:24])
