@@ -58,9 +58,9 @@ def _named(path: Path, model: dict[str, Any], key: str, allowed: set[str], defau
 
 
 def _plain_values(path: Path, model: dict[str, Any]) -> dict[str, Any]:
-    """The model section's plain values as Megatron-LM args (and moe_layer_freq's list). A provider's objects (init methods, layer specs,
-    enums) are left out; one where reshard reads a value, and any YAML value that is not plain (a date, bytes, a
-    set), is refused."""
+    """The model section's plain values (and moe_layer_freq's list) as Megatron-LM args. A provider's objects (init
+    methods, layer specs, enums) are left out; one where reshard reads a value, and any YAML value that is not
+    plain (a date, bytes, a set), is refused."""
     read = {f.name for f in dataclasses.fields(ModelConfig)} | set(_UNMODELED) | set(Layout().megatron_args())
     args = {}
     for key, value in model.items():
