@@ -58,7 +58,7 @@ def family_for_hf(hf_config: dict[str, Any]) -> Family:
 
 
 def family_by_name(name: str) -> Family:
-    """A family by model_type or architecture name (the HF writer's `architecture` option)."""
+    """A family by model_type or architecture name."""
     if name in FAMILIES:
         return FAMILIES[name]
     if name in _BY_ARCHITECTURE:
@@ -66,14 +66,26 @@ def family_by_name(name: str) -> Family:
     raise ReshardError(f"unknown HF family {name!r}; choose one of {', '.join(sorted(FAMILIES))}")
 
 
+def families_for_model(config: ModelConfig) -> list[Family]:
+    """The families whose HF model holds a Megatron model, the default export first."""
+    return [family for family in FAMILIES.values() if family.matches(config)]
+
+
 def family_for_model(config: ModelConfig, args: dict[str, Any]) -> Family:
-    """The family to export a Megatron model as: the one it was imported from, else the first that fits."""
+    """The family to export a Megatron model as: the one it was imported from (its args' `hf_model_type`, refused
+    where the model no longer fits it), else the first that fits."""
     saved = args.get("hf_model_type")
+    fits = families_for_model(config)
     if saved in FAMILIES:
+        if (differs := FAMILIES[saved].mismatch(config)) is not None:
+            raise ReshardError(
+                f"the checkpoint's args say it was imported from HF {saved} (hf_model_type), but the model has {differs}: "
+                "its args were changed since; keep it in a Megatron format"
+                + (f", or delete hf_model_type from its args to export it as HF {fits[0].model_type}" if fits else "")
+            )
         return FAMILIES[saved]
-    for family in FAMILIES.values():
-        if family.matches(config):
-            return family
+    if fits:
+        return fits[0]
     raise ReshardError(
         "no HF family matches this model (normalization, gating, biases, q/k norms, experts); "
         f"supported: {', '.join(sorted(FAMILIES))}"

@@ -230,7 +230,7 @@ HF_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_v
            "num_experts_per_tok", "decoder_sparse_step", "shared_expert_intermediate_size", "n_embd", "n_layer", "n_head", "n_inner",
            "n_positions", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 HF_NULLABLE = ("num_key_value_heads", "head_dim", "n_inner", "num_local_experts", "num_experts", "q_lora_rank")
-HF_POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
+HF_POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "routed_scaling_factor")
 HF_BOOLS = ("tie_word_embeddings", "norm_topk_prob", "qkv_bias")
 MAX_INT = 1 << 31  # far past any model's sizes; a product of a few stays within numpy's int64 shapes
 
@@ -504,13 +504,12 @@ class Family:
     # ---- ModelConfig -> HF config ----------------------------------------------------------------
     def check_megatron(self, config: ModelConfig) -> None:
         """Refuse a Megatron model this family's HF classes cannot represent."""
-        values = self.megatron_features(config)
-        for field, want in self.signature.items():
-            if values[field] != want:
-                raise ReshardError(
-                    f"the model has {field}={values[field]!r} but HF {self.model_type} needs {want!r}: "
-                    f"it is not a {self.model_type} model; export it as another family (HF writer option `architecture`)"
-                )
+        if (differs := self.mismatch(config)) is not None:
+            from reshard.converters import families_for_model
+
+            fits = [family.model_type for family in families_for_model(config)]
+            raise ReshardError(f"the model has {differs}: it is not a {self.model_type} model; "
+                               + (f"it fits HF {' and '.join(fits)}" if fits else "no HF family holds it: keep it in a Megatron format"))
         if config.rotary_percent != 1.0:
             raise ReshardError(f"rotary_percent={config.rotary_percent} has no HF {self.model_type} equivalent")
         if config.unmodeled:
@@ -547,9 +546,16 @@ class Family:
             "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor,
         }
 
-    def matches(self, config: ModelConfig) -> bool:
+    def mismatch(self, config: ModelConfig) -> str | None:
+        """The first feature of the model this family's HF model cannot hold, said for a user; None if it fits."""
         features = self.megatron_features(config)
-        return all(features[k] == v for k, v in self.signature.items())
+        for field, want in self.signature.items():
+            if features[field] != want:
+                return f"{field}={features[field]!r} where HF {self.model_type} needs {want!r}"
+        return None
+
+    def matches(self, config: ModelConfig) -> bool:
+        return self.mismatch(config) is None
 
     def hf_config_base(self, config: ModelConfig, saved: dict[str, Any] | None) -> dict[str, Any]:
         """Refuse what HF cannot express; start from the imported HF config when it is this family's."""

@@ -263,7 +263,6 @@ class DeepseekV3(Family):
                 f"norm_topk_prob={hf.get('norm_topk_prob')} with num_experts_per_tok={topk}",
                 "Megatron-Core renormalises the chosen sigmoid weights exactly when top-k > 1",
             )
-        number(hf.get("routed_scaling_factor", 2.5), "routed_scaling_factor")
 
     def rope_scaling_from_hf(self, scaling, hf):
         if not scaling:

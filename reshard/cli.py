@@ -8,12 +8,16 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from reshard.errors import ReshardError
 from reshard.logical import PRECISIONS
+
+if TYPE_CHECKING:
+    from reshard.convert import ConversionResult
+    from reshard.request import Run, Target
 
 FORMATS = ["torch_dist", "legacy", "zarr", "hf"]
 
@@ -126,11 +130,10 @@ def convert(source: str, destination: Path, **opts: Any) -> None:
 
     Example: reshard convert ckpts/run1 ckpts/run1-tp8 --tp 4 --to-tp 8
     """
-    from reshard import fp8_blocks
     from reshard.collective import world
     from reshard.convert import convert as do_convert
     from reshard.hub import Access, local_source
-    from reshard.request import LayoutChange, Run, SourceHints, Target
+    from reshard.request import SourceHints
 
     speed = opts.pop("disk_speed")
     if speed is not None and not opts["dry_run"]:
@@ -142,31 +145,7 @@ def convert(source: str, destination: Path, **opts: Any) -> None:
     # (a measurable share of a conversion: benchmarks/README.md)
     gc.freeze()
 
-    target = Target(
-        format=opts["to_format"],
-        layout=LayoutChange(
-            tp=opts["to_tp"],
-            pp=opts["to_pp"],
-            ep=opts["to_ep"],
-            etp=opts["to_etp"],
-            vpp=opts["to_vpp"],
-            first_stage_layers=opts["first_stage_layers"],
-            last_stage_layers=opts["last_stage_layers"],
-        ),
-        dtype=opts["dtype"],
-        optimizer=not opts["no_optimizer"],
-        naming=opts["naming"],
-        for_bridge=opts["for_tool"] == "bridge",
-        fp8_blocks=opts["fp8_blocks"],
-        optimizer_form=opts["optimizer_form"],
-        dp=opts["to_dp"],
-    )
-    run = Run(
-        workers=opts["workers"],
-        max_memory=parse_bytes(opts["max_memory"]) if opts["max_memory"] else None,
-        reread=opts["reread"],
-        check_space=not opts["no_space_check"],
-    )
+    target = _target(opts)
     rank = world()[0]
     bar = _progress_bar("converting", opts["quiet"] or opts["dry_run"] or rank != 0)
     with bar:
@@ -175,16 +154,40 @@ def convert(source: str, destination: Path, **opts: Any) -> None:
             destination,
             target,
             hints=SourceHints(tp=opts["tp"], pp=opts["pp"], ep=opts["ep"], vocab_size=opts["vocab_size"], config=opts["config_file"]),
-            run=run,
+            run=_run(opts),
             overwrite=opts["overwrite"],
             dry_run=opts["dry_run"],
             planned=lambda plan: setattr(bar, "total", plan.bytes_moved),  # bytes, as `progress` counts
             progress=lambda n: bar.update(n),
         )
+    if rank == 0:  # rank 0 speaks for a multi-rank conversion
+        _tell_converted(result, destination, target, opts, None if speed is None else _disk_speed(speed, destination))
+
+
+def _target(opts: dict[str, Any]) -> Target:
+    """`reshard.request.Target` of convert's flags."""
+    from reshard.request import LayoutChange, Target
+
+    layout = LayoutChange(tp=opts["to_tp"], pp=opts["to_pp"], ep=opts["to_ep"], etp=opts["to_etp"], vpp=opts["to_vpp"],
+                          first_stage_layers=opts["first_stage_layers"], last_stage_layers=opts["last_stage_layers"])
+    return Target(format=opts["to_format"], layout=layout, dtype=opts["dtype"], optimizer=not opts["no_optimizer"],
+                  naming=opts["naming"], for_bridge=opts["for_tool"] == "bridge", fp8_blocks=opts["fp8_blocks"],
+                  optimizer_form=opts["optimizer_form"], dp=opts["to_dp"])
+
+
+def _run(opts: dict[str, Any]) -> Run:
+    """`reshard.request.Run` of convert's flags."""
+    from reshard.request import Run
+
+    return Run(workers=opts["workers"], max_memory=parse_bytes(opts["max_memory"]) if opts["max_memory"] else None,
+               reread=opts["reread"], check_space=not opts["no_space_check"])
+
+
+def _tell_converted(result: ConversionResult, destination: Path, target: Target, opts: dict[str, Any], copy_speed: float | None) -> None:
+    """What convert says once done: the plan (--dry-run), the JSON of --json, or a line of what was written."""
+    from reshard import fp8_blocks
+
     plan = result.plan
-    if rank != 0:
-        return  # rank 0 speaks for a multi-rank conversion
-    copy_speed = None if speed is None else _disk_speed(speed, destination)
     if opts["as_json"]:
         out = plan.to_json(copy_speed) | {"seconds": round(result.seconds, 3), "dry_run": opts["dry_run"]}
         if target.fp8_blocks:
@@ -261,6 +264,9 @@ def verify(path: Path, against: Path | None, as_json: bool, config_file: Path | 
               help="Upload in commits of about this size; a rerun after an interruption resumes at the first file not yet committed.")
 @click.option("--allow-code", is_flag=True, help="Upload *.py files and an auto_map (code that transformers runs with "
               "trust_remote_code) too; refused otherwise.")
+@click.option("--include-unverified", is_flag=True, help="Publish files no checksum covers too (notes, extra folders: "
+              "anything but the weights, the files whose sha256 the export recorded, the manifest and the model card); "
+              "refused otherwise, listing them.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress.")
 def upload(checkpoint: Path, repo_id: str, **opts: Any) -> None:
     """Publish CHECKPOINT to the Hub as REPO_ID, as an HF model whose checksums verify.
@@ -295,6 +301,7 @@ def upload(checkpoint: Path, repo_id: str, **opts: Any) -> None:
                 endpoint=opts["endpoint"], commit_message=opts["message"], staging=opts["staging"], dtype=opts["dtype"],
                 max_shard_bytes=sizes["max_shard_size"], metrics=opts["metrics"], workers=opts["workers"],
                 commit_bytes=sizes["commit_size"], report=say, allow_code=opts["allow_code"],
+                include_unverified=opts["include_unverified"],
                 planned=lambda plan: setattr(bar, "total", plan.bytes_moved), progress=lambda n: bar.update(n), hashed=hashed,
             )
     except KeyboardInterrupt:
@@ -302,8 +309,9 @@ def upload(checkpoint: Path, repo_id: str, **opts: Any) -> None:
                    "uploads only the files the repository lacks", err=True)
         sys.exit(130)
     done = f"{len(result.committed)} committed now, {result.files - len(result.committed)} already in the repository"
-    click.echo(f"uploaded {checkpoint} to {result.url}: {result.files} files ({done}), checksums verified before upload; "
-               f"every file on the Hub has the sha256 of {result.folder}")
+    unchecked = f", {len(result.unverified)} of them unverified (--include-unverified)" if result.unverified else ""
+    click.echo(f"uploaded {checkpoint} to {result.url}: {result.files} files ({done}{unchecked}), checksums verified before "
+               f"upload; every file on the Hub has the sha256 of {result.folder}")
 
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +30,34 @@ _UNMODELED: dict[str, Any] = {
 }
 
 
+# The precisions a model can be in, by their torch names and short aliases (the CLI's --dtype choices,
+# HF config dtypes).
+PRECISIONS = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+# Values no tensor's shape pins down that the model's math divides by, raises to powers or scales with: out of
+# range, the model computes inf, NaN, or flipped signs (a negative epsilon, rotary_base 0, a negative routing scale).
+_POSITIVE = ("norm_epsilon", "rotary_base", "rope_scaling_factor", "rotary_scaling_factor", "moe_router_topk_scaling_factor")
+# Counts no tensor's shape pins down either (positions, the vocabulary's padding unit, experts and groups chosen),
+# and the sizes shapes are computed from, which must be counts before they can be compared with any shape.
+_COUNTS = ("max_position_embeddings", "original_max_position_embeddings", "make_vocab_size_divisible_by", "moe_router_topk",
+           "moe_router_num_groups", "moe_router_group_topk",
+           "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "padded_vocab_size", "num_query_groups",
+           "kv_channels", "vocab_size", "num_experts", "moe_ffn_hidden_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+           "qk_pos_emb_head_dim", "v_head_dim")
+
+
+def _plain_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 # The MLATransformerConfig fields a multi-latent-attention model is built with (besides rope_type).
 MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
               "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def _no_model(name: str, value: Any, want: str) -> ReshardError:
+    return ReshardError(f"the model's {name} is {value!r}, not {want}: no model computes with it; fix it where the "
+                        "checkpoint records it (its args, run_config.yaml or config)")
 
 
 @dataclass(frozen=True)
@@ -97,6 +123,18 @@ class ModelConfig:
     def __post_init__(self):
         if isinstance(self.moe_layer_freq, list):  # Megatron's args and JSON give a list; the config stays hashable
             object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
+        for name in _POSITIVE:
+            value = getattr(self, name)
+            if value is not None and not (_plain_number(value) and 0 < value < math.inf):
+                raise _no_model(name, value, "a positive number")
+        for name in _COUNTS:
+            value = getattr(self, name)
+            if value is not None and not (type(value) is int and value > 0):
+                raise _no_model(name, value, "a whole number of at least 1")
+        if not (_plain_number(self.rotary_percent) and 0 < self.rotary_percent <= 1):
+            raise _no_model("rotary_percent", self.rotary_percent, "a fraction in (0, 1]")
+        if self.params_dtype not in PRECISIONS.values():  # it becomes a torch dtype in the args Megatron unpickles
+            raise _no_model("params_dtype", self.params_dtype, f"one of {', '.join(sorted(set(PRECISIONS.values())))}")
 
     @property
     def groups(self) -> int:

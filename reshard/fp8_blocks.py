@@ -85,6 +85,25 @@ def dequantize(
     return out
 
 
+def check_scales(scale: np.ndarray, name: str) -> None:
+    """Refuse a scale grid (named `name`) with a scale that is not finite and positive: multiplying a block by it
+    would make its weights inf, NaN, zeros or of flipped sign (DeepSeek's recipe gives amax / 448, or 1)."""
+    bad = ~(np.isfinite(scale) & (scale > 0))
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise ReshardError(f"{name}[{row}, {col}] is {scale[row, col]}: a block's scale must be finite and positive; "
+                           "the checkpoint is damaged")
+
+
+def check_finite(values: np.ndarray, name: str, origin: tuple[int, int]) -> None:
+    """Refuse dequantized values (those of weight `name` at `origin`) that are not finite: a float8 NaN, or a
+    scale so large that a float8 value times it overflows float32."""
+    if not np.isfinite(values).all():
+        row, col = (int(i) for i in np.argwhere(~np.isfinite(values))[0])
+        raise ReshardError(f"{name}[{origin[0] + row}, {origin[1] + col}] dequantizes to {values[row, col]} (a float8 NaN, "
+                           "or a scale too large); the checkpoint is damaged")
+
+
 def quantize(x: np.ndarray, block: tuple[int, int], name: str) -> tuple[np.ndarray, np.ndarray]:
     """(float8 values, float32 scale grid) of weight `x` by DeepSeek's recipe (module docstring), one block row
     at a time; `name` is the tensor's, for the refusal of non-finite values, which float8 cannot hold."""

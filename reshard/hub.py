@@ -169,6 +169,8 @@ class Access:
                     f"has it (now {token}; set HF_TOKEN, run `hf auth login` or pass --token)")
         if isinstance(exc, RevisionNotFoundError):
             revision = repo.revision if isinstance(repo, HubRepo) else None
+            if revision is None:  # not even its default branch has a commit
+                return f"{where}: {repo_id} has no commits yet on {self.endpoint}"
             return f"{repo_id} has no revision {revision!r} on {self.endpoint}: give a branch, tag or commit it has"
         if isinstance(exc, RemoteEntryNotFoundError):
             return f"{where}: a file the repository lists cannot be downloaded ({_first_line(exc)})"
@@ -257,7 +259,6 @@ def download(repo: HubRepo, access: Access, report: Callable[[str], None] | None
     `named`: the argument, when it was a bare org/model that is no local path (a failure to find the
     repository then says both)."""
     from huggingface_hub import hf_hub_download, snapshot_download
-    from huggingface_hub.hf_api import RepoFile
 
     api = access.api()
     try:
@@ -268,7 +269,7 @@ def download(repo: HubRepo, access: Access, report: Callable[[str], None] | None
             raise
         raise ReshardError(f"there is no local path {named}, and as a Hub repository: {exc}") from None
     with access.errors("download", repo), progress_bars(report is not None):
-        listing = {f.path: f.size for f in api.list_repo_tree(repo.repo_id, revision=commit) if isinstance(f, RepoFile)}
+        listing = _listing(api, repo, commit, access.endpoint)
         if CONFIG not in listing:
             raise ReshardError(f"{repo} has no {CONFIG}: not a transformers model reshard can read")
 
@@ -288,6 +289,21 @@ def download(repo: HubRepo, access: Access, report: Callable[[str], None] | None
                                         token=access._token))
     _check_snapshot(repo, folder, {n: listing[n] for n in files})
     return folder
+
+
+def _listing(api: Any, repo: HubRepo, commit: str | None, endpoint: str) -> dict[str, int]:
+    """The repository's files and sizes at `commit`, the one its model_info named: none named, or one it cannot
+    list, is a repository without commits."""
+    from huggingface_hub.errors import RevisionNotFoundError
+    from huggingface_hub.hf_api import RepoFile
+
+    if commit is not None:
+        try:
+            return {f.path: f.size for f in api.list_repo_tree(repo.repo_id, revision=commit) if isinstance(f, RepoFile)}
+        except RevisionNotFoundError:
+            pass
+    raise ReshardError(f"{repo} has no commits yet on {endpoint}: there is no model in it to download; push one "
+                       "first or give another repository")
 
 
 def _check_snapshot(repo: HubRepo, folder: Path, expected: dict[str, int]) -> None:

@@ -30,6 +30,11 @@ _OTHER_PIPELINE_SPLITS = {
 }
 
 
+def megatron_arg(field: str) -> str:
+    """The Megatron-LM argument that records a Layout field ("tp" -> "tensor_model_parallel_size")."""
+    return _MEGATRON_ARGS[field]
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int = 1
@@ -102,11 +107,17 @@ class Layout:
             raise ReshardError("uneven first/last pipeline stages with virtual stages are not supported; drop --vpp")
         if self.pp == 1:
             raise ReshardError("--first-stage-layers/--last-stage-layers need PP > 1")
+        # every stage holds a layer, as Megatron-Core's TransformerConfig requires (it refuses an empty stage)
+        for which, size in (("first", first), ("last", last)):
+            if size is not None and size < 1:
+                raise ReshardError(f"a {which} pipeline stage of {size} layers (--{which}-stage-layers, Megatron's "
+                                   f"decoder_{which}_pipeline_num_layers) cannot exist: a stage holds at least one layer")
         middle_stages = self.pp - (first is not None) - (last is not None)
         rest = num_layers - (first or 0) - (last or 0)
-        if rest < 0 or (middle_stages == 0 and rest) or (middle_stages and rest % middle_stages):
+        if rest < 0 or (middle_stages == 0 and rest) or (middle_stages and (rest == 0 or rest % middle_stages)):
             raise ReshardError(
-                f"{num_layers} layers cannot be split as first={first}, last={last} over PP={self.pp}"
+                f"{num_layers} layers cannot be split as first={first}, last={last} over PP={self.pp} "
+                "(every stage holds at least one layer, the middle ones alike)"
             )
         sizes = [rest // middle_stages if middle_stages else 0] * self.pp
         if first is not None:

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from reshard.config import ModelConfig
+from reshard.config import PRECISIONS, ModelConfig
 from reshard.errors import ReshardError
 
 
@@ -23,10 +23,6 @@ class Split(Enum):
     COLUMN = "column"  # split on the parameter's first dimension (output features)
     ROW = "row"  # split on the parameter's second dimension (input features)
 
-
-# The precisions a model can be in, by their torch names and short aliases (the CLI's --dtype choices,
-# HF config dtypes).
-PRECISIONS = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def normalize_dtype(value: str) -> str:

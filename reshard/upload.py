@@ -32,7 +32,7 @@ from typing import Any
 
 from reshard.errors import ReshardError
 from reshard.formats.base import MANIFEST_NAME
-from reshard.formats.hf import CONFIG, INDEX, recorded_digests
+from reshard.formats.hf import CONFIG, INDEX, model_files, recorded_digests
 from reshard.hub import Access, check_repo_id, progress_bars
 from reshard.plan import human_bytes
 
@@ -70,6 +70,7 @@ class UploadResult:
     folder: Path | None = None  # what was uploaded: the checkpoint itself or its staging export
     exported: bool = False  # whether this run made the export
     committed: list[str] = field(default_factory=list)  # files this run committed
+    unverified: list[str] = field(default_factory=list)  # files published that no checksum covers (include_unverified)
     bytes_committed: int = 0
     commits: int = 0
 
@@ -362,6 +363,15 @@ def check_publishable(folder: Path, files: dict[str, Path], allow_code: bool) ->
                            "refusing to upload it without --allow-code")
 
 
+def unverified(folder: Path, files: dict[str, Path], allow_code: bool) -> list[str]:
+    """The files to upload that nothing checks: not the weights the manifest's checksums cover (the safetensors
+    files the model is read from), not a file whose sha256 the export recorded (config, index, tokenizer), not the
+    manifest or the model card, nor code that `allow_code` lets through."""
+    covered = {MANIFEST_NAME, CARD, *recorded_digests(folder)}
+    covered.update(p.relative_to(folder).as_posix() for p in model_files(folder))
+    return [name for name in files if name not in covered and not (allow_code and name.endswith(".py"))]
+
+
 def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -452,6 +462,7 @@ def upload(
     progress: Callable[[int], None] | None = None,
     hashed: Callable[[int, int], None] | None = None,
     allow_code: bool = False,
+    include_unverified: bool = False,
 ) -> UploadResult:
     """Publish `path` (any checkpoint reshard reads) to `repo_id`: export it to HF if it is not an HF model
     (see `prepare`), verify, and upload what the repository lacks, in commits a rerun resumes (see the module
@@ -460,8 +471,9 @@ def upload(
     provenance, the training's metrics and the checksums is generated for `repo_id` (never written to disk).
     `report` gets a line at each step; `planned` and `progress` follow an export as `convert` has them;
     `hashed` gets (bytes hashed, bytes to hash) after each file. Without `report`, huggingface_hub shows no
-    progress bars either. A folder with code files or `auto_map` is refused unless `allow_code`, and so is one
-    whose config or tokenizer files are not those the export recorded (`check_publishable`)."""
+    progress bars either. A folder with code files or `auto_map` is refused unless `allow_code`, one whose config
+    or tokenizer files are not those the export recorded (`check_publishable`), and one with files no checksum
+    covers (`unverified`: notes, extra folders, a stray safetensors file) unless `include_unverified`."""
     say = report or (lambda _: None)
     check_repo_id(repo_id)
     path = Path(path)
@@ -474,6 +486,35 @@ def upload(
 
     paths = local_files(folder)
     check_publishable(folder, paths, allow_code)
+    extra = unverified(folder, paths, allow_code)
+    if extra and not include_unverified:
+        raise ReshardError(f"{folder} holds {len(extra)} file(s) no checksum covers ({', '.join(extra[:3])}"
+                           f"{', ...' if len(extra) > 3 else ''}): remove them, or pass --include-unverified to publish them anyway")
+    if extra:
+        say(f"publishing {len(extra)} file(s) no checksum covers: {', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}")
+    files = _hashed(paths, workers, say, hashed)
+    if CARD not in paths:
+        card = model_card(folder, repo_id, training, {f.name: (f.size, f.sha256) for f in files}).encode()
+        files.append(_Local(CARD, len(card), hashlib.sha256(card).hexdigest(), data=card))
+
+    api = access.api()
+    result = UploadResult(repo_id, "", len(files), None, folder, exported, unverified=extra)
+    with access.errors("upload to", repo_id), progress_bars(report is not None):
+        result.url = str(api.create_repo(repo_id, private=private or None, repo_type="model", exist_ok=True))
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        message = commit_message or f"Upload {path.name} (reshard, checksums verified)"
+        _commit_missing(api, result, files, revision, commit_bytes, message, say)
+        remote = _remote_files(api, repo_id, revision)
+    differ = [f.name for f in files if not f.same_as(remote.get(f.name))]
+    if differ:
+        raise ReshardError(f"after the upload, {len(differ)} file(s) on the Hub differ from {folder} (first: {differ[0]}); "
+                           "run the same command again")
+    return result
+
+
+def _hashed(paths: dict[str, Path], workers: int, say: Report, hashed: Callable[[int, int], None] | None) -> list[_Local]:
+    """The files to upload with their sha256, hashed by `workers` threads; `hashed` gets (done, total) bytes."""
     total = sum(p.stat().st_size for p in paths.values())
     say(f"hashing {len(paths)} files ({human_bytes(total)})")
     done = 0
@@ -484,38 +525,26 @@ def upload(
             done += paths[name].stat().st_size
             if hashed:
                 hashed(done, total)
-    files = [_Local(name, p.stat().st_size, digests[name], path=p) for name, p in paths.items()]
-    if CARD not in paths:
-        card = model_card(folder, repo_id, training, {f.name: (f.size, f.sha256) for f in files}).encode()
-        files.append(_Local(CARD, len(card), hashlib.sha256(card).hexdigest(), data=card))
+    return [_Local(name, p.stat().st_size, digests[name], path=p) for name, p in paths.items()]
 
-    api = access.api()
-    result = UploadResult(repo_id, "", len(files), None, folder, exported)
-    with access.errors("upload to", repo_id), progress_bars(report is not None):
-        result.url = str(api.create_repo(repo_id, private=private or None, repo_type="model", exist_ok=True))
-        if revision:
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
-        remote = _remote_files(api, repo_id, revision)
-        todo = [f for f in files if not f.same_as(remote.get(f.name))]
-        batches = commit_batches(todo, commit_bytes)
-        if len(todo) < len(files):
-            say(f"{len(files) - len(todo)} of {len(files)} files are already on the Hub")
-        if todo:
-            say(f"uploading {len(todo)} files ({human_bytes(sum(f.size for f in todo))}) to {repo_id} in {len(batches)} commit(s)")
-        message = commit_message or f"Upload {path.name} (reshard, checksums verified)"
-        for number, batch in enumerate(batches, 1):
-            part = f" (part {number}/{len(batches)})" if len(batches) > 1 else ""
-            info = api.create_commit(repo_id, [f.operation() for f in batch], commit_message=message + part,
-                                     revision=revision, repo_type="model")
-            result.commit = getattr(info, "oid", None)
-            result.commits += 1
-            result.committed += [f.name for f in batch]
-            result.bytes_committed += sum(f.size for f in batch)
-            say(f"commit {number}/{len(batches)}: {len(batch)} files, {human_bytes(sum(f.size for f in batch))} "
-                f"({human_bytes(result.bytes_committed)} of {human_bytes(sum(f.size for f in todo))})")
-        remote = _remote_files(api, repo_id, revision)
-    differ = [f.name for f in files if not f.same_as(remote.get(f.name))]
-    if differ:
-        raise ReshardError(f"after the upload, {len(differ)} file(s) on the Hub differ from {folder} (first: {differ[0]}); "
-                           "run the same command again")
-    return result
+
+def _commit_missing(api: Any, result: UploadResult, files: list[_Local], revision: str | None, commit_bytes: int,
+                    message: str, say: Report) -> None:
+    """Commit the files the repository lacks (or holds otherwise), in `commit_batches`, counted in `result`."""
+    remote = _remote_files(api, result.repo_id, revision)
+    todo = [f for f in files if not f.same_as(remote.get(f.name))]
+    batches = commit_batches(todo, commit_bytes)
+    if len(todo) < len(files):
+        say(f"{len(files) - len(todo)} of {len(files)} files are already on the Hub")
+    if todo:
+        say(f"uploading {len(todo)} files ({human_bytes(sum(f.size for f in todo))}) to {result.repo_id} in {len(batches)} commit(s)")
+    for number, batch in enumerate(batches, 1):
+        part = f" (part {number}/{len(batches)})" if len(batches) > 1 else ""
+        info = api.create_commit(result.repo_id, [f.operation() for f in batch], commit_message=message + part,
+                                 revision=revision, repo_type="model")
+        result.commit = getattr(info, "oid", None)
+        result.commits += 1
+        result.committed += [f.name for f in batch]
+        result.bytes_committed += sum(f.size for f in batch)
+        say(f"commit {number}/{len(batches)}: {len(batch)} files, {human_bytes(sum(f.size for f in batch))} "
+            f"({human_bytes(result.bytes_committed)} of {human_bytes(sum(f.size for f in todo))})")

@@ -17,6 +17,7 @@ import numpy as np
 from reshard.cache import cached
 from reshard.checksum import Checksum, HashedParts, TensorChecksum
 from reshard.config import ModelConfig
+from reshard.documents import read_json
 from reshard.dtypes import numpy_dtype
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
@@ -166,7 +167,7 @@ class Manifest:
     @classmethod
     def load(cls, directory: Path) -> Manifest | None:
         path = directory / MANIFEST_NAME
-        return cls.from_json(json.loads(path.read_text())) if path.exists() else None
+        return cls.from_json(read_json(path)) if path.exists() else None
 
 
 class CheckpointReader(abc.ABC):

@@ -9,7 +9,6 @@ export quantizes (`hf.FP8_LINEAR`) are taken to be stored as float8 blocks with 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 
 from reshard import fp8_blocks
 from reshard.architecture import model_tensors
+from reshard.documents import read_json
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CommonState
@@ -37,10 +37,7 @@ class ConfigOnlyReader(CheckpointReader):
         from reshard.converters import family_for_hf
 
         self.path = Path(path)
-        try:
-            self.hf_config = json.loads(self.path.read_text())
-        except (ValueError, UnicodeError) as exc:
-            raise ReshardError(f"{self.path} is not valid JSON ({exc})") from None
+        self.hf_config = read_json(self.path)
         if not isinstance(self.hf_config, dict):
             raise ReshardError(f"{self.path} is not an HF config.json (not a JSON object)")
         family = family_for_hf(self.hf_config)

@@ -35,6 +35,7 @@ from reshard.buffers import PerThread, copy
 from reshard.checksum import HashedParts, TensorChecksum
 from reshard.config import ModelConfig
 from reshard.direct_io import ALIGN, DirectFile
+from reshard.documents import read_json
 from reshard.dtypes import itemsize, numpy_dtype
 from reshard.errors import ReshardError
 from reshard.formats.base import (
@@ -102,6 +103,30 @@ _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 def is_hf(path: Path) -> bool:
     return (path / CONFIG).is_file() and (any(path.glob("*.safetensors")) or (path / INDEX).is_file())
+
+
+def model_files(directory: Path) -> list[Path]:
+    """The safetensors files of the HF model in `directory`: those its index names (each checked to stay in the
+    directory and to be there), or without an index every *.safetensors beside config.json."""
+    index = directory / INDEX
+    if index.is_file():
+        try:
+            weight_map = read_json(confined(directory, INDEX), name=str(index))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ReshardError(f"{index} is not a safetensors index (no weight_map of tensor -> file)") from None
+        for name in names:
+            if not isinstance(name, str) or not name.endswith(".safetensors"):
+                raise ReshardError(f"{index} names {name!r}, not a safetensors file; refusing it")
+        files = [confined(directory, n) for n in names]
+        missing = [f for f in files if not os.path.isfile(f)]  # False for a name too long, too
+        if missing:
+            raise ReshardError(f"{missing[0]} is missing: the model download is incomplete")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ReshardError(f"{directory} has no *.safetensors files (PyTorch .bin weights are not supported; re-save with safetensors)")
+    return [confined(directory, f.name) for f in files]
 
 
 def recorded_digests(directory: Path) -> dict[str, str]:
@@ -281,15 +306,13 @@ class HFReader(CheckpointReader):
     format_name = "hf"
 
     def __init__(self, path: Path):
+        from reshard.architecture import model_tensors
         from reshard.converters import family_for_hf
 
         self.path = self.tokenizer_dir = Path(path)
         if not (self.path / CONFIG).is_file():
             raise ReshardError(f"{self.path} has no config.json: not a HuggingFace model directory")
-        try:
-            self.hf_config = json.loads(confined(self.path, CONFIG).read_text())
-        except ValueError as exc:
-            raise ReshardError(f"{self.path / CONFIG} is not valid JSON ({exc})") from None
+        self.hf_config = read_json(confined(self.path, CONFIG), name=str(self.path / CONFIG))
         self.family = family_for_hf(self.hf_config)
         try:
             config, extras = self.family.config_from_hf(self.hf_config)
@@ -299,14 +322,7 @@ class HFReader(CheckpointReader):
         if (self.path / MANIFEST_NAME).exists():
             confined(self.path, MANIFEST_NAME)
         self.manifest = Manifest.load(self.path)
-        # Where each HF tensor lives, from the index or the file headers.
-        self._stored: dict[str, _Stored] = {}
-        for file in self._files():
-            header, start = _read_header(file)
-            for name, info in header.items():
-                if name in self._stored:
-                    raise ReshardError(f"tensor {name} is in both {self._stored[name].file.name} and {file.name}")
-                self._stored[name] = _Stored(file, info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0])
+        self._stored = self._locate_tensors()
         self._handles: dict[Path, RecordFile] = {}
         quantization = self.hf_config.get("quantization_config")
         self._block = fp8_blocks.block_size(quantization) if quantization else None
@@ -314,14 +330,49 @@ class HFReader(CheckpointReader):
         self._rows = PerThread()  # a block row of float8 values being dequantized
         # Told no dtype, a conversion writes bf16: DeepSeek-V3's unquantized tensors are, and it runs in it.
         self.default_dtype = "bfloat16" if self._scales else None
+        self._alias = self._aliases()
+        self._check_vocab_rows(config)
+        self._mappings = {m.megatron: m for m in self.family.mappings(config)}
+        shapes = model_tensors(config)
+        if set(shapes) != set(self._mappings):
+            raise ReshardError(
+                f"internal: {self.family.model_type} mappings do not cover the model's tensors "
+                f"(missing {sorted(set(shapes) - set(self._mappings))[:3]}, extra {sorted(set(self._mappings) - set(shapes))[:3]})"
+            )
+        dtypes, dropped = self._dtypes(config)
+        if not self.hf_config.get("dtype") and not self.hf_config.get("torch_dtype"):
+            config = config.replace(params_dtype=dtypes["embedding.word_embeddings.weight"])
+        self.config = config
+        self.specs: dict[str, TensorSpec] = {name: describe(name, shape, dtypes[name], config) for name, shape in shapes.items()}
+        # Every tensor at the shape config.json implies: values are read at offsets computed from it.
+        for _, _, _, hf_name, shape in hf_tensors(self.specs, self._mappings, config):
+            if (stored := self._shape(hf_name)) != shape:
+                raise ReshardError(
+                    f"{hf_name} has shape {list(stored)} but config.json implies {list(shape)}: "
+                    "config.json does not match the weights"
+                )
+        self.common = CommonState(args=self._args(config, extras), iteration="release", extra={"checkpoint_version": 3.0},
+                                  dropped=dropped)
 
+    def _locate_tensors(self) -> dict[str, _Stored]:
+        """Where each HF tensor lives, from the index or the file headers; a name in two files is refused."""
+        stored: dict[str, _Stored] = {}
+        for file in model_files(self.path):
+            header, start = _read_header(file)
+            for name, info in header.items():
+                if name in stored:
+                    raise ReshardError(f"tensor {name} is in both {stored[name].file.name} and {file.name}")
+                stored[name] = _Stored(file, info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0])
+        return stored
+
+    def _aliases(self) -> dict[str, str]:
+        """Canonical HF name -> name in the files, where they differ (old GPT-2 keys lack "transformer.")."""
         prefix = self.family.prefix
-        self._alias: dict[str, str] = {}  # canonical HF name -> name in the files (old GPT-2 keys lack "transformer.")
-        for name in list(self._stored):
-            if not name.startswith(prefix) and name != "lm_head.weight" and prefix + name not in self._stored:
-                self._alias[prefix + name] = name
+        return {prefix + name: name for name in self._stored
+                if not name.startswith(prefix) and name != "lm_head.weight" and prefix + name not in self._stored}
 
-        # Embedding rows, in case config.json's vocab_size disagrees with the weights.
+    def _check_vocab_rows(self, config: ModelConfig) -> None:
+        """The embedding has the rows config.json's vocab_size says (they are read at offsets computed from it)."""
         emb = {m.megatron: m for m in self.family.mappings(config)}["embedding.word_embeddings.weight"]
         shape = self._shape(emb.hf_names()[0])
         if len(shape) != 2:
@@ -330,17 +381,12 @@ class HFReader(CheckpointReader):
             raise ReshardError(
                 f"config.json says vocab_size={config.vocab_size} but {emb.hf_names()[0]} has {shape[0]} rows: fix config.json"
             )
-        self._mappings = {m.megatron: m for m in self.family.mappings(config)}
+
+    def _dtypes(self, config: ModelConfig) -> tuple[dict[str, str], list[str]]:
+        """The dtype of each logical tensor (one floating-point dtype for all its HF tensors; fp8 read as float32),
+        and the stored tensors no mapping uses that the family drops by design; any other is refused."""
         used: set[str] = set()
         dtypes: dict[str, str] = {}
-        from reshard.architecture import model_tensors
-
-        shapes = model_tensors(config)
-        if set(shapes) != set(self._mappings):
-            raise ReshardError(
-                f"internal: {self.family.model_type} mappings do not cover the model's tensors "
-                f"(missing {sorted(set(shapes) - set(self._mappings))[:3]}, extra {sorted(set(self._mappings) - set(shapes))[:3]})"
-            )
         for name, mapping in self._mappings.items():
             layers = range(config.num_layers) if name.startswith("decoder.layers.") else [None]
             experts = range(config.num_experts or 0) if ".experts.experts." in name else [None]
@@ -354,9 +400,8 @@ class HFReader(CheckpointReader):
             if len(kinds) != 1 or next(iter(kinds)) not in ("F32", "BF16", "F16", "F8_E4M3"):
                 raise ReshardError(f"{name}: HF tensors have dtypes {sorted(kinds)}; expected one floating-point dtype")
             dtypes[name] = "float32" if kinds == {"F8_E4M3"} else _ST_DTYPES[next(iter(kinds))]  # fp8: dequantized
-        leftover = sorted(n for n in self._stored if n not in used)
         dropped = []
-        for name in leftover:
+        for name in sorted(n for n in self._stored if n not in used):
             if self.family.is_ignored(name) or (name == "lm_head.weight" and config.tied_embeddings):
                 dropped.append(name)
             else:
@@ -364,17 +409,10 @@ class HFReader(CheckpointReader):
                     f"{self.path}: tensor {name} is not mapped by the {self.family.model_type} converter; "
                     "refusing to drop weights silently (is config.json right for these weights?)"
                 )
-        if not self.hf_config.get("dtype") and not self.hf_config.get("torch_dtype"):
-            config = config.replace(params_dtype=dtypes["embedding.word_embeddings.weight"])
-        self.config = config
-        self.specs: dict[str, TensorSpec] = {name: describe(name, shape, dtypes[name], config) for name, shape in shapes.items()}
-        # Every tensor at the shape config.json implies: values are read at offsets computed from it.
-        for _, _, _, hf_name, shape in hf_tensors(self.specs, self._mappings, config):
-            if (stored := self._shape(hf_name)) != shape:
-                raise ReshardError(
-                    f"{hf_name} has shape {list(stored)} but config.json implies {list(shape)}: "
-                    "config.json does not match the weights"
-                )
+        return dtypes, dropped
+
+    def _args(self, config: ModelConfig, extras: dict[str, Any]) -> dict[str, Any]:
+        """The Megatron arguments of the model, with where it came from (its tokenizer, its HF config)."""
         args = dict(config.megatron_args())
         args.update(extras)
         args.update(
@@ -389,8 +427,7 @@ class HFReader(CheckpointReader):
             hf_config=self.hf_config,
             hf_source=str(self.path.resolve()),
         )
-        args = args_for_layout(args, self.layout, config, "hf")
-        self.common = CommonState(args=args, iteration="release", extra={"checkpoint_version": 3.0}, dropped=dropped)
+        return args_for_layout(args, self.layout, config, "hf")
 
     def _pair_scales(self) -> dict[str, str]:
         """Each float8 weight's scales (`fp8_blocks.scale_name`), found and checked against the weight's shape;
@@ -420,27 +457,6 @@ class HFReader(CheckpointReader):
         return scales
 
     # -- files ------------------------------------------------------------------------------------
-    def _files(self) -> list[Path]:
-        index = self.path / INDEX
-        if index.is_file():
-            try:
-                weight_map = json.loads(confined(self.path, INDEX).read_text())["weight_map"]
-                names = sorted(set(weight_map.values()))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                raise ReshardError(f"{index} is not a safetensors index (no weight_map of tensor -> file)") from None
-            for name in names:
-                if not isinstance(name, str) or not name.endswith(".safetensors"):
-                    raise ReshardError(f"{index} names {name!r}, not a safetensors file; refusing it")
-            files = [confined(self.path, n) for n in names]
-            missing = [f for f in files if not os.path.isfile(f)]  # False for a name too long, too
-            if missing:
-                raise ReshardError(f"{missing[0]} is missing: the model download is incomplete")
-            return files
-        files = sorted(self.path.glob("*.safetensors"))
-        if not files:
-            raise ReshardError(f"{self.path} has no *.safetensors files (PyTorch .bin weights are not supported; re-save with safetensors)")
-        return [confined(self.path, f.name) for f in files]
-
     def _stored_as(self, hf_name: str) -> _Stored:
         stored = self._stored.get(self._alias.get(hf_name, hf_name))
         if stored is None:
@@ -472,11 +488,13 @@ class HFReader(CheckpointReader):
             file.read_into(record, region, out)
             return
         grid = self._tensor(scales)
+        fp8_blocks.check_scales(grid, scales)
         (r0, r1), (c0, c1) = region
         for rows in fp8_blocks.block_rows(r1 - r0, self._block, r0):
             values = self._rows.array([rows.stop - rows.start, c1 - c0], fp8_blocks.FP8)
             file.read_into(record, ((r0 + rows.start, r0 + rows.stop), (c0, c1)), values)
             fp8_blocks.dequantize(values, grid, self._block, (r0 + rows.start, c0), out=out[rows])
+            fp8_blocks.check_finite(out[rows], hf_name, (r0 + rows.start, c0))
 
     def close(self) -> None:
         for file in self._handles.values():

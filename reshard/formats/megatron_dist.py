@@ -48,7 +48,7 @@ from reshard.formats.megatron_tree import (
     write_tracker,
 )
 from reshard.formats.model_args import RUN_CONFIG, args_from_file, bridge_args, save_run_config
-from reshard.layout import Layout, RankCoord, ranks
+from reshard.layout import Layout, RankCoord, megatron_arg, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import canonical, is_layout_bound, layer_is_moe, spell, uses_te_names
 from reshard.optim.dp_reshardable import DpReshardable, DpReshardableSink, is_dp_reshardable
@@ -56,7 +56,7 @@ from reshard.optim.flattened_range import FlattenedRange, is_model_space
 from reshard.optim.sink import Placement
 from reshard.optim.state import OptimizerState
 from reshard.paths import confined
-from reshard.sharding import Piece, Region, RegionIndex, region_size, shift, split_by_slab, to_slices
+from reshard.sharding import Piece, Region, RegionIndex, pieces, region_size, shift, split_by_slab, to_slices
 from reshard.torchfile import PARSE_ERRORS, dcp_metadata
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord, load_archive
 from reshard.torchfile.archive_writer import At, archive_size, save_archive, save_tensor, storage_alignment
@@ -163,6 +163,7 @@ class TorchDistReader(CheckpointReader):
             self._index_chunks(name, key, by_offset)
         if self.config is not None:
             check_shapes(self.config, {name: spec.shape for name, spec in self.specs.items()}, str(path))
+            self._check_layout()
         self.optimizer: OptimizerState | None = None
         # decoding the buffers needs the saving run's layout and architecture; without them they stay listed as not read
         if self.config is not None and any(is_dp_reshardable(key) for key in self.unsupported_optimizer):
@@ -177,6 +178,25 @@ class TorchDistReader(CheckpointReader):
         self.specs.update(state.specs)
         self.common.extra = state.common(self.common.extra)
         self.unsupported_optimizer = [key for key in self.unsupported_optimizer if key not in keys]
+
+    def _check_layout(self) -> None:
+        """The files say the layout, where their chunks show it: a tensor-parallel weight is saved cut where its TP
+        ranks' shares end (`sharding.pieces`). Args that say another degree are refused naming the arg (the
+        embedding, vocabulary-parallel, shows TP; an expert weight ETP; chunks are per layer and expert whatever
+        PP and EP were)."""
+        expert = next((n for n, s in self.specs.items() if s.experts and s.tp_axis is not None and not s.is_optimizer), None)
+        for name, field in (("embedding.word_embeddings.weight", "tp"), (expert, "etp")):
+            spec = self.specs.get(name)
+            if spec is None or spec.tp_axis is None:
+                continue
+            said = {p.region[spec.tp_axis] for p in pieces(spec, self.config, self.layout) if p.primary}
+            saved = {region[spec.tp_axis] for region, _ in self._chunks[name]}
+            if saved != said:
+                degree = self.layout.expert_tp if field == "etp" else self.layout.tp
+                raise ReshardError(
+                    f"{self.path}: its args say {megatron_arg(field)}={degree}, but its files hold {name} in "
+                    f"{len(saved) // (2 if spec.gated else 1)} tensor-parallel parts: the args do not describe these files; refusing them"
+                )
 
     def _decode_flattened_range(self, by_offset: dict[str, list], canonical_name: Callable[[str], str]) -> None:
         """megatron-core <= 0.14's fully_sharded_model_space state, read as its fully_reshardable tensors

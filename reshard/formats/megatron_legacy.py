@@ -47,7 +47,7 @@ from reshard.formats.megatron_tree import (
     stored_iteration,
     write_tracker,
 )
-from reshard.layout import Layout, RankCoord, ranks
+from reshard.layout import Layout, RankCoord, megatron_arg, ranks
 from reshard.logical import TensorSpec, describe
 from reshard.naming import ObjectKey, canonical, layer_is_moe, spell, uses_te_names
 from reshard.optim.distrib_optim_pt import OPTIM_FILE, DistribOptimFiles, DistribOptimPtSink
@@ -147,11 +147,13 @@ class LegacyReader(CheckpointReader):
         if tree is None or not is_legacy(path):
             raise ReshardError(f"{path} is not a legacy Megatron checkpoint (no mp_rank_* directories)")
         self.path, self.tree, self.tokenizer_dir = path, tree, tree.root
-        first_file = self._rank_file(sorted(p.name for p in tree.iteration_dir.iterdir() if _RANK_DIR.match(p.name))[0])
+        names = sorted(p.name for p in tree.iteration_dir.iterdir() if _RANK_DIR.match(p.name))
+        first_file = self._rank_file(names[0])
         first = self._load_path(first_file)
         args = args_dict(first.get("args"))
         self.config = ModelConfig.from_megatron_args(args)
         self.layout = Layout.from_megatron_args(args)
+        self._check_layout(names)
         self.te_names = uses_te_names(args)
         refuse_te_mla(self.config, self.layout, self.te_names)
         refuse_mtp(self.config)
@@ -181,6 +183,21 @@ class LegacyReader(CheckpointReader):
                 self.common.extra = self.optimizer.common(self.common.extra)
             self.unsupported_optimizer = []  # the rank files' `optimizer` entry is the DistributedOptimizer's param groups
 
+    def _check_layout(self, names: list[str]) -> None:
+        """The files say the layout: Megatron names a rank's directory mp_rank_TT, then _PPP with PP > 1, then _EEE
+        with EP > 1. Args that name directories otherwise, or fewer ranks than there are, are refused naming the arg."""
+        fields = [[int(n) for n in _RANK_DIR.match(name).groups() if n is not None] for name in names]
+        axes = ["tp", *(["pp"] if self.layout.pp > 1 else []), *(["ep"] if self.layout.ep > 1 else [])]
+        for length in {len(f) for f in fields} - {len(axes)}:
+            said = " and ".join(f"{megatron_arg(axis)}={getattr(self.layout, axis)}" for axis in ("pp", "ep"))
+            raise ReshardError(f"{self.path}: its args say {said}, but it has rank directories named like "
+                               f"{next(n for n, f in zip(names, fields) if len(f) == length)}: the args do not describe these files; refusing them")
+        for i, axis in enumerate(axes):  # fewer ranks than the args say: some file is missing (`_holder` says so)
+            saved = 1 + max(f[i] for f in fields)
+            if saved > getattr(self.layout, axis):
+                raise ReshardError(f"{self.path}: its args say {megatron_arg(axis)}={getattr(self.layout, axis)}, but its rank "
+                                   f"directories ({names[0]} to {names[-1]}) hold {saved}: the args do not describe these files; refusing them")
+
     def _holder(self, rank: RankCoord, experts: bool) -> RankCoord:
         """The rank file holding `rank`'s dense (or expert) tensors. Megatron names a file by its writer's
         TP and EP ranks, and with ETP < TP not every pair is a rank: TP2 EP2 ETP1 on 4 GPUs writes only
@@ -196,7 +213,8 @@ class LegacyReader(CheckpointReader):
             ]
             if not same:
                 raise ReshardError(
-                    f"{self._rank_file(rank.legacy_dirname(self.layout))} is missing but args say {self.layout}: the checkpoint is incomplete"
+                    f"{self._rank_file(rank.legacy_dirname(self.layout))} is missing but args say {self.layout}: the checkpoint "
+                    "is incomplete, or the args do not describe these files"
                 )
             plain = same[0]
         return RankCoord(pp=plain.pp, tp=plain.tp, ep=plain.ep, vstage=rank.vstage)

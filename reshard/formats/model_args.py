@@ -3,16 +3,18 @@ readers take: from Megatron-Bridge's `run_config.yaml` (its model provider's fie
 user names (`--config`: an HF config.json, or a YAML of Megatron-LM arguments) for a bare directory that
 `dist_checkpointing.save` wrote.
 
-YAML is read with `yaml.safe_load`: a provider's `_target_` entries are names, never imported or called.
+YAML is read with `yaml.safe_load`, its nesting bounded (`reshard.documents`): a provider's `_target_` entries are
+names, never imported or called, and those read (params_dtype, activation_func) must name what reshard maps.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from reshard.config import _UNMODELED, MLA_FIELDS, ModelConfig, pad_vocab
+from reshard.documents import read_json, read_yaml
 from reshard.errors import ReshardError
 from reshard.layout import Layout
 
@@ -32,40 +34,62 @@ _BRIDGE_NAMES = {megatron: bridge for bridge, megatron in _RENAMED.items()}
 _REFUSED = {"multi_latent_attention": False, "mtp_num_layers": None, "pipeline_model_parallel_layout": None}
 
 
-def _yaml(path: Path) -> Any:
-    import yaml
-
-    try:
-        return yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ReshardError(f"{path} is not valid YAML ({str(exc).splitlines()[0]})") from None
+_PLAIN = (str, int, float, bool, type(None))  # what a YAML value read into args may be (no dates, bytes or sets)
+# What a provider's name fields may name: the only dtypes and activations reshard maps (the gated MLP is SwiGLU,
+# the other exact GELU); anything else is refused, never carried into the args reshard writes.
+_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
+_ACTIVATIONS = {True: "torch.nn.functional.silu", False: "torch.nn.functional.gelu"}
 
 
-def _target(value: Any) -> str | None:
-    """The dotted name a provider field refers to (`{_target_: torch.float32}` -> 'torch.float32')."""
-    return value.get("_target_") if isinstance(value, dict) else None
+def _plain(value: Any) -> bool:
+    """A YAML value that may become an argument: a plain scalar, or a list of them (moe_layer_freq)."""
+    return isinstance(value, _PLAIN) or isinstance(value, list) and all(isinstance(item, _PLAIN) for item in value)
+
+
+def _named(path: Path, model: dict[str, Any], key: str, allowed: set[str], default: str) -> str:
+    """The dotted name a provider field refers to (`{_target_: torch.float32}` -> 'torch.float32'), refused
+    naming the field unless `allowed`."""
+    value = model.get(key)
+    name = value.get("_target_") if isinstance(value, dict) else default if value is None else value
+    if not isinstance(name, str) or name not in allowed:
+        said = repr(name)[:80] if isinstance(name, str) else f"a YAML {type(name).__name__}"
+        raise ReshardError(f"{path}: model.{key} names {said}; reshard reads {' or '.join(sorted(allowed))} there")
+    return name
+
+
+def _plain_values(path: Path, model: dict[str, Any]) -> dict[str, Any]:
+    """The model section's plain values (and moe_layer_freq's list) as Megatron-LM args. A provider's objects (init
+    methods, layer specs, enums) are left out; one where reshard reads a value, and any YAML value that is not
+    plain (a date, bytes, a set), is refused."""
+    read = {f.name for f in dataclasses.fields(ModelConfig)} | set(_UNMODELED) | set(Layout().megatron_args())
+    args = {}
+    for key, value in model.items():
+        name = _RENAMED.get(key, key) if isinstance(key, str) else key
+        reads = name in read and key != "params_dtype"  # params_dtype names a dtype: `_named` reads it
+        if isinstance(key, str) and isinstance(value, _PLAIN) or name == "moe_layer_freq" and _plain(value):
+            args[name] = value
+        elif reads or not isinstance(value, (dict, list)):
+            raise ReshardError(f"{path}: model.{key} holds a YAML {type(value).__name__}, not a plain value reshard reads")
+    return args
 
 
 def bridge_args(path: Path) -> dict[str, Any]:
     """Megatron-LM args from the `model:` section of a Megatron-Bridge `run_config.yaml`."""
-    data = _yaml(path)
+    data = read_yaml(path)
     model = data.get("model") if isinstance(data, dict) else None
     if not isinstance(model, dict):
         raise ReshardError(f"{path} has no model section: not a Megatron-Bridge run config")
-    args = {_RENAMED.get(k, k): v for k, v in model.items() if not isinstance(v, (dict, list))}
+    args = _plain_values(path, model)
     for key, default in _REFUSED.items():
         if model.get(key, default) not in (default, False, None):
             raise ReshardError(f"{path}: model.{key} is {model[key]!r}, which reshard does not read yet")
-    activation = _target(model.get("activation_func")) or "torch.nn.functional.gelu"
     gated = bool(model.get("gated_linear_unit"))
-    if gated and not activation.endswith(".silu"):
-        raise ReshardError(f"{path}: a gated MLP with {activation} is not a SwiGLU, which is the only gated MLP reshard maps")
+    _named(path, model, "activation_func", {_ACTIVATIONS[gated]}, _ACTIVATIONS[False])
     args["swiglu"] = gated
     args["untie_embeddings_and_output_weights"] = not model.get("share_embeddings_and_output_weights", False)
     args["group_query_attention"] = model.get("num_query_groups") is not None
-    dtype = _target(model.get("params_dtype"))
-    if dtype:
-        args["params_dtype"] = dtype.removeprefix("torch.")
+    if model.get("params_dtype") is not None:
+        args["params_dtype"] = _DTYPES[_named(path, model, "params_dtype", set(_DTYPES), "")]
     if model.get("max_position_embeddings") is None and model.get("seq_length") is not None:
         args["max_position_embeddings"] = model["seq_length"]
     if model.get("vocab_size") is not None:
@@ -150,10 +174,7 @@ def args_from_file(path: Path) -> dict[str, Any]:
     if path.suffix == ".json":
         from reshard.converters import family_for_hf
 
-        try:
-            hf = json.loads(path.read_text())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ReshardError(f"--config {path} is not valid JSON ({exc})") from None
+        hf = read_json(path, name=f"--config {path}")
         if not isinstance(hf, dict):
             raise ReshardError(f"--config {path} is not an HF config.json (not a mapping)")
         family = family_for_hf(hf)
@@ -162,9 +183,12 @@ def args_from_file(path: Path) -> dict[str, Any]:
         except (KeyError, TypeError, ValueError) as exc:
             raise ReshardError(f"--config {path} does not describe a {family.model_type} model ({exc})") from None
         return {**config.megatron_args(), **extras}
-    data = _yaml(path)
+    data = read_yaml(path)
     if isinstance(data, dict) and isinstance(data.get("model"), dict):
         return bridge_args(path)
     if not isinstance(data, dict):
         raise ReshardError(f"--config {path} is neither an HF config.json nor a YAML mapping of Megatron arguments")
+    for key, value in data.items():
+        if not isinstance(key, str) or not _plain(value):
+            raise ReshardError(f"--config {path}: {key} is a YAML {type(value).__name__}, not a plain value or a list of them")
     return data

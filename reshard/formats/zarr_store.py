@@ -38,6 +38,7 @@ from reshard.buffers import PerThread, copy
 from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
 from reshard.direct_io import DirectFile
+from reshard.documents import read_json
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, Manifest, StoredRecord, cached
@@ -78,8 +79,8 @@ def is_zarr(path: Path) -> bool:
     if not meta.is_file():
         return False
     try:
-        return "reshard" in json.loads(meta.read_text()).get("attributes", {})
-    except ValueError:
+        return "reshard" in read_json(meta).get("attributes", {})
+    except (ReshardError, AttributeError, TypeError):  # no JSON object of attributes: no store of reshard's
         return False
 
 
@@ -239,7 +240,7 @@ class ZarrReader(CheckpointReader):
             raise ReshardError(f"{path} is not a reshard zarr store (no zarr.json with reshard attributes)")
         self.path = self.tokenizer_dir = path
         confined_tree(path)  # tensorstore opens chunk files by name, following links: none may lead out
-        attrs = json.loads((path / "zarr.json").read_text())["attributes"]["reshard"]
+        attrs = read_json(path / "zarr.json")["attributes"]["reshard"]
         # None: written from a checkpoint that records no architecture (global tensors, which convert only as they are)
         self.config = ModelConfig.from_dict(attrs["config"]) if attrs["config"] is not None else None
         self.layout = Layout(**attrs["layout"])
@@ -296,7 +297,7 @@ class ZarrReader(CheckpointReader):
 
     def _where(self, name: str, grid: Grid, index: tuple[int, ...]) -> tuple[str, int | None]:
         """A chunk's file (relative to the store) and the offset of its values there: None where it is not
-        stored (the fill value), -1 where it is stored other than whole (a file or index entry of another size)."""
+        stored (which is damage: `_lacks`), -1 where it is stored other than whole (a file or index entry of another size)."""
         file, position = grid.place(index)
         key = f"{name}/{file}"
         if not grid.sharded:
@@ -324,9 +325,8 @@ class ZarrReader(CheckpointReader):
                 assert part is not None  # the chunks chunk_grid gives touch the region
                 dest = out[to_slices(shift(part, region))]
                 key, offset = self._where(name, grid, index)
-                if offset is None:  # never written: the fill value
-                    dest[...] = 0
-                    continue
+                if offset is None:
+                    raise _lacks(self.path / key, name, index, grid.sharded)
                 if offset < 0:
                     raise ReshardError(f"{self.path / key}: chunk {index} is not stored whole; the store is damaged")
                 file = RecordFile(self.path / key)
@@ -341,6 +341,8 @@ class ZarrReader(CheckpointReader):
         index = to_slices(region) if spec.shape else ()
         dest = _tensorstore().array(_stored(out.reshape([b - a for a, b in region] or [1]), spec.dtype), copy=False)
         try:
+            if not self._array(name)[index].storage_statistics(query_fully_stored=True).result().fully_stored:
+                raise _lacks(self.path / name, name, region, sharded=False)
             dest.write(self._array(name)[index]).result()
         except ValueError as exc:
             raise ReshardError(f"{self.path / name}: {exc}") from None
@@ -359,6 +361,13 @@ class ZarrReader(CheckpointReader):
             stored = offset is not None and offset >= 0 and start is not None and spec.shape
             records.append(StoredRecord(name, inside if spec.shape else (), spec.dtype, key, offset + start * grid.itemsize if stored else -1))
         return records
+
+
+def _lacks(where: Path, name: str, chunk: Any, sharded: bool) -> ReshardError:
+    """A chunk zarr.json promises and the store lacks. zarr reads it as the fill value; reshard writes every chunk,
+    so here it is damage, found whether or not the store carries checksums to find the zeros by."""
+    how = "its shard's index marks it empty" if sharded else "no file holds it"
+    return ReshardError(f"{where}: {name} chunk {chunk} is not stored ({how}), though zarr.json promises it; the store is damaged")
 
 
 class ZarrWriter(CheckpointWriter):

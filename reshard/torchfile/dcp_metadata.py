@@ -57,7 +57,7 @@ class DcpMetadata:
     objects: list[str] = field(default_factory=list)
     storage: dict[StorageKey, Storage] = field(default_factory=dict)
     # megatron-core <= 0.14's N-D flattened tensors (a `flattened_range`): each one's original global shape, by key,
-    # as its `mcore_data` records it (the tensor's own `size` is the reformulated one: reshard/formats/flattened_range.py)
+    # as its `mcore_data` records it (the tensor's own `size` is the reformulated one: reshard/optim/flattened_range.py)
     flattened: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 

@@ -20,6 +20,7 @@ from reshard.errors import ReshardError
 from reshard.formats import open_checkpoint
 from reshard.sharding import slabs
 from reshard.verify import verify
+from tests.cli import refused_cli
 from tests.fp8_models import LINEAR, dequantize, dequantized, load, make_fp8, quantize
 
 from hf_models import build
@@ -186,6 +187,45 @@ def test_malformed_fp8_models_are_refused_in_one_line(models, tmp_path, damage, 
     assert "\n" not in str(refused.value)
     assert tree(bad) == before and not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out*"))
+
+
+def _scale(value):
+    def damage(tensors):
+        tensors[Q + "_scale_inv"][1, 0] = value
+    damage.__name__ = f"scale {value}"
+    return damage
+
+
+def _nan_byte(bits):
+    def damage(tensors):
+        tensors[Q].view(torch.uint8)[50, 7] = bits  # float8_e4m3fn has no inf; S.1111.111 is NaN
+    damage.__name__ = f"float8 byte {bits:#x}"
+    return damage
+
+
+@pytest.mark.parametrize("damage,message", [
+    (_scale(float("inf")), f"{Q}_scale_inv[1, 0] is inf: a block's scale must be finite and positive"),
+    (_scale(float("-inf")), f"{Q}_scale_inv[1, 0] is -inf"),
+    (_scale(float("nan")), f"{Q}_scale_inv[1, 0] is nan"),
+    (_scale(0.0), f"{Q}_scale_inv[1, 0] is 0.0"),
+    (_scale(-0.0), f"{Q}_scale_inv[1, 0] is -0.0"),
+    (_scale(-0.5), f"{Q}_scale_inv[1, 0] is -0.5"),
+    (_scale(3e38), f"{Q}[48, 0] dequantizes to "),  # finite, but 448 times it is not
+    (_nan_byte(0x7F), f"{Q}[50, 7] dequantizes to nan (a float8 NaN"),
+    (_nan_byte(0xFF), f"{Q}[50, 7] dequantizes to nan"),
+], ids=lambda v: getattr(v, "__name__", None))
+def test_a_scale_or_a_float8_value_that_is_no_weight_is_refused(models, tmp_path, monkeypatch, capsys, damage, message):
+    """A scale that is not finite and positive, or a float8 NaN, would become inf, NaN, zero or sign-flipped
+    weights written under "checksums verified": refused in one line naming the element, the source untouched."""
+    bad = tmp_path / "bad"
+    shutil.copytree(models["fp8"], bad)
+    tensors = load(bad)
+    damage(tensors)
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    for target in ("torch_dist", "hf"):
+        refused_cli(monkeypatch, capsys, ["convert", bad, tmp_path / "out", "--to-format", target, "-q"], message,
+                    "the checkpoint is damaged", untouched=(bad,))
+        assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
 def test_a_slab_is_dequantized_one_block_row_at_a_time(tmp_path):

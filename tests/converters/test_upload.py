@@ -24,6 +24,7 @@ from reshard.plan import make_plan
 from reshard.request import Target
 from reshard.streaming import stream
 from reshard.upload import RECORD, upload
+from tests.cli import tree_digest
 
 from hf_models import build
 from hub_server import Hub, isolate
@@ -311,8 +312,6 @@ TAMPERED = [
 
 @pytest.mark.parametrize("tamper,message", TAMPERED, ids=lambda v: getattr(v, "__name__", str(v))[:30])
 def test_an_export_changed_or_given_code_after_its_checksums_is_not_uploaded(export, tmp_path, tamper, message):
-    from test_hostile_hf import tree_digest
-
     tamper(export)
     before = tree_digest(tmp_path)
     with Hub() as hub:
@@ -363,3 +362,45 @@ def test_code_is_uploaded_only_with_allow_code(tmp_path, monkeypatch, where):
         result = CliRunner().invoke(main, [*args, "--allow-code"], standalone_mode=False)
         assert result.exception is None, result.exception
         _same_as_folder(hub, "user/x", export)
+
+
+@pytest.mark.parametrize("add, listed", [
+    (lambda f: (f / "notes.txt").write_text("not checked\n"), ["notes.txt"]),
+    (lambda f: (f / "extra").mkdir() or (f / "extra" / "data.bin").write_bytes(b"\0" * 64), ["extra/data.bin"]),
+    (lambda f: (f / "sub").mkdir() or shutil.copy(f / "config.json", f / "sub" / "config.json"), ["sub/config.json"]),
+    (lambda f: [(f / f"n{i}.txt").write_text(str(i)) for i in range(5)], ["n0.txt", "n1.txt", "n2.txt", ", ...", "5 file(s)"]),
+], ids=["notes", "extra-folder", "nested-config", "five"])
+def test_files_no_checksum_covers_are_published_only_with_include_unverified(tmp_path, monkeypatch, add, listed):
+    """A reshard export is published under "checksums verified": a file beside it that nothing checks is refused,
+    listed, with the source untouched and nothing on the Hub, until --include-unverified says to publish it."""
+    source = build("qwen2", tmp_path / "src", max_shard_size="100KB")
+    convert(source, tmp_path / "export", Target(format="hf", max_shard_bytes=SHARD))
+    export = tmp_path / "export"
+    add(export)
+    before = tree_digest(export)
+    with Hub() as hub:
+        monkeypatch.setenv("HF_TOKEN", hub.token)
+        args = ["upload", str(export), "user/x", "--endpoint", hub.url, "-q"]
+        result = CliRunner().invoke(main, args, standalone_mode=False)
+        assert isinstance(result.exception, ReshardError) and "--include-unverified" in str(result.exception)
+        for word in listed:
+            assert word in str(result.exception)
+        assert not hub.repos and tree_digest(export) == before
+        result = CliRunner().invoke(main, [*args, "--include-unverified"], standalone_mode=False)
+        assert result.exception is None, result.exception
+        assert "unverified (--include-unverified)" in result.output
+        _same_as_folder(hub, "user/x", export)
+
+
+def test_a_safetensors_file_the_index_does_not_name_is_unverified(tmp_path):
+    """The model is read from the files its index names: another one beside them is checked by nothing."""
+    convert(build("qwen2", tmp_path / "src"), tmp_path / "export", Target(format="hf", max_shard_bytes=SHARD))
+    export = tmp_path / "export"
+    shard = sorted(set(json.loads((export / "model.safetensors.index.json").read_text())["weight_map"].values()))[0]
+    shutil.copy(export / shard, export / "spare.safetensors")
+    with Hub() as hub:
+        with pytest.raises(ReshardError, match=r"holds 1 file\(s\) no checksum covers \(spare.safetensors\)"):
+            upload(export, "user/x", endpoint=hub.url, token=hub.token)
+        assert not hub.repos
+        upload(export, "user/x", endpoint=hub.url, token=hub.token, include_unverified=True)
+        assert "spare.safetensors" in hub.repos["user/x"]["branches"]["main"]

@@ -1,6 +1,5 @@
 """The command line: one-line errors, non-zero exits, sources untouched, no half-written output."""
 
-import hashlib
 import json
 import os
 import pickle
@@ -14,6 +13,7 @@ from fixtures.models import TINY_LLAMA
 from fixtures.synthetic import SyntheticReader, write_synthetic
 from fixtures.torchrun import pythonpath
 from reshard.layout import Layout
+from tests.cli import tree_digest as _digest  # also what the optimizer tests import from here
 
 REPO = Path(__file__).resolve().parents[2]
 QKV = "decoder.layers.self_attention.linear_qkv.weight"
@@ -22,14 +22,6 @@ QKV = "decoder.layers.self_attention.linear_qkv.weight"
 def reshard(*args, cwd=None):
     env = dict(os.environ, PYTHONPATH=pythonpath())
     return subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd)
-
-
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(f.relative_to(path).as_posix().encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +63,12 @@ def test_convert_then_verify(ckpt, tmp_path, reread):
         (["convert", "{src}", "{out}", "--to-tp", "3"], ["does not divide", "attention heads"]),
         (["convert", "{src}", "{out}", "--to-tp", "4"], ["2 query groups"]),
         (["convert", "{src}", "{out}", "--to-pp", "3"], ["layers"]),
+        # stages that cannot exist (Megatron-Core's TransformerConfig refuses each: tests/reshard/test_layout.py)
+        (["convert", "{src}", "{out}", "--to-pp", "2", "--first-stage-layers", "-1"], ["first pipeline stage of -1 layers"]),
+        (["convert", "{src}", "{out}", "--to-pp", "2", "--first-stage-layers", "0"], ["--first-stage-layers", "at least one layer"]),
+        (["convert", "{src}", "{out}", "--to-pp", "2", "--last-stage-layers", "0"], ["--last-stage-layers", "at least one layer"]),
+        (["convert", "{src}", "{out}", "--to-pp", "4", "--first-stage-layers", "2", "--last-stage-layers", "2"],
+         ["4 layers cannot be split as first=2, last=2 over PP=4", "the middle ones alike"]),
         (["convert", "{src}", "{out}", "--to-ep", "2"], ["mixture-of-experts"]),
         (["convert", "{src}", "{out}", "--tp", "4"], ["TP=2, not 4"]),
         (["convert", "{src}", "{out}", "--to-format", "legacy"], ["--no-optimizer"]),

@@ -163,7 +163,10 @@ def test_what_cannot_be_downloaded_is_one_line_and_never_shows_the_token(hub, tm
     hub.add_repo("org/escape", {"config.json": main["config.json"], "model.safetensors.index.json":
                                 json.dumps({"weight_map": {"w": "../../../../evil.safetensors"}}).encode()})
     monkeypatch.setenv("HF_TOKEN", hub.token)
+    Access(hub.token, hub.url).api().create_repo("user/empty")  # exists, with no commit yet
     cases = [
+        ("user/empty", ["user/empty has no commits yet", "no model in it"]),
+        ("hf://user/empty", ["user/empty has no commits yet", "no model in it"]),
         ("org/gated", ["org/gated is gated", "HF_TOKEN"]),
         ("org/absent", ["there is no local path org/absent", "has no model org/absent"]),
         ("hf://org/qwen@nope", ["has no revision 'nope'"]),

@@ -25,6 +25,33 @@ def test_uneven_first_and_last_stage():
         Layout(pp=4, first_stage_layers=2, last_stage_layers=2).stage_layers(9)  # 5 layers over 2 middle stages
 
 
+@pytest.mark.parametrize("layers, pp, first, last", [
+    (4, 2, 3, None), (4, 2, None, 1), (4, 2, 2, 2), (8, 3, 2, 2), (8, 4, 2, None), (9, 4, None, 3), (9, 3, 3, None),
+    (4, 2, 0, None), (4, 2, -1, None), (4, 2, None, 0), (4, 2, None, -3), (4, 3, 0, 0),  # an empty or negative stage
+    (4, 4, 2, 2), (4, 3, 2, 2), (4, 2, 4, None), (8, 3, None, 8),  # empty middle stages
+])
+def test_stages_exist_exactly_when_megatron_core_says_they_do(layers, pp, first, last):
+    """Megatron-Core's TransformerConfig is the oracle: a split it refuses is refused, one it builds is split (it lets
+    a first stage of more layers than the model through, which reshard refuses too: see above)."""
+    torch = pytest.importorskip("torch")
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    try:
+        TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=2, pipeline_model_parallel_size=pp,
+                          pipeline_dtype=torch.float32, num_layers_in_first_pipeline_stage=first,
+                          num_layers_in_last_pipeline_stage=last)
+        exists = True
+    except ValueError:
+        exists = False
+    layout = Layout(pp=pp, first_stage_layers=first, last_stage_layers=last)
+    if exists:
+        stages = layout.stage_layers(layers)
+        assert [len(s) for s in stages if len(s) == 0] == [] and stages[-1].stop == layers
+    else:
+        with pytest.raises(ReshardError, match="at least one layer"):
+            layout.stage_layers(layers)
+
+
 @pytest.mark.parametrize(
     "layout, message",
     [

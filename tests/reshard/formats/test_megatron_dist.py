@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fixtures.models import TINY_LLAMA, TINY_MOE
-from fixtures.synthetic import SyntheticReader, write_synthetic
+from fixtures.synthetic import SyntheticReader, rewrite_args, write_synthetic
 from reshard import direct_io
 from reshard.convert import convert
 from reshard.dtypes import numpy_dtype
@@ -22,6 +22,7 @@ from reshard.sharding import full_region
 from reshard.torchfile import dcp_metadata
 from reshard.torchfile.dcp_metadata import Storage
 from tests.arrays import same
+from tests.cli import refused_by_every_command
 
 
 def _dcp_load(directory, names_and_specs):
@@ -170,3 +171,24 @@ def test_a_chunk_no_file_holds_is_refused_naming_the_tensor(tmp_path):
     result = reshard("convert", source, tmp_path / "out", "--to-format", "zarr")
     _one_line_error(result, lost[0], "that no file holds")
     assert not (tmp_path / "out").exists() and _digest(source) == before
+
+
+@pytest.mark.parametrize("config, saved, args, words", [
+    (TINY_LLAMA, Layout(tp=2), dict(tensor_model_parallel_size=4), "tensor_model_parallel_size=4, but its files hold "
+     "embedding.word_embeddings.weight in 2 tensor-parallel parts"),
+    (TINY_LLAMA, Layout(tp=2), dict(tensor_model_parallel_size=1), "tensor_model_parallel_size=1, but its files hold "
+     "embedding.word_embeddings.weight in 2"),
+    (TINY_LLAMA, Layout(tp=1), dict(tensor_model_parallel_size=2), "tensor_model_parallel_size=2, but its files hold "
+     "embedding.word_embeddings.weight in 1"),
+    (TINY_MOE, Layout(tp=2), dict(expert_tensor_parallel_size=1), "expert_tensor_parallel_size=1, but its files hold "
+     "decoder.layers.mlp.experts.experts.linear_fc1.weight in 2"),
+    (TINY_MOE, Layout(tp=2, etp=1), dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size=2, but its files hold "
+     "decoder.layers.mlp.experts.experts.linear_fc1.weight in 1"),
+], ids=lambda v: str(v)[:30] if isinstance(v, dict) else None)
+def test_args_that_contradict_the_chunks_are_refused_by_name(tmp_path, monkeypatch, capsys, config, saved, args, words):
+    """The files say the layout: a TP2 checkpoint whose args say TP4 was shown and verified as TP4, then refused
+    with a message on query groups. Refused naming the arg by inspect, verify and convert alike, left as it was."""
+    source = tmp_path / "src"
+    write_synthetic(source, config, saved, "torch_dist")
+    rewrite_args(source, **args)
+    refused_by_every_command(monkeypatch, capsys, source, tmp_path / "out", words, "the args do not describe these files")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fixtures.models import TINY_LLAMA, TINY_MOE, TINY_TIED
-from fixtures.synthetic import SyntheticReader, write_synthetic
+from fixtures.synthetic import SyntheticReader, rewrite_args, write_synthetic
 from reshard.convert import convert
 from reshard.dtypes import to_torch
 from reshard.errors import ReshardError
@@ -15,6 +15,7 @@ from reshard.layout import Layout
 from reshard.request import Target
 from reshard.sharding import full_region
 from tests.arrays import same
+from tests.cli import refused_by_every_command
 
 
 def _global(source, name):
@@ -160,3 +161,29 @@ def test_a_rank_file_linked_from_outside_the_checkpoint_is_refused(tmp_path):
     with pytest.raises(ReshardError, match="leads outside the checkpoint"):
         convert(source, tmp_path / "out", Target(format="zarr"))
     assert not (tmp_path / "out").exists()
+
+
+NAMED_LIKE = "and expert_model_parallel_size=1, but it has rank directories named like"
+HOLD = "but its rank directories"
+MISSING = "is missing but args say"
+
+
+@pytest.mark.parametrize("config, saved, args, words", [
+    (TINY_LLAMA, Layout(tp=2), dict(tensor_model_parallel_size=4), f"mp_rank_02/model_optim_rng.pt {MISSING} TP4PP1EP1"),
+    (TINY_LLAMA, Layout(tp=2), dict(tensor_model_parallel_size=1), f"tensor_model_parallel_size=1, {HOLD} (mp_rank_00 to mp_rank_01) hold 2"),
+    (TINY_LLAMA, Layout(tp=2), dict(pipeline_model_parallel_size=2), f"pipeline_model_parallel_size=2 {NAMED_LIKE} mp_rank_00"),
+    (TINY_LLAMA, Layout(pp=2), dict(pipeline_model_parallel_size=1), f"pipeline_model_parallel_size=1 {NAMED_LIKE} mp_rank_00_000"),
+    (TINY_LLAMA, Layout(pp=2), dict(pipeline_model_parallel_size=4), f"mp_rank_00_002/model_optim_rng.pt {MISSING} TP1PP4EP1"),
+    (TINY_LLAMA, Layout(tp=2, pp=2), dict(tensor_model_parallel_size=1), f"tensor_model_parallel_size=1, {HOLD}"),
+    (TINY_MOE, Layout(ep=4), dict(expert_model_parallel_size=2), f"expert_model_parallel_size=2, {HOLD} (mp_rank_00_000 to mp_rank_00_003) hold 4"),
+    (TINY_MOE, Layout(tp=2, pp=2, ep=2), dict(expert_model_parallel_size=1),
+     "expert_model_parallel_size=1, but it has rank directories named like mp_rank_00_000_000"),
+], ids=lambda v: str(v)[:30] if isinstance(v, dict) else None)
+def test_args_that_contradict_the_rank_directories_are_refused_by_name(tmp_path, monkeypatch, capsys, config, saved, args, words):
+    """The files say the layout: a checkpoint whose args name its mp_rank_* directories otherwise, or fewer ranks
+    than there are, is refused naming the arg (more ranks than there are: naming the rank file missing, for the
+    checkpoint may be incomplete), by inspect, verify and convert alike, and left as it was."""
+    source = tmp_path / "src"
+    write_synthetic(source, config, saved, "legacy")
+    rewrite_args(source, **args)
+    refused_by_every_command(monkeypatch, capsys, source, tmp_path / "out", words, "the args do not describe these files")

@@ -21,6 +21,7 @@ from reshard.layout import Layout
 from reshard.request import Run, Target
 from reshard.sharding import full_region
 from tests.arrays import same, tensors
+from tests.cli import tree_digest
 
 MANY_EXPERTS = TINY_MOE.replace(num_experts=16)
 
@@ -279,16 +280,6 @@ def test_an_array_leading_out_of_the_store_is_refused(tmp_path, how):
     assert not (tmp_path / "out").exists()
 
 
-def _tree_digest(root: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*")):
-        h.update(path.relative_to(root).as_posix().encode())
-        h.update(os.readlink(path).encode() if path.is_symlink() else path.read_bytes() if path.is_file() else b"/")
-    return h.hexdigest()
-
-
 @pytest.mark.parametrize("reads", ["pread", "tensorstore"])
 def test_a_chunk_file_linked_out_of_the_store_is_refused(tmp_path, monkeypatch, reads):
     """A shard (or chunk) file that is a symlink to another store's: tensorstore, and our pread, would read the
@@ -305,10 +296,10 @@ def test_a_chunk_file_linked_out_of_the_store_is_refused(tmp_path, monkeypatch, 
     shard.symlink_to(other / name / "c" / "0" / "0" / "0")
     if reads == "tensorstore":
         monkeypatch.setattr(ZarrReader, "_plain", lambda self, name: None)
-    before = _tree_digest(store)
+    before = tree_digest(store)
     with pytest.raises(ReshardError, match=rf"{name}/c/0/0/0 leads outside the checkpoint"):
         convert(store, tmp_path / "out", Target(format="torch_dist"))
-    assert not (tmp_path / "out").exists() and _tree_digest(store) == before
+    assert not (tmp_path / "out").exists() and tree_digest(store) == before
 
     monkeypatch.setattr("reshard.formats.zarr_store.confined_tree", lambda path: None)  # the defence off
     with ZarrReader(store) as reader, ZarrReader(other) as theirs:
@@ -331,3 +322,46 @@ def test_a_chunk_file_linked_inside_the_store_is_read(tmp_path):
     source = SyntheticReader(TINY_LLAMA)
     final = tensors(tmp_path / "out")
     assert all(same(final[n], source.read(n, full_region(spec.shape))) for n, spec in source.specs.items())
+
+
+QKV = "decoder.layers.self_attention.linear_qkv.weight"  # sharded: a layer's chunks in one file
+NORM = "decoder.layers.mlp.linear_fc1.layer_norm_weight"  # a file per chunk
+
+
+def _mark_empty(store: Path) -> str:
+    """Layer 1's shard of QKV: its second chunk's index entry set to (MISSING, MISSING), zarr's 'not stored'."""
+    meta = json.loads((store / QKV / "zarr.json").read_text())
+    inner = meta["codecs"][0]["configuration"]["chunk_shape"]
+    chunks = math.prod(s // c for s, c in zip(meta["chunk_grid"]["configuration"]["chunk_shape"], inner))
+    with open(store / QKV / "c" / "1" / "0" / "0", "r+b") as f:
+        f.seek(-16 * chunks + 16, os.SEEK_END)
+        f.write(np.array([2**64 - 1, 2**64 - 1], "<u8").tobytes())
+    return "its shard's index marks it empty"
+
+
+@pytest.mark.parametrize("damage", [
+    _mark_empty,
+    lambda store: (store / QKV / "c" / "2" / "0" / "0").unlink() or "its shard's index marks it empty",  # a whole shard
+    lambda store: (store / NORM / "c" / "3" / "0").unlink() or "no file holds it",
+], ids=["index-entry-empty", "shard-file-gone", "chunk-file-gone"])
+@pytest.mark.parametrize("reads", ["pread", "tensorstore"])
+def test_a_chunk_the_metadata_promises_and_the_store_lacks_is_damage(tmp_path, monkeypatch, capsys, damage, reads):
+    """zarr reads a chunk not stored as the fill value, and without checksums the zeros went through as the
+    weights. reshard writes every chunk: one missing is refused as damage in one line, the store left as it was;
+    plain zarr (the oracle of what the store says) reads that chunk as zeros indeed."""
+    from tests.cli import refused_cli
+
+    store = tmp_path / "store"
+    write_synthetic(store, TINY_LLAMA, Layout(), "zarr")
+    meta = json.loads((store / "zarr.json").read_text())
+    del meta["attributes"]["reshard"]["manifest"]  # no checksums to find the zeros by
+    (store / "zarr.json").write_text(json.dumps(meta))
+    how = damage(store)
+    name = QKV if "shard" in how else NORM
+    assert not zarr.open_group(str(store), mode="r")[name][...].all()  # zeros where the chunk is missing
+    if reads == "tensorstore":
+        monkeypatch.setattr(ZarrReader, "_plain", lambda self, name: None)
+        how = "no file holds it"
+    refused_cli(monkeypatch, capsys, ["convert", store, tmp_path / "out", "--to-format", "torch_dist", "-q"],
+                f"{name} chunk", f"is not stored ({how}), though zarr.json promises it; the store is damaged", untouched=(store,))
+    assert not (tmp_path / "out").exists()
