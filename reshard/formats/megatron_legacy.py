@@ -73,8 +73,9 @@ from reshard.sharding import (
     slabs,
     to_slices,
 )
-from reshard.torchfile.archive_reader import RecordFile, TensorRecord, archive_tensor, load_archive
+from reshard.torchfile.archive_reader import RecordFile, TensorRecord, archive_tensor
 from reshard.torchfile.archive_writer import Slot, StreamingTorchSave
+from reshard.torchfile.payloads import load_screened
 
 RANK_FILE = "model_optim_rng.pt"
 OPTIM_FILE = "distrib_optim.pt"
@@ -219,7 +220,7 @@ class LegacyReader(CheckpointReader):
 
     @staticmethod
     def _load_path(path: Path) -> dict[str, Any]:
-        state = load_archive(path, str(path))
+        state = load_screened(path, str(path))
         if not isinstance(state, dict):
             raise ReshardError(f"{path} does not hold a Megatron rank's state: the file is foreign or damaged")
         return state
@@ -443,7 +444,7 @@ class DistribOptimFiles:
             self.names[(chain, group)] = f"{dirname}/{OPTIM_FILE}"
             if not path.is_file():
                 raise ReshardError(f"{path} is missing beside the first rank's: the checkpoint is incomplete")
-            state = cached(loaded, path, lambda p=path: load_archive(p, str(p)))
+            state = cached(loaded, path, lambda p=path: load_screened(p, str(p)))
             if chain is not None:
                 if not (isinstance(state, list) and len(state) == 2):
                     raise ReshardError(f"{path} does not hold the states of an MoE model's two chained optimizers: the file is foreign or damaged")

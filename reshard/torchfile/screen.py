@@ -14,8 +14,8 @@ from pathlib import Path
 from reshard.errors import ReshardError
 from reshard.paths import confined
 from reshard.torchfile import PARSE_ERRORS, dcp_metadata
-from reshard.torchfile.archive_reader import RecordFile, load_archive
-from reshard.torchfile.payloads import EXTRA_STATE, screen_payloads
+from reshard.torchfile.archive_reader import RecordFile
+from reshard.torchfile.payloads import EXTRA_STATE, load_screened, screen_payloads
 
 TORCH_SAVE_SUFFIXES = (".pt", ".pth")  # common.pt, model_optim_rng.pt, distrib_optim.pt, Bridge's train_state.pt
 
@@ -32,7 +32,7 @@ def screen(directory: Path) -> None:
             if path.name == ".metadata":
                 _objects(path)
             else:
-                load_archive(path, str(path))
+                load_screened(path, str(path))
 
 
 def _objects(path: Path) -> None:
