@@ -228,7 +228,7 @@ def _extra_fields(extra: bytes, refuse: Callable[[str], NotCanonical], allowed: 
         tag, size = EXTRA_FIELD.unpack_from(extra, pos)
         pos += EXTRA_FIELD.size + size
         if pos > len(extra) or tag not in allowed or tag in fields:
-            raise refuse(f"an extra field (tag {tag:#06x}) is not one torch.save writes")
+            raise refuse(f"an extra field (tag {tag:#06x}) overruns its space, repeats, or is not one torch.save writes")
         fields[tag] = extra[pos - size : pos]
     return fields
 
