@@ -36,23 +36,27 @@ def screen(directory: Path) -> None:
 
 
 def _objects(path: Path) -> None:
-    """The objects DCP would `torch.load` from the files `.metadata` at `path` names (tensors it loads
-    with `weights_only=True`), and the pickles inside them (`payloads`: TE's `_extra_state`)."""
-    files: dict[Path, RecordFile] = {}
+    """Every file `.metadata` at `path` names, each inside the checkpoint (DCP opens them by joining the name to
+    the directory, `..`, absolute paths and links and all); the objects DCP would `torch.load` from them
+    (tensors it loads with `weights_only=True`), and the pickles inside those (`payloads`: TE's `_extra_state`)."""
+    files: dict[str, RecordFile] = {}
+    storage = dcp_metadata.load(path).storage
     try:
-        for (fqn, offsets), info in dcp_metadata.load(path).storage.items():
+        for name in {info.relative_path for info in storage.values()}:
+            confined(path.parent, name)  # .metadata names it: untrusted
+        for (fqn, offsets), info in storage.items():
             if offsets is not None:
                 continue
             if info.transformed:
                 raise ReshardError(f"{path.parent / info.relative_path}: DCP stream transforms (compression) are not supported")
-            blob = confined(path.parent, info.relative_path)  # .metadata names it: untrusted
-            if blob not in files:
-                files[blob] = RecordFile(blob)
+            if info.relative_path not in files:
+                files[info.relative_path] = RecordFile(path.parent / info.relative_path)
+            blob = files[info.relative_path]
             try:
-                value = files[blob].unpickle(info.offset, info.length)
+                value = blob.unpickle(info.offset, info.length)
             except PARSE_ERRORS as exc:
-                raise ReshardError(f"{blob}: an object cannot be decoded ({exc.__class__.__name__}); the file is damaged") from None
-            screen_payloads(value, f"{blob} ({fqn})", extra_state=EXTRA_STATE in fqn)
+                raise ReshardError(f"{blob.path}: an object cannot be decoded ({exc.__class__.__name__}); the file is damaged") from None
+            screen_payloads(value, f"{blob.path} ({fqn})", extra_state=EXTRA_STATE in fqn)
     except FileNotFoundError as exc:
         raise ReshardError(f"{exc.filename} is missing: the checkpoint is incomplete") from None
     finally:

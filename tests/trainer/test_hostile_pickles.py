@@ -263,3 +263,37 @@ def test_the_trainer_refuses_an_object_torch_would_read_otherwise(sources, tmp_p
     assert NOT_READ_ALIKE.search(str(info.value))
     assert not marker.exists()
     assert _digest(ckpt) == before
+
+
+def _tensor_file_outside(ckpt: Path, tmp_path: Path) -> None:
+    """Every tensor chunk's storage path in `.metadata` made to lead to a copy of its file outside the checkpoint."""
+    iteration = ckpt / ITER
+    with open(iteration / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    (tmp_path / "outside").mkdir()
+    for index, info in metadata.storage_data.items():
+        if index.offset is not None:
+            shutil.copyfile(iteration / info.relative_path, tmp_path / "outside" / info.relative_path)
+            metadata.storage_data[index] = type(info)(f"../../outside/{info.relative_path}", info.offset, info.length)
+    with open(iteration / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def _tokenizer_outside(ckpt: Path, tmp_path: Path) -> None:
+    """The tokenizer.json beside the iterations replaced by a link to a copy of it outside the checkpoint."""
+    shutil.move(ckpt / "tokenizer.json", tmp_path / "tokenizer.json")
+    (ckpt / "tokenizer.json").symlink_to(tmp_path / "tokenizer.json")
+
+
+@pytest.mark.parametrize("lead_out, named", [(_tensor_file_outside, f"{ITER} names '../../outside/"),
+                                             (_tokenizer_outside, "dist/tokenizer.json leads outside the checkpoint")],
+                         ids=["tensor storage path", "tokenizer link"])
+def test_the_trainer_follows_no_path_out_of_the_checkpoint(sources, tmp_path, corpus, lead_out, named):
+    """Paths reshard refuses are refused by the trainer too (issue 33, item 2), before anything is read through them."""
+    ckpt = Path(shutil.copytree(sources / "dist", tmp_path / "dist", symlinks=True))
+    lead_out(ckpt, tmp_path)
+    before = _digest(ckpt)
+    with pytest.raises(RuntimeError, match="trainer: error: .*" + re.escape(named)) as info:
+        run("reshard.trainer", [*_train_args(corpus), "--train-iters", 3, "--load", ckpt], nproc=1)
+    assert_one_line(str(info.value))
+    assert _digest(ckpt) == before
