@@ -392,7 +392,7 @@ def save_checkpoint(save_dir: Path, iteration: int, models: list, optimizer, sch
     tmp = save_dir / f"{final.name}.tmp"
     if _rank() == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
-        put_back(final)  # a re-save of this iteration stopped between the two renames of `replace_dir`
+        put_back(final, tmp)  # a re-save of this iteration stopped between the two renames of `replace_dir`
         if tmp.exists():  # left by a crashed save
             shutil.rmtree(tmp)
         tmp.mkdir()
@@ -463,7 +463,8 @@ def find_checkpoint(load_dir: Path) -> Path | None:
             return None
         text = tracker.read_text().strip()
         directory = load_dir / ("release" if text == "release" else iter_dirname(int(text)))
-        put_back(directory)  # a re-save stopped between `replace_dir`'s two renames (no atomic exchange there)
+        # a re-save stopped between `replace_dir`'s two renames (no atomic exchange there)
+        put_back(directory, directory.with_name(f"{directory.name}.tmp"))
         if not (directory / ".metadata").is_file():
             raise CheckpointError(f"{tracker} points at {directory.name}, which is not a complete torch_dist checkpoint")
     screen(directory)
