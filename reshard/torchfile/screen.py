@@ -4,7 +4,10 @@ Megatron-Core loads any of it.
 They load DCP's objects (`load_bytes`) and, in older versions or Megatron-LM's legacy loader, `common.pt`
 and rank files with `torch.load(weights_only=False)`, and `.metadata` with plain `pickle.load`: a global
 such as `os.system` in any of them runs on `--load`. Reading them here first, as stand-ins, runs nothing
-and refuses the checkpoint by the file and the global.
+and refuses the checkpoint by the file and the global. What is read here is what torch reads: DCP hands
+`torch.load` exactly the bytes `.metadata` places an object at (`FileSystemReader.read_data` through a
+`_ReaderView` of [offset, offset + length)), and each archive is read only in the layout where torch's
+reader finds the same records (`zip_reader`), so no other reading of those bytes is left for torch.
 """
 
 from __future__ import annotations
