@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from reshard.errors import ReshardError
 from reshard.torchfile.zip_structs import (
@@ -73,6 +73,7 @@ from reshard.torchfile.zip_structs import (
 _DESCRIPTOR_FLAG, _UTF8_FLAG = 0x0008, 0x0800
 _RECORDS = re.compile(rb"data\.pkl|data/[0-9]+|byteorder|version|\.data/version|\.data/serialization_id|\.format_version|\.storage_alignment")
 _SMALL = 64  # bytes of a record read to check its value: more is not a value torch.save writes
+_LOCAL_EXTRAS, _CENTRAL_EXTRAS = frozenset({ZIP64_EXTRA, PADDING_EXTRA}), frozenset({ZIP64_EXTRA})
 
 
 class NotCanonical(ReshardError):
@@ -85,8 +86,7 @@ class NotCanonical(ReshardError):
         )
 
 
-@dataclass(frozen=True)
-class _Directory:
+class _Directory(NamedTuple):
     """An entry of the central directory, its Zip64 values applied."""
 
     name: bytes
@@ -164,10 +164,10 @@ def _directory(directory: bytes, count: int, refuse: Callable[[str], NotCanonica
             raise refuse("an entry of its central directory is damaged")
         if comment_len or disk:
             raise refuse("an entry of its central directory has a comment or another disk")
-        maxed = [v for v in (size, compressed, local) if v == ZIP32_MAX]
-        found = _extra_fields(directory[name_at + name_len : name_at + name_len + extra_len], refuse, {ZIP64_EXTRA})
-        values = list(_zip64_values(found.get(ZIP64_EXTRA, b""), len(maxed), refuse))
-        size, compressed, local = (values.pop(0) if v == ZIP32_MAX else v for v in (size, compressed, local))
+        if extra_len or ZIP32_MAX in (size, compressed, local):
+            found = _extra_fields(directory[name_at + name_len : name_at + name_len + extra_len], refuse, _CENTRAL_EXTRAS)
+            values = list(_zip64_values(found.get(ZIP64_EXTRA, b""), (size, compressed, local).count(ZIP32_MAX), refuse))
+            size, compressed, local = (values.pop(0) if v == ZIP32_MAX else v for v in (size, compressed, local))
         entries.append(_Directory(directory[name_at : name_at + name_len], flags, method, crc, compressed, size, local))
     if pos != len(directory):
         raise refuse("its central directory holds bytes past its last entry")
@@ -191,13 +191,14 @@ def _local(read: Callable[[int, int], bytes], entry: _Directory, length: int, re
         raise refuse(f"the local header of {entry.name!r} lies past the archive's end")
     sig, _, flags, method, _, _, crc, compressed, size, name_len, extra_len = LOCAL_HEADER.unpack(read(entry.local, LOCAL_HEADER.size))
     data = entry.local + LOCAL_HEADER.size + name_len + extra_len
-    if sig != LOCAL_HEADER_SIGNATURE or data > length or read(entry.local + LOCAL_HEADER.size, name_len) != entry.name:
+    named = read(entry.local + LOCAL_HEADER.size, name_len + extra_len) if data <= length else b""
+    if sig != LOCAL_HEADER_SIGNATURE or data > length or named[:name_len] != entry.name:
         raise refuse(f"the local header of {entry.name!r} does not carry its name")
     if (flags, method) != (entry.flags, entry.method) or flags & ~(_DESCRIPTOR_FLAG | _UTF8_FLAG):
         raise refuse(f"the flags or method of {entry.name!r} differ between its headers or are not torch.save's")
     if method != 0 or entry.compressed != entry.size:
         raise refuse(f"{entry.name!r} is compressed")
-    extra = _extra_fields(read(entry.local + LOCAL_HEADER.size + name_len, extra_len), refuse, {ZIP64_EXTRA, PADDING_EXTRA})
+    extra = _extra_fields(named[name_len:], refuse, _LOCAL_EXTRAS)
     zip64 = ZIP64_EXTRA in extra
     if zip64:
         local64 = list(_zip64_values(extra[ZIP64_EXTRA], len(extra[ZIP64_EXTRA]) // 8, refuse))
@@ -219,7 +220,7 @@ def _local(read: Callable[[int, int], bytes], entry: _Directory, length: int, re
     return data, end + descriptor.size
 
 
-def _extra_fields(extra: bytes, refuse: Callable[[str], NotCanonical], allowed: set[int]) -> dict[int, bytes]:
+def _extra_fields(extra: bytes, refuse: Callable[[str], NotCanonical], allowed: frozenset[int]) -> dict[int, bytes]:
     """tag -> data of the extra fields that tile `extra`, each of a tag in `allowed`, none twice."""
     fields, pos = {}, 0
     while pos < len(extra):
