@@ -44,6 +44,7 @@ directory, the local headers and the descriptors agree on them is checked all th
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import NamedTuple
@@ -72,6 +73,7 @@ from reshard.torchfile.zip_structs import (
 
 _DESCRIPTOR_FLAG, _UTF8_FLAG = 0x0008, 0x0800
 _RECORDS = re.compile(rb"data\.pkl|data/[0-9]+|byteorder|version|\.data/version|\.data/serialization_id|\.format_version|\.storage_alignment")
+_NUMBER = re.compile(rb"\s*[0-9]+\s*")
 _SMALL = 64  # bytes of a record read to check its value: more is not a value torch.save writes
 _LOCAL_EXTRAS, _CENTRAL_EXTRAS = frozenset({ZIP64_EXTRA, PADDING_EXTRA}), frozenset({ZIP64_EXTRA})
 
@@ -112,7 +114,9 @@ def records(read: Callable[[int, int], bytes], length: int, what: str) -> dict[s
     spans, position = {}, 0
     folder = entries[0].name.split(b"/", 1)[0] if entries else b""
     for entry in entries:
-        record = _record_name(entry.name, folder, refuse)
+        record = _record_name(entry.name, folder)
+        if record is None:
+            raise refuse(f"{entry.name!r} is not a record torch.save writes in the folder of its first record, {folder!r}")
         if record in spans:
             raise refuse(f"{entry.name!r} appears twice")
         if entry.local != position:
@@ -174,14 +178,13 @@ def _directory(directory: bytes, count: int, refuse: Callable[[str], NotCanonica
     return entries
 
 
-def _record_name(name: bytes, folder: bytes, refuse: Callable[[str], NotCanonical]) -> bytes:
-    """The record `name` is, under the archive's one `folder`."""
+@functools.lru_cache(maxsize=4096)  # every chunk of a checkpoint holds the same few names
+def _record_name(name: bytes, folder: bytes) -> bytes | None:
+    """The record `name` is under the archive's one `folder`; None for a name torch.save does not write there."""
     if not folder or b"\\" in folder or b"\0" in name or not name.startswith(folder + b"/"):
-        raise refuse(f"{name!r} is not in the folder of its first record, {folder!r}")
+        return None
     record = name[len(folder) + 1 :]
-    if not _RECORDS.fullmatch(record):
-        raise refuse(f"{name!r} is not a record torch.save writes")
-    return record
+    return record if _RECORDS.fullmatch(record) else None
 
 
 def _local(read: Callable[[int, int], bytes], entry: _Directory, length: int, refuse: Callable[[str], NotCanonical]) -> tuple[int, int]:
@@ -222,6 +225,8 @@ def _local(read: Callable[[int, int], bytes], entry: _Directory, length: int, re
 
 def _extra_fields(extra: bytes, refuse: Callable[[str], NotCanonical], allowed: frozenset[int]) -> dict[int, bytes]:
     """tag -> data of the extra fields that tile `extra`, each of a tag in `allowed`, none twice."""
+    if not extra:
+        return {}
     fields, pos = {}, 0
     while pos < len(extra):
         if pos + EXTRA_FIELD.size > len(extra):
@@ -260,5 +265,5 @@ def _check_values(spans: dict[bytes, tuple[int, int]], read: Callable[[int, int]
         raise refuse("its byteorder is not little-endian")
     for name in (b"version", b".data/version", b".storage_alignment"):
         found = value(name)
-        if found is not None and not re.fullmatch(rb"\s*[0-9]+\s*", found):
+        if found is not None and not _NUMBER.fullmatch(found):
             raise refuse(f"its {name.decode()} record is not a number")
