@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from reshard.atomic import put_back, replace_dir
+from reshard.atomic import aside, foreign, link_inside, put_back, replace_dir, unlike_ours
 from reshard.buffers import Pool
 from reshard.checksum import Checksum
 from reshard.collective import Collective, joined, shares
@@ -63,6 +63,9 @@ def check_free_space(partial: Path, target: Path, needed: int, resuming: bool, f
         )
 
 
+_NOT_A_FILE = {errno.ELOOP: "a symbolic link", errno.EISDIR: "not a plain file"}  # what opening it says, with O_NOFOLLOW
+
+
 class DestinationLock:
     """Held by the process that writes a destination, from the first check to the last rename: a second
     conversion into the same destination (or its partial output) is refused instead of interleaving with
@@ -75,7 +78,7 @@ class DestinationLock:
 
     def acquire(self) -> None:
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -97,11 +100,31 @@ class DestinationLock:
                 return
             os.close(fd)
 
+    def _open(self) -> int:
+        """The lock file, made or taken over without following a link (`O_NOFOLLOW`), and only as a plain file
+        of this user's that no other name shares: its contents are rewritten, which must not reach anything else."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno not in _NOT_A_FILE:
+                raise
+            raise not_ours(self.path, _NOT_A_FILE[exc.errno]) from None
+        why = unlike_ours(os.fstat(fd))
+        if why is not None:
+            os.close(fd)
+            raise not_ours(self.path, why)
+        return fd
+
     def release(self) -> None:
         if self.fd is not None:
             self.path.unlink(missing_ok=True)
             os.close(self.fd)
             self.fd = None
+
+
+def not_ours(path: Path, why: str) -> ReshardError:
+    """The refusal of a sibling reshard would make or take over (`atomic.foreign`) that it did not make."""
+    return ReshardError(f"{path} is {why}: reshard did not leave it there; remove it, or choose another destination")
 
 
 def _prepare_destination(target: Path, overwrite: bool, lock: DestinationLock) -> None:
@@ -110,7 +133,14 @@ def _prepare_destination(target: Path, overwrite: bool, lock: DestinationLock) -
         lock.acquire()
     except OSError as exc:  # not a directory, read-only, no permission: nothing was written
         raise ReshardError(f"cannot write {target}: {exc.strerror} ({exc.filename}); choose another destination") from None
-    put_back(target)  # a run stopped between the two renames of `replace_dir`: the old checkpoint goes back
+    partial = partial_path(target)
+    why = foreign(partial, directory=True)
+    link = link_inside(partial) if why is None and partial.is_dir() else None
+    if why is not None or link is not None:  # resumed or cleared, it would be written through
+        raise not_ours(partial, why) if link is None else not_ours(link, "a symbolic link in the partial output")
+    put_back(target, partial)  # a run stopped between the two renames of `replace_dir`: the old checkpoint goes back
+    if os.path.lexists(aside(target)) and os.path.lexists(target):  # replacing `target` could move it onto this
+        raise not_ours(aside(target), foreign(aside(target), directory=True) or "a directory reshard has not put back")
     if target.exists() and not target.is_dir():
         raise ReshardError(f"{target} exists and is a file; choose another destination")
     if target.exists() and any(target.iterdir()) and not overwrite:

@@ -31,6 +31,7 @@ import os
 import random
 import shutil
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -223,6 +224,26 @@ def spell_as_saved(optimizer_state: dict, saved_keys: set[str]) -> None:
                 break
 
 
+def check_saved(ckpt: Path, optimizer_state: dict, saved_keys: set[str]) -> None:
+    """Refuse, naming it, per-parameter optimizer state the request holds (spelled as saved) that the checkpoint
+    lacks, which Megatron-Core would report as a KeyError: fp32 master weights (`optimizer.state.param.`), which
+    the DistributedOptimizer loads and a plain optimizer training in fp32 does not save, above all."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    for item in nested_values(optimizer_state):
+        key = getattr(item, "key", None)
+        if not isinstance(key, str) or not key.startswith("optimizer.state.") or key in saved_keys:
+            continue
+        if key.startswith(MASTER_WEIGHT_PREFIXES[1]):
+            raise CheckpointError(
+                f"{ckpt} holds no fp32 master weights ({key} is missing: a plain optimizer training in fp32 saves none), "
+                "which the DistributedOptimizer loads: resume without --use-distributed-optimizer, or pass --no-load-optim "
+                "to start the optimizer afresh"
+            )
+        raise CheckpointError(f"{ckpt} has no {key}, which this run's optimizer loads: resume with the optimizer options "
+                              "it was saved with, or pass --no-load-optim to start the optimizer afresh")
+
+
 def _find_step(tree):
     """The optimizer step of a loaded optimizer dict: the plain optimizer's `state.common_step`, else the
     step the DistributedOptimizer keeps in each of its param groups."""
@@ -392,7 +413,7 @@ def save_checkpoint(save_dir: Path, iteration: int, models: list, optimizer, sch
     tmp = save_dir / f"{final.name}.tmp"
     if _rank() == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
-        put_back(final)  # a re-save of this iteration stopped between the two renames of `replace_dir`
+        put_back(final, tmp)  # a re-save of this iteration stopped between the two renames of `replace_dir`
         if tmp.exists():  # left by a crashed save
             shutil.rmtree(tmp)
         tmp.mkdir()
@@ -463,7 +484,8 @@ def find_checkpoint(load_dir: Path) -> Path | None:
             return None
         text = tracker.read_text().strip()
         directory = load_dir / ("release" if text == "release" else iter_dirname(int(text)))
-        put_back(directory)  # a re-save stopped between `replace_dir`'s two renames (no atomic exchange there)
+        # a re-save stopped between `replace_dir`'s two renames (no atomic exchange there)
+        put_back(directory, directory.with_name(f"{directory.name}.tmp"))
         if not (directory / ".metadata").is_file():
             raise CheckpointError(f"{tracker} points at {directory.name}, which is not a complete torch_dist checkpoint")
     screen(directory)
@@ -471,14 +493,23 @@ def find_checkpoint(load_dir: Path) -> Path | None:
 
 
 def read_common(ckpt: Path) -> dict:
-    """The checkpoint's common (non-sharded) state: `common.pt` as megatron-core up to 0.16 saves it, else the
+    """The checkpoint's common (non-sharded) state: `common.pt` as megatron-core up to 0.18 saves it, else the
     ShardedObject `common_state` in the .distcp files that megatron-core 0.19 saves instead (its own reader,
-    weights_only as well)."""
+    weights_only as well), which an older megatron-core cannot read: refused then, with the way round."""
     from megatron.core import dist_checkpointing  # registers the classes of Megatron-LM's args as safe for weights_only
 
     path = Path(ckpt) / "common.pt"
     if path.is_file():
         return torch.load(path, map_location="cpu", weights_only=True)
+    if not any(key.startswith("common_state/") for key in saved_tensor_keys(ckpt)):
+        raise CheckpointError(f"{ckpt} has neither common.pt nor a common_state object: not a complete torch_dist checkpoint")
+    installed = version("megatron-core")
+    if tuple(int(part) for part in installed.split(".")[:2]) < (0, 19):
+        raise CheckpointError(
+            f"{ckpt} keeps its common state inside its .distcp files, as megatron-core 0.19 and later save it, which the "
+            f"installed megatron-core {installed} cannot read: convert it with `reshard convert {ckpt} NEW_DIR` (which "
+            "writes common.pt) and load NEW_DIR, or install megatron-core 0.19"
+        )
     return dist_checkpointing.load_common_state_dict(str(ckpt))
 
 
@@ -519,6 +550,7 @@ def load_checkpoint(ckpt: Path, models: list, optimizer, scheduler, layout: Layo
         request["optimizer"] = optimizer_sharded_state_dict(models, optimizer, is_loading=True,
                                                             form=saved_optimizer_form(keys))
         spell_as_saved(request["optimizer"], keys)
+        check_saved(ckpt, request["optimizer"], keys)
     if load_rng:
         request["rng_state"] = sharded_rng_state(layout)
     loaded = dist_checkpointing.load(request, str(ckpt), strict="assume_ok_unexpected")

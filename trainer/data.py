@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from reshard.paths import confined
+
 UNK, EOD = "[UNK]", "[EOD]"
 
 
@@ -155,12 +157,14 @@ class BatchSource:
 def prepare(data: Path, seq_length: int, tokenizer_file: Path | None, vocab_size: int,
             search_dirs: list[Path]):
     """(tokenizer, dataset, tokenizer_path_or_None): a given tokenizer file, else a `tokenizer.json` found
-    in `search_dirs` (the run's --load / --save directories), else one trained on the corpus."""
+    in `search_dirs` (the run's --load / --save directories, where a link may not lead outside: `confined`),
+    else one trained on the corpus."""
     docs = read_documents(data)
     source = None
     if tokenizer_file is not None:
         source = Path(tokenizer_file)
     else:
-        source = next((Path(d) / "tokenizer.json" for d in search_dirs if d and (Path(d) / "tokenizer.json").is_file()), None)
+        found = next((Path(d) for d in search_dirs if d and (Path(d) / "tokenizer.json").is_file()), None)
+        source = confined(found, "tokenizer.json") if found is not None else None
     tokenizer = load_tokenizer(source) if source is not None else train_tokenizer(docs, vocab_size)
     return tokenizer, PackedDataset(tokenize(docs, tokenizer), seq_length), source

@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> None:
     status = 0
     try:
         run(args)
-    except (TrainerError, ReshardError, ValueError) as exc:
+    except (TrainerError, ReshardError, ValueError, ckpt.CheckpointError) as exc:
         if not torch.distributed.is_initialized() or _rank() == 0:
             print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
         status = 1

@@ -58,10 +58,10 @@ from reshard.optim.state import OptimizerState
 from reshard.paths import confined
 from reshard.sharding import Piece, Region, RegionIndex, pieces, region_size, shift, split_by_slab, to_slices
 from reshard.torchfile import PARSE_ERRORS, dcp_metadata
-from reshard.torchfile.archive_reader import RecordFile, TensorRecord, load_archive
+from reshard.torchfile.archive_reader import RecordFile, TensorRecord
 from reshard.torchfile.archive_writer import At, archive_size, save_archive, save_tensor, storage_alignment
 from reshard.torchfile.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry
-from reshard.torchfile.payloads import EXTRA_STATE, screen_payloads
+from reshard.torchfile.payloads import EXTRA_STATE, load_screened, screen_payloads
 
 HEADER_THREADS = 8  # small reads in flight at once: the disk answers many as fast as one
 
@@ -242,7 +242,7 @@ class TorchDistReader(CheckpointReader):
         common_path = directory / "common.pt"
         inside = [key for key in objects if key.startswith(_COMMON_STATE)]
         if common_path.is_file():
-            common = load_archive(common_path, str(common_path))
+            common = load_screened(common_path, str(common_path))
             where = str(common_path)
         elif inside:
             common, where = self._object(objects[inside[0]], inside[0]), f"{directory}'s common_state"

@@ -67,8 +67,9 @@ from reshard.sharding import (
     slabs,
     to_slices,
 )
-from reshard.torchfile.archive_reader import RecordFile, TensorRecord, archive_tensor, load_archive
+from reshard.torchfile.archive_reader import RecordFile, TensorRecord, archive_tensor
 from reshard.torchfile.archive_writer import Slot, StreamingTorchSave
+from reshard.torchfile.payloads import load_screened
 
 RANK_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -224,7 +225,7 @@ class LegacyReader(CheckpointReader):
 
     @staticmethod
     def _load_path(path: Path) -> dict[str, Any]:
-        state = load_archive(path, str(path))
+        state = load_screened(path, str(path))
         if not isinstance(state, dict):
             raise ReshardError(f"{path} does not hold a Megatron rank's state: the file is foreign or damaged")
         return state

@@ -46,8 +46,9 @@ from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe
 from reshard.paths import confined, confined_tree
 from reshard.sharding import Piece, Region, contiguous_offset, full_region, intersect, shift, to_slices
-from reshard.torchfile.archive_reader import RecordFile, TensorRecord, load_archive
+from reshard.torchfile.archive_reader import RecordFile, TensorRecord
 from reshard.torchfile.archive_writer import save_archive
+from reshard.torchfile.payloads import load_screened
 
 if TYPE_CHECKING:
     import tensorstore as ts
@@ -245,7 +246,7 @@ class ZarrReader(CheckpointReader):
         self.config = ModelConfig.from_dict(attrs["config"]) if attrs["config"] is not None else None
         self.layout = Layout(**attrs["layout"])
         self.manifest = Manifest.from_json(attrs["manifest"]) if "manifest" in attrs else None
-        common = load_archive(path / COMMON_FILE, str(path / COMMON_FILE)) if (path / COMMON_FILE).is_file() else {}
+        common = load_screened(path / COMMON_FILE, str(path / COMMON_FILE)) if (path / COMMON_FILE).is_file() else {}
         # what `finish` writes, checked before a damaged or foreign file's values reach code that takes them for that
         iteration = common.get("iteration", 0) if isinstance(common, dict) else None
         parts = ("args", "extra", "objects")

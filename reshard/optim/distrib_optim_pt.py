@@ -44,7 +44,8 @@ from reshard.optim.state import OptimizerState, StoredForm
 from reshard.paths import confined
 from reshard.records import StoredRecord
 from reshard.sharding import Piece, Region, pieces, shift, to_slices
-from reshard.torchfile.archive_reader import RecordFile, TensorRecord, archive_tensor, load_archive
+from reshard.torchfile.archive_reader import RecordFile, TensorRecord, archive_tensor
+from reshard.torchfile.payloads import load_screened
 from reshard.torchfile.archive_writer import Slot, StreamingTorchSave
 from reshard.torchfile.crc32 import crc32_of_parts
 
@@ -104,7 +105,7 @@ class DistribOptimFiles(OptimizerState):
             self.names[(chain, group)] = f"{dirname}/{OPTIM_FILE}"
             if not path.is_file():
                 raise ReshardError(f"{path} is missing beside the first rank's: the checkpoint is incomplete")
-            state = cached(loaded, path, lambda p=path: load_archive(p, str(p)))
+            state = cached(loaded, path, lambda p=path: load_screened(p, str(p)))
             if chain is not None:
                 if not (isinstance(state, list) and len(state) == 2):
                     raise ReshardError(f"{path} does not hold the states of an MoE model's two chained optimizers: the file is foreign or damaged")

@@ -1,8 +1,9 @@
 """Reading tensors inside `torch.save` archives without loading them (writing: `archive_writer`).
 
 Reading: a `torch.save` blob is an uncompressed zip whose `data/<key>` records hold raw storage
-bytes. We parse only the pickle's tensor header (never executing it) and `pread` just the bytes of
-the slice asked for, into its destination.
+bytes, found where torch itself finds them (`zip_reader`: an archive laid out any other way is refused).
+We parse only the pickle's tensor header (never executing it) and `pread` just the bytes of the slice
+asked for, into its destination.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import functools
 import io
 import os
 import pickle
-import struct
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,25 +24,9 @@ from reshard.direct_io import DirectFile
 from reshard.dtypes import bits, itemsize, numpy_dtype
 from reshard.errors import ReshardError
 from reshard.sharding import Region, cut, long_axis, shift, to_slices
-from reshard.torchfile import PARSE_ERRORS
+from reshard.torchfile import PARSE_ERRORS, zip_reader
 from reshard.torchfile.archive_writer import Stored
-from reshard.torchfile.payloads import screen_payloads
 from reshard.torchfile.pickles import LEGACY_STORAGE_TYPES, Call, Named, Unpickler, named, nonnegative_ints
-from reshard.torchfile.zip_structs import (
-    CENTRAL_ENTRY,
-    CENTRAL_ENTRY_SIGNATURE,
-    COUNT_MAX,
-    END,
-    END_SIGNATURE,
-    LOCAL_HEADER,
-    LOCAL_HEADER_SIGNATURE,
-    ZIP32_MAX,
-    ZIP64_END,
-    ZIP64_END_SIGNATURE,
-    ZIP64_LOCATOR,
-    ZIP64_LOCATOR_SIGNATURE,
-    zip64_values,
-)
 
 
 @dataclass(frozen=True)
@@ -66,41 +49,12 @@ class _Layout:
 
 
 _STORAGE_DTYPES = {name: dtype for dtype, name in LEGACY_STORAGE_TYPES.items()}
-
-
-class _FileWindow(io.RawIOBase):
-    """A seekable read-only file over [start, start+length) of a descriptor (zipfile needs one)."""
-
-    def __init__(self, fd: int, start: int, length: int):
-        self.fd, self.start, self.length, self.pos = fd, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.length}[whence]
-        self.pos = max(0, min(self.length, base + offset))
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = min(len(buffer), self.length - self.pos)
-        n = os.preadv(self.fd, [memoryview(buffer)[:n]], self.start + self.pos) if n > 0 else 0
-        self.pos += n
-        return n
-
-
 WINDOW = 4096  # bytes read at each end of a record: a torch.save archive keeps its headers and pickle there
 
 
 class _Windows:
-    """The first and last WINDOW bytes of a record, read once (two `pread`s in place of zipfile's dozen);
-    a read outside them goes to the file."""
+    """The first and last WINDOW bytes of a record, read once (two `pread`s in place of a dozen small
+    ones); a read outside them goes to the file."""
 
     def __init__(self, file: RecordFile, start: int, length: int):
         self.file, self.start, self.length = file, start, length
@@ -122,81 +76,6 @@ class _Windows:
         if offset >= self.tail_at:
             return self.tail[offset - self.tail_at : offset - self.tail_at + size]
         return self._pread(offset, size)
-
-
-def zip_entries(read: Callable[[int, int], bytes], length: int) -> dict[str, tuple[int, int]] | None:
-    """name -> (data offset, size) of the stored entries of a zip of `length` bytes, `read(offset, size)`
-    giving its bytes: the central directory found at the very end (no comment, one disk), Zip64 included,
-    every offset counted from the zip's start and inside it. None for anything else, which `zipfile` is
-    left to read (or to refuse); compressed entries are refused."""
-    try:
-        return _stored_entries(read, length)
-    except (struct.error, StopIteration, UnicodeDecodeError):
-        return None
-
-
-def _stored_entries(read: Callable[[int, int], bytes], length: int) -> dict[str, tuple[int, int]] | None:
-    if length < END.size:
-        return None
-    sig, disk, cd_disk, _, count, cd_size, cd_offset, comment = END.unpack(read(length - END.size, END.size))
-    if sig != END_SIGNATURE or comment or disk or cd_disk:
-        return None
-    if count == COUNT_MAX or ZIP32_MAX in (cd_size, cd_offset):
-        at = length - END.size - ZIP64_LOCATOR.size
-        if at < 0:
-            return None
-        sig, _, eocd64, _ = ZIP64_LOCATOR.unpack(read(at, ZIP64_LOCATOR.size))
-        if sig != ZIP64_LOCATOR_SIGNATURE or eocd64 + ZIP64_END.size > at:
-            return None
-        sig, *_, count, cd_size, cd_offset = ZIP64_END.unpack(read(eocd64, ZIP64_END.size))
-        if sig != ZIP64_END_SIGNATURE:
-            return None
-    if cd_offset + cd_size > length:  # offsets counted from elsewhere (a zip inside a larger file)
-        return None
-    directory = read(cd_offset, cd_size)
-    entries, pos = {}, 0
-    for _ in range(count):
-        sig, _, _, _, method, _, _, _, compressed, size, name_len, extra_len, comment_len, _, _, _, local = CENTRAL_ENTRY.unpack_from(directory, pos)
-        if sig != CENTRAL_ENTRY_SIGNATURE:
-            return None
-        name_at = pos + CENTRAL_ENTRY.size
-        name = directory[name_at : name_at + name_len].decode("utf-8")
-        size, compressed, local = _zip64_sizes(directory[name_at + name_len : name_at + name_len + extra_len], size, compressed, local)
-        pos = name_at + name_len + extra_len + comment_len
-        if method != 0 or compressed != size:
-            raise ReshardError("compressed torch.save records are not supported")
-        if local + LOCAL_HEADER.size > length:
-            return None
-        sig, *_, local_name, local_extra = LOCAL_HEADER.unpack(read(local, LOCAL_HEADER.size))
-        data = local + LOCAL_HEADER.size + local_name + local_extra
-        if sig != LOCAL_HEADER_SIGNATURE or data + size > length:
-            return None
-        entries[name] = (data, size)
-    return entries
-
-
-def _zip64_sizes(extra: bytes, size: int, compressed: int, local: int) -> tuple[int, int, int]:
-    """The fields a central directory entry left at ZIP32_MAX, from its Zip64 extra field (in this order)."""
-    found = zip64_values(extra)
-    if found is not None:
-        values = iter(found)
-        size = next(values) if size == ZIP32_MAX else size
-        compressed = next(values) if compressed == ZIP32_MAX else compressed
-        local = next(values) if local == ZIP32_MAX else local
-    return size, compressed, local
-
-
-def _zipfile_entries(window: _FileWindow) -> dict[str, tuple[int, int]]:
-    """`zip_entries` by `zipfile`, for a zip laid out any other way."""
-    with zipfile.ZipFile(window) as zf:
-        out = {}
-        for info in zf.infolist():
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise ReshardError("compressed torch.save records are not supported")
-            window.seek(info.header_offset)
-            *_, name_len, extra_len = LOCAL_HEADER.unpack(window.read(LOCAL_HEADER.size))
-            out[info.filename] = (info.header_offset + LOCAL_HEADER.size + name_len + extra_len, info.file_size)
-        return out
 
 
 @dataclass(frozen=True)
@@ -241,10 +120,8 @@ class RecordFile:
         """name -> (absolute data offset, size) of the zip records of the blob at [start, start+length), and
         the blob's two ends as read (its headers and pickle lie there)."""
         ends = _Windows(self, start, length)
-        entries = zip_entries(ends.read, length)
-        if entries is None:  # not laid out as torch.save writes: let zipfile make sense of it
-            entries = _zipfile_entries(_FileWindow(self.fd, start, length))
-        return {name.split("/", 1)[1]: (start + offset, size) for name, (offset, size) in entries.items()}, ends
+        entries = zip_reader.records(ends.read, length, f"{self.path} (the archive at byte {start})" if start else str(self.path))
+        return {name: (start + offset, size) for name, (offset, size) in entries.items()}, ends
 
     def record(self, start: int, length: int) -> TensorRecord:
         """The tensor that `torch.save` wrote at [start, start+length)."""
@@ -345,44 +222,53 @@ class _ArchiveUnpickler(Unpickler):
             raise pickle.UnpicklingError(f"{pid!r:.80} is not a torch storage's persistent id")
         _, storage_type, key, location, numel = pid
         if key not in self.storages:
-            self.storages[key] = Stored(storage_type, location, numel, *self.storage(str(key)))
+            read, offset, nbytes = self.storage(str(key))
+            # torch gives the storage numel x its element size bytes, whatever the record holds
+            (numel,) = nonnegative_ints((numel,))
+            if numel * _element_size(storage_type) != nbytes:
+                raise ValueError(f"a storage of {numel!r:.20} {storage_type} elements in a record of {nbytes} bytes")
+            self.storages[key] = Stored(storage_type, location, numel, read, offset, nbytes)
+        elif (storage_type, numel) != (self.storages[key].storage_type, self.storages[key].numel):
+            raise ValueError(f"storage {key!r:.20} is pickled as two different storages")  # torch would keep either
         return self.storages[key]
+
+
+def _element_size(storage_type: Named) -> int:
+    return 1 if storage_type is _UNTYPED else itemsize(_STORAGE_DTYPES[storage_type.qualname])
+
+
+_UNTYPED = named("torch.storage", "UntypedStorage")
 
 
 def load_archive(source: Path | BinaryIO, what: str) -> Any:
     """What `torch.save` wrote to `source`, as stand-ins: without torch, and without running anything in
     it. From a file object, storages are read into memory; from a path (a legacy rank file of several GB),
     only where they lie is noted, and a storage is read when it is pickled again (`Stored.read`).
-    `what` names the source in the error for a damaged or foreign one. The pickles it holds inside (a
-    BytesIO's, a `_extra_state` tensor's) are screened too (`payloads`)."""
-    value = _load(source, what)
-    screen_payloads(value, what)
-    return value
-
-
-def _load(source: Path | BinaryIO, what: str) -> Any:
+    `what` names the source in the error for a damaged or foreign one. The pickles it holds inside are
+    left as they are (`payloads.load_screened` reads those too)."""
     try:
         if isinstance(source, Path):
             return _load_file(source)
-        with zipfile.ZipFile(source) as archive:
-            pickled = [name for name in archive.namelist() if name.endswith("/data.pkl") and name.count("/") == 1]
-            if len(pickled) != 1:
-                raise ReshardError(f"{what} is not a torch.save archive: the checkpoint is damaged")
-            prefix = pickled[0].split("/")[0]
+        data = source.read()
+        spans = zip_reader.records(lambda offset, size: data[offset : offset + size], len(data), what)
 
-            def storage(key: str) -> tuple[Callable[[], bytes], None, int]:
-                data = archive.read(f"{prefix}/data/{key}")
-                return (lambda: data), None, len(data)
+        def storage(key: str) -> tuple[Callable[[], bytes], None, int]:
+            offset, size = spans[f"data/{key}"]
+            return (lambda: data[offset : offset + size]), None, size
 
-            return _ArchiveUnpickler(archive.read(pickled[0]), storage, what).load()
+        offset, size = spans["data.pkl"]
+        return _ArchiveUnpickler(data[offset : offset + size], storage, what).load()
     except PARSE_ERRORS as exc:  # a truncated, foreign or damaged file
         raise ReshardError(f"{what} cannot be loaded ({exc.__class__.__name__}): the checkpoint is damaged") from None
 
 
 def _load_file(path: Path) -> Any:
     with open(path, "rb") as f:
-        if f.read(2) != b"PK":  # torch.save has written zip archives since torch 1.6
-            raise ReshardError(f"{path} is not a zip-format torch.save file (saved before torch 1.6?): load and save it again with a newer torch")
+        if f.read(4) != b"PK\x03\x04":  # torch.save has written zip archives since torch 1.6
+            raise ReshardError(
+                f"{path} is not a zip-format torch.save file (saved before torch 1.6, or tampered with: torch.load would "
+                "run its first pickle as a pre-1.6 file's): load and save it again with a newer torch"
+            )
     file = RecordFile(path)
     try:
         return file.unpickle(0, os.fstat(file.fd).st_size)

@@ -45,6 +45,7 @@ from reshard.torchfile.zip_structs import (
     LOCAL_CRC_AT,
     LOCAL_HEADER,
     LOCAL_HEADER_SIGNATURE,
+    PADDING_EXTRA,
     ZIP32_MAX,
     ZIP64_END,
     ZIP64_END_SIGNATURE,
@@ -54,7 +55,6 @@ from reshard.torchfile.zip_structs import (
 )
 
 _ALIGNMENT = 64
-_PADDING_FIELD = 0x4246  # "FB": the extra field torch pads with
 
 
 def storage_alignment(nbytes: int) -> int:
@@ -91,7 +91,7 @@ class ZipWriter:
         extra = zip64_extra([size, size]) if size >= self.zip64_from else b""
         # pad with an extra field so the data starts on the alignment torch uses (for mmap loading)
         pad = -(offset + LOCAL_HEADER.size + len(encoded) + len(extra) + EXTRA_FIELD.size) % alignment
-        extra += EXTRA_FIELD.pack(_PADDING_FIELD, pad) + b"Z" * pad
+        extra += EXTRA_FIELD.pack(PADDING_EXTRA, pad) + b"Z" * pad
         data_offset = offset + LOCAL_HEADER.size + len(encoded) + len(extra)
         self.entries.append(_Entry(encoded, offset, data_offset, size, extra))
         self.size = data_offset + size

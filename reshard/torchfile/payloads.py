@@ -13,10 +13,12 @@ from __future__ import annotations
 import io
 import math
 import pickle
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
 from reshard.errors import ReshardError
 from reshard.torchfile import PARSE_ERRORS
+from reshard.torchfile.archive_reader import archive_tensor, load_archive
 from reshard.torchfile.pickles import Call, Unpickler, named
 
 _BYTES_IO = named("_io", "BytesIO")
@@ -55,6 +57,14 @@ class _InnerUnpickler(Unpickler):
         return None
 
 
+def load_screened(source: Path | BinaryIO, what: str) -> Any:
+    """`load_archive(source, what)`, the pickles it holds screened too: a legacy rank file's or a common
+    state's TE `_extra_state`, a BytesIO."""
+    value = load_archive(source, what)
+    screen_payloads(value, what)
+    return value
+
+
 def screen_payloads(value: Any, what: str, extra_state: bool = False) -> None:
     """Screen the pickles held in `value` (stand-ins as the torchfile readers give them): a BytesIO's bytes, a
     storage's `_load_from_bytes` bytes, and, inside a `_extra_state` entry (or everywhere with `extra_state`),
@@ -87,8 +97,6 @@ def _inner_bytes(call: Call, extra_state: bool) -> bytes | None:
     if (call.function.module, call.function.qualname) == _LOAD_FROM_BYTES:
         return _as_bytes(call.args[0]) if call.args else None
     if extra_state:
-        from reshard.torchfile.archive_reader import archive_tensor  # the reader imports this module
-
         record = archive_tensor(call)
         if record is not None and record.dtype == "uint8":
             if record.loaded is not None:
@@ -112,13 +120,12 @@ def _as_bytes(value: Any) -> bytes | None:
 
 
 def _unpickle(data: bytes, what: str) -> Any:
-    """What `torch.load` or `pickle.loads` would build from `data`, as stand-ins: a `torch.save` zip archive, a
-    pre-zip `torch.save` file (its pickles: magic number, protocol, system info, the object, its storage keys)
-    or a plain pickle."""
-    from reshard.torchfile.archive_reader import load_archive
-
+    """What `torch.load` or `pickle.loads` would build from `data`, as stand-ins, deciding as `torch.load` does
+    (`_is_zipfile`): a `torch.save` zip archive, or else a pre-zip `torch.save` file (its pickles: magic number,
+    protocol, system info, the object, its storage keys), whose first pickle is also what `pickle.loads`
+    reads. (`torch.load` tries the older tar format first only for a real file, never for these bytes.)"""
     where = f"{what} (a pickle inside it)"
-    if data[:2] == b"PK":
+    if data[:4] == b"PK\x03\x04":
         return load_archive(io.BytesIO(data), where)
     stream = io.BytesIO(data)
     try:

@@ -4,7 +4,10 @@ Megatron-Core loads any of it.
 They load DCP's objects (`load_bytes`) and, in older versions or Megatron-LM's legacy loader, `common.pt`
 and rank files with `torch.load(weights_only=False)`, and `.metadata` with plain `pickle.load`: a global
 such as `os.system` in any of them runs on `--load`. Reading them here first, as stand-ins, runs nothing
-and refuses the checkpoint by the file and the global.
+and refuses the checkpoint by the file and the global. What is read here is what torch reads: DCP hands
+`torch.load` exactly the bytes `.metadata` places an object at (`FileSystemReader.read_data` through a
+`_ReaderView` of [offset, offset + length)), and each archive is read only in the layout where torch's
+reader finds the same records (`zip_reader`), so no other reading of those bytes is left for torch.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from pathlib import Path
 from reshard.errors import ReshardError
 from reshard.paths import confined
 from reshard.torchfile import PARSE_ERRORS, dcp_metadata
-from reshard.torchfile.archive_reader import RecordFile, load_archive
-from reshard.torchfile.payloads import EXTRA_STATE, screen_payloads
+from reshard.torchfile.archive_reader import RecordFile
+from reshard.torchfile.payloads import EXTRA_STATE, load_screened, screen_payloads
 
 TORCH_SAVE_SUFFIXES = (".pt", ".pth")  # common.pt, model_optim_rng.pt, distrib_optim.pt, Bridge's train_state.pt
 
@@ -32,27 +35,31 @@ def screen(directory: Path) -> None:
             if path.name == ".metadata":
                 _objects(path)
             else:
-                load_archive(path, str(path))
+                load_screened(path, str(path))
 
 
 def _objects(path: Path) -> None:
-    """The objects DCP would `torch.load` from the files `.metadata` at `path` names (tensors it loads
-    with `weights_only=True`), and the pickles inside them (`payloads`: TE's `_extra_state`)."""
-    files: dict[Path, RecordFile] = {}
+    """Every file `.metadata` at `path` names, each inside the checkpoint (DCP opens them by joining the name to
+    the directory, `..`, absolute paths and links and all); the objects DCP would `torch.load` from them
+    (tensors it loads with `weights_only=True`), and the pickles inside those (`payloads`: TE's `_extra_state`)."""
+    files: dict[str, RecordFile] = {}
+    storage = dcp_metadata.load(path).storage
     try:
-        for (fqn, offsets), info in dcp_metadata.load(path).storage.items():
+        for name in {info.relative_path for info in storage.values()}:
+            confined(path.parent, name)  # .metadata names it: untrusted
+        for (fqn, offsets), info in storage.items():
             if offsets is not None:
                 continue
             if info.transformed:
                 raise ReshardError(f"{path.parent / info.relative_path}: DCP stream transforms (compression) are not supported")
-            blob = confined(path.parent, info.relative_path)  # .metadata names it: untrusted
-            if blob not in files:
-                files[blob] = RecordFile(blob)
+            if info.relative_path not in files:
+                files[info.relative_path] = RecordFile(path.parent / info.relative_path)
+            blob = files[info.relative_path]
             try:
-                value = files[blob].unpickle(info.offset, info.length)
+                value = blob.unpickle(info.offset, info.length)
             except PARSE_ERRORS as exc:
-                raise ReshardError(f"{blob}: an object cannot be decoded ({exc.__class__.__name__}); the file is damaged") from None
-            screen_payloads(value, f"{blob} ({fqn})", extra_state=EXTRA_STATE in fqn)
+                raise ReshardError(f"{blob.path}: an object cannot be decoded ({exc.__class__.__name__}); the file is damaged") from None
+            screen_payloads(value, f"{blob.path} ({fqn})", extra_state=EXTRA_STATE in fqn)
     except FileNotFoundError as exc:
         raise ReshardError(f"{exc.filename} is missing: the checkpoint is incomplete") from None
     finally:

@@ -1,4 +1,4 @@
-"""The zip records a `torch.save` archive is made of, spelled once for the reader (`archive_reader`) and
+"""The zip records a `torch.save` archive is made of, spelled once for the reader (`zip_reader`) and
 the writer (`archive_writer`): each record's fields as a little-endian `struct`, in the order of PKWARE's
 APPNOTE, and its signature."""
 
@@ -34,6 +34,13 @@ ZIP64_LOCATOR_SIGNATURE = 0x07064B50
 
 EXTRA_FIELD = struct.Struct("<HH")  # an extra field's tag and data size, its data following
 ZIP64_EXTRA = 0x0001  # the Zip64 extra field: size, compressed size, local header offset, as 8 bytes each
+PADDING_EXTRA = 0x4246  # "FB": the extra field torch pads with, so that a record's data starts aligned
+
+# after a record's data when its flags say so (torch's miniz writes one after every non-empty record):
+# signature, CRC-32, compressed size, size; the sizes in 8 bytes each for a record with a Zip64 extra field
+DESCRIPTOR32 = struct.Struct("<IIII")
+DESCRIPTOR64 = struct.Struct("<IIQQ")
+DESCRIPTOR_SIGNATURE = 0x08074B50
 
 ZIP32_MAX = 0xFFFFFFFF  # a size or offset holding this is in the Zip64 extra field (or end record)
 COUNT_MAX = 0xFFFF  # an entry count holding this is in the Zip64 end record
@@ -42,14 +49,3 @@ COUNT_MAX = 0xFFFF  # an entry count holding this is in the Zip64 end record
 def zip64_extra(values: list[int]) -> bytes:
     """A Zip64 extra field holding `values`: those of size, compressed size, offset that passed ZIP32_MAX."""
     return EXTRA_FIELD.pack(ZIP64_EXTRA, 8 * len(values)) + struct.pack(f"<{len(values)}Q", *values)
-
-
-def zip64_values(extra: bytes) -> list[int] | None:
-    """The values of the Zip64 field among `extra` fields, None without one."""
-    pos = 0
-    while pos + EXTRA_FIELD.size <= len(extra):
-        tag, size = EXTRA_FIELD.unpack_from(extra, pos)
-        if tag == ZIP64_EXTRA:
-            return list(struct.unpack_from(f"<{size // 8}Q", extra, pos + EXTRA_FIELD.size))
-        pos += EXTRA_FIELD.size + size
-    return None

@@ -137,7 +137,7 @@ def test_missing_legacy_rank_file_is_reported(tmp_path):
 
 
 @pytest.mark.parametrize("damage, words", [
-    (lambda blob: blob[: len(blob) // 2], ("model_optim_rng.pt", "cannot be loaded")),  # truncated: no zip directory
+    (lambda blob: blob[: len(blob) // 2], ("model_optim_rng.pt", "the checkpoint is damaged")),  # truncated: no zip directory
     (lambda blob: pickle.dumps({"args": None}), ("not a zip-format torch.save file", "newer torch")),  # torch < 1.6's format
 ], ids=["truncated", "pre-zip"])
 def test_a_damaged_or_old_legacy_rank_file_is_reported(tmp_path, damage, words):

@@ -222,3 +222,86 @@ def test_kill_9_at_random_points_leaves_the_old_checkpoint_or_the_new_one(tmp_pa
         shutil.rmtree(dst)
     assert _content(old) == previous
     assert "partial" in seen, seen  # some kills did land while the conversion was writing
+
+
+# Siblings reshard makes beside a destination (issue 33, item 3), planted by someone else: each is refused in one
+# line naming it, or left alone, and never written through.
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim"
+    victim.write_text("not reshard's")
+    return victim
+
+
+@pytest.mark.parametrize("plant", ["symlink", "hard link", "directory"])
+def test_a_planted_lock_is_refused_and_not_written_through(pair, tmp_path, plant):
+    src, dst = pair
+    victim = _victim(tmp_path)
+    lock = DestinationLock(dst).path
+    if plant == "symlink":
+        lock.symlink_to(victim)
+    elif plant == "hard link":
+        os.link(victim, lock)
+    else:
+        lock.mkdir()
+    before, source = _digest(dst), _digest(src)
+    with pytest.raises(ReshardError, match=rf"{lock} is (a symbolic link|a hard link|not a plain file): reshard did not leave it there") as refused:
+        convert(src, dst, Target(layout=Layout(tp=1)), overwrite=True)
+    assert "\n" not in str(refused.value)
+    assert victim.read_text() == "not reshard's" and _digest(dst) == before and _digest(src) == source
+
+
+@pytest.mark.parametrize("plant", ["symlink", "file", "link inside"])
+def test_a_planted_partial_output_is_refused_and_not_written_through(pair, tmp_path, plant):
+    src, dst = pair
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("not reshard's")
+    victim = _victim(tmp_path)
+    partial = partial_path(dst)
+    if plant == "symlink":
+        partial.symlink_to(elsewhere, target_is_directory=True)
+    elif plant == "file":
+        partial.write_text("not reshard's")
+    else:
+        partial.mkdir()
+        (partial / "__0_0.distcp").symlink_to(victim)
+    before, source = _digest(dst), _digest(src)
+    with pytest.raises(ReshardError, match=f"{partial}.* reshard did not leave it there") as refused:
+        convert(src, dst, Target(layout=Layout(tp=1)), overwrite=True)
+    assert "\n" not in str(refused.value)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["keep"] and victim.read_text() == "not reshard's"
+    assert _digest(dst) == before and _digest(src) == source
+
+
+@pytest.mark.parametrize("plant", ["directory", "symlink"])
+def test_a_stray_old_sibling_stays_where_it_is(pair, tmp_path, plant):
+    """Nothing was being replaced (no destination, no pending output): a `.DEST.reshard-old` is not a checkpoint to
+    put back, and the fresh destination is the conversion's own."""
+    src, _ = pair
+    dst = tmp_path / "fresh"
+    stray = tmp_path / ".fresh.reshard-old"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("not reshard's")
+    if plant == "directory":
+        shutil.copytree(elsewhere, stray)
+    else:
+        stray.symlink_to(elsewhere, target_is_directory=True)
+    convert(src, dst, Target(layout=Layout(tp=1)))
+    assert not (dst / "keep").exists()
+    new, old = tensors(dst), tensors(src)
+    assert set(new) == set(old) and all(same(new[n], old[n]) for n in old)
+    assert sorted(p.name for p in stray.iterdir()) == ["keep"] and os.path.islink(stray) == (plant == "symlink")
+
+
+def test_a_stray_old_sibling_beside_an_existing_destination_is_refused(pair, tmp_path):
+    """Replacing the destination may move it aside under that name: someone else's directory there is refused."""
+    src, dst = pair
+    stray = tmp_path / f".{dst.name}.reshard-old"
+    stray.mkdir()
+    (stray / "keep").write_text("not reshard's")
+    before = _digest(dst)
+    with pytest.raises(ReshardError, match=f"{stray} is a directory reshard has not put back"):
+        convert(src, dst, Target(layout=Layout(tp=1)), overwrite=True)
+    assert (stray / "keep").read_text() == "not reshard's" and _digest(dst) == before

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from fixtures.corpus import write_corpus
+from fixtures.hostile_archives import TAMPERINGS
 from fixtures.torchrun import REPO, run
 from tests.trainer.test_resume import assert_one_line
 
@@ -66,18 +67,34 @@ def _into_metadata(directory: Path, payload) -> None:
 
 def _into_object(directory: Path, payload, prefix: str = "rng_state") -> None:
     """The blob of the first object whose key starts with `prefix` replaced by one holding the payload (as
-    Megatron saves a ShardedObject: a list of its one value), appended to its .distcp file."""
-    with open(directory / ".metadata", "rb") as f:
-        metadata = pickle.load(f)
-    index = next(i for i in metadata.storage_data if i.fqn.startswith(prefix))
-    info = metadata.storage_data[index]
+    Megatron saves a ShardedObject: a list of its one value)."""
     blob = io.BytesIO()
     torch.save([payload], blob)
+    _replace_object(directory, blob.getvalue(), prefix)
+
+
+def _object_index(directory: Path, prefix: str):
+    with open(directory / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    return metadata, next(i for i in metadata.storage_data if i.fqn.startswith(prefix))
+
+
+def _object_blob(directory: Path, prefix: str = "rng_state") -> bytes:
+    metadata, index = _object_index(directory, prefix)
+    info = metadata.storage_data[index]
+    with open(directory / info.relative_path, "rb") as f:
+        return os.pread(f.fileno(), info.length, info.offset)
+
+
+def _replace_object(directory: Path, blob: bytes, prefix: str = "rng_state") -> None:
+    """The first object whose key starts with `prefix` replaced by `blob`, appended to its .distcp file."""
+    metadata, index = _object_index(directory, prefix)
+    info = metadata.storage_data[index]
     target = directory / info.relative_path
     offset = target.stat().st_size
     with open(target, "ab") as f:
-        f.write(blob.getvalue())
-    metadata.storage_data[index] = type(info)(info.relative_path, offset, len(blob.getvalue()))
+        f.write(blob)
+    metadata.storage_data[index] = type(info)(info.relative_path, offset, len(blob))
     with open(directory / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
 
@@ -191,4 +208,92 @@ def test_the_trainer_refuses_to_load_a_pickle_that_would_run(sources, tmp_path, 
         run("reshard.trainer", [*_train_args(corpus), "--train-iters", 3, "--load", ckpt], nproc=1)
     assert_one_line(str(info.value))
     assert not marker.exists()
+    assert _digest(ckpt) == before
+
+
+def _tamper_file(path: Path, how: str, marker: Path) -> None:
+    path.write_bytes(TAMPERINGS[how](path.read_bytes(), marker))
+
+
+# Where a blob that torch reads otherwise than a naive zip reader is planted (issue 33, item 1): a DCP object
+# (DCP's `torch.load(weights_only=False)` in `--load`), a legacy rank file (Megatron-LM's own loader) and common.pt.
+PLACES = {
+    "distcp object": ("dist", lambda ckpt, how, marker: _replace_object(ckpt / ITER, TAMPERINGS[how](_object_blob(ckpt / ITER), marker)),
+                      f"{ITER}/__0_0.distcp"),
+    "legacy rank file": ("legacy", lambda ckpt, how, marker: _tamper_file(ckpt / ITER / "mp_rank_00" / "model_optim_rng.pt", how, marker),
+                         f"{ITER}/mp_rank_00/model_optim_rng.pt"),
+    "common.pt": ("dist", lambda ckpt, how, marker: _tamper_file(ckpt / ITER / "common.pt", how, marker), f"{ITER}/common.pt"),
+}
+NOT_READ_ALIKE = re.compile(r"(is not a torch\.save archive as torch writes one|is not a zip-format torch\.save file)")
+
+
+def _tampered(sources: Path, tmp_path: Path, place: str, how: str) -> tuple[Path, Path, str]:
+    fmt, plant, where = PLACES[place]
+    ckpt = Path(shutil.copytree(sources / fmt, tmp_path / fmt))
+    marker = tmp_path / "ran"
+    plant(ckpt, how, marker)
+    return ckpt, marker, where
+
+
+@pytest.mark.parametrize("command", ["verify", "convert"])
+@pytest.mark.parametrize("how", sorted(TAMPERINGS))
+@pytest.mark.parametrize("place", sorted(PLACES))
+def test_reshard_refuses_an_archive_torch_would_read_otherwise(sources, tmp_path, place, how, command):
+    """`verify` no longer vouches for it and `convert` does not carry it: refused in one line naming the file."""
+    ckpt, marker, where = _tampered(sources, tmp_path, place, how)
+    before = _digest(ckpt)
+    args = ["verify", ckpt] if command == "verify" else ["convert", ckpt, tmp_path / "out", "--to-format", "torch_dist", "-q"]
+    proc = _reshard(*args)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("reshard: error:"), proc.stderr
+    assert where in lines[0] and NOT_READ_ALIKE.search(lines[0]), lines[0]
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    assert _digest(ckpt) == before
+
+
+@pytest.mark.parametrize("how", sorted(TAMPERINGS))
+def test_the_trainer_refuses_an_object_torch_would_read_otherwise(sources, tmp_path, corpus, how):
+    """The rng_state object, which the resume at the same layout has DCP load with `weights_only=False`: refused
+    by the trainer's screen before Megatron-Core reads the checkpoint, so its payload never runs."""
+    ckpt, marker, where = _tampered(sources, tmp_path, "distcp object", how)
+    before = _digest(ckpt)
+    with pytest.raises(RuntimeError, match="trainer: error: .*" + re.escape(where)) as info:
+        run("reshard.trainer", [*_train_args(corpus), "--train-iters", 3, "--load", ckpt], nproc=1)
+    assert_one_line(str(info.value))
+    assert NOT_READ_ALIKE.search(str(info.value))
+    assert not marker.exists()
+    assert _digest(ckpt) == before
+
+
+def _tensor_file_outside(ckpt: Path, tmp_path: Path) -> None:
+    """Every tensor chunk's storage path in `.metadata` made to lead to a copy of its file outside the checkpoint."""
+    iteration = ckpt / ITER
+    with open(iteration / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    (tmp_path / "outside").mkdir()
+    for index, info in metadata.storage_data.items():
+        if index.offset is not None:
+            shutil.copyfile(iteration / info.relative_path, tmp_path / "outside" / info.relative_path)
+            metadata.storage_data[index] = type(info)(f"../../outside/{info.relative_path}", info.offset, info.length)
+    with open(iteration / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def _tokenizer_outside(ckpt: Path, tmp_path: Path) -> None:
+    """The tokenizer.json beside the iterations replaced by a link to a copy of it outside the checkpoint."""
+    shutil.move(ckpt / "tokenizer.json", tmp_path / "tokenizer.json")
+    (ckpt / "tokenizer.json").symlink_to(tmp_path / "tokenizer.json")
+
+
+@pytest.mark.parametrize("lead_out, named", [(_tensor_file_outside, f"{ITER} names '../../outside/"),
+                                             (_tokenizer_outside, "dist/tokenizer.json leads outside the checkpoint")],
+                         ids=["tensor storage path", "tokenizer link"])
+def test_the_trainer_follows_no_path_out_of_the_checkpoint(sources, tmp_path, corpus, lead_out, named):
+    """Paths reshard refuses are refused by the trainer too (issue 33, item 2), before anything is read through them."""
+    ckpt = Path(shutil.copytree(sources / "dist", tmp_path / "dist", symlinks=True))
+    lead_out(ckpt, tmp_path)
+    before = _digest(ckpt)
+    with pytest.raises(RuntimeError, match="trainer: error: .*" + re.escape(named)) as info:
+        run("reshard.trainer", [*_train_args(corpus), "--train-iters", 3, "--load", ckpt], nproc=1)
+    assert_one_line(str(info.value))
     assert _digest(ckpt) == before

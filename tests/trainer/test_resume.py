@@ -7,6 +7,7 @@ iterations K+1..TOTAL must equal the reference's within 1e-5 relative (fp32).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from fixtures.torchrun import REPO, pythonpath, run
 
 K, TOTAL = 3, 6
 REL = 1e-5
+GOLDEN_BRIDGE = REPO / "fixtures" / "golden" / "bridge-torch_dist-tp1"  # written by Megatron-Bridge (megatron-core 0.19.2)
 
 
 @pytest.fixture(scope="module")
@@ -265,6 +268,43 @@ def test_a_resume_that_would_not_continue_the_run_is_refused(bf16, tmp_path, cor
     with pytest.raises(RuntimeError, match=message) as info:
         resume(tmp_path, corpus, src / f"iter_{K:07d}", 1, [], flags)
     assert_one_line(str(info.value))
+
+
+def test_the_distributed_optimizer_is_told_what_to_do_with_a_checkpoint_without_master_weights(dp2, tmp_path, corpus):
+    """Plain Adam in fp32 saves no master weights, which the DistributedOptimizer loads: one line naming the missing
+    tensor and the ways on (issue 33, item 9), not Megatron-Core's KeyError; and the way on works."""
+    src, _ = dp2
+    load = src / f"iter_{K:07d}"
+    expected = r"holds no fp32 master weights \(optimizer\.state\.param\..*resume without --use-distributed-optimizer, or pass --no-load-optim"
+    with pytest.raises(RuntimeError, match=expected) as info:
+        resume(tmp_path, corpus, load, 2, [], ["--use-distributed-optimizer"])
+    assert_one_line(str(info.value))
+    assert sorted(resume(tmp_path, corpus, load, 2, [], ["--use-distributed-optimizer", "--no-load-optim"])) == list(range(K + 1, TOTAL + 1))
+
+
+def test_a_megatron_core_0_19_checkpoint_is_told_how_to_load(tmp_path, corpus):
+    """Megatron-Bridge's golden checkpoint (megatron-core 0.19.2: the common state inside the .distcp file, no
+    common.pt): a megatron-core before 0.19 is refused in one line with the way round, not a FileNotFoundError for
+    common.pt; the way round works (reshard convert writes common.pt) and leaves the source as it was."""
+    src = Path(shutil.copytree(GOLDEN_BRIDGE, tmp_path / "bridge"))
+    before = _tree_digest(src)
+    if tuple(int(p) for p in version("megatron-core").split(".")[:2]) < (0, 19):
+        message = r"keeps its common state inside its \.distcp files.*convert it with `reshard convert"
+        with pytest.raises(RuntimeError, match=message) as info:
+            resume(tmp_path, corpus, src, 1, [], [])
+        assert_one_line(str(info.value))
+    proc = reshard("convert", src / "iter_0000000", tmp_path / "converted", "-q")
+    assert proc.returncode == 0, proc.stdout
+    assert (tmp_path / "converted" / "iter_0000000" / "common.pt").is_file()
+    assert sorted(resume(tmp_path, corpus, tmp_path / "converted", 1, [], [])) == list(range(1, TOTAL + 1))
+    assert _tree_digest(src) == before
+
+
+def _tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
 
 
 @pytest.mark.parametrize("nproc,flags,message", [

@@ -185,9 +185,10 @@ def test_a_resave_stopped_between_the_two_renames_is_put_back_on_load(start, tmp
 
     _, tmp, _ = start
     root = Path(shutil.copytree(tmp / "a", tmp_path / "ckpt"))
+    shutil.copytree(root / NEW, root / f"{NEW}.tmp")  # the re-save's new directory, still pending
     (root / NEW).rename(root / f".{NEW}.reshard-old")  # `replace_dir`'s first rename; the second never came
     with monkeypatch.context() as off:  # the defence off: the load is refused, the checkpoint out of reach
-        off.setattr(checkpoint, "put_back", lambda target: None)
+        off.setattr(checkpoint, "put_back", lambda target, pending: None)
         with pytest.raises(checkpoint.CheckpointError, match="not a complete torch_dist checkpoint"):
             checkpoint.find_checkpoint(root)
     assert checkpoint.find_checkpoint(root) == root / NEW

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from reshard.errors import ReshardError
-from reshard.torchfile import archive_reader
-from reshard.torchfile.archive_reader import RecordFile, zip_entries
+from reshard.torchfile import archive_reader, zip_reader
+from reshard.torchfile.archive_reader import RecordFile
 from reshard.torchfile.archive_writer import save_tensor
 from tests.arrays import as_numpy, same
 
@@ -75,17 +75,15 @@ def _zips() -> dict[str, bytes]:
         buffer = io.BytesIO()
         save_tensor(as_numpy(torch.arange(40, dtype=torch.float32).reshape(5, 8)), buffer, zip64_from=zip64_from)
         out[f"save_tensor zip64_from={zip64_from}"] = buffer.getvalue()
+    with zipfile.ZipFile(io.BytesIO(out["torch.save dict"])) as source:
+        records = [(name, source.read(name)) for name in source.namelist()]
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as zf:
-        for i in range(3):
-            with zf.open(f"archive/data/{i}", "w", force_zip64=True) as f:
-                f.write(bytes(range(i, 100 + i)))
+        for name, data in records:
+            with zf.open(name, "w", force_zip64=True) as f:
+                f.write(data)
     out["zipfile force_zip64"] = buffer.getvalue()
     return out
-
-
-def _entries(blob: bytes):
-    return zip_entries(lambda offset, size: blob[offset : offset + size], len(blob))
 
 
 def _read_back(path, start: int, length: int, saved: torch.Tensor) -> None:
@@ -100,71 +98,14 @@ def _read_back(path, start: int, length: int, saved: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("name, blob", list(_zips().items()), ids=list(_zips()))
-def test_zip_entries_agree_with_zipfile(name, blob):
-    """Our two-window zip parse against `zipfile`: the same names, and each entry's bytes where it says."""
-    entries = _entries(blob)
+def test_records_agree_with_zipfile(name, blob):
+    """Our parse against `zipfile`'s: the same records (less their folder), each one's bytes where it says."""
+    records = zip_reader.records(lambda offset, size: blob[offset : offset + size], len(blob), name)
     with zipfile.ZipFile(io.BytesIO(blob)) as zf:
-        assert sorted(entries) == sorted(zf.namelist())
-        for entry, (offset, size) in entries.items():
+        assert sorted(records) == sorted(n.split("/", 1)[1] for n in zf.namelist())
+        for entry in zf.namelist():
+            offset, size = records[entry.split("/", 1)[1]]
             assert blob[offset : offset + size] == zf.read(entry), entry
-
-
-def test_zip_layouts_we_do_not_parse_fall_back_to_zipfile(tmp_path):
-    """A zip with a comment is not read by `zip_entries`; a record in one still reads through zipfile."""
-    saved = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    buffer = io.BytesIO()
-    torch.save(saved, buffer)
-    with zipfile.ZipFile(buffer, "a") as zf:
-        zf.comment = b"written elsewhere"
-    blob = buffer.getvalue()
-    assert _entries(blob) is None
-    (tmp_path / "record").write_bytes(blob)
-    _read_back(tmp_path / "record", 0, len(blob), saved)
-
-
-def test_compressed_records_are_refused():
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-        zf.writestr("archive/data.pkl", b"x" * 100)
-    blob = buffer.getvalue()
-    with pytest.raises(ReshardError, match="compressed"):
-        _entries(blob)
-
-
-def test_compressed_records_are_refused_through_zipfile_too(tmp_path):
-    """A compressed record in a layout that only `zipfile` reads is refused as well, not read as values."""
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-        zf.writestr("archive/data.pkl", b"x" * 100)
-        zf.comment = b"written elsewhere"
-    blob = buffer.getvalue()
-    assert _entries(blob) is None
-    (tmp_path / "record").write_bytes(blob)
-    f = RecordFile(tmp_path / "record")
-    try:
-        with pytest.raises(ReshardError, match="compressed"):
-            f.unpickle(0, len(blob))
-    finally:
-        f.close()
-
-
-def test_a_zip_whose_offsets_count_from_the_file_start_reads_through_zipfile(tmp_path):
-    """A zip written into a file after other bytes, its offsets counted from the file's start (as `zipfile`
-    writes when appending): `zip_entries` does not claim it; `zipfile` corrects the offsets and it reads."""
-    saved = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    buffer = io.BytesIO()
-    torch.save(saved, buffer)
-    with zipfile.ZipFile(buffer) as source:
-        entries = [(info, source.read(info)) for info in source.infolist()]
-    path = tmp_path / "records"
-    with open(path, "wb") as f:
-        f.write(b"x" * 5000)
-        with zipfile.ZipFile(f, "a") as zf:
-            for info, data in entries:
-                zf.writestr(info, data)
-    blob = path.read_bytes()[5000:]
-    assert _entries(blob) is None
-    _read_back(path, 5000, len(blob), saved)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])

@@ -90,6 +90,7 @@ class Evil:
 data = io.BytesIO()
 with zipfile.ZipFile(data, "w") as zf:
     zf.writestr("archive/data.pkl", pickle.dumps({{"x": Evil()}}, protocol=2))
+    zf.writestr("archive/version", "3\\n")
 data.seek(0)
 from reshard.torchfile.archive_reader import load_archive
 from reshard.torchfile.pickles import UnsafeGlobal

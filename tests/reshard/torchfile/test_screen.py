@@ -43,3 +43,32 @@ def test_a_torch_file_linked_from_outside_is_refused(iteration, tmp_path):
     common.symlink_to(tmp_path / "common.pt")
     with pytest.raises(ReshardError, match="leads outside the checkpoint"):
         screen(iteration)
+
+
+def _moved_out(iteration, tmp_path, name) -> str:
+    """A copy of the checkpoint's `name` outside it, named as `.metadata` would name it: the path given."""
+    outside = tmp_path / "outside"
+    outside.mkdir(exist_ok=True)
+    shutil.copyfile(iteration / name, outside / name)
+    return str(outside / name)
+
+
+@pytest.mark.parametrize("spelling", ["dotdot", "absolute", "symlink"])
+def test_a_tensor_file_named_outside_the_checkpoint_is_refused(iteration, tmp_path, spelling):
+    """DCP joins every storage path `.metadata` gives to the checkpoint's directory and opens it (tensors too, with
+    `weights_only=True`): one leading out of the checkpoint is refused before torch reads any of it."""
+    metadata = dcp_metadata.load(iteration / ".metadata")
+    name = next(info.relative_path for (_, offsets), info in metadata.storage.items() if offsets is not None)
+    target = _moved_out(iteration, tmp_path, name)
+    if spelling == "symlink":
+        (iteration / name).unlink()
+        (iteration / name).symlink_to(target)
+    else:
+        path = target if spelling == "absolute" else f"../../outside/{name}"
+        for key, info in metadata.storage.items():
+            if key[1] is not None and info.relative_path == name:
+                metadata.storage[key] = Storage(path, info.offset, info.length)
+        dcp_metadata.save(iteration / ".metadata", metadata)
+    with pytest.raises(ReshardError, match="outside the checkpoint") as refused:
+        screen(iteration)
+    assert "\n" not in str(refused.value)
