@@ -19,10 +19,10 @@ from reshard.cli import main
 from reshard.converters.base import GatedMLP, Rename
 from reshard.converters.deepseek_v3 import DeepseekV3
 from reshard.converters.qwen2_moe import Qwen2Moe
+from tests.launch import run
 
 from hf_models import build
 
-torchrun = pytest.importorskip("fixtures.torchrun")
 pytest.importorskip("fixtures.megatron_oracle")
 
 CASES = [
@@ -62,7 +62,7 @@ def run_oracle(tmp_path, name: str, fmt: str, layout: dict) -> tuple[Path, dict]
     nproc = layout.get("tp", 1) * layout.get("pp", 1) * max(1, layout.get("ep", 1) // layout.get("tp", 1))
     out = tmp_path / "oracle.pt"
     args = ["--load", target, "--out", out, *[a for k, v in layout.items() for a in (f"--{k}", v)]]
-    torchrun.run("fixtures.megatron_oracle", args, nproc=nproc, timeout=300)
+    run("fixtures.megatron_oracle", args, nproc=nproc, timeout=300)
     return source, torch.load(out, weights_only=False)
 
 

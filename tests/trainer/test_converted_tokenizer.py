@@ -9,8 +9,9 @@ import subprocess
 import sys
 
 from fixtures.corpus import write_corpus
-from fixtures.torchrun import REPO, run
+from fixtures.torchrun import REPO
 from reshard.trainer.data import read_documents, train_tokenizer
+from tests.launch import run
 
 
 def _vocab(path) -> dict[str, int]:

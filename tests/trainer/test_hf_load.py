@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fixtures.corpus import write_corpus
-from fixtures.torchrun import run
 from tests.converters.hf_models import build
+from tests.launch import run
 
 
 def stored_dtypes(hf_dir: Path) -> set[torch.dtype]:

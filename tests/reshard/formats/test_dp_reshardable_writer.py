@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures.torchrun import run
 from reshard.formats.distrib_optim import is_dp_reshardable
+from tests.launch import run
 from tests.reshard.formats.test_distrib_optim import assert_same, optimizer_tensors
 from tests.reshard.test_cli import _one_line_error, reshard
 

@@ -223,7 +223,7 @@ def test_a_bare_checkpoint_goes_to_zarr_and_back_without_an_architecture(tmp_pat
     _extra_state) with the source's values bit for bit (the source read by torch's DCP reader, the store by zarr)."""
     import torch
 
-    from fixtures.torchrun import run
+    from tests.launch import run
 
     bare = GOLDEN / "mcore019-torch_dist-bare"
     source = _dcp_tensors(bare)
@@ -428,7 +428,7 @@ def test_megatron_lms_own_save_reshards_to_what_megatron_core_loads(tmp_path):
     model and optimizer, equal bit for bit to Megatron-LM's fully_reshardable save (read by torch's DCP reader)."""
     import torch
 
-    from fixtures.torchrun import run
+    from tests.launch import run
     from tests.reshard.formats.test_distrib_optim import assert_converted_alike
 
     for form in ("checkpoint", "oracle"):

@@ -21,6 +21,8 @@ from reshard.formats.megatron_legacy import LegacyReader
 from reshard.layout import Layout
 from reshard.request import Target
 from reshard.worklog import LOG_NAME
+from tests import launch
+from tests.cache import built
 from tests.reshard.formats.test_distrib_optim import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 from tests.reshard.test_resume import Stop, _bomb, _files
@@ -139,21 +141,19 @@ def legacy_resaved(distrib_optim, tmp_path_factory):
     """legacy_resaved(preset, bf16, to_tp, to_pp, to_ep=1, to_etp=None, source=TP2) -> the iteration directory of
     megatron-core's own legacy save (model_optim_rng.pt, distrib_optim.pt) of `distrib_optim(preset, **source)`'s state,
     loaded by its DistributedOptimizer at TP `to_tp` PP `to_pp` EP `to_ep` ETP `to_etp` on 4 ranks (DP = 4 / (TP x PP))."""
-    cache = {}
-
     def made(preset, bf16, to_tp, to_pp, to_ep=1, to_etp=None, source=(("tp", 2),)):
-        key = (preset, bf16, to_tp, to_pp, to_ep, to_etp, source)
-        if key not in cache:
-            out = tmp_path_factory.mktemp("legacy_resaved")
-            full = distrib_optim(preset, bf16=bf16, **dict(source))["full"] / ITER
-            run("fixtures.distrib_optim_resave", ["--preset", preset, "--tp", to_tp, "--pp", to_pp, "--ep", to_ep, "--load", full,
-                                                  "--out", out / "dp", "--legacy-out", out / "legacy", *(["--bf16"] if bf16 else []),
-                                                  *(["--etp", to_etp] if to_etp else [])],
-                nproc=4, timeout=600)
-            cache[key] = out / "legacy" / ITER
-        return cache[key]
+        full = distrib_optim(preset, bf16=bf16, **dict(source))["full"] / ITER
+        return built(tmp_path_factory, resaved_as_legacy, preset, bf16, to_tp, to_pp, to_ep, to_etp, full)
 
     return made
+
+
+def resaved_as_legacy(out, preset, bf16, to_tp, to_pp, to_ep, to_etp, full) -> Path:
+    launch.run("fixtures.distrib_optim_resave", ["--preset", preset, "--tp", to_tp, "--pp", to_pp, "--ep", to_ep, "--load", full,
+                                                 "--out", out / "dp", "--legacy-out", out / "legacy", *(["--bf16"] if bf16 else []),
+                                                 *(["--etp", to_etp] if to_etp else [])],
+               nproc=4, timeout=600)
+    return out / "legacy" / ITER
 
 
 def rank_files(iter_dir: Path, name: str) -> dict[str, dict]:
@@ -296,7 +296,8 @@ def test_written_moe_distrib_optim_is_megatrons_own_chained_legacy_save(distrib_
 
 def resumed_losses(tmp_path: Path, name: str, layout: list, *extra) -> dict[int, float]:
     out = tmp_path / f"{name}.json"
-    run("fixtures.distrib_optim_legacy_resume", ["--preset", "tiny-llama", *layout, "--steps", STEPS, "--out", out, *extra], nproc=4, timeout=600)
+    launch.run("fixtures.distrib_optim_legacy_resume", ["--preset", "tiny-llama", *layout, "--steps", STEPS, "--out", out, *extra],
+               nproc=4, timeout=600)
     return {int(k): v for k, v in json.loads(out.read_text()).items()}
 
 
