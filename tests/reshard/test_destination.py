@@ -186,6 +186,7 @@ def _content(path):
     return h.hexdigest()
 
 
+@pytest.mark.slow  # kills conversions at random moments (a clock)
 @pytest.mark.parametrize("fmt,kills", [("torch_dist", 12), ("zarr", 8)])
 def test_kill_9_at_random_points_leaves_the_old_checkpoint_or_the_new_one(tmp_path, fmt, kills):
     """`convert --overwrite` killed (SIGKILL, no cleanup) at random moments, from start-up to past the rename:

@@ -18,6 +18,7 @@ from tests.arrays import same, tensors
 from tests.reshard.test_resume import _files
 
 
+@pytest.mark.slow  # launches reshard's ranks under torchrun
 @pytest.mark.parametrize("fmt", ["torch_dist", "zarr", "legacy"])
 def test_two_ranks_write_what_one_process_writes(tmp_path, fmt):
     write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist", optimizer=fmt != "legacy")
@@ -36,6 +37,7 @@ def test_two_ranks_write_what_one_process_writes(tmp_path, fmt):
     assert not list(tmp_path.glob(".multi.reshard-*"))
 
 
+@pytest.mark.slow  # launches reshard's ranks under torchrun
 @pytest.mark.parametrize("fmt", ["torch_dist", "zarr", "legacy", "hf"])
 def test_a_killed_multi_rank_conversion_resumes_where_each_rank_stopped(tmp_path, fmt):
     write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist", optimizer=fmt in ("torch_dist", "zarr"))
@@ -76,6 +78,7 @@ def test_a_killed_multi_rank_conversion_resumes_where_each_rank_stopped(tmp_path
     assert out.keys() == single.keys() and all(same(out[n], single[n]) for n in single)
 
 
+@pytest.mark.slow  # launches reshard's ranks under torchrun
 def test_multi_rank_free_space_is_checked_for_every_ranks_share(tmp_path):
     """Under torchrun rank 0 measures the disk against every rank's share: too little refuses the
     conversion on every rank in one line, before writing; after a kill, a refusal keeps the partial
@@ -113,6 +116,7 @@ def test_multi_rank_free_space_is_checked_for_every_ranks_share(tmp_path):
     assert out.keys() == source.keys() and all(same(out[n], source[n]) for n in source)
 
 
+@pytest.mark.slow  # launches reshard's ranks under torchrun
 def test_two_ranks_export_to_hf_what_one_process_exports(tmp_path):
     """Both ranks write their tensors into the one safetensors file, each at its own place; safetensors
     reads every tensor of it."""

@@ -12,6 +12,8 @@ from fixtures.corpus import write_corpus
 from tests.converters.hf_models import build
 from tests.launch import run
 
+pytestmark = pytest.mark.slow  # every test trains with the trainer (Megatron-Core)
+
 
 def stored_dtypes(hf_dir: Path) -> set[torch.dtype]:
     from safetensors import safe_open

@@ -27,6 +27,8 @@ from fixtures.torchrun import REPO, run
 from tests import launch
 from tests.trainer.test_resume import assert_one_line
 
+pytestmark = pytest.mark.slow  # every test trains with the trainer (Megatron-Core)
+
 ITER = "iter_0000002"
 
 

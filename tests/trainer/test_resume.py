@@ -24,6 +24,8 @@ from fixtures.torchrun import REPO, pythonpath, run
 from tests import launch
 from tests.cache import built
 
+pytestmark = pytest.mark.slow  # every test trains with the trainer (Megatron-Core)
+
 K, TOTAL = 3, 6
 REL = 1e-5
 

@@ -16,6 +16,8 @@ import pytest
 from reshard.torchfile import dcp_metadata
 from tests.trainer.test_resume import REL, TOTAL, K, _optimizer_keys, assert_continues, converted, corpus, reference, resume  # noqa: F401
 
+pytestmark = pytest.mark.slow  # every test trains with the trainer (Megatron-Core)
+
 MOE = ["--model", "tiny-moe", "--use-distributed-optimizer"]
 
 

@@ -35,6 +35,8 @@ from tests.launch import run
 from tests.reshard.formats.test_distrib_optim import assert_same, optimizer_tensors
 from tests.reshard.test_cli import _one_line_error, reshard
 
+pytestmark = pytest.mark.slow  # every test reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
+
 ITER = "iter_0000002"
 
 

@@ -27,6 +27,8 @@ from tests.reshard.formats.test_distrib_optim import ITER, assert_converted_alik
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 from tests.reshard.test_resume import Stop, _bomb, _files
 
+pytestmark = pytest.mark.slow  # every test reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
+
 CASES = [
     ("tiny-odd", 2, 1, 1, False),
     ("tiny-odd", 1, 2, 1, False),
