@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-tier=(-m "not slow")
+tier=(-m "fast or not slow")
 if [ "${1:-}" = "--full" ]; then
   tier=()
   shift

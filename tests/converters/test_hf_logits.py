@@ -24,6 +24,7 @@ from tests.launch import run
 from hf_models import build
 
 pytest.importorskip("fixtures.megatron_oracle")
+pytestmark = pytest.mark.slow  # every test loads an import into Megatron-Core; one case is kept in the fast tier (FAST)
 
 CASES = [
     ("llama", "legacy", dict(tp=2)),  # GQA split over TP, llama3 RoPE scaling, vocab padded to 256
@@ -82,7 +83,7 @@ def max_logits_diff(tmp_path, name: str, fmt: str, layout: dict) -> float:
 FAST = ("llama", "torch_dist", dict(pp=2))
 
 
-@pytest.mark.parametrize("name,fmt,layout", [pytest.param(*c, marks=() if c == FAST else pytest.mark.slow) for c in CASES],
+@pytest.mark.parametrize("name,fmt,layout", [pytest.param(*c, marks=pytest.mark.fast if c == FAST else ()) for c in CASES],
                          ids=[f"{n}-{f}-" + "".join(f"{k}{v}" for k, v in lay.items()) for n, f, lay in CASES])
 def test_megatron_logits_match_hf(tmp_path, name, fmt, layout):
     diff = max_logits_diff(tmp_path, name, fmt, layout)
@@ -101,7 +102,6 @@ SABOTAGE = {
 }
 
 
-@pytest.mark.slow  # loads the import into Megatron-Core (one case of test_megatron_logits_match_hf is kept in the fast tier)
 @pytest.mark.parametrize("sabotage", sorted(SABOTAGE))
 def test_a_mapping_error_fails_the_logits_check(tmp_path, monkeypatch, sabotage):
     """The oracle is sharp enough to catch the Qwen2-MoE specifics: the shared expert's fused [gate; up] order
@@ -128,7 +128,6 @@ class Dropped(Rename):
         return np.zeros_like(tensors[0])
 
 
-@pytest.mark.slow  # loads the import into Megatron-Core (one case of test_megatron_logits_match_hf is kept in the fast tier)
 @pytest.mark.parametrize("name,hf_tensor,wrong", [
     ("deepseek_v3", "q_b_proj.weight", RopeFirst),
     ("deepseek_v3_moe", "e_score_correction_bias", Dropped),
@@ -193,7 +192,6 @@ def mtp_diffs(tmp_path, layout: dict) -> tuple[float, float]:
     return (oracle["logits"] - logits).abs().max().item(), (mtp[:, :-1] - hf_mtp_logits(source, inputs)).abs().max().item()
 
 
-@pytest.mark.slow  # loads the import into Megatron-Core (one case of test_megatron_logits_match_hf is kept in the fast tier)
 @pytest.mark.parametrize("layout", [{}, dict(pp=2), dict(ep=2)], ids=["tp1", "pp2", "ep2"])
 def test_multi_token_prediction_matches_transformers(tmp_path, layout):
     """DeepSeek-V3 with an MTP layer: Megatron-Core loads every mtp.layers.0.* key strictly (at PP2 on the last
@@ -203,7 +201,6 @@ def test_multi_token_prediction_matches_transformers(tmp_path, layout):
     assert main <= 1e-4 and mtp <= 1e-4, f"max abs logits diff {main}, MTP logits diff {mtp}"
 
 
-@pytest.mark.slow  # loads the import into Megatron-Core (one case of test_megatron_logits_match_hf is kept in the fast tier)
 def test_the_mtp_oracle_sees_swapped_norms(tmp_path, monkeypatch):
     """enorm and hnorm swapped (each has the other's shape): the checkpoint still loads strictly, the main logits
     stay right, and the MTP logits move far past the tolerance."""

@@ -19,7 +19,7 @@ from tests.reshard.test_resume import _files
 
 
 @pytest.mark.slow  # launches reshard's ranks under torchrun
-@pytest.mark.parametrize("fmt", ["torch_dist", "zarr", "legacy"])
+@pytest.mark.parametrize("fmt", [pytest.param("torch_dist", marks=pytest.mark.fast), "zarr", "legacy"])  # fast: one multi-rank run
 def test_two_ranks_write_what_one_process_writes(tmp_path, fmt):
     write_synthetic(tmp_path / "src", TINY_MOE, Layout(ep=2), "torch_dist", optimizer=fmt != "legacy")
     run("reshard", ["convert", tmp_path / "src", tmp_path / "multi", "--to-ep", 4, "--to-pp", 2, "--to-format", fmt], nproc=2)

@@ -19,6 +19,8 @@ from reshard.request import Target
 from reshard.verify import compare, compute_checksums
 from tests.megatron import make_checkpoints, same
 
+pytestmark = pytest.mark.slow  # every test loads Megatron-made checkpoints into Megatron-Core; one case is kept in the fast tier
+
 
 def _convert(source, target, to_format=None, optimizer=True, **layout):
     convert(source, target, Target(format=to_format, layout=Layout(**layout), optimizer=optimizer))
@@ -39,14 +41,13 @@ DENSE_MATRIX = [
 
 
 # The fast tier keeps the first: Megatron's own TP2 save, converted to TP1 and loaded by dist_checkpointing.load.
-@pytest.mark.parametrize("source, fmt, layout", [pytest.param(*c, marks=() if i == 0 else pytest.mark.slow) for i, c in enumerate(DENSE_MATRIX)],
+@pytest.mark.parametrize("source, fmt, layout", [pytest.param(*c, marks=pytest.mark.fast if i == 0 else ()) for i, c in enumerate(DENSE_MATRIX)],
                          ids=[f"{s}-to-{f}-{Layout(**sizes)}" for s, f, sizes in DENSE_MATRIX])
 def test_dense_reshard_loads_in_megatron_with_the_same_loss(dense, oracle, tmp_path, source, fmt, layout):
     target = _convert(dense[source], tmp_path / "out", to_format=fmt, optimizer=fmt != "legacy", **layout)
     same(oracle(dense["base"]), oracle(target, **layout))
 
 
-@pytest.mark.slow  # loads Megatron-made checkpoints into Megatron-Core (the oracle; one case is kept in the fast tier)
 def test_moe_expert_parallel_reshard(moe, oracle, tmp_path):
     ep1 = _convert(moe["ep2"], tmp_path / "ep1", ep=1)
     same(oracle(moe["base"]), oracle(ep1))
@@ -54,7 +55,6 @@ def test_moe_expert_parallel_reshard(moe, oracle, tmp_path):
     same(oracle(moe["base"]), oracle(legacy, ep=2))
 
 
-@pytest.mark.slow  # loads Megatron-made checkpoints into Megatron-Core (the oracle; one case is kept in the fast tier)
 def test_conversions_never_import_torch(moe, oracle, tmp_path):
     """Every format reads and writes torch's files without torch (its import was a fifth of a 3 GB
     conversion): an EP reshard of Megatron's own checkpoint (Adam state, RNG and extra states), then through
@@ -75,14 +75,12 @@ def test_conversions_never_import_torch(moe, oracle, tmp_path):
     same(oracle(moe["base"]), oracle(tmp_path / "back", ep=2))
 
 
-@pytest.mark.slow  # loads Megatron-made checkpoints into Megatron-Core (the oracle; one case is kept in the fast tier)
 def test_tp4_with_grouped_query_attention(tmp_path_factory, oracle, tmp_path):
     gqa = make_checkpoints(tmp_path_factory.mktemp("gqa4"), "tiny-gqa4", [], optimizer=False)
     tp4 = _convert(gqa["base"], tmp_path / "tp4", tp=4)  # 4 query groups, one per rank
     same(oracle(gqa["base"]), oracle(tp4, tp=4))
 
 
-@pytest.mark.slow  # loads Megatron-made checkpoints into Megatron-Core (the oracle; one case is kept in the fast tier)
 def test_vocabulary_repadded_for_tp4(tmp_path_factory, oracle, tmp_path):
     """250 tokens pad to 256 rows at TP1 but 512 at TP4 (128 x 4): the logits over the real
     vocabulary must not change (Megatron's loss does, as it also sums over padding rows)."""
@@ -95,7 +93,6 @@ def test_vocabulary_repadded_for_tp4(tmp_path_factory, oracle, tmp_path):
     same(oracle(gqa["base"]), oracle(back))
 
 
-@pytest.mark.slow  # loads Megatron-made checkpoints into Megatron-Core (the oracle; one case is kept in the fast tier)
 def test_tied_embeddings_over_pipeline_stages(tmp_path_factory, oracle, tmp_path):
     tied = make_checkpoints(tmp_path_factory.mktemp("tied"), "tiny-tied", [], optimizer=False)
     pp2 = _convert(tied["base"], tmp_path / "pp2", to_format="legacy", pp=2)  # last stage gets its output_layer copy
@@ -107,7 +104,6 @@ def _checksums(path):
         return compute_checksums(reader)
 
 
-@pytest.mark.slow  # loads Megatron-made checkpoints into Megatron-Core (the oracle; one case is kept in the fast tier)
 def test_checksums_equal_across_layouts_megatron_saved(dense, moe):
     """Megatron sharded these itself; our readers must see one logical model (optimizer included)."""
     base = _checksums(dense["base"])
@@ -120,7 +116,6 @@ def test_checksums_equal_across_layouts_megatron_saved(dense, moe):
     assert compare(_checksums(moe["ep2"]), _checksums(moe["base"])).ok
 
 
-@pytest.mark.slow  # loads Megatron-made checkpoints into Megatron-Core (the oracle; one case is kept in the fast tier)
 def test_flipped_bit_in_a_megatron_shard_is_detected(dense, tmp_path):
     import shutil
 

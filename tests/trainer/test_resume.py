@@ -109,7 +109,7 @@ def bf16(tmp_path_factory, corpus):
     return reference(tmp_path_factory, corpus, 1, [], ["--bf16"])
 
 
-@pytest.mark.parametrize("case", ["tp2pp1->tp1pp2", "tp2pp1->pp2vpp2", "tp1dp2->tp2dp1", "ep2->ep1"])
+@pytest.mark.parametrize("case", [pytest.param("tp2pp1->tp1pp2", marks=pytest.mark.fast), "tp2pp1->pp2vpp2", "tp1dp2->tp2dp1", "ep2->ep1"])
 def test_resume_after_reshard(case, request, tmp_path, corpus):
     """pp2vpp2: four micro-batches on two stages reach the interleaved schedule's steady state, where each
     rank sends and receives in both directions at once."""

@@ -152,7 +152,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+# fast: the first case, the one test of the dp_reshardable writer in the fast tier
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.fast if i == 0 else ()) for i, c in enumerate(CASES.values())], ids=CASES.keys())
 def test_written_buckets_are_megatrons_own_at_the_new_layout(distrib_optim, resaved, tmp_path, case):
     out = reshard("convert", case.source(distrib_optim)["dp"], tmp_path / "out", *case.convert_args())
     assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr

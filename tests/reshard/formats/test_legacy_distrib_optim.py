@@ -194,7 +194,9 @@ WRITE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("preset, bf16, form, to_tp, to_pp", WRITE_CASES,
+# fast: the first case, the one test of the distrib_optim.pt writer in the fast tier
+@pytest.mark.parametrize("preset, bf16, form, to_tp, to_pp",
+                         [pytest.param(*c, marks=pytest.mark.fast if i == 0 else ()) for i, c in enumerate(WRITE_CASES)],
                          ids=[f"{c[0]}{'-bf16' if c[1] else ''}-{c[2]}-tp2-to-tp{c[3]}pp{c[4]}dp{4 // (c[3] * c[4])}" for c in WRITE_CASES])
 def test_written_distrib_optim_is_megatrons_own_legacy_save_at_the_new_layout(distrib_optim, legacy_resaved, tmp_path, preset, bf16, form,
                                                                              to_tp, to_pp):
