@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
-# Set up and run the whole test suite (CPU only; Megatron-Core runs under torchrun with gloo).
+# Set up and run the tests (CPU only; Megatron-Core runs under torchrun with gloo).
+#   bash scripts/test.sh          the fast tier: every module and format, one test against each outside oracle
+#   bash scripts/test.sh --full   everything (what CI runs)
+# Any further arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q tests "$@"
+tier=(-m "fast or not slow")
+if [ "${1:-}" = "--full" ]; then
+  tier=()
+  shift
+fi
+exec .venv/bin/python -m pytest -q tests "${tier[@]}" "$@"

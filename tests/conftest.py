@@ -5,15 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures.torchrun import run
+from tests.cache import built
+from tests.launch import run
 from tests.megatron import ORACLE, layout_args, make_checkpoints
 
 
 @pytest.fixture(scope="session")
 def dense(tmp_path_factory):
     """tiny-llama: base TP1PP1 (with one Adam step), TP2PP1 and TP1PP2 torch_dist, legacy TP2."""
-    return make_checkpoints(
-        tmp_path_factory.mktemp("dense"),
+    return built(
+        tmp_path_factory,
+        make_checkpoints,
         "tiny-llama",
         [
             ("tp2", dict(tp=2), ["--optimizer"]),
@@ -26,7 +28,7 @@ def dense(tmp_path_factory):
 @pytest.fixture(scope="session")
 def moe(tmp_path_factory):
     """tiny-moe: base and EP2 torch_dist (Megatron's own reshard), with Adam state."""
-    return make_checkpoints(tmp_path_factory.mktemp("moe"), "tiny-moe", [("ep2", dict(ep=2), ["--optimizer"])])
+    return built(tmp_path_factory, make_checkpoints, "tiny-moe", [("ep2", dict(ep=2), ["--optimizer"])])
 
 
 @pytest.fixture(scope="session")
@@ -56,22 +58,20 @@ def distrib_optim(tmp_path_factory):
     DP = 4 / (TP x PP), experts over EP of them; with `bucket_size`, gradients reduced in overlapped buckets of about that many elements;
     `bf16`: bf16 parameters, fp32 master weights and grads; `te_order`: its buffers in the Transformer-Engine spec's parameter
     order, fixtures/distrib_optim_checkpoint.py), the same state saved in both forms. Made once per
-    session per argument set."""
-    root = tmp_path_factory.mktemp("distrib_optim")
-    cache = {}
+    test run per argument set (tests/cache.py)."""
 
     def made(preset="tiny-llama", tp=2, pp=1, vpp=1, bucket_size=None, bf16=False, ep=1, te_order=False):
-        key = (preset, tp, pp, vpp, bucket_size, bf16, ep, te_order)
-        if key not in cache:
-            out = root / f"{preset}-tp{tp}pp{pp}vpp{vpp}ep{ep}-b{bucket_size}{'-bf16' if bf16 else ''}{'-te' if te_order else ''}"
-            cache[key] = {"dp": out / "dp", "full": out / "full"}
-            extra = ([] if bucket_size is None else ["--bucket-size", bucket_size]) + (["--bf16"] if bf16 else [])
-            extra += ["--te-order"] if te_order else []
-            cache[key]["legacy"] = out / "legacy"
-            extra += ["--legacy-out", cache[key]["legacy"]]
-            run("fixtures.distrib_optim_checkpoint", ["--preset", preset, "--tp", tp, "--pp", pp, "--vpp", vpp, "--ep", ep, "--steps", 2, *extra,
-                                                      "--dp-out", cache[key]["dp"], "--full-out", cache[key]["full"]],
-                nproc=4, timeout=600)
-        return cache[key]
+        return built(tmp_path_factory, trained_distrib_optim, preset, tp, pp, vpp, bucket_size, bf16, ep, te_order)
 
+    return made
+
+
+def trained_distrib_optim(out, preset, tp, pp, vpp, bucket_size, bf16, ep, te_order) -> dict:
+    """The `distrib_optim` fixture's run, saved under `out`."""
+    made = {"dp": out / "dp", "full": out / "full", "legacy": out / "legacy"}
+    extra = ([] if bucket_size is None else ["--bucket-size", bucket_size]) + (["--bf16"] if bf16 else [])
+    extra += ["--te-order"] if te_order else []
+    run("fixtures.distrib_optim_checkpoint", ["--preset", preset, "--tp", tp, "--pp", pp, "--vpp", vpp, "--ep", ep, "--steps", 2, *extra,
+                                              "--dp-out", made["dp"], "--full-out", made["full"], "--legacy-out", made["legacy"]],
+        nproc=4, timeout=600)
     return made

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures.torchrun import run
+from tests.launch import run
 
 CKPT = "fixtures.megatron_checkpoint"
 ORACLE = "fixtures.megatron_oracle"

@@ -52,10 +52,10 @@ def test_a_second_writer_is_refused_while_another_process_writes_the_destination
     partial.mkdir()
     (partial / "theirs").write_text("the other writer's progress")
     holder = subprocess.Popen(  # another process, holding the destination as a running conversion does
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from reshard.convert import DestinationLock; "
-         "DestinationLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(60)", str(dst)],
-        cwd=REPO, env={"PYTHONPATH": pythonpath(), "PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE, text=True,
-    )
+        [sys.executable, "-c", "import sys; from pathlib import Path; from reshard.convert import DestinationLock; "
+         "DestinationLock(Path(sys.argv[1])).acquire(); print('held', flush=True); sys.stdin.read()", str(dst)],
+        cwd=REPO, env={"PYTHONPATH": pythonpath(), "PATH": "/usr/bin:/bin"}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # it holds the lock until it is killed (its stdin never ends), however long the refusal takes on a busy machine
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(ReshardError, match=rf"{dst} is being written by another reshard convert \(pid {holder.pid} "):
@@ -186,6 +186,7 @@ def _content(path):
     return h.hexdigest()
 
 
+@pytest.mark.slow  # kills conversions at random moments (a clock)
 @pytest.mark.parametrize("fmt,kills", [("torch_dist", 12), ("zarr", 8)])
 def test_kill_9_at_random_points_leaves_the_old_checkpoint_or_the_new_one(tmp_path, fmt, kills):
     """`convert --overwrite` killed (SIGKILL, no cleanup) at random moments, from start-up to past the rename:

@@ -8,9 +8,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from fixtures.corpus import write_corpus
-from fixtures.torchrun import REPO, run
+from fixtures.torchrun import REPO
 from reshard.trainer.data import read_documents, train_tokenizer
+from tests.launch import run
+
+pytestmark = pytest.mark.slow  # every test trains with the trainer (Megatron-Core)
 
 
 def _vocab(path) -> dict[str, int]:

@@ -9,6 +9,8 @@ import pytest
 
 from tests.trainer.test_resume import REL, TOTAL, K, _optimizer_keys, assert_continues, converted, corpus, distopt, resume  # noqa: F401  (fixtures)
 
+pytestmark = pytest.mark.slow  # every test trains with the trainer (Megatron-Core)
+
 DP_RESHARDABLE = ("--optimizer-form", "dp_reshardable")
 
 

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from fixtures.corpus import write_corpus
-from fixtures.torchrun import run
 from tests.converters.hf_models import build
+from tests.launch import run
+
+pytestmark = pytest.mark.slow  # every test trains with the trainer (Megatron-Core)
 
 
 def stored_dtypes(hf_dir: Path) -> set[torch.dtype]:

@@ -25,7 +25,10 @@ import torch
 from fixtures.corpus import write_corpus
 from fixtures.hostile_archives import TAMPERINGS
 from fixtures.torchrun import REPO, run
+from tests import launch
 from tests.trainer.test_resume import assert_one_line
+
+pytestmark = pytest.mark.slow  # every test trains with the trainer (Megatron-Core)
 
 ITER = "iter_0000002"
 
@@ -132,7 +135,7 @@ def _train_args(corpus) -> list:
 def sources(tmp_path_factory, corpus):
     """A trainer checkpoint (torch_dist, with rng_state objects), and reshard's legacy and zarr forms of it."""
     root = tmp_path_factory.mktemp("sources")
-    run("reshard.trainer", [*_train_args(corpus), "--train-iters", 2, "--save", root / "dist"], nproc=1)
+    launch.run("reshard.trainer", [*_train_args(corpus), "--train-iters", 2, "--save", root / "dist"], nproc=1)
     for fmt in ("legacy", "zarr"):
         proc = _reshard("convert", root / "dist", root / fmt, "--to-format", fmt, "--no-optimizer", "-q")
         assert proc.returncode == 0, proc.stderr

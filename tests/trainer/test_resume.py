@@ -23,6 +23,10 @@ import torch
 
 from fixtures.corpus import write_corpus
 from fixtures.torchrun import REPO, pythonpath, run
+from tests import launch
+from tests.cache import built
+
+pytestmark = pytest.mark.slow  # every test trains with the trainer (Megatron-Core)
 
 K, TOTAL = 3, 6
 REL = 1e-5
@@ -31,7 +35,11 @@ GOLDEN_BRIDGE = REPO / "fixtures" / "golden" / "bridge-torch_dist-tp1"  # writte
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt", docs=300, seed=0)
+    return built(tmp_path_factory, written_corpus, 300, 0)  # one path for every module, so `reference` runs are shared
+
+
+def written_corpus(folder: Path, docs: int, seed: int) -> Path:
+    return write_corpus(folder / "corpus.txt", docs=docs, seed=seed)
 
 
 def common(corpus, metrics: Path) -> list:
@@ -56,36 +64,39 @@ def converted(src_root: Path, dst: Path, *to: str) -> Path:
     return dst
 
 
-def reference(tmp_path_factory, corpus, name, nproc, layout, extra=()):
-    root = tmp_path_factory.mktemp(name)
+def reference(tmp_path_factory, corpus, nproc, layout, extra=()):
+    """(the checkpoints, each iteration's loss) of the uninterrupted run, trained once per test run (tests/cache.py)."""
+    return built(tmp_path_factory, trained, corpus, nproc, layout, extra)
+
+
+def trained(root: Path, corpus, nproc, layout, extra=()) -> tuple[Path, dict[int, float]]:
     metrics = root / "metrics.jsonl"
-    run("reshard.trainer", [*layout, *common(corpus, metrics), "--save", root / "ckpt", "--save-interval", K, *extra],
-        nproc=nproc)
+    launch.run("reshard.trainer", [*layout, *common(corpus, metrics), "--save", root / "ckpt", "--save-interval", K, *extra],
+               nproc=nproc)
     return root / "ckpt", losses(metrics)
 
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory, corpus):
     """TP2 PP1 DP1 (4 micro-batches per step), with TensorBoard logging."""
-    return reference(tmp_path_factory, corpus, "tp2", 2, ["--tp", 2],
-                     ["--tensorboard-dir", tmp_path_factory.getbasetemp() / "tb"])
+    return trained(tmp_path_factory.mktemp("tp2"), corpus, 2, ["--tp", 2], ["--tensorboard-dir", tmp_path_factory.getbasetemp() / "tb"])
 
 
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory, corpus):
     """TP1 DP2 (2 micro-batches per rank)."""
-    return reference(tmp_path_factory, corpus, "dp2", 2, [])
+    return reference(tmp_path_factory, corpus, 2, [])
 
 
 @pytest.fixture(scope="module")
 def ep2(tmp_path_factory, corpus):
     """tiny-moe EP2 (DP2)."""
-    return reference(tmp_path_factory, corpus, "ep2", 2, ["--ep", 2, "--model", "tiny-moe"])
+    return reference(tmp_path_factory, corpus, 2, ["--ep", 2, "--model", "tiny-moe"])
 
 
 def resume(tmp_path, corpus, load: Path, nproc: int, layout, extra=()) -> dict[int, float]:
     metrics = tmp_path / "resumed.jsonl"
-    run("reshard.trainer", [*layout, *common(corpus, metrics), "--load", load, *extra], nproc=nproc)
+    launch.run("reshard.trainer", [*layout, *common(corpus, metrics), "--load", load, *extra], nproc=nproc)
     return losses(metrics)
 
 
@@ -98,10 +109,10 @@ def assert_continues(resumed: dict[int, float], ref: dict[int, float]) -> None:
 @pytest.fixture(scope="module")
 def bf16(tmp_path_factory, corpus):
     """TP1 DP1, bf16 with fp32 master weights."""
-    return reference(tmp_path_factory, corpus, "bf16", 1, [], ["--bf16"])
+    return reference(tmp_path_factory, corpus, 1, [], ["--bf16"])
 
 
-@pytest.mark.parametrize("case", ["tp2pp1->tp1pp2", "tp2pp1->pp2vpp2", "tp1dp2->tp2dp1", "ep2->ep1"])
+@pytest.mark.parametrize("case", [pytest.param("tp2pp1->tp1pp2", marks=pytest.mark.fast), "tp2pp1->pp2vpp2", "tp1dp2->tp2dp1", "ep2->ep1"])
 def test_resume_after_reshard(case, request, tmp_path, corpus):
     """pp2vpp2: four micro-batches on two stages reach the interleaved schedule's steady state, where each
     rank sends and receives in both directions at once."""
@@ -131,7 +142,7 @@ def test_fresh_optimizer_breaks_continuity(tp2, tmp_path, corpus):
 @pytest.fixture(scope="module")
 def distopt(tmp_path_factory, corpus):
     """TP2 DP2 with Megatron's DistributedOptimizer, saved in its default dp_reshardable form."""
-    return reference(tmp_path_factory, corpus, "distopt", 4, ["--tp", 2], ["--use-distributed-optimizer"])
+    return reference(tmp_path_factory, corpus, 4, ["--tp", 2], ["--use-distributed-optimizer"])
 
 
 def _optimizer_keys(iter_dir: Path) -> set[str]:
@@ -180,7 +191,7 @@ def content_metadata(iter_dir: Path):
 
 def test_ckpt_optim_fully_reshardable_saves_per_parameter_tensors_that_resume(tmp_path_factory, tmp_path, corpus):
     distopt = ["--use-distributed-optimizer"]
-    src, ref = reference(tmp_path_factory, corpus, "distopt_full", 2, [], [*distopt, "--ckpt-optim-fully-reshardable"])
+    src, ref = reference(tmp_path_factory, corpus, 2, [], [*distopt, "--ckpt-optim-fully-reshardable"])
     saved = _optimizer_keys(src / f"iter_{K:07d}")
     assert saved and all(k.startswith("optimizer.state.") for k in saved), sorted(saved)[:3]
     assert content_metadata(src / f"iter_{K:07d}") == MEGATRON_LM_CONTENT_METADATA["fully_reshardable"]
@@ -205,7 +216,7 @@ def test_a_resume_keeps_the_checkpoints_global_batch(dp2, tmp_path, corpus):
     flags = common(corpus, metrics)
     at = flags.index("--global-batch-size")
     del flags[at : at + 2]
-    run("reshard.trainer", ["--tp", 2, *flags, "--load", dst], nproc=2)
+    launch.run("reshard.trainer", ["--tp", 2, *flags, "--load", dst], nproc=2)
     assert_continues(losses(metrics), ref)
 
 
@@ -327,7 +338,7 @@ def test_load_needs_a_checkpoint_unless_it_is_the_save_directory(tmp_path, corpu
     with pytest.raises(RuntimeError, match="holds no checkpoint"):
         run("reshard.trainer", [*common(corpus, tmp_path / "a.jsonl"), "--load", empty], nproc=1)
     fresh = tmp_path / "fresh"  # `--save X --load X`: the first launch starts from scratch
-    run("reshard.trainer", [*common(corpus, tmp_path / "b.jsonl"), "--train-iters", 2, "--load", fresh, "--save", fresh], nproc=1)
+    launch.run("reshard.trainer", [*common(corpus, tmp_path / "b.jsonl"), "--train-iters", 2, "--load", fresh, "--save", fresh], nproc=1)
     assert sorted(losses(tmp_path / "b.jsonl")) == [1, 2]
 
 
@@ -419,7 +430,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, corpus):
     assert sorted(killed) == [1, 2, 3, 4]
 
     again = tmp_path / "again.jsonl"
-    run("reshard.trainer", [*common(corpus, again), "--train-iters", 4, "--load", root, "--save", root], nproc=1)
+    launch.run("reshard.trainer", [*common(corpus, again), "--train-iters", 4, "--load", root, "--save", root], nproc=1)
     resumed = losses(again)
     assert sorted(resumed) == [3, 4]
     for it in (3, 4):

@@ -16,13 +16,15 @@ import pytest
 from reshard.torchfile import dcp_metadata
 from tests.trainer.test_resume import REL, TOTAL, K, _optimizer_keys, assert_continues, converted, corpus, reference, resume  # noqa: F401
 
+pytestmark = pytest.mark.slow  # every test trains with the trainer (Megatron-Core)
+
 MOE = ["--model", "tiny-moe", "--use-distributed-optimizer"]
 
 
 @pytest.fixture(scope="module")
 def moe_distopt(tmp_path_factory, corpus):  # noqa: F811
     """tiny-moe EP2 DP4 (expert DP2) with the DistributedOptimizer, saved dp_reshardable."""
-    return reference(tmp_path_factory, corpus, "moe_distopt", 4, ["--ep", 2], MOE)
+    return reference(tmp_path_factory, corpus, 4, ["--ep", 2], MOE)
 
 
 def test_moe_dp_reshardable_decoded_by_reshard_resumes_the_run(moe_distopt, tmp_path, corpus):  # noqa: F811

@@ -27,6 +27,8 @@ from fixtures.torchrun import REPO, pythonpath
 from reshard.trainer.checkpoint import TRACKER
 from reshard.verify import verify
 
+pytestmark = pytest.mark.slow  # trains with the trainer and kills it at random moments of a save
+
 KILLS = 20
 PREVIOUS, NEW = "iter_0000001", "iter_0000002"
 

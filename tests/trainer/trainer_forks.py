@@ -14,25 +14,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from reshard.trainer.train import main  # noqa: E402  after the thread count is set
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.launch import free_port  # noqa: E402
 
 
 def serve() -> None:
     for line in sys.stdin:
         request = json.loads(line)
-        port = _free_port()
+        port = free_port()
         pid = os.fork()
         if pid == 0:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -48,6 +48,7 @@ def plan():
     return convert(DEEPSEEK_V3, Path("/nonexistent/deepseek-v3-tp8pp16ep64"), Target(format="torch_dist", layout=TP8_PP16_EP64), dry_run=True).plan
 
 
+@pytest.mark.slow  # plans the real DeepSeek-V3 (671B, 61 layers of 256 experts): a minute or more
 def test_deepseek_v3_from_its_config_is_the_published_671b(plan):
     parts = deepseek_v3_parameters()
     params = sum(parts.values())
@@ -64,6 +65,7 @@ def test_deepseek_v3_from_its_config_is_the_published_671b(plan):
     assert 0 < plan.peak_memory < 4 << 30
 
 
+@pytest.mark.slow  # plans the real DeepSeek-V3 (671B, 61 layers of 256 experts): a minute or more
 def test_deepseek_v3_fp8_bytes_read_are_its_float8_blocks_and_the_rest_in_bf16(plan):
     """What an HF fp8 directory of these weights holds: the linear weights that an fp8 export quantizes (MLA's
     projections, dense and expert MLPs, the MTP layer's and its eh_proj) one byte a value and a float32 scale per
@@ -111,6 +113,7 @@ def reshard(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "reshard", *args], capture_output=True, text=True, env=env, cwd=REPO)
 
 
+@pytest.mark.slow  # plans the real DeepSeek-V3 (671B, 61 layers of 256 experts): a minute or more
 def test_the_cli_plans_from_a_config_and_refuses_to_convert_one(tmp_path):
     out = reshard(
         "convert",

@@ -217,13 +217,14 @@ def _zarr_holds(store: Path, tensors: dict) -> None:
         assert _same_bits(zarr.open_array(str(store / key), mode="r")[...], value), key
 
 
+@pytest.mark.slow  # launches Megatron-Core to load what it converts
 def test_a_bare_checkpoint_goes_to_zarr_and_back_without_an_architecture(tmp_path):
     """The tensors are global: megatron-core 0.19's bare save goes to zarr and back to torch_dist with no
     config, and megatron-core's own dist_checkpointing.load reads the result (each tensor and each layer's
     _extra_state) with the source's values bit for bit (the source read by torch's DCP reader, the store by zarr)."""
     import torch
 
-    from fixtures.torchrun import run
+    from tests.launch import run
 
     bare = GOLDEN / "mcore019-torch_dist-bare"
     source = _dcp_tensors(bare)
@@ -279,6 +280,7 @@ def megatron_lm_peer():
     return venv, tree.resolve(), make_golden
 
 
+@pytest.mark.slow  # runs Megatron-LM's own peer install
 def test_megatron_lm_loads_reshards_torch_dist_at_tp2_pp2(tmp_path):
     """Megatron-LM's own load_checkpoint (core_v0.17.1 tree, its tools/checkpoint loader's arguments and GPT model,
     one gloo process per rank) reads reshard's torch_dist at TP2 PP2, and each rank's model then holds the HF
@@ -422,13 +424,14 @@ def test_a_flipped_bit_in_megatron_lms_buckets_shows_against_its_fully_reshardab
         assert_same(ours, optimizer_tensors(MLM_TRAIN / "oracle")[0])
 
 
+@pytest.mark.slow  # launches Megatron-Core to load what it converts
 def test_megatron_lms_own_save_reshards_to_what_megatron_core_loads(tmp_path):
     """reshard converts Megatron-LM's dp_reshardable save to TP1 PP2 (fully_reshardable), alike to converting its own
     fully_reshardable save; megatron-core 0.16's own dist_checkpointing.load then reads every tensor of the conversion,
     model and optimizer, equal bit for bit to Megatron-LM's fully_reshardable save (read by torch's DCP reader)."""
     import torch
 
-    from fixtures.torchrun import run
+    from tests.launch import run
     from tests.reshard.optim.test_dp_reshardable import assert_converted_alike
 
     for form in ("checkpoint", "oracle"):

@@ -27,6 +27,8 @@ import torch
 from tests.reshard.formats.test_golden import megatron_lm_peer
 from tests.reshard.test_cli import reshard
 
+pytestmark = pytest.mark.slow  # every test reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
+
 DP_RESHARDABLE = ["--optimizer-form", "dp_reshardable", "--to-dp", "2"]
 RESUMED = 6  # the last iteration of the uninterrupted run; resumed runs train from its save (make_golden.MLM_TRAIN_SAVED)
 

@@ -21,9 +21,13 @@ from reshard.formats.megatron_legacy import LegacyReader
 from reshard.layout import Layout
 from reshard.request import Target
 from reshard.worklog import LOG_NAME
+from tests import launch
+from tests.cache import built
 from tests.reshard.optim.test_dp_reshardable import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 from tests.reshard.test_resume import Stop, _bomb, _files
+
+pytestmark = pytest.mark.slow  # every test reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
 
 CASES = [
     ("tiny-odd", 2, 1, 1, False),
@@ -159,21 +163,19 @@ def legacy_resaved(distrib_optim, tmp_path_factory):
     """legacy_resaved(preset, bf16, to_tp, to_pp, to_ep=1, to_etp=None, source=TP2) -> the iteration directory of
     megatron-core's own legacy save (model_optim_rng.pt, distrib_optim.pt) of `distrib_optim(preset, **source)`'s state,
     loaded by its DistributedOptimizer at TP `to_tp` PP `to_pp` EP `to_ep` ETP `to_etp` on 4 ranks (DP = 4 / (TP x PP))."""
-    cache = {}
-
     def made(preset, bf16, to_tp, to_pp, to_ep=1, to_etp=None, source=(("tp", 2),)):
-        key = (preset, bf16, to_tp, to_pp, to_ep, to_etp, source)
-        if key not in cache:
-            out = tmp_path_factory.mktemp("legacy_resaved")
-            full = distrib_optim(preset, bf16=bf16, **dict(source))["full"] / ITER
-            run("fixtures.distrib_optim_resave", ["--preset", preset, "--tp", to_tp, "--pp", to_pp, "--ep", to_ep, "--load", full,
-                                                  "--out", out / "dp", "--legacy-out", out / "legacy", *(["--bf16"] if bf16 else []),
-                                                  *(["--etp", to_etp] if to_etp else [])],
-                nproc=4, timeout=600)
-            cache[key] = out / "legacy" / ITER
-        return cache[key]
+        full = distrib_optim(preset, bf16=bf16, **dict(source))["full"] / ITER
+        return built(tmp_path_factory, resaved_as_legacy, preset, bf16, to_tp, to_pp, to_ep, to_etp, full)
 
     return made
+
+
+def resaved_as_legacy(out, preset, bf16, to_tp, to_pp, to_ep, to_etp, full) -> Path:
+    launch.run("fixtures.distrib_optim_resave", ["--preset", preset, "--tp", to_tp, "--pp", to_pp, "--ep", to_ep, "--load", full,
+                                                 "--out", out / "dp", "--legacy-out", out / "legacy", *(["--bf16"] if bf16 else []),
+                                                 *(["--etp", to_etp] if to_etp else [])],
+               nproc=4, timeout=600)
+    return out / "legacy" / ITER
 
 
 def rank_files(iter_dir: Path, name: str) -> dict[str, dict]:
@@ -212,7 +214,9 @@ WRITE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("preset, bf16, form, to_tp, to_pp", WRITE_CASES,
+# fast: the first case, the one test of the distrib_optim.pt writer in the fast tier
+@pytest.mark.parametrize("preset, bf16, form, to_tp, to_pp",
+                         [pytest.param(*c, marks=pytest.mark.fast if i == 0 else ()) for i, c in enumerate(WRITE_CASES)],
                          ids=[f"{c[0]}{'-bf16' if c[1] else ''}-{c[2]}-tp2-to-tp{c[3]}pp{c[4]}dp{4 // (c[3] * c[4])}" for c in WRITE_CASES])
 def test_written_distrib_optim_is_megatrons_own_legacy_save_at_the_new_layout(distrib_optim, legacy_resaved, tmp_path, preset, bf16, form,
                                                                              to_tp, to_pp):
@@ -316,7 +320,8 @@ def test_written_moe_distrib_optim_is_megatrons_own_chained_legacy_save(distrib_
 
 def resumed_losses(tmp_path: Path, name: str, layout: list, *extra) -> dict[int, float]:
     out = tmp_path / f"{name}.json"
-    run("fixtures.distrib_optim_legacy_resume", ["--preset", "tiny-llama", *layout, "--steps", STEPS, "--out", out, *extra], nproc=4, timeout=600)
+    launch.run("fixtures.distrib_optim_legacy_resume", ["--preset", "tiny-llama", *layout, "--steps", STEPS, "--out", out, *extra],
+               nproc=4, timeout=600)
     return {int(k): v for k, v in json.loads(out.read_text()).items()}
 
 

@@ -62,6 +62,7 @@ def assert_converted_alike(converted: Path, oracle: Path) -> dict[str, np.ndarra
     return got
 
 
+@pytest.mark.slow  # reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
 def test_the_fixture_saved_both_forms(distrib_optim):
     made = distrib_optim()
     dp = dcp_metadata.load(made["dp"] / ITER / ".metadata")
@@ -97,6 +98,7 @@ def master_weights_are_the_model(path: Path, optimizer: dict[str, np.ndarray]) -
         return differ
 
 
+@pytest.mark.slow  # reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
 @pytest.mark.parametrize(
     "preset, tp, pp, vpp, params, bf16",
     CASES,
@@ -117,6 +119,7 @@ def test_dp_reshardable_reads_bit_for_bit_as_megatrons_fully_reshardable(distrib
     assert all(np.any(t != 0) for name, t in dp.items() if ".exp_avg" in name)  # two real Adam steps
 
 
+@pytest.mark.slow  # reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
 def test_parts_of_a_tensor_read_as_megatrons_fully_reshardable(distrib_optim):
     """A conversion reads a tensor in units that cut across the buckets' pieces (row bands of a row-parallel weight
     split on its columns, sub-blocks): each part is read alone (only its run of the bucket) and must equal that part
@@ -138,6 +141,7 @@ def test_parts_of_a_tensor_read_as_megatrons_fully_reshardable(distrib_optim):
                 assert got.tobytes() == want[tuple(slice(a, b) for a, b in region)].tobytes(), f"{name} {region}"
 
 
+@pytest.mark.slow  # reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
 @pytest.mark.parametrize(
     "preset, tp, pp, bf16, target",
     [
@@ -160,6 +164,7 @@ def test_convert_dp_reshardable_equals_converting_fully_reshardable(distrib_opti
 MOE_CASES = [(1, 1, 2, None), (1, 1, 4, None), (2, 1, 2, None), (2, 2, 2, None), (1, 1, 2, 6000)]  # pp, vpp, ep, bucket size
 
 
+@pytest.mark.slow  # reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
 @pytest.mark.parametrize(
     "pp, vpp, ep, bucket_size",
     MOE_CASES,
@@ -187,6 +192,7 @@ def test_moe_dp_reshardable_reads_bit_for_bit_as_megatrons_fully_reshardable(dis
     assert all(np.any(t != 0) for name, t in dp.items() if ".exp_avg" in name)
 
 
+@pytest.mark.slow  # reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
 @pytest.mark.parametrize(
     "target", [["--to-ep", "1"], ["--to-ep", "4"], ["--to-tp", "2", "--to-pp", "2"]], ids=["ep2-to-ep1", "ep2-to-ep4", "ep2-to-tp2pp2"]
 )
@@ -198,6 +204,7 @@ def test_convert_moe_dp_reshardable_equals_converting_fully_reshardable(distrib_
     assert len(assert_converted_alike(tmp_path / "dp", tmp_path / "full")) == 3 * 10
 
 
+@pytest.mark.slow  # reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
 def test_a_damaged_expert_bucket_size_is_refused_in_one_line_naming_the_tensor(distrib_optim, tmp_path):
     _damage_bucket_sizes(distrib_optim("tiny-moe", tp=1, ep=2)["dp"], tmp_path / "bad", 1, [98240], chain="chained_1.")
     before = _digest(tmp_path / "bad")
@@ -232,6 +239,7 @@ def _damage_bucket_sizes(source: Path, dest: Path, group: int, sizes: list[int],
     dcp_metadata.save(directory / ".metadata", metadata)
 
 
+@pytest.mark.slow  # reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
 def test_a_damaged_bucket_size_is_refused_in_one_line_naming_the_tensor(distrib_optim, tmp_path):
     _damage_bucket_sizes(distrib_optim()["dp"], tmp_path / "bad", 1, [90624])
     before = _digest(tmp_path / "bad")
@@ -241,6 +249,7 @@ def test_a_damaged_bucket_size_is_refused_in_one_line_naming_the_tensor(distrib_
     assert _digest(tmp_path / "bad") == before
 
 
+@pytest.mark.slow  # reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
 def test_a_missing_bucket_is_refused(distrib_optim, tmp_path):
     _damage_bucket_sizes(distrib_optim()["dp"], tmp_path / "bad", 0, [90688, 128])
     result = reshard("convert", tmp_path / "bad", tmp_path / "out", "--to-tp", "1")
@@ -248,6 +257,7 @@ def test_a_missing_bucket_is_refused(distrib_optim, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
 def test_a_bucket_stored_shorter_than_its_layout_is_refused(distrib_optim, tmp_path):
     shutil.copytree(distrib_optim()["dp"], tmp_path / "bad")
     path = tmp_path / "bad" / ITER / ".metadata"
@@ -261,6 +271,7 @@ def test_a_bucket_stored_shorter_than_its_layout_is_refused(distrib_optim, tmp_p
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
 def test_many_buckets_decode_as_the_one_bucket_runs_state(distrib_optim):
     """With --overlap-grad-reduce in ~6000-element buckets (7 per rank) the run computes the same state bit for bit
     as with one bucket (DP2 sums two values, in any order alike): decoding the many-bucket dp_reshardable save must
@@ -276,6 +287,7 @@ def test_many_buckets_decode_as_the_one_bucket_runs_state(distrib_optim):
     assert dp_common == full_common
 
 
+@pytest.mark.slow  # reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
 def test_tied_embeddings_with_vpp_decode_to_the_models_weights(distrib_optim):
     """Tied embeddings, PP2 x VPP2, the first chunk in ~3000-element buckets: every tensor equals Megatron's own
     fully_reshardable save of a one-bucket run but the word embeddings' state, where decoding gives master weights
@@ -293,6 +305,7 @@ def test_tied_embeddings_with_vpp_decode_to_the_models_weights(distrib_optim):
     assert master_weights_are_the_model(bucketed, dp) == []
 
 
+@pytest.mark.slow  # reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
 @pytest.mark.parametrize(
     "preset, tp, pp, vpp, bucket_size", [("tiny-odd", 2, 1, 1, 6000), ("tiny-odd-tied", 1, 2, 2, None)], ids=["many-buckets", "tied-pp2-vpp2"]
 )
@@ -315,6 +328,7 @@ def test_megatrons_own_damaged_fully_reshardable_save_is_refused_naming_the_tens
     assert again.returncode == 0 and "checksums verified" in again.stdout, again.stderr
 
 
+@pytest.mark.slow  # reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
 def test_inspect_names_the_optimizer_form_its_buckets_and_dp_size(distrib_optim, tmp_path):
     import json
 
@@ -339,6 +353,7 @@ def test_inspect_names_the_optimizer_form_its_buckets_and_dp_size(distrib_optim,
     assert form(tmp_path / "model-only") is None
 
 
+@pytest.mark.slow  # reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
 def test_inspect_names_an_moe_models_optimizer_forms(distrib_optim):
     """The chained optimizers' forms: the expert buffers count as model-parallel ranks of their own (one per EP rank)."""
     import json

@@ -30,10 +30,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures.torchrun import run
 from reshard.optim.dp_reshardable import is_dp_reshardable
+from tests.launch import run
 from tests.reshard.optim.test_dp_reshardable import assert_same, optimizer_tensors
 from tests.reshard.test_cli import _one_line_error, reshard
+
+pytestmark = pytest.mark.slow  # every test reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
 
 ITER = "iter_0000002"
 
@@ -150,7 +152,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+# fast: the first case, the one test of the dp_reshardable writer in the fast tier
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.fast if i == 0 else ()) for i, c in enumerate(CASES.values())], ids=CASES.keys())
 def test_written_buckets_are_megatrons_own_at_the_new_layout(distrib_optim, resaved, tmp_path, case):
     out = reshard("convert", case.source(distrib_optim)["dp"], tmp_path / "out", *case.convert_args())
     assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr

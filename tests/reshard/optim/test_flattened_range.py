@@ -80,6 +80,7 @@ def megatron_016_dump(release: str, checkpoint: Path, form: str, out: Path, dp: 
     return subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
 
 
+@pytest.mark.slow  # launches megatron-core 0.16 to load what it converts
 def test_megatron_016_cannot_load_the_form_itself(tmp_path):
     """Why the conversion is needed: megatron-core 0.16 refuses the flattened ranges."""
     proc = megatron_016_dump("0.14", CHECKPOINT / ITER, "fully_sharded_model_space", tmp_path / "state.safetensors")
@@ -87,6 +88,7 @@ def test_megatron_016_cannot_load_the_form_itself(tmp_path):
     assert not (tmp_path / "state.safetensors").exists()
 
 
+@pytest.mark.slow  # launches megatron-core 0.16 to load what it converts
 @pytest.mark.parametrize(
     "target, dp",
     [(["--to-tp", "1"], 1), (["--to-tp", "1"], 2), (["--to-tp", "1", "--to-pp", "2"], 1)],

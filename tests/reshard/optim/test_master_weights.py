@@ -25,6 +25,8 @@ from reshard.torchfile.dcp_metadata import Storage
 from tests.reshard.optim.test_dp_reshardable import ITER
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 
+pytestmark = pytest.mark.slow  # every test reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
+
 QKV = "decoder.layers.self_attention.linear_qkv.weight"
 
 

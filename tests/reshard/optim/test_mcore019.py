@@ -89,6 +89,7 @@ def test_inspect_names_the_form():
     assert "optimizer: dp_reshardable, DP 2, 2 buckets over 2 model-parallel ranks" in out.stdout
 
 
+@pytest.mark.slow  # launches megatron-core 0.16 to load what it converts
 @pytest.mark.parametrize(
     "target, form, dp",
     [

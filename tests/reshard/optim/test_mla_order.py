@@ -34,6 +34,8 @@ from tests.reshard.optim.test_dp_reshardable_writer import test_written_buckets_
 from tests.reshard.optim.test_te_order import _start, _with_args
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 
+pytestmark = pytest.mark.slow  # every test reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
+
 ATTENTION = "decoder.layers.self_attention."
 CASES = [  # preset, source layout, parameters, MLA tensors it must have, conversion target
     ("tiny-mla", {"tp": 2}, 22, ["linear_q_down_proj.weight", "linear_q_up_proj.layer_norm_bias", "linear_kv_up_proj.layer_norm_bias",

@@ -23,6 +23,8 @@ from reshard.formats.megatron_legacy import LegacyReader
 from tests.reshard.optim.test_dp_reshardable import ITER, assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
 from tests.reshard.test_cli import _digest, _one_line_error, reshard
 
+pytestmark = pytest.mark.slow  # every test reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
+
 QKV_NORM, PROJ = "decoder.layers.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.self_attention.linear_proj.weight"
 CASES = [("tiny-odd", {"tp": 2}, 21), ("tiny-moe", {"tp": 1, "ep": 2}, 10)]
 

@@ -4,6 +4,7 @@ checkpoints, and our writer read back by PyTorch."""
 import subprocess
 import sys
 
+import pytest
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
@@ -27,11 +28,13 @@ def _same_as_pytorch(directory):
         assert (storage.relative_path, storage.offset, storage.length) == (info.relative_path, info.offset, info.length)
 
 
+@pytest.mark.slow  # reads checkpoints made by Megatron-Core (dense, moe)
 def test_reads_megatron_metadata_as_pytorch_does(dense, moe):
     for path in (dense["base"], moe["ep2"]):
         _same_as_pytorch(next(path.glob("iter_*")))
 
 
+@pytest.mark.slow  # reads checkpoints made by Megatron-Core (dense, moe)
 def test_pytorch_reads_what_save_writes(dense, tmp_path):
     directory = next(dense["base"].glob("iter_*"))
     (tmp_path / "copy").mkdir()
@@ -51,6 +54,7 @@ def test_pytorch_reads_what_save_writes(dense, tmp_path):
             assert theirs.state_dict_metadata[fqn].properties == md.properties
 
 
+@pytest.mark.slow  # reads checkpoints made by Megatron-Core (dense, moe)
 def test_save_needs_no_import_of_torch(dense, tmp_path):
     """Importing DCP took a second of every conversion's end, importing torch more; `load` and `save`
     name their classes instead."""
