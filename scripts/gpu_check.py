@@ -17,8 +17,8 @@ checkpoint moves between the two through reshard:
 Every step runs and is reported, also after an earlier one failed (a JSON summary, also written to
 out/gpu_check/summary.json); the exit status is non-zero when any check failed.
 
-The results of its last run on a GPU (date, machine, versions, each check's margin) are in README.md,
-section "The trainer". `python scripts/gpu_check.py cpu_to_gpu_bf16` runs one step.
+The results of its last run on a GPU (date, machine, versions, each check's margin) are in docs/trainer.md.
+`python scripts/gpu_check.py cpu_to_gpu_bf16` runs one step.
 """
 
 from __future__ import annotations

@@ -45,9 +45,9 @@ from reshard.paths import confined
 from reshard.records import StoredRecord
 from reshard.sharding import Piece, Region, pieces, shift, to_slices
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord, archive_tensor
-from reshard.torchfile.payloads import load_screened
 from reshard.torchfile.archive_writer import Slot, StreamingTorchSave
 from reshard.torchfile.crc32 import crc32_of_parts
+from reshard.torchfile.payloads import load_screened
 
 OPTIM_FILE = "distrib_optim.pt"
 _TAG = "distrib_optim"  # marks this sink's facts among the rank files'
