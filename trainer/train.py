@@ -337,11 +337,7 @@ def run(args) -> None:
 
     load_dir, temporary = resolve_load(args, layout)
     saved_args = vars(ckpt.read_common(load_dir).get("args") or argparse.Namespace()) if load_dir is not None else None
-    saved_batch = (saved_args or {}).get("global_batch_size")  # None for converted HF weights
-    if args.global_batch_size is None:  # a resumed run keeps its batch whatever its DP size: the order and schedule count in it
-        args.global_batch_size = saved_batch or args.micro_batch_size * dp
-    elif saved_batch and saved_batch != args.global_batch_size:
-        log(f"the global batch changes from the checkpoint's {saved_batch} to {args.global_batch_size}")
+    _global_batch(args, saved_args, dp)
     tokenizer, dataset, tok_source = prepare(
         args.data, args.seq_length, args.tokenizer, PRESETS[args.model].vocab_rows, [args.load, args.save])
     config = model_config(args, saved_args, tokenizer.get_vocab_size())
@@ -367,40 +363,8 @@ def run(args) -> None:
     logger = Logger(args, flops_per_token(config, args.seq_length))
     iteration, consumed = 0, 0
     if load_dir is not None:
-        try:
-            report = ckpt.load_checkpoint(load_dir, ddp, optimizer, scheduler, layout, config, world=world,
-                                          load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
-                                          seed=args.seed)
-        except ckpt.CheckpointError as exc:
-            raise TrainerError(str(exc)) from None
-        if temporary is not None:  # once every rank has read the converted HF weights
-            torch.distributed.barrier()
-            if _rank() == 0:
-                shutil.rmtree(temporary, ignore_errors=True)
-        data_state = report["data_state"] or {}
-        if report["optimizer_loaded"]:
-            iteration = report["iteration"]
-            consumed = data_position(data_state, saved_args, iteration, args.global_batch_size)
-        else:
-            # Model only (--no-load-optim, a checkpoint without optimizer state, HF weights): Megatron-LM's
-            # --finetune-like start would reset the iteration; we keep the position so the run continues.
-            iteration = report["iteration"] if report["has_optimizer"] or data_state else 0
-            consumed = data_position(data_state, saved_args, iteration, args.global_batch_size) if iteration else 0
-            scheduler.num_steps = consumed
-            scheduler.step(0)
-        if data_state.get("seed") not in (None, args.seed):
-            raise TrainerError(f"the checkpoint's sample order was drawn with --seed {data_state['seed']}: pass it to resume")
-        if data_state and data_state.get("fingerprint") not in (None, dataset.fingerprint()):
-            raise TrainerError(
-                f"the data differs from the checkpoint's (token stream {dataset.fingerprint()} vs "
-                f"{data_state['fingerprint']}): same --data, --seq-length and tokenizer are needed to resume")
-        logger.event({"event": "checkpoint_load", "iteration": iteration, "consumed_samples": consumed,
-                      "seconds": report["seconds"], "verified_tensors": report["verified"],
-                      "optimizer_loaded": report["optimizer_loaded"]})
-        log(f"loaded {load_dir} (iteration {iteration}, {consumed} samples consumed; optimizer "
-            f"{'loaded' if report['optimizer_loaded'] else 'NOT loaded (fresh)'}; rng "
-            f"{'loaded' if report['rng_loaded'] else 'reseeded'}; {report['verified']} tensors verified against "
-            f"the manifest) in {report['seconds']:.2f} s")
+        iteration, consumed = _resume(args, load_dir, temporary, saved_args, dataset, logger,
+                                      (ddp, optimizer, scheduler), layout, config, world)
     log(f"trainer: {config.num_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_rows}, {layout}, "
         f"DP{dp}, global batch {args.global_batch_size} = {args.micro_batch_size} x {dp} x "
         f"{source.num_microbatches}, {len(dataset)} samples of {args.seq_length + 1} tokens"
@@ -419,7 +383,7 @@ def run(args) -> None:
         tokenizer_type="HuggingFaceTokenizer", data_path=[str(args.data)],
     )
 
-    def save(it: int) -> None:
+    def save(it: int, consumed: int) -> None:
         margs.iteration = it
         margs.consumed_train_samples = consumed
         data_state = {"consumed_samples": consumed, "fingerprint": dataset.fingerprint(), "seed": args.seed,
@@ -428,28 +392,84 @@ def run(args) -> None:
         logger.event({"event": "checkpoint_save", "iteration": it, **info})
         log(f"saved {args.save / ckpt.iter_dirname(it)} ({info['bytes'] / 1e6:.1f} MB) in {info['seconds']:.2f} s")
 
-    tokens_per_iter = args.global_batch_size * args.seq_length
     try:
-        while iteration < args.train_iters:
-            lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
-            start = time.perf_counter()
-            loss, grad_norm = train_step(ddp, optimizer, scheduler, source.microbatches(consumed), args, device)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
-            iteration += 1
-            consumed += args.global_batch_size
-            if not math.isfinite(loss):
-                raise TrainerError(f"iteration {iteration}: the loss is {loss}")
-            logger.iteration({
-                "iteration": iteration, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                "tokens_per_s": tokens_per_iter / elapsed, "iteration_s": elapsed, "consumed_samples": consumed,
-            })
-            if args.save and ((args.save_interval and iteration % args.save_interval == 0)
-                              or iteration == args.train_iters):
-                save(iteration)
+        _train(args, (ddp, optimizer, scheduler), source, logger, save, iteration, consumed, device)
     finally:
         logger.close()
+
+
+def _global_batch(args, saved_args: dict | None, dp: int) -> None:
+    """The global batch: a resumed run keeps its checkpoint's whatever its DP size, since the sample order and the
+    schedule count in it; a changed one is said."""
+    saved_batch = (saved_args or {}).get("global_batch_size")  # None for converted HF weights
+    if args.global_batch_size is None:
+        args.global_batch_size = saved_batch or args.micro_batch_size * dp
+    elif saved_batch and saved_batch != args.global_batch_size:
+        log(f"the global batch changes from the checkpoint's {saved_batch} to {args.global_batch_size}")
+
+
+def _resume(args, load_dir, temporary, saved_args, dataset, logger, training, layout, config, world) -> tuple[int, int]:
+    """Load `load_dir` into the model, optimizer and scheduler (`training`): the iteration and the samples consumed
+    that the run goes on from."""
+    ddp, optimizer, scheduler = training
+    try:
+        report = ckpt.load_checkpoint(load_dir, ddp, optimizer, scheduler, layout, config, world=world,
+                                      load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+                                      seed=args.seed)
+    except ckpt.CheckpointError as exc:
+        raise TrainerError(str(exc)) from None
+    if temporary is not None:  # once every rank has read the converted HF weights
+        torch.distributed.barrier()
+        if _rank() == 0:
+            shutil.rmtree(temporary, ignore_errors=True)
+    data_state = report["data_state"] or {}
+    if report["optimizer_loaded"]:
+        iteration = report["iteration"]
+        consumed = data_position(data_state, saved_args, iteration, args.global_batch_size)
+    else:
+        # Model only (--no-load-optim, a checkpoint without optimizer state, HF weights): Megatron-LM's
+        # --finetune-like start would reset the iteration; we keep the position so the run continues.
+        iteration = report["iteration"] if report["has_optimizer"] or data_state else 0
+        consumed = data_position(data_state, saved_args, iteration, args.global_batch_size) if iteration else 0
+        scheduler.num_steps = consumed
+        scheduler.step(0)
+    if data_state.get("seed") not in (None, args.seed):
+        raise TrainerError(f"the checkpoint's sample order was drawn with --seed {data_state['seed']}: pass it to resume")
+    if data_state and data_state.get("fingerprint") not in (None, dataset.fingerprint()):
+        raise TrainerError(
+            f"the data differs from the checkpoint's (token stream {dataset.fingerprint()} vs "
+            f"{data_state['fingerprint']}): same --data, --seq-length and tokenizer are needed to resume")
+    logger.event({"event": "checkpoint_load", "iteration": iteration, "consumed_samples": consumed,
+                  "seconds": report["seconds"], "verified_tensors": report["verified"],
+                  "optimizer_loaded": report["optimizer_loaded"]})
+    log(f"loaded {load_dir} (iteration {iteration}, {consumed} samples consumed; optimizer "
+        f"{'loaded' if report['optimizer_loaded'] else 'NOT loaded (fresh)'}; rng "
+        f"{'loaded' if report['rng_loaded'] else 'reseeded'}; {report['verified']} tensors verified against "
+        f"the manifest) in {report['seconds']:.2f} s")
+    return iteration, consumed
+
+
+def _train(args, training, source, logger, save, iteration: int, consumed: int, device) -> None:
+    """Train from `iteration` to --train-iters, saving every --save-interval and at the end."""
+    ddp, optimizer, scheduler = training
+    tokens_per_iter = args.global_batch_size * args.seq_length
+    while iteration < args.train_iters:
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
+        start = time.perf_counter()
+        loss, grad_norm = train_step(ddp, optimizer, scheduler, source.microbatches(consumed), args, device)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        iteration += 1
+        consumed += args.global_batch_size
+        if not math.isfinite(loss):
+            raise TrainerError(f"iteration {iteration}: the loss is {loss}")
+        logger.iteration({
+            "iteration": iteration, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_iter / elapsed, "iteration_s": elapsed, "consumed_samples": consumed,
+        })
+        if args.save and ((args.save_interval and iteration % args.save_interval == 0) or iteration == args.train_iters):
+            save(iteration, consumed)
 
 
 def build_optimizer_for(models, args):
