@@ -12,6 +12,12 @@ import pytest
 from tests.cache import built
 
 
+@pytest.fixture(autouse=True)
+def _not_a_worker(monkeypatch):
+    """These tests say where an xdist worker is themselves (`_worker`): the run's own worker, if any, is not theirs."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+
+
 class _Factory:
     """The one thing `built` asks of pytest's tmp_path_factory."""
 
