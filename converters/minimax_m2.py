@@ -63,7 +63,8 @@ def rotary_fraction(hf: dict[str, Any]) -> float:
     fraction = 1.0 if fraction is None else fraction
     dims = head_dim * fraction
     if not 0 < fraction <= 1 or dims != int(dims) or int(dims) % 2:
-        raise bad_value(field or "rotary_dim", fraction, f"a fraction of head_dim={head_dim} giving an even number of dims")
+        field, value = ("rotary_dim", rotary_dim) if rotary_dim is not None else (field, fraction)
+        raise bad_value(field, value, f"an even number of head_dim={head_dim}'s dims" + (" (as a fraction)" if rotary_dim is None else ""))
     return fraction
 
 

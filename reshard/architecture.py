@@ -170,9 +170,9 @@ def check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], where:
             elif linear:
                 fields = linear[axis - lead]
             else:
-                fields = "kv_channels" if "q_layernorm" in name or "k_layernorm" in name else "hidden_size"
-                if config.qk_layernorm_full_width and fields == "kv_channels":
-                    fields = f"{'num_attention_heads' if 'q_layernorm' in name else 'num_query_groups'}, kv_channels, qk_layernorm_full_width"
+                fields = "kv_channels, qk_layernorm_full_width" if "q_layernorm" in name or "k_layernorm" in name else "hidden_size"
+                if config.qk_layernorm_full_width and "kv_channels" in fields:  # a norm over every head of the projection
+                    fields = f"{'num_attention_heads' if 'q_layernorm' in name else 'num_query_groups'}, {fields}"
         raise ReshardError(
             f"{where}: {name} has shape {list(shape)}, but the recorded architecture implies {list(expected)} "
             f"(check {fields}): the architecture contradicts the tensors"
