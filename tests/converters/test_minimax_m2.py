@@ -100,6 +100,7 @@ def test_a_config_transformers_would_not_compute_is_refused_naming_the_field(sou
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # over 5 s here (the args unpickled and pickled again with torch)
 def test_args_that_contradict_the_full_width_norms_are_refused_naming_the_field(source, tmp_path, monkeypatch, capsys):
     """A torch_dist checkpoint whose args say per-head q/k norms while its tensors are full-width: read at the wrong
     width, they would be resharded as whole on every rank and exported as another family; refused naming the fields."""
@@ -121,3 +122,36 @@ def test_the_family_is_found_by_architecture_and_keeps_its_names(source):
     assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.block_sparse_moe.e_score_correction_bias",
             "model.layers.0.block_sparse_moe.experts.0.w3.weight"} <= names
     assert np.all([n.startswith(("model.", "lm_head.")) for n in names])
+
+
+def test_torch_dist_for_bridge_names_bridges_minimax_layer_spec_and_reads_back(source, tmp_path):
+    """Megatron-Bridge has no field for full-width q/k norms: its MiniMax-M2 provider names its own layer spec. reshard
+    writes that name into run_config.yaml and reads it back as qk_layernorm_full_width (a Bridge-trained MiniMax-M2's
+    run config reads so too), the whole architecture as the checkpoint's own args say it."""
+    from reshard.formats import open_checkpoint
+    from reshard.formats.model_args import MINIMAX_M2_SPEC, bridge_args
+
+    cli("convert", source, tmp_path / "out", "--to-format", "torch_dist", "--to-tp", "2", "--for", "bridge", "-q")
+    run_config = tmp_path / "out" / "iter_0000000" / "run_config.yaml"
+    assert f"_target_: {MINIMAX_M2_SPEC}" in run_config.read_text()
+    with open_checkpoint(tmp_path / "out") as reader:
+        assert ModelConfig.from_megatron_args(bridge_args(run_config)) == reader.config
+        assert reader.config.qk_layernorm_full_width and reader.config.rotary_percent == 0.5
+
+
+def test_a_megatron_model_of_its_kind_exports_as_minimax_m2(tmp_path):
+    """A model trained in Megatron (no HF config of its own) with full-width q/k norms, partial rotary and the sigmoid
+    router with its bias is exported as MiniMax-M2, in the configuration transformers reads back: its partial rotary,
+    every weight loaded."""
+    from transformers import AutoConfig
+
+    from fixtures.models import PRESETS
+    from fixtures.synthetic import write_synthetic
+    from test_hf_roundtrip import assert_loads_cleanly
+
+    write_synthetic(tmp_path / "m", PRESETS["tiny-minimax"], Layout(tp=2), "torch_dist")
+    cli("convert", tmp_path / "m", tmp_path / "hf", "--to-format", "hf", "-q")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["architectures"], config["rotary_dim"], config["num_local_experts"]) == (["MiniMaxM2ForCausalLM"], 8, 4)
+    assert AutoConfig.from_pretrained(tmp_path / "hf").rope_parameters["partial_rotary_factor"] == 0.5
+    assert_loads_cleanly(tmp_path / "hf")
