@@ -143,11 +143,11 @@ def test_a_megatron_model_of_its_kind_exports_as_minimax_m2(tmp_path):
     """A model trained in Megatron (no HF config of its own) with full-width q/k norms, partial rotary and the sigmoid
     router with its bias is exported as MiniMax-M2, in the configuration transformers reads back: its partial rotary,
     every weight loaded."""
+    from test_hf_roundtrip import assert_loads_cleanly
     from transformers import AutoConfig
 
     from fixtures.models import PRESETS
     from fixtures.synthetic import write_synthetic
-    from test_hf_roundtrip import assert_loads_cleanly
 
     write_synthetic(tmp_path / "m", PRESETS["tiny-minimax"], Layout(tp=2), "torch_dist")
     cli("convert", tmp_path / "m", tmp_path / "hf", "--to-format", "hf", "-q")
