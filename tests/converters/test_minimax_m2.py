@@ -155,3 +155,26 @@ def test_a_megatron_model_of_its_kind_exports_as_minimax_m2(tmp_path):
     assert (config["architectures"], config["rotary_dim"], config["num_local_experts"]) == (["MiniMaxM2ForCausalLM"], 8, 4)
     assert AutoConfig.from_pretrained(tmp_path / "hf").rope_parameters["partial_rotary_factor"] == 0.5
     assert_loads_cleanly(tmp_path / "hf")
+
+
+# MiniMax-M2's released config.json (MiniMaxAI/MiniMax-M2), the fields that bear on conversion
+RELEASED = {"architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "attn_type_list": [1] * 62, "head_dim": 128,
+            "hidden_act": "silu", "hidden_size": 3072, "intermediate_size": 1536, "max_position_embeddings": 196608,
+            "mtp_transformer_layers": 1, "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62,
+            "num_key_value_heads": 8, "num_local_experts": 256, "num_mtp_modules": 3, "qk_norm_type": "per_layer",
+            "quantization_config": {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
+                                    "weight_block_size": [128, 128], "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]},
+            "rms_norm_eps": 1e-06, "rope_theta": 5000000, "rotary_dim": 64, "scoring_func": "sigmoid", "shared_intermediate_size": 0,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_mtp": True, "use_qk_norm": True, "use_routing_bias": True,
+            "vocab_size": 200064}
+
+
+def test_the_released_config_reads_and_splits_as_it_is_served():
+    """The release's architecture, at the TP8 EP8 it is commonly served at (8 KV heads: one per TP rank)."""
+    config, _ = family_for_hf(RELEASED).config_from_hf(RELEASED)
+    assert (config.qk_layernorm_full_width, config.rotary_percent, config.rotary_base) == (True, 0.5, 5000000.0)
+    assert (config.num_experts, config.moe_router_topk, config.moe_ffn_hidden_size, config.groups) == (256, 8, 1536, 8)
+    assert (config.moe_router_score_function, config.moe_router_enable_expert_bias, config.params_dtype) == ("sigmoid", True, "bfloat16")
+    Layout(tp=8, ep=8).validate(config)
+    with pytest.raises(ReshardError, match="query groups"):
+        Layout(tp=16).validate(config)  # its 8 k-norm groups cannot be cut in 16
