@@ -66,7 +66,7 @@ PARTITION_RULES: tuple[tuple[str, Rule], ...] = (
     (r"(linear_proj|linear_fc2)\.bias$", Rule(Split.NONE)),  # row-parallel biases are added after the reduce
     # MiniMax-M2's q/k norms cover every head of the projection, so they split by head as linear_qkv's rows do;
     # per-head norms (Qwen3, GLM: [head_dim]) of the same name are whole on every rank (the rule below)
-    (r"self_attention\.(q|k)_layernorm\.weight$", Rule(Split.COLUMN, when=_full_width_qk_norm)),
+    (r"self_attention\.(q|k)_layernorm\.(weight|bias)$", Rule(Split.COLUMN, when=_full_width_qk_norm)),
     (r"layer_norm_(weight|bias)$", Rule(Split.NONE)),
     (r"(layernorm|norm)\.(weight|bias)$", Rule(Split.NONE)),
     (r"router\.(weight|expert_bias)$", Rule(Split.NONE)),
