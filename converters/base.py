@@ -406,6 +406,7 @@ LLAMA_SIGNATURE: dict[str, Any] = {
     "add_bias_linear": False,
     "add_qkv_bias": False,
     "qk_layernorm": False,
+    "qk_layernorm_full_width": False,
     "position_embedding_type": "rope",
     "moe": False,
     "multi_latent_attention": False,
@@ -533,6 +534,7 @@ class Family:
             "add_bias_linear": config.add_bias_linear,
             "add_qkv_bias": config.add_qkv_bias or config.add_bias_linear,
             "qk_layernorm": config.qk_layernorm,
+            "qk_layernorm_full_width": config.qk_layernorm_full_width,
             "moe_dense_layers": config.is_moe and not all(config.moe_layers),  # dense MLPs between MoE layers
             "position_embedding_type": config.position_embedding_type,
             "moe": config.is_moe,

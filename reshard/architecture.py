@@ -99,8 +99,9 @@ def _stacked(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         qkv_rows = (c.num_attention_heads + 2 * c.groups) * c.head_dim
         out.update(_linear(f"{attn}linear_qkv.", qkv_rows, h, c.add_qkv_bias or c.add_bias_linear, L))
         if c.qk_layernorm:
-            out.update(_norm(f"{attn}q_layernorm.", c, c.head_dim, L))
-            out.update(_norm(f"{attn}k_layernorm.", c, c.head_dim, L))
+            full = c.qk_layernorm_full_width  # over every head of the projection, not one head
+            out.update(_norm(f"{attn}q_layernorm.", c, c.head_dim * (c.num_attention_heads if full else 1), L))
+            out.update(_norm(f"{attn}k_layernorm.", c, c.head_dim * (c.groups if full else 1), L))
         out.update(_linear(f"{attn}linear_proj.", h, c.num_attention_heads * c.head_dim, c.add_bias_linear, L))
     mlp = "decoder.layers.mlp."
     if c.is_moe:
@@ -169,7 +170,9 @@ def check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], where:
             elif linear:
                 fields = linear[axis - lead]
             else:
-                fields = "kv_channels" if "q_layernorm" in name or "k_layernorm" in name else "hidden_size"
+                fields = "kv_channels, qk_layernorm_full_width" if "q_layernorm" in name or "k_layernorm" in name else "hidden_size"
+                if config.qk_layernorm_full_width and "kv_channels" in fields:  # a norm over every head of the projection
+                    fields = f"{'num_attention_heads' if 'q_layernorm' in name else 'num_query_groups'}, {fields}"
         raise ReshardError(
             f"{where}: {name} has shape {list(shape)}, but the recorded architecture implies {list(expected)} "
             f"(check {fields}): the architecture contradicts the tensors"

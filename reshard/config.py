@@ -84,6 +84,9 @@ class ModelConfig:
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
+    # q/k norms over the whole projection ([heads * head_dim], [groups * head_dim]; MiniMax-M2) instead of per head
+    # ([head_dim]): the weights split over TP by head. No Megatron-LM option; reshard's args carry it.
+    qk_layernorm_full_width: bool = False
     untie_embeddings_and_output_weights: bool = True
     num_experts: int | None = None
     moe_router_topk: int = 2

@@ -28,6 +28,7 @@ FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size
 BOUND = "|x - q*s| <= (2^-4 |x| + 2^-10 s)(1 + 2^-10)"  # what `check_error` holds, as said to a user
+FORMATS = ("e4m3", "float8_e4m3fn")  # quantization_config.fmt as DeepSeek-V3 and MiniMax-M2 spell float8_e4m3fn
 
 
 def block_size(config: Any) -> tuple[int, int]:
@@ -38,8 +39,8 @@ def block_size(config: Any) -> tuple[int, int]:
     method = config.get("quant_method")
     if method != "fp8":
         raise _unsupported("quantization_config.quant_method", method, '"fp8" (block-scaled float8, DeepSeek-V3\'s form)')
-    if config.get("fmt", "e4m3") != "e4m3":
-        raise _unsupported("quantization_config.fmt", config["fmt"], '"e4m3" (float8_e4m3fn weights)')
+    if config.get("fmt", "e4m3") not in FORMATS:
+        raise _unsupported("quantization_config.fmt", config["fmt"], '"e4m3" or "float8_e4m3fn" (float8_e4m3fn weights)')
     if config.get("activation_scheme", "dynamic") != "dynamic":
         raise _unsupported("quantization_config.activation_scheme", config["activation_scheme"], '"dynamic" (no stored activation scales)')
     block = config.get("weight_block_size")
@@ -48,9 +49,20 @@ def block_size(config: Any) -> tuple[int, int]:
     return block[0], block[1]
 
 
-def hf_config(block: tuple[int, int]) -> dict[str, Any]:
-    """The `quantization_config` that says so, as DeepSeek-V3's config.json spells it."""
-    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
+def hf_config(block: tuple[int, int], source: dict[str, Any] | None = None, quantized: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The `quantization_config` that says so, as DeepSeek-V3's config.json spells it, or as `source` (the model's own,
+    checked by `block_size`) does: its `fmt`, and the modules it leaves unquantized (MiniMax-M2's), refused where one
+    of those is part of a weight written quantized (`quantized`, HF names) rather than said wrong."""
+    out = {"activation_scheme": "dynamic", "fmt": (source or {}).get("fmt", "e4m3"), "quant_method": "fp8", "weight_block_size": list(block)}
+    kept = (source or {}).get("modules_to_not_convert")
+    if kept is None:
+        return out
+    if not isinstance(kept, list) or not all(isinstance(module, str) and module for module in kept):
+        raise _unsupported("quantization_config.modules_to_not_convert", kept, "a list of module names")
+    if clash := next((f"{module} ({name})" for name in quantized for module in kept if f".{module}." in f".{name}."), None):
+        raise ReshardError(f"HF config: quantization_config.modules_to_not_convert names {clash}, which fp8 block export "
+                           "quantizes: its config would not say how it is stored; export without --to-fp8-blocks")
+    return {**out, "modules_to_not_convert": list(kept)}
 
 
 def _unsupported(field: str, value: Any, want: str) -> ReshardError:

@@ -11,6 +11,7 @@ A name no rule knows is refused: guessing "replicated" is how converters silentl
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -38,6 +39,13 @@ class Rule:
     split: Split
     gated: bool = False  # SwiGLU fc1: [gate; up] halves are split separately when the model is gated
     vocab: bool = False  # rows are the (padded) vocabulary
+    # the rule holds only for models this says yes to (a name whose split depends on the architecture); a tensor
+    # read without one never matches it
+    when: Callable[[ModelConfig], bool] | None = None
+
+
+def _full_width_qk_norm(config: ModelConfig) -> bool:
+    return config.qk_layernorm_full_width
 
 
 # Suffix of the parameter name (after any layer/expert prefix) -> how it is partitioned.
@@ -56,6 +64,9 @@ PARTITION_RULES: tuple[tuple[str, Rule], ...] = (
     (r"^mtp\.layers\.\d+\.eh_proj\.weight$", Rule(Split.COLUMN)),
     (r"(linear_proj|linear_fc2)\.weight$", Rule(Split.ROW)),
     (r"(linear_proj|linear_fc2)\.bias$", Rule(Split.NONE)),  # row-parallel biases are added after the reduce
+    # MiniMax-M2's q/k norms cover every head of the projection, so they split by head as linear_qkv's rows do;
+    # per-head norms (Qwen3, GLM: [head_dim]) of the same name are whole on every rank (the rule below)
+    (r"self_attention\.(q|k)_layernorm\.(weight|bias)$", Rule(Split.COLUMN, when=_full_width_qk_norm)),
     (r"layer_norm_(weight|bias)$", Rule(Split.NONE)),
     (r"(layernorm|norm)\.(weight|bias)$", Rule(Split.NONE)),
     (r"router\.(weight|expert_bias)$", Rule(Split.NONE)),
@@ -128,7 +139,7 @@ def describe(name: str, shape: tuple[int, ...], dtype: str, config: ModelConfig 
             stacked = True
     experts = bool(_EXPERT.search(param)) and ".router." not in param
     for pattern, rule in PARTITION_RULES:  # noqa: B007 (the rule that matched is used below)
-        if re.search(pattern, param):
+        if re.search(pattern, param) and (rule.when is None or (config is not None and rule.when(config))):
             break
     else:
         raise ReshardError(

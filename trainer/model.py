@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from reshard.config import MLA_FIELDS, ModelConfig
 from reshard.layout import Layout
-from reshard.trainer import cpu_compat
+from reshard.trainer import cpu_compat, full_width_norm
 
 
 def parallel_sizes(layout: Layout) -> dict[str, int | None]:
@@ -180,6 +180,10 @@ def layer_spec(config: ModelConfig, tconfig, vp_stage: int | None):
     if config.multi_latent_attention:
         for layer in layers:
             layer.submodules.self_attention.submodules.core_attention = cpu_compat.local_mla_core_attention()
+    if config.qk_layernorm_full_width:  # MiniMax-M2's q/k norms: over every head, a module megatron-core lacks
+        for layer in layers:
+            attention = layer.submodules.self_attention.submodules
+            attention.q_layernorm, attention.k_layernorm = full_width_norm.FullWidthQNorm, full_width_norm.FullWidthKNorm
     return spec
 
 

@@ -55,6 +55,11 @@ TINY_MLA_MOE = TINY_MLA.replace(num_layers=2, q_lora_rank=None, normalization="R
                                 num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
                                 moe_shared_expert_intermediate_size=40, moe_layer_freq=(0, 1))
 
+# MiniMax-M2's layer in small: q/k norms over every head of the projection (split over TP by head), half of each head's
+# dims rotating, every layer MoE with a sigmoid router and its expert bias (a buffer: never optimizer state)
+TINY_MINIMAX = TINY_MOE.replace(num_layers=2, qk_layernorm=True, qk_layernorm_full_width=True, rotary_percent=0.5,
+                                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+
 PRESETS = {
     "tiny-llama": TINY_LLAMA,
     "tiny-tied": TINY_TIED,
@@ -66,4 +71,5 @@ PRESETS = {
     "tiny-odd-tied": TINY_ODD_TIED,
     "tiny-mla": TINY_MLA,
     "tiny-mla-moe": TINY_MLA_MOE,
+    "tiny-minimax": TINY_MINIMAX,
 }

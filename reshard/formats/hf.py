@@ -590,8 +590,9 @@ class HFWriter(CheckpointWriter):
         if options.fp8_blocks:
             source = (saved or {}).get("quantization_config")  # an fp8 model's own blocks, for its bytes back
             self._block = fp8_blocks.block_size(source) if source else fp8_blocks.DEFAULT_BLOCK
-            self.hf_config["quantization_config"] = fp8_blocks.hf_config(self._block)
             self._quantized = {name for name in self._mappings if FP8_LINEAR.match(name)}
+            written = tuple(hf for name in self._quantized for hf in self._mappings[name].hf)
+            self.hf_config["quantization_config"] = fp8_blocks.hf_config(self._block, source, written)
             for name in self._quantized:
                 mapping = self._mappings[name]
                 if isinstance(mapping, Transposed) or (isinstance(mapping, FusedQKV) and mapping.conv1d):

@@ -39,6 +39,9 @@ _PLAIN = (str, int, float, bool, type(None))  # what a YAML value read into args
 # the other exact GELU); anything else is refused, never carried into the args reshard writes.
 _DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
 _ACTIVATIONS = {True: "torch.nn.functional.silu", False: "torch.nn.functional.gelu"}
+# Bridge's layer spec of MiniMax-M2 (q/k norms over every head: `ModelConfig.qk_layernorm_full_width`), which its
+# provider names instead of a field
+MINIMAX_M2_SPEC = "megatron.bridge.models.minimax_m2.minimax_m2_provider.minimax_m2_layer_spec"
 
 
 def _plain(value: Any) -> bool:
@@ -86,6 +89,8 @@ def bridge_args(path: Path) -> dict[str, Any]:
     gated = bool(model.get("gated_linear_unit"))
     _named(path, model, "activation_func", {_ACTIVATIONS[gated]}, _ACTIVATIONS[False])
     args["swiglu"] = gated
+    spec = model.get("transformer_layer_spec")
+    args["qk_layernorm_full_width"] = isinstance(spec, dict) and spec.get("_target_") == MINIMAX_M2_SPEC
     args["untie_embeddings_and_output_weights"] = not model.get("share_embeddings_and_output_weights", False)
     args["group_query_attention"] = model.get("num_query_groups") is not None
     if model.get("params_dtype") is not None:
@@ -115,9 +120,8 @@ def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, 
     padded = config.vocab_size is not None and config.padded_vocab_for(layout.tp) == config.padded_vocab_size
     model = {
         "_target_": "megatron.bridge.models.gpt_provider.GPTModelProvider",
-        "transformer_layer_spec": _name(
-            f"megatron.bridge.models.gpt_provider.{'transformer_engine' if te_names else 'local'}_layer_spec"
-        ),
+        "transformer_layer_spec": _name(MINIMAX_M2_SPEC if config.qk_layernorm_full_width else
+                                        f"megatron.bridge.models.gpt_provider.{'transformer_engine' if te_names else 'local'}_layer_spec"),
         "num_layers": config.num_layers,
         "hidden_size": config.hidden_size,
         "num_attention_heads": config.num_attention_heads,

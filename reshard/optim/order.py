@@ -115,6 +115,14 @@ _TOP_ORDER = (
     "decoder.final_layernorm.bias",
     "output_layer.weight",
 )
+# Module state megatron-core registers as a buffer, not a parameter: the sigmoid router's expert bias (moved by token
+# counts after each step, not by the optimizer). Saved with the model, never in named_parameters(): no optimizer state.
+BUFFERS = ("mlp.router.expert_bias",)
+
+
+def is_parameter(spec: TensorSpec) -> bool:
+    """Whether the model tensor `spec` is a parameter (one with a place in the DistributedOptimizer's buffers)."""
+    return re.sub(r"^decoder\.layers\.(\d+\.)?", "", spec.param) not in BUFFERS
 
 
 def _unknown_place(param: str) -> ReshardError:

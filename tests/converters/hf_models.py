@@ -61,15 +61,19 @@ def _configs():
         # DeepSeek-V3's multi-token prediction in small: a dense layer, an MoE one, then one MTP layer (model.layers.2)
         "deepseek_v3_mtp": tf.DeepseekV3Config(**dict(DEEPSEEK, first_k_dense_replace=1, num_nextn_predict_layers=1), q_lora_rank=24,
                                                max_position_embeddings=128, rope_parameters=yarn),
+        # full-width q/k norms (over 4 and 2 heads of 16), half the head dims rotating, sigmoid routing with a bias
+        "minimax_m2": tf.MiniMaxM2Config(**COMMON, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
+                                         rotary_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+                                         use_qk_norm=True, qk_norm_type="per_layer", scoring_func="sigmoid", use_routing_bias=True),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
                               activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
 
 
-MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed", "deepseek_v3_moe", "deepseek_v3_mixed"}
+MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed", "deepseek_v3_moe", "deepseek_v3_mixed", "minimax_m2"}
 NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed",
          "deepseek_v3", "deepseek_v3_q",
-         "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2"]
+         "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2", "minimax_m2"]
 
 
 def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:

@@ -107,6 +107,44 @@ def test_experts_round_trip_through_expert_parallel_megatron(tmp_path, name):
         assert same_bits(exported[hf_name], value if value.dtype != torch.bfloat16 else value.float()), hf_name
 
 
+# MiniMax-M2's release spells the format as torch names it and lists what it leaves unquantized (the router and its bias)
+MINIMAX_FP8 = {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8", "weight_block_size": [16, 24],
+               "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
+
+
+def _minimax_fp8(tmp_path, quantization=MINIMAX_FP8) -> Path:
+    source = make_fp8(build("minimax_m2", tmp_path / "plain"), tmp_path / "fp8", (16, 24))
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(dict(config, quantization_config=quantization)))
+    return source
+
+
+@pytest.mark.parametrize("layout", [["--to-tp", "2"], ["--to-ep", "2"]], ids=["tp2", "ep2"])
+def test_minimax_m2_fp8_release_form_round_trips(tmp_path, layout):
+    """MiniMax-M2 as released: its attention and experts fp8 in blocks, its router not; through torch_dist at TP2 (the
+    full-width q/k norms split) or EP2 and back with --to-fp8-blocks, the same bytes and the same quantization_config."""
+    source = _minimax_fp8(tmp_path)
+    cli("convert", source, tmp_path / "mcore", "--to-format", "torch_dist", *layout, "--dtype", "fp32", "-q")
+    cli("convert", tmp_path / "mcore", tmp_path / "back", "--to-format", "hf", "--to-fp8-blocks", "-q")
+    original, exported = load(source), load(tmp_path / "back")
+    assert exported.keys() == original.keys()
+    assert {n for n, t in original.items() if t.dtype == torch.float8_e4m3fn} == {n for n in original if LINEAR.search(n)}
+    assert not any(".gate." in n or "norm" in n for n in original if n.endswith("_scale_inv"))
+    for hf_name, value in original.items():
+        assert same_bits(exported[hf_name], value if value.dtype != torch.bfloat16 else value.float()), hf_name
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["quantization_config"] == MINIMAX_FP8
+
+
+def test_an_fp8_export_its_config_would_misdescribe_is_refused(tmp_path):
+    """A source whose modules_to_not_convert names a module fp8 block export quantizes (its attention here): refused
+    naming the field and the module, nothing written."""
+    source = _minimax_fp8(tmp_path, dict(MINIMAX_FP8, modules_to_not_convert=["gate", "self_attn"]))
+    cli("convert", source, tmp_path / "mcore", "--to-format", "torch_dist", "-q")
+    with pytest.raises(ReshardError, match=re.escape("quantization_config.modules_to_not_convert names self_attn (")) as refused:
+        cli("convert", tmp_path / "mcore", tmp_path / "back", "--to-format", "hf", "--to-fp8-blocks", "-q")
+    assert "\n" not in str(refused.value) and not (tmp_path / "back").exists()
+
+
 def test_to_fp8_blocks_from_an_unquantized_model(models, tmp_path):
     """DeepSeek's choice of tensors in DeepSeek's blocks (128 x 128: one partial block each here), quantized as
     the tests' own recipe does it, each value within the stated bound."""

@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from reshard.cli import main
 from reshard.converters.base import GatedMLP, Rename
 from reshard.converters.deepseek_v3 import DeepseekV3
+from reshard.converters.minimax_m2 import MiniMaxM2
 from reshard.converters.qwen2_moe import Qwen2Moe
 from tests.launch import run
 
@@ -49,6 +50,9 @@ CASES = [
     ("deepseek_v3_moe", "legacy", dict(tp=2)),
     ("deepseek_v3_mixed", "torch_dist", dict(ep=2)),  # a dense layer, then an MoE one: keyed layer by layer
     ("deepseek_v3_mixed", "legacy", dict(pp=2)),
+    ("minimax_m2", "torch_dist", dict(tp=2)),  # full-width q/k norms split by head, partial rotary, sigmoid router + bias
+    ("minimax_m2", "legacy", dict(ep=2)),
+    ("minimax_m2", "torch_dist", dict(pp=2)),
 ]
 
 
@@ -216,3 +220,37 @@ def test_the_mtp_oracle_sees_swapped_norms(tmp_path, monkeypatch):
     monkeypatch.setattr(DeepseekV3, "mappings", mappings)
     main, mtp = mtp_diffs(tmp_path, {})
     assert main <= 1e-4 and mtp > 1e-3, (main, mtp)
+
+
+class HalvesSwapped(Rename):
+    """A wrong full-width norm mapping: its two halves (TP rank 0's heads and rank 1's at TP2) in each other's place."""
+
+    def to_megatron(self, tensors, config):
+        return np.concatenate(np.split(tensors[0], 2)[::-1])
+
+
+class Negated(Rename):
+    def to_megatron(self, tensors, config):
+        return -tensors[0]
+
+
+def _minimax_with(wrong, hf_tensor):
+    return lambda right: lambda self, config: [wrong(m.megatron, m.hf[0]) if m.hf[0].endswith(hf_tensor) else m
+                                               for m in right(self, config)]
+
+
+MINIMAX_SABOTAGE = {  # what MiniMaxM2 gets wrong (the method, a wrapper of the right one), the layout it is loaded at
+    "q_norm_tp_halves_swapped": ("mappings", _minimax_with(HalvesSwapped, "q_norm.weight"), dict(tp=2)),
+    "expert_bias_negated": ("mappings", _minimax_with(Negated, "e_score_correction_bias"), dict(ep=2)),
+    "partial_rotary_ignored": ("adjust_from_hf", lambda right: lambda self, config, hf: right(self, config, hf).replace(
+        rotary_percent=1.0), dict()),
+}
+
+
+@pytest.mark.parametrize("sabotage", sorted(MINIMAX_SABOTAGE))
+def test_the_oracle_sees_a_wrong_minimax_mapping(tmp_path, monkeypatch, sabotage):
+    """Each MiniMax-M2 specific, got wrong in a way that still loads strictly, moves the logits far past the tolerance:
+    the full-width q norm's halves in each other's TP rank, the routing bias negated, all head dims rotated."""
+    method, wrap, layout = MINIMAX_SABOTAGE[sabotage]
+    monkeypatch.setattr(MiniMaxM2, method, wrap(getattr(MiniMaxM2, method)))
+    assert max_logits_diff(tmp_path, "minimax_m2", "torch_dist", layout) > 1e-3

@@ -187,6 +187,7 @@ HF_CONFIGS = {
     "qwen2_moe": dict(BASE, architectures=["Qwen2MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, shared_expert_intermediate_size=48),
     "deepseek_v3": dict(BASE, architectures=["DeepseekV3ForCausalLM"], **DEEPSEEK, rope_scaling=YARN),
+    "minimax_m2": dict(BASE, architectures=["MiniMaxM2ForCausalLM"], num_local_experts=4, num_experts_per_tok=2, rotary_dim=8),
     "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 250},
 }
 
