@@ -19,7 +19,7 @@ import copy
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -500,6 +500,11 @@ class Family:
     def adjust_from_hf(self, config: ModelConfig, hf: dict[str, Any]) -> ModelConfig:
         """Family-specific fields (biases, q/k norms, experts)."""
         return config
+
+    def without_absent(self, config: ModelConfig, stored: Collection[str]) -> tuple[ModelConfig, list[str]]:
+        """(config, what is not carried) for files holding the HF tensors `stored`: less what config.json names that
+        the files hold none of by design (transformers' saved MTP layers); refusing what they hold part of."""
+        return config, []
 
     # ---- ModelConfig -> HF config ----------------------------------------------------------------
     def check_megatron(self, config: ModelConfig) -> None:
