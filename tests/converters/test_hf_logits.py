@@ -21,7 +21,7 @@ from reshard.converters.deepseek_v3 import DeepseekV3
 from reshard.converters.qwen2_moe import Qwen2Moe
 from tests.launch import run
 
-from hf_models import build
+from hf_models import build, load
 
 pytest.importorskip("fixtures.megatron_oracle")
 pytestmark = pytest.mark.slow  # every test loads an import into Megatron-Core; one case is kept in the fast tier (FAST)
@@ -49,6 +49,7 @@ CASES = [
     ("deepseek_v3_moe", "legacy", dict(tp=2)),
     ("deepseek_v3_mixed", "torch_dist", dict(ep=2)),  # a dense layer, then an MoE one: keyed layer by layer
     ("deepseek_v3_mixed", "legacy", dict(pp=2)),
+    ("kimi_k2", "torch_dist", dict(ep=2)),  # model_type kimi_k2, rms_norm_eps 1e-5 (the latents' too in Megatron)
 ]
 
 
@@ -69,10 +70,8 @@ def run_oracle(tmp_path, name: str, fmt: str, layout: dict) -> tuple[Path, dict]
 
 def max_logits_diff(tmp_path, name: str, fmt: str, layout: dict) -> float:
     """Import HF model `name` with reshard at `layout`; max |Megatron-Core's logits - transformers' logits|."""
-    from transformers import AutoModelForCausalLM
-
     source, oracle = run_oracle(tmp_path, name, fmt, layout)
-    model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager").eval()
+    model = load(source)
     with torch.no_grad():
         logits = model(input_ids=oracle["tokens"][:, :-1]).logits.float()
     assert oracle["logits"].shape == logits.shape == (2, 16, 250)

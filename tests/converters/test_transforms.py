@@ -162,7 +162,6 @@ DEEPSEEK_MOE = dict(DEEPSEEK, first_k_dense_replace=0, n_routed_experts=4, num_e
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK_MOE, n_shared_experts=0), "n_shared_experts"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_interleave=False), "rope_interleave"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, num_key_value_heads=2), "num_key_value_heads"),
-    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rms_norm_eps=1e-5), "rms_norm_eps"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, num_nextn_predict_layers=1), "MTP layers in a model without MoE layers"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK_MOE, num_nextn_predict_layers=-1), "num_nextn_predict_layers"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_scaling={"rope_type": "llama3", "factor": 8.0}), "llama3"),
