@@ -186,6 +186,9 @@ HF_CONFIGS = {
     "qwen2_moe": dict(BASE, architectures=["Qwen2MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, shared_expert_intermediate_size=48),
     "deepseek_v3": dict(BASE, architectures=["DeepseekV3ForCausalLM"], **DEEPSEEK, rope_scaling=YARN),
+    "glm4_moe": dict(BASE, architectures=["Glm4MoeForCausalLM"], head_dim=32, n_routed_experts=4, n_shared_experts=1,
+                     moe_intermediate_size=32, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0,
+                     attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, num_nextn_predict_layers=1),
     "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 250},
 }
 
