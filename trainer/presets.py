@@ -55,6 +55,13 @@ TINY_MLA_MOE = TINY_MLA.replace(num_layers=2, q_lora_rank=None, normalization="R
                                 num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
                                 moe_shared_expert_intermediate_size=40, moe_layer_freq=(0, 1))
 
+# GLM-4.5's layer kinds in small: q/k/v biases, per-head q/k norms, half of each head's dims rotated, a dense layer
+# then an MoE one (sigmoid router with an expert bias, a shared expert), and one MTP layer
+TINY_GLM4_MOE = TINY_LLAMA.replace(num_layers=2, add_qkv_bias=True, qk_layernorm=True, rotary_percent=0.5, norm_epsilon=1e-5,
+                                   num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=48,
+                                   moe_layer_freq=(0, 1), moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                   moe_router_topk_scaling_factor=2.5, mtp_num_layers=1)
+
 PRESETS = {
     "tiny-llama": TINY_LLAMA,
     "tiny-tied": TINY_TIED,
@@ -66,4 +73,5 @@ PRESETS = {
     "tiny-odd-tied": TINY_ODD_TIED,
     "tiny-mla": TINY_MLA,
     "tiny-mla-moe": TINY_MLA_MOE,
+    "tiny-glm4-moe": TINY_GLM4_MOE,
 }

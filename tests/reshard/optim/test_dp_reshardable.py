@@ -22,6 +22,7 @@ from reshard.dtypes import numpy_dtype
 from reshard.formats.megatron_dist import TorchDistReader
 from reshard.layout import Layout, RankCoord
 from reshard.optim.buffers import BufferLayout
+from reshard.optim.order import is_parameter
 from reshard.sharding import full_region
 from reshard.torchfile import dcp_metadata
 from reshard.torchfile.dcp_metadata import Storage
@@ -90,7 +91,7 @@ def master_weights_are_the_model(path: Path, optimizer: dict[str, np.ndarray]) -
     with TorchDistReader(path) as reader:
         differ = []
         for name, spec in reader.specs.items():
-            if not spec.is_optimizer and not name.startswith("optimizer."):
+            if not spec.is_optimizer and not name.startswith("optimizer.") and is_parameter(name):
                 weights = np.empty(spec.shape, numpy_dtype(spec.dtype))
                 reader.read_into(name, full_region(spec.shape), weights)
                 if optimizer[f"optimizer.state.param.{name}"].tobytes() != weights.tobytes():
