@@ -527,7 +527,7 @@ class Family:
         if config.mtp_num_layers and not self.holds_mtp:
             raise ReshardError(
                 f"the model has {config.mtp_num_layers} multi-token-prediction layers (mtp.layers.*), which HF {self.model_type} "
-                "cannot hold: export it as deepseek_v3 or keep it in a Megatron format rather than lose them"
+                "cannot hold: export it as deepseek_v3 or glm4_moe, or keep it in a Megatron format rather than lose them"
             )
 
     @staticmethod
