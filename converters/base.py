@@ -501,10 +501,11 @@ class Family:
         """Family-specific fields (biases, q/k norms, experts)."""
         return config
 
-    def without_absent(self, config: ModelConfig, stored: Collection[str]) -> tuple[ModelConfig, list[str]]:
-        """(config, what is not carried) for files holding the HF tensors `stored`: less what config.json names that
-        the files hold none of by design (transformers' saved MTP layers); refusing what they hold part of."""
-        return config, []
+    def for_files(self, config: ModelConfig, stored: Collection[str]) -> tuple[Family, ModelConfig, list[str]]:
+        """(family, config, what is not carried) to read files holding the HF tensors `stored` by: the family's form
+        of those files (a release's own spelling), the config less what config.json names that the files hold none of
+        by design (transformers' saved MTP layers); refusing what they hold part of."""
+        return self, config, []
 
     # ---- ModelConfig -> HF config ----------------------------------------------------------------
     def check_megatron(self, config: ModelConfig) -> None:

@@ -158,8 +158,8 @@ class DeepseekV3(Family):
             **moe_from_hf(hf, default_scaling=2.5),
         )
 
-    def without_absent(self, config, stored):
-        return without_absent_mtp(config, self.mappings(config), stored)
+    def for_files(self, config, stored):
+        return self, *without_absent_mtp(config, self.mappings(config), stored)
 
     def check_megatron(self, config):
         super().check_megatron(config)

@@ -9,9 +9,10 @@ transformers' GLM config. The MoE block is `deepseek_moe`'s: sigmoid router whos
 Megatron-Core's `router.expert_bias` (a buffer, so never in optimizer state), shared experts, the first
 first_k_dense_replace layers dense.
 
-The MTP layers (`num_nextn_predict_layers`) are `mtp`'s, as GLM-4.6 and later store them and Megatron-Bridge maps
-them: no per-layer copy of the embedding or output head (GLM-4.5's release keeps such copies; they are refused
-naming the tensor rather than dropped). transformers saves none: such a model converts without them and says so.
+The MTP layers (`num_nextn_predict_layers`) are `mtp`'s. GLM-4.6 and later store no per-layer copy of the embedding
+or output head, and Megatron-Bridge maps none; GLM-4.5's release keeps them: read (`Glm4Moe(mtp_copies=True)`, chosen
+by the files), each must equal the model's (refused naming it otherwise), and the export is GLM-4.6's form, which the
+conversion says. transformers saves no MTP layer: such a model converts without them and says so.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from reshard.converters.base import (
     refuse,
 )
 from reshard.converters.deepseek_moe import MOE_ROUTER, check_hf_moe, check_megatron_moe, deepseek_moe, moe_from_hf, moe_to_hf
-from reshard.converters.mtp import mtp_count, mtp_layers, without_absent_mtp
+from reshard.converters.mtp import copy_names, embeddings_and_heads, mtp_count, mtp_layers, without_absent_mtp
 from reshard.errors import ReshardError
 
 PARTIAL_ROTARY_DEFAULT = 0.5  # transformers' Glm4MoeConfig sets it where config.json does not
@@ -58,6 +59,9 @@ class Glm4Moe(Family):
     }
     holds_mtp = True
 
+    def __init__(self, mtp_copies: bool = False):
+        self.mtp_copies = mtp_copies  # the MTP layers keep copies of the embedding and head (GLM-4.5's release)
+
     def allowed_flags(self):
         return {"attention_bias"}
 
@@ -80,8 +84,14 @@ class Glm4Moe(Family):
             **moe_from_hf(hf, default_scaling=1.0),
         )
 
-    def without_absent(self, config, stored):
-        return without_absent_mtp(config, self.mappings(config), stored)
+    def for_files(self, config, stored):
+        embeds, heads = copy_names(config)
+        held = [name for name in (*embeds, *heads) if name in stored]
+        family = Glm4Moe(mtp_copies=True) if held else self
+        config, absent = without_absent_mtp(config, family.mappings(config), stored)
+        if held:  # read to be checked equal to the model's, exported in GLM-4.6's form without them
+            absent.append(f"MTP layers' copies of the embedding and head ({len(held)}, equal to the model's)")
+        return family, config, absent
 
     def check_megatron(self, config):
         super().check_megatron(config.replace(rotary_percent=1.0))  # partial rotary maps: checked here
@@ -94,7 +104,8 @@ class Glm4Moe(Family):
         attention = llama_attention(config, qkv_bias=config.add_qkv_bias)
         dense, moe = [*attention, *llama_dense_mlp()], [*attention, *deepseek_moe(config)]
         mtp = mtp_layers(config, moe if config.moe_layers[-1] else dense)
-        return [*embeddings_and_head(config), *by_layer_kind(config, dense, moe), *mtp]
+        heads = embeddings_and_heads(config) if self.mtp_copies else embeddings_and_head(config)
+        return [*heads, *by_layer_kind(config, dense, moe), *mtp]
 
     def adjust_to_hf(self, out, config):
         out.update(attention_bias=config.add_qkv_bias, use_qk_norm=config.qk_layernorm)

@@ -75,13 +75,18 @@ def mtp_layers(config: ModelConfig, layer: list[Mapping]) -> list[Mapping]:
     return out
 
 
+def copy_names(config: ModelConfig) -> tuple[list[str], list[str]]:
+    """The HF names of the MTP layers' copies of the embedding, and of the output head."""
+    mtp = [f"model.layers.{config.num_layers + i}." for i in range(config.mtp_num_layers or 0)]
+    return [f"{p}embed_tokens.weight" for p in mtp], [f"{p}shared_head.head.weight" for p in mtp]
+
+
 def embeddings_and_heads(config: ModelConfig) -> list[Mapping]:
     """The embedding, final norm and output layer, with the copies of the embedding and head each MTP layer keeps."""
     table = embeddings_and_head(config)
     if not config.mtp_num_layers:
         return table
-    mtp = [f"model.layers.{config.num_layers + i}." for i in range(config.mtp_num_layers)]
-    embeds, heads = [f"{p}embed_tokens.weight" for p in mtp], [f"{p}shared_head.head.weight" for p in mtp]
+    embeds, heads = copy_names(config)
     if config.tied_embeddings:
         return [Copies("embedding.word_embeddings.weight", "model.embed_tokens.weight", *embeds, *heads), *table[1:]]
     return [Copies("embedding.word_embeddings.weight", "model.embed_tokens.weight", *embeds), table[1],

@@ -331,7 +331,7 @@ class HFReader(CheckpointReader):
         # Told no dtype, a conversion writes bf16: DeepSeek-V3's unquantized tensors are, and it runs in it.
         self.default_dtype = "bfloat16" if self._scales else None
         self._alias = self._aliases()
-        config, absent = self.family.without_absent(config, {*self._stored, *self._alias})
+        self.family, config, absent = self.family.for_files(config, {*self._stored, *self._alias})
         self._check_vocab_rows(config)
         self._mappings = {m.megatron: m for m in self.family.mappings(config)}
         shapes = model_tensors(config)

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 from test_hf_roundtrip import assert_loads_cleanly, hf_tensors
@@ -72,18 +73,38 @@ def test_as_transformers_saves_it_the_mtp_layer_is_not_carried(tmp_path):
     assert_loads_cleanly(tmp_path / "back")
 
 
-def test_mtp_copies_of_the_embedding_are_refused_by_name(source, tmp_path, monkeypatch, capsys):
-    """GLM-4.5's release keeps copies of the embedding and head in its MTP layer; GLM-4.6's and Megatron-Bridge's do not.
-    Such a copy is refused by name rather than dropped."""
+def _with_copies(source: Path, out: Path, change: bool = False) -> dict:
+    """`source` as GLM-4.5's release stores its MTP layer: with copies of the embedding and head (one bit of the head's
+    copy flipped with `change`); its tensors."""
     from safetensors.torch import load_file, save_file
 
-    copied = tmp_path / "copied"
-    shutil.copytree(source, copied)
-    tensors = load_file(copied / "model.safetensors")
+    shutil.copytree(source, out)
+    tensors = load_file(out / "model.safetensors")
     tensors["model.layers.2.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    save_file(tensors, str(copied / "model.safetensors"), metadata={"format": "pt"})
-    code, err = run_cli(monkeypatch, capsys, "convert", copied, tmp_path / "out", "--to-format", "torch_dist")
-    assert code != 0 and len(err) == 1 and "model.layers.2.embed_tokens.weight is not mapped" in err[0], err
+    tensors["model.layers.2.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    if change:
+        tensors["model.layers.2.shared_head.head.weight"].view(-1).view(torch.int32)[7] ^= 1
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return tensors
+
+
+def test_glm45s_mtp_copies_are_checked_and_said_not_carried(source, tmp_path):
+    """GLM-4.5's release keeps copies of the embedding and head in its MTP layer; GLM-4.6's and Megatron-Bridge's do not.
+    Each copy must equal the model's; the export is GLM-4.6's form, which the conversion says."""
+    tensors = _with_copies(source, tmp_path / "glm45")
+    said = convert(tmp_path / "glm45", tmp_path / "m", "--to-format", "torch_dist", "--to-ep", "2")
+    assert "not carried: 1 x MTP layers' copies of the embedding and head (2, equal to the model's)" in said, said
+    convert(tmp_path / "m", tmp_path / "back", "--to-format", "hf", "-q")
+    exported, original = hf_tensors(tmp_path / "back"), hf_tensors(source)
+    assert exported.keys() == original.keys() == tensors.keys() - {"model.layers.2.embed_tokens.weight",
+                                                                  "model.layers.2.shared_head.head.weight"}
+    assert all(same(exported[k], v) for k, v in original.items())
+
+
+def test_an_mtp_copy_that_differs_is_refused_by_name(source, tmp_path, monkeypatch, capsys):
+    _with_copies(source, tmp_path / "changed", change=True)
+    code, err = run_cli(monkeypatch, capsys, "convert", tmp_path / "changed", tmp_path / "out", "--to-format", "torch_dist")
+    assert code != 0 and len(err) == 1 and "model.layers.2.shared_head.head.weight differs from lm_head.weight" in err[0], err
     assert not (tmp_path / "out").exists()
 
 
