@@ -12,6 +12,7 @@ from typing import Any
 from reshard.config import ModelConfig
 from reshard.converters.base import Family
 from reshard.converters.deepseek_v3 import DeepseekV3
+from reshard.converters.glm4_moe import Glm4Moe
 from reshard.converters.gpt2 import GPT2
 from reshard.converters.llama import Llama
 from reshard.converters.minimax_m2 import MiniMaxM2
@@ -35,7 +36,8 @@ def register(family: Family) -> Family:
 
 
 # Order matters for `family_for_model`: the first family whose signature matches is the default export.
-_BUILTIN = (Llama(), Mistral(), Qwen2(), Qwen3(), Mixtral(), Qwen3Moe(), Qwen2Moe(), DeepseekV3(), GPT2(), MiniMaxM2())
+_BUILTIN = (Llama(), Mistral(), Qwen2(), Qwen3(), Mixtral(), Qwen3Moe(), Qwen2Moe(), DeepseekV3(), GPT2(),
+            MiniMaxM2(), Glm4Moe())
 for _family in _BUILTIN:
     register(_family)
 

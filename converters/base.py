@@ -19,7 +19,7 @@ import copy
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -502,6 +502,12 @@ class Family:
         """Family-specific fields (biases, q/k norms, experts)."""
         return config
 
+    def for_files(self, config: ModelConfig, stored: Collection[str]) -> tuple[Family, ModelConfig, list[str]]:
+        """(family, config, what is not carried) to read files holding the HF tensors `stored` by: the family's form
+        of those files (a release's own spelling), the config less what config.json names that the files hold none of
+        by design (transformers' saved MTP layers); refusing what they hold part of."""
+        return self, config, []
+
     # ---- ModelConfig -> HF config ----------------------------------------------------------------
     def check_megatron(self, config: ModelConfig) -> None:
         """Refuse a Megatron model this family's HF classes cannot represent."""
@@ -523,7 +529,7 @@ class Family:
         if config.mtp_num_layers and not self.holds_mtp:
             raise ReshardError(
                 f"the model has {config.mtp_num_layers} multi-token-prediction layers (mtp.layers.*), which HF {self.model_type} "
-                "cannot hold: export it as deepseek_v3 or keep it in a Megatron format rather than lose them"
+                "cannot hold: export it as deepseek_v3 or glm4_moe, or keep it in a Megatron format rather than lose them"
             )
 
     @staticmethod

@@ -59,6 +59,12 @@ TINY_MLA_MOE = TINY_MLA.replace(num_layers=2, q_lora_rank=None, normalization="R
 # dims rotating, every layer MoE with a sigmoid router and its expert bias (a buffer: never optimizer state)
 TINY_MINIMAX = TINY_MOE.replace(num_layers=2, qk_layernorm=True, qk_layernorm_full_width=True, rotary_percent=0.5,
                                 moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+# GLM-4.5's layer kinds in small: q/k/v biases, per-head q/k norms, half of each head's dims rotated, a dense layer
+# then an MoE one (sigmoid router with an expert bias, a shared expert), and one MTP layer
+TINY_GLM4_MOE = TINY_LLAMA.replace(num_layers=2, add_qkv_bias=True, qk_layernorm=True, rotary_percent=0.5, norm_epsilon=1e-5,
+                                   num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=48,
+                                   moe_layer_freq=(0, 1), moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                   moe_router_topk_scaling_factor=2.5, mtp_num_layers=1)
 
 PRESETS = {
     "tiny-llama": TINY_LLAMA,
@@ -72,4 +78,5 @@ PRESETS = {
     "tiny-mla": TINY_MLA,
     "tiny-mla-moe": TINY_MLA_MOE,
     "tiny-minimax": TINY_MINIMAX,
+    "tiny-glm4-moe": TINY_GLM4_MOE,
 }

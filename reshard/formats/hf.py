@@ -331,6 +331,7 @@ class HFReader(CheckpointReader):
         # Told no dtype, a conversion writes bf16: DeepSeek-V3's unquantized tensors are, and it runs in it.
         self.default_dtype = "bfloat16" if self._scales else None
         self._alias = self._aliases()
+        self.family, config, absent = self.family.for_files(config, {*self._stored, *self._alias})
         self._check_vocab_rows(config)
         self._mappings = {m.megatron: m for m in self.family.mappings(config)}
         shapes = model_tensors(config)
@@ -352,7 +353,7 @@ class HFReader(CheckpointReader):
                     "config.json does not match the weights"
                 )
         self.common = CommonState(args=self._args(config, extras), iteration="release", extra={"checkpoint_version": 3.0},
-                                  dropped=dropped)
+                                  dropped=absent + dropped)
 
     def _locate_tensors(self) -> dict[str, _Stored]:
         """Where each HF tensor lives, from the index or the file headers; a name in two files is refused."""

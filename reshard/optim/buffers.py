@@ -141,6 +141,11 @@ class BufferLayout:
                 "DistributedOptimizer state of multi-latent attention with the Transformer-Engine spec at TP > 1 is not decoded "
                 "yet: its linear_q_down_proj/linear_kv_down_proj are whole on every TP rank (convert with --no-optimizer)"
             )
+        if config.mtp_num_layers and layout.pp > 1:
+            raise ReshardError(
+                "DistributedOptimizer state of a model with MTP layers at PP > 1 is not decoded yet: its last stage holds a "
+                "second embedding for them (convert with --no-optimizer)"
+            )
         self.dp = int(args.get("data_parallel_size") or 0)
         if self.dp < 1:
             raise ReshardError("the checkpoint's args record no data_parallel_size: its DistributedOptimizer state cannot be decoded")
@@ -151,7 +156,7 @@ class BufferLayout:
                 "the checkpoint's args are inconsistent; its DistributedOptimizer state cannot be decoded"
             )
         self.expert_dp = self.dp * layout.tp // expert_ranks
-        self.model_specs = {n: s for n, s in model_specs.items() if not s.is_optimizer and is_parameter(s)}
+        self.model_specs = {n: s for n, s in model_specs.items() if not s.is_optimizer and is_parameter(n)}
         self.buffers: dict[Gbuf, Buffer] = {}
         # (name, layer, expert, tp, ep, pp) of a primary piece -> its buffer and place
         self.placed: dict[tuple[str, int | None, int | None, int, int, int], tuple[Gbuf, Placed]] = {}

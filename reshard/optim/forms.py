@@ -22,6 +22,7 @@ from reshard.optim.buffers import STATE_KEYS
 from reshard.optim.common import param_groups
 from reshard.optim.distrib_optim_pt import DistribOptimPtSink
 from reshard.optim.dp_reshardable import DpReshardableSink
+from reshard.optim.order import is_parameter
 from reshard.optim.sink import Form, OptimizerOutput
 from reshard.request import Target
 
@@ -107,7 +108,7 @@ def output(
 def _refuse_what_buffers_lack(form: Form, reader: CheckpointReader, specs: dict[str, TensorSpec], common: CommonState, layout: Layout) -> None:
     """The DistributedOptimizer's buffers hold all three states of every parameter, placed by the architecture, and the
     param groups of each of its optimizers (an expert one at EP > 1)."""
-    models = [name for name, spec in specs.items() if not spec.is_optimizer]
+    models = [name for name, spec in specs.items() if not spec.is_optimizer and is_parameter(name)]
     missing = [f"optimizer.state.{k}.{name}" for name in models for k in STATE_KEYS if f"optimizer.state.{k}.{name}" not in specs]
     if missing:
         raise ReshardError(

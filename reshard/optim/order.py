@@ -113,16 +113,23 @@ _TOP_ORDER = (
     None,  # the decoder's layers
     "decoder.final_layernorm.weight",
     "decoder.final_layernorm.bias",
+    "mtp",  # the multi-token-prediction layers, each in `_MTP_ORDER`
     "output_layer.weight",
 )
-# Module state megatron-core registers as a buffer, not a parameter: the sigmoid router's expert bias (moved by token
-# counts after each step, not by the optimizer). Saved with the model, never in named_parameters(): no optimizer state.
-BUFFERS = ("mlp.router.expert_bias",)
+# An MTP layer (megatron-core 0.16.1 multi_token_prediction.py: MultiTokenPredictionLayer registers enorm, hnorm,
+# eh_proj, then its transformer layer (a decoder layer's parameters in the layer order), then final_layernorm).
+_MTP_ORDER = ("enorm.weight", "enorm.bias", "hnorm.weight", "hnorm.bias", "eh_proj.weight", "transformer_layer",
+              "final_layernorm.weight", "final_layernorm.bias")
 
 
-def is_parameter(spec: TensorSpec) -> bool:
-    """Whether the model tensor `spec` is a parameter (one with a place in the DistributedOptimizer's buffers)."""
-    return re.sub(r"^decoder\.layers\.(\d+\.)?", "", spec.param) not in BUFFERS
+# What megatron-core registers as a module buffer, not a parameter: in the model's state, never in named_parameters()
+# and so never in the DistributedOptimizer's (the sigmoid router's expert_bias, updated from token counts).
+_BUFFERS = re.compile(r"\.mlp\.router\.expert_bias$")
+
+
+def is_parameter(name: str) -> bool:
+    """Whether model tensor `name` is a parameter (has a place in the optimizer's buffers), not a module buffer."""
+    return not _BUFFERS.search(name)
 
 
 def _unknown_place(param: str) -> ReshardError:
@@ -187,21 +194,33 @@ class ParamOrder:
     def key(self, spec: TensorSpec, layer: int | None, expert: int | None) -> tuple[int, ...]:
         """Where parameter `spec` (at global `layer` and `expert`) comes in the rank's named_parameters()."""
         param = spec.param
+        if mtp := re.match(r"mtp\.layers\.(\d+)\.(transformer_layer\.)?(.+)$", param):
+            index, in_layer, tail = mtp.groups()
+            if in_layer:
+                return (_TOP_ORDER.index("mtp"), int(index), _MTP_ORDER.index("transformer_layer"),
+                        *self._in_layer(param, tail, spec.experts, expert))
+            if tail not in _MTP_ORDER:
+                raise _unknown_place(param)
+            return (_TOP_ORDER.index("mtp"), int(index), _MTP_ORDER.index(tail))
         if not param.startswith("decoder.layers."):
             if param not in _TOP_ORDER:
                 raise _unknown_place(param)
             return (_TOP_ORDER.index(param), 0, 0, 0, 0)
         tail = re.sub(r"^decoder\.layers\.(\d+\.)?", "", param)
-        order = _EXPERT_ORDER if spec.experts else self.layer
+        layer = layer if layer is not None else spec.layer
+        return (_TOP_ORDER.index(None), layer, *self._in_layer(param, tail, spec.experts, expert))
+
+    def _in_layer(self, param: str, tail: str, experts: bool, expert: int | None) -> tuple[int, int, int]:
+        """Where parameter `tail` of a transformer layer comes in the layer's named_parameters()."""
+        order = _EXPERT_ORDER if experts else self.layer
         if tail not in order:
             raise _unknown_place(param)
-        layer = layer if layer is not None else spec.layer
-        if spec.experts:
+        if experts:
             experts_at = self.layer.index("mlp.experts")
             if self.grouped_experts:
                 # TEGroupedMLP registers linear_fc1, then linear_fc2 (experts.py:185,203), each a TE GroupedLinear that
                 # registers weight<i> then bias<i> for each local expert i in turn (grouped_linear.py:704-736)
                 module, kind = divmod(order.index(tail), 2)
-                return (_TOP_ORDER.index(None), layer, experts_at, module, 2 * (expert or 0) + kind)
-            return (_TOP_ORDER.index(None), layer, experts_at, expert or 0, order.index(tail))
-        return (_TOP_ORDER.index(None), layer, order.index(tail), 0, 0)
+                return (experts_at, module, 2 * (expert or 0) + kind)
+            return (experts_at, expert or 0, order.index(tail))
+        return (order.index(tail), 0, 0)

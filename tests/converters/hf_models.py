@@ -65,10 +65,24 @@ def _configs():
         "minimax_m2": tf.MiniMaxM2Config(**COMMON, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
                                          rotary_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
                                          use_qk_norm=True, qk_norm_type="per_layer", scoring_func="sigmoid", use_routing_bias=True),
+        # Kimi-K2: DeepSeek-V3's classes under model_type kimi_k2 (`SAVED_AS`), with rms_norm_eps 1e-5, one routing group
+        "kimi_k2": tf.DeepseekV3Config(**dict(DEEPSEEK, first_k_dense_replace=1, rms_norm_eps=1e-5, n_group=1), q_lora_rank=24,
+                                       max_position_embeddings=512, rope_parameters=dict(yarn, beta_fast=1.0, beta_slow=1.0)),
+        # GLM-4.5 in small: q/k/v biases, per-head q/k norms, half the head dims rotated, a dense layer then an MoE
+        # one (sigmoid router with its correction bias, a shared expert, scaled weights), and one MTP layer
+        "glm4_moe": tf.Glm4MoeConfig(**dict(COMMON, rms_norm_eps=1e-5), intermediate_size=96, num_hidden_layers=2,
+                                     num_key_value_heads=2, head_dim=32, max_position_embeddings=128, attention_bias=True,
+                                     use_qk_norm=True, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,
+                                     num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                     num_nextn_predict_layers=1, tie_word_embeddings=False,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
                               activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
 
+
+# config.json fields a family's release writes where transformers writes others
+SAVED_AS = {"kimi_k2": {"model_type": "kimi_k2"}}
 
 MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed", "deepseek_v3_moe", "deepseek_v3_mixed", "minimax_m2"}
 NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed",
@@ -96,16 +110,17 @@ def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
                 b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(directory, **save_kwargs)
     if mtp:
-        _add_mtp_heads(directory, layers, mtp)
+        _add_mtp_heads(directory, layers, mtp, copies=config.model_type == "deepseek_v3")
+    if name in SAVED_AS:
+        _edit_config(directory, **SAVED_AS[name])
     (directory / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')  # stands in for tokenizer files
     return directory
 
 
-def _add_mtp_heads(directory: Path, layers: int, mtp: int) -> None:
-    """Turn the last `mtp` decoder layers of a saved DeepSeek-V3 into its MTP layers, as DeepSeek-V3's release stores
-    them: each with its enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding and output head."""
-    import json
-
+def _add_mtp_heads(directory: Path, layers: int, mtp: int, copies: bool) -> None:
+    """Turn the last `mtp` decoder layers of a saved model into its MTP layers, as DeepSeek-V3's (GLM-4.6's) release
+    stores them: each with its enorm, hnorm, eh_proj, shared_head.norm, and (`copies`: DeepSeek-V3's) copies of the
+    embedding and output head."""
     from safetensors.torch import load_file, save_file
 
     file = directory / "model.safetensors"
@@ -116,8 +131,29 @@ def _add_mtp_heads(directory: Path, layers: int, mtp: int) -> None:
         for norm in ("enorm", "hnorm", "shared_head.norm"):
             tensors[f"{p}{norm}.weight"] = 1.0 + 0.1 * torch.randn(hidden)
         tensors[f"{p}eh_proj.weight"] = 0.1 * torch.randn(hidden, 2 * hidden)
+        if not copies:
+            continue
         tensors[f"{p}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
         tensors[f"{p}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     save_file(tensors, str(file), metadata={"format": "pt"})
+    _edit_config(directory, num_hidden_layers=layers)
+
+
+def _edit_config(directory: Path, **fields) -> None:
+    import json
+
     config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=layers), indent=2))
+    (directory / "config.json").write_text(json.dumps(dict(config, **fields), indent=2))
+
+
+def load(source: Path):
+    """The saved model, built by transformers' class its config.json names (AutoModel knows no kimi_k2), read as that
+    class's model_type (transformers picks the per-expert -> fused weight conversion by model_type)."""
+    import json
+
+    import transformers
+
+    cls = getattr(transformers, json.loads((source / "config.json").read_text())["architectures"][0])
+    config = cls.config_class.from_pretrained(source)
+    config.model_type = cls.config_class.model_type
+    return cls.from_pretrained(source, config=config, attn_implementation="eager").eval()

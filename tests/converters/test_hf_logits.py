@@ -19,10 +19,11 @@ from reshard.cli import main
 from reshard.converters.base import GatedMLP, Rename
 from reshard.converters.deepseek_v3 import DeepseekV3
 from reshard.converters.minimax_m2 import MiniMaxM2
+from reshard.converters.glm4_moe import Glm4Moe
 from reshard.converters.qwen2_moe import Qwen2Moe
 from tests.launch import run
 
-from hf_models import build
+from hf_models import build, load
 
 pytest.importorskip("fixtures.megatron_oracle")
 pytestmark = pytest.mark.slow  # every test loads an import into Megatron-Core; one case is kept in the fast tier (FAST)
@@ -53,6 +54,12 @@ CASES = [
     ("minimax_m2", "torch_dist", dict(tp=2)),  # full-width q/k norms split by head, partial rotary, sigmoid router + bias
     ("minimax_m2", "legacy", dict(ep=2)),
     ("minimax_m2", "torch_dist", dict(pp=2)),
+    ("kimi_k2", "torch_dist", dict(ep=2)),  # model_type kimi_k2, rms_norm_eps 1e-5 (the latents' too in Megatron)
+    # GLM-4.5: q/k/v biases, q/k norms and half the head dims rotated split by heads, a dense then an MoE layer with a
+    # shared expert, and an MTP layer loaded strictly beside them
+    ("glm4_moe", "torch_dist", dict(tp=2)),
+    ("glm4_moe", "torch_dist", dict(ep=2)),
+    ("glm4_moe", "torch_dist", dict(pp=2)),
 ]
 
 
@@ -73,10 +80,8 @@ def run_oracle(tmp_path, name: str, fmt: str, layout: dict) -> tuple[Path, dict]
 
 def max_logits_diff(tmp_path, name: str, fmt: str, layout: dict) -> float:
     """Import HF model `name` with reshard at `layout`; max |Megatron-Core's logits - transformers' logits|."""
-    from transformers import AutoModelForCausalLM
-
     source, oracle = run_oracle(tmp_path, name, fmt, layout)
-    model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager").eval()
+    model = load(source)
     with torch.no_grad():
         logits = model(input_ids=oracle["tokens"][:, :-1]).logits.float()
     assert oracle["logits"].shape == logits.shape == (2, 16, 250)
@@ -146,12 +151,45 @@ def test_the_oracle_sees_a_wrong_deepseek_mapping(tmp_path, monkeypatch, name, h
     assert max_logits_diff(tmp_path, name, "torch_dist", {}) > 1e-3
 
 
+class Negated(Rename):
+    """A wrong mapping: the values negated (a sign convention mixed up)."""
+
+    def to_megatron(self, tensors, config):
+        return -tensors[0]
+
+
+def _swap_qk_norms(table):
+    swap = {"self_attn.q_norm.weight": "self_attn.k_norm.weight", "self_attn.k_norm.weight": "self_attn.q_norm.weight"}
+    return [Rename(m.megatron, m.hf[0][: -len(tail)] + swap[tail]) if (tail := next((t for t in swap if m.hf[0].endswith(t)), None))
+            else m for m in table]
+
+
+# Each a mapping error a GLM-4.5 converter could plausibly make; each still loads strictly.
+GLM_SABOTAGE = {
+    "qk_norms_swapped": ("mappings", lambda original: lambda self, config: _swap_qk_norms(original(self, config))),
+    "expert_bias_negated": ("mappings", lambda original: lambda self, config: [
+        Negated(m.megatron, m.hf[0]) if m.hf[0].endswith("e_score_correction_bias") else m for m in original(self, config)]),
+    "partial_rotary_ignored": ("adjust_from_hf", lambda original: lambda self, config, hf: original(self, config, hf).replace(
+        rotary_percent=1.0)),
+}
+
+
+@pytest.mark.parametrize("sabotage", sorted(GLM_SABOTAGE))
+def test_the_oracle_sees_a_wrong_glm_mapping(tmp_path, monkeypatch, sabotage):
+    """The GLM-4.5 specifics each move the logits far past the tolerance at TP2: q and k norms swapped (each has the
+    other's shape), the router's correction bias negated (other experts chosen), every head dim rotated."""
+    method, wrap = GLM_SABOTAGE[sabotage]
+    monkeypatch.setattr(Glm4Moe, method, wrap(getattr(Glm4Moe, method)))
+    assert max_logits_diff(tmp_path, "glm4_moe", "torch_dist", dict(tp=2)) > 1e-3
+
+
 def hf_mtp_logits(source: Path, inputs: torch.Tensor) -> torch.Tensor:
     """MTP layer 0's logits at positions 0..s-2, computed with transformers' own modules by DeepSeek-V3's recipe:
     the main model's final hidden state h_t and the next token's embedding e_{t+1} through
     eh_proj([enorm(e_{t+1}); hnorm(h_t)]), then transformers' DeepseekV3DecoderLayer built and loaded by transformers
     for `model.layers.{num_hidden_layers}` (an MoE layer, past first_k_dense_replace), shared_head.norm and
-    shared_head.head. Nothing of reshard's mapping is used."""
+    shared_head.head (the model's lm_head where the MTP layer keeps no copy: GLM-4.6's form). Nothing of reshard's
+    mapping is used."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
@@ -178,15 +216,15 @@ def hf_mtp_logits(source: Path, inputs: torch.Tensor) -> torch.Tensor:
         mask = torch.full((s, s), float("-inf")).triu(1)[None, None]
         y = longer.eval().model.layers[n](x, attention_mask=mask, position_ids=positions,
                                           position_embeddings=main.model.rotary_emb(x, positions))
-        return F.linear(norm("shared_head.norm")(y), weights[f"{p}shared_head.head.weight"])
+        return F.linear(norm("shared_head.norm")(y), weights.get(f"{p}shared_head.head.weight", weights["lm_head.weight"]))
 
 
-def mtp_diffs(tmp_path, layout: dict) -> tuple[float, float]:
+def mtp_diffs(tmp_path, layout: dict, name: str = "deepseek_v3_mtp") -> tuple[float, float]:
     """(max |main logits diff|, max |MTP logits diff|) of Megatron-Core's GPTModel with mtp_num_layers=1, loaded
     strictly from reshard's torch_dist import at `layout`, against transformers."""
     from transformers import AutoModelForCausalLM
 
-    source, oracle = run_oracle(tmp_path, "deepseek_v3_mtp", "torch_dist", layout)
+    source, oracle = run_oracle(tmp_path, name, "torch_dist", layout)
     inputs = oracle["tokens"][:, :-1]
     model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager").eval()
     with torch.no_grad():
@@ -196,12 +234,13 @@ def mtp_diffs(tmp_path, layout: dict) -> tuple[float, float]:
     return (oracle["logits"] - logits).abs().max().item(), (mtp[:, :-1] - hf_mtp_logits(source, inputs)).abs().max().item()
 
 
-@pytest.mark.parametrize("layout", [{}, dict(pp=2), dict(ep=2)], ids=["tp1", "pp2", "ep2"])
-def test_multi_token_prediction_matches_transformers(tmp_path, layout):
+@pytest.mark.parametrize("name,layout", [("deepseek_v3_mtp", {}), ("deepseek_v3_mtp", dict(pp=2)), ("deepseek_v3_mtp", dict(ep=2)),
+                                         ("glm4_moe", dict(tp=2))], ids=["tp1", "pp2", "ep2", "glm4_moe-tp2"])
+def test_multi_token_prediction_matches_transformers(tmp_path, name, layout):
     """DeepSeek-V3 with an MTP layer: Megatron-Core loads every mtp.layers.0.* key strictly (at PP2 on the last
     stage, beside its copy of the embedding; at EP2 its experts split), its main logits equal transformers', and its
     MTP layer's logits equal the ones computed from transformers' modules."""
-    main, mtp = mtp_diffs(tmp_path, layout)
+    main, mtp = mtp_diffs(tmp_path, layout, name)
     assert main <= 1e-4 and mtp <= 1e-4, f"max abs logits diff {main}, MTP logits diff {mtp}"
 
 

@@ -166,3 +166,39 @@ def test_fp8_mtp_layers_are_imported_dequantized(source, tmp_path):
     assert exported.keys() == expected.keys() and {n for n in expected if n.startswith("model.layers.2.")} >= set(MTP_HF)
     for name, value in expected.items():
         assert same(exported[name], value), name
+
+
+def _without(directory: Path, out: Path, drop) -> Path:
+    """A copy of HF model `directory` at `out` with the tensors `drop(name)` says removed from its file."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(directory, out)
+    file = out / "model.safetensors"
+    save_file({k: v for k, v in load_file(file).items() if not drop(k)}, str(file), metadata={"format": "pt"})
+    return out
+
+
+def test_mtp_named_by_the_config_but_absent_is_not_carried(source, tmp_path):
+    """As transformers saves a DeepSeek-V3: config.json keeps num_nextn_predict_layers 1, the files hold no
+    model.layers.2.*. The conversion says so on its output line, writes mtp_num_layers 0, and the export carries
+    every tensor there was, saying num_nextn_predict_layers 0."""
+    saved = _without(source, tmp_path / "saved", lambda name: name.startswith("model.layers.2."))
+    result = CliRunner().invoke(main, ["convert", str(saved), str(tmp_path / "m"), "--to-format", "torch_dist", "--to-ep", "2"],
+                                standalone_mode=False)
+    assert result.exception is None, result.exception
+    assert "not carried: 1 x MTP layers (1 named by num_nextn_predict_layers, none in the files)" in result.output, result.output
+    assert yaml.safe_load((tmp_path / "m" / "release" / "run_config.yaml").read_text())["model"]["mtp_num_layers"] == 0
+    with open_checkpoint(tmp_path / "m") as reader:
+        assert reader.config.mtp_num_layers == 0 and not any(name.startswith("mtp.") for name in reader.specs)
+    convert(tmp_path / "m", tmp_path / "back", "--to-format", "hf")
+    original, exported = hf_tensors(saved), hf_tensors(tmp_path / "back")
+    assert exported.keys() == original.keys() and all(same(exported[k], v) for k, v in original.items())
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+@pytest.mark.parametrize("missing", ["model.layers.2.eh_proj.weight", "model.layers.2.mlp.experts.1.up_proj.weight"])
+def test_mtp_layers_held_in_part_are_refused_naming_the_first_missing(source, tmp_path, monkeypatch, capsys, missing):
+    partial = _without(source, tmp_path / "partial", lambda name: name == missing)
+    code, err = run_cli(monkeypatch, capsys, "convert", partial, tmp_path / "out", "--to-format", "torch_dist")
+    assert code != 0 and len(err) == 1 and f"tensor {missing} is missing" in err[0] and "num_nextn_predict_layers" in err[0], err
+    assert not (tmp_path / "out").exists()

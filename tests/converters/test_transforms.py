@@ -162,7 +162,6 @@ DEEPSEEK_MOE = dict(DEEPSEEK, first_k_dense_replace=0, n_routed_experts=4, num_e
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK_MOE, n_shared_experts=0), "n_shared_experts"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_interleave=False), "rope_interleave"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, num_key_value_heads=2), "num_key_value_heads"),
-    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rms_norm_eps=1e-5), "rms_norm_eps"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, num_nextn_predict_layers=1), "MTP layers in a model without MoE layers"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK_MOE, num_nextn_predict_layers=-1), "num_nextn_predict_layers"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_scaling={"rope_type": "llama3", "factor": 8.0}), "llama3"),
@@ -188,6 +187,9 @@ HF_CONFIGS = {
                       moe_intermediate_size=32, shared_expert_intermediate_size=48),
     "deepseek_v3": dict(BASE, architectures=["DeepseekV3ForCausalLM"], **DEEPSEEK, rope_scaling=YARN),
     "minimax_m2": dict(BASE, architectures=["MiniMaxM2ForCausalLM"], num_local_experts=4, num_experts_per_tok=2, rotary_dim=8),
+    "glm4_moe": dict(BASE, architectures=["Glm4MoeForCausalLM"], head_dim=32, n_routed_experts=4, n_shared_experts=1,
+                     moe_intermediate_size=32, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0,
+                     attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, num_nextn_predict_layers=1),
     "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 250},
 }
 

@@ -91,7 +91,7 @@ def master_weights_are_the_model(path: Path, optimizer: dict[str, np.ndarray]) -
     with TorchDistReader(path) as reader:
         differ = []
         for name, spec in reader.specs.items():
-            if not spec.is_optimizer and not name.startswith("optimizer.") and is_parameter(spec):  # buffers have none
+            if not spec.is_optimizer and not name.startswith("optimizer.") and is_parameter(name):
                 weights = np.empty(spec.shape, numpy_dtype(spec.dtype))
                 reader.read_into(name, full_region(spec.shape), weights)
                 if optimizer[f"optimizer.state.param.{name}"].tobytes() != weights.tobytes():

@@ -149,6 +149,8 @@ CASES = {
     # the Transformer-Engine spec's order (its norms in linear_qkv and fc1; grouped experts), written with its names
     "tiny-odd-te-tp2-to-pp2": Case("tiny-odd", tp=2, te_order=True, to_pp=2, dp=2),
     "tiny-moe-te-ep2dp4-to-ep2dp2": Case("tiny-moe", ep=2, te_order=True, to_ep=2, dp=2),
+    # GLM-4.5 in small: q/k/v biases, q/k norms, an MTP layer after the final norm, no place for the expert_bias buffer
+    "tiny-glm4-moe-tp2ep2dp2-to-ep2dp4": Case("tiny-glm4-moe", tp=2, ep=2, to_ep=2),
 }
 
 
