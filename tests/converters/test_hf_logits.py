@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from reshard.cli import main
 from reshard.converters.base import GatedMLP, Rename
 from reshard.converters.deepseek_v3 import DeepseekV3
-from reshard.converters.minimax_m2 import MiniMaxM2
 from reshard.converters.glm4_moe import Glm4Moe
+from reshard.converters.minimax_m2 import MiniMaxM2
 from reshard.converters.qwen2_moe import Qwen2Moe
 from tests.launch import run
 
@@ -164,13 +164,17 @@ def _swap_qk_norms(table):
             else m for m in table]
 
 
+def _every_dim_rotated(adjust_from_hf):
+    """A wrong config translation: partial rotary read as full (rotary_percent 1)."""
+    return lambda self, config, hf: adjust_from_hf(self, config, hf).replace(rotary_percent=1.0)
+
+
 # Each a mapping error a GLM-4.5 converter could plausibly make; each still loads strictly.
 GLM_SABOTAGE = {
     "qk_norms_swapped": ("mappings", lambda original: lambda self, config: _swap_qk_norms(original(self, config))),
     "expert_bias_negated": ("mappings", lambda original: lambda self, config: [
         Negated(m.megatron, m.hf[0]) if m.hf[0].endswith("e_score_correction_bias") else m for m in original(self, config)]),
-    "partial_rotary_ignored": ("adjust_from_hf", lambda original: lambda self, config, hf: original(self, config, hf).replace(
-        rotary_percent=1.0)),
+    "partial_rotary_ignored": ("adjust_from_hf", lambda original: _every_dim_rotated(original)),
 }
 
 
@@ -268,11 +272,6 @@ class HalvesSwapped(Rename):
         return np.concatenate(np.split(tensors[0], 2)[::-1])
 
 
-class Negated(Rename):
-    def to_megatron(self, tensors, config):
-        return -tensors[0]
-
-
 def _minimax_with(wrong, hf_tensor):
     return lambda right: lambda self, config: [wrong(m.megatron, m.hf[0]) if m.hf[0].endswith(hf_tensor) else m
                                                for m in right(self, config)]
@@ -281,8 +280,7 @@ def _minimax_with(wrong, hf_tensor):
 MINIMAX_SABOTAGE = {  # what MiniMaxM2 gets wrong (the method, a wrapper of the right one), the layout it is loaded at
     "q_norm_tp_halves_swapped": ("mappings", _minimax_with(HalvesSwapped, "q_norm.weight"), dict(tp=2)),
     "expert_bias_negated": ("mappings", _minimax_with(Negated, "e_score_correction_bias"), dict(ep=2)),
-    "partial_rotary_ignored": ("adjust_from_hf", lambda right: lambda self, config, hf: right(self, config, hf).replace(
-        rotary_percent=1.0), dict()),
+    "partial_rotary_ignored": ("adjust_from_hf", _every_dim_rotated, dict()),
 }
 
 
