@@ -25,25 +25,13 @@ from reshard.converters.base import (
     embeddings_and_head,
     llama_attention,
     llama_dense_mlp,
-    number,
     refuse,
 )
 from reshard.converters.deepseek_moe import MOE_ROUTER, check_hf_moe, check_megatron_moe, deepseek_moe, moe_from_hf, moe_to_hf
 from reshard.converters.mtp import copy_names, embeddings_and_heads, mtp_count, mtp_layers, without_absent_mtp
-from reshard.errors import ReshardError
+from reshard.converters.partial_rotary import check_rotary_dims, rotary_fraction
 
 PARTIAL_ROTARY_DEFAULT = 0.5  # transformers' Glm4MoeConfig sets it where config.json does not
-
-
-def partial_rotary_factor(hf: dict) -> float:
-    """The fraction of each head's dims rotated, from transformers 5's rope_parameters or the top level."""
-    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
-    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    factor = number(PARTIAL_ROTARY_DEFAULT if factor is None else factor, "partial_rotary_factor")
-    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
-    if not 0 < factor <= 1 or (head_dim * factor) % 2:
-        raise bad_value("partial_rotary_factor", factor, f"a fraction of head_dim={head_dim} giving an even number of dims")
-    return factor
 
 
 class Glm4Moe(Family):
@@ -66,12 +54,12 @@ class Glm4Moe(Family):
         return {"attention_bias"}
 
     def check_hf(self, hf):
-        # partial rotary is GLM's own: read by partial_rotary_factor(), not refused as in other families
+        # partial rotary is GLM's own: read by rotary_fraction(), not refused as in other families
         super().check_hf({k: v for k, v in hf.items() if k != "partial_rotary_factor"})
         mtp_count(hf)
         if check_hf_moe(hf) >= int(hf["num_hidden_layers"]):
             raise refuse("a GLM-4.5 config whose every layer is dense (first_k_dense_replace)", "convert it as its dense family")
-        partial_rotary_factor(hf)
+        rotary_fraction(hf, PARTIAL_ROTARY_DEFAULT)
         if not isinstance(hf.get("use_qk_norm", False), bool):
             raise bad_value("use_qk_norm", hf["use_qk_norm"], "true or false")
 
@@ -79,7 +67,7 @@ class Glm4Moe(Family):
         return config.replace(
             add_qkv_bias=bool(hf.get("attention_bias", False)),
             qk_layernorm=hf.get("use_qk_norm", False),
-            rotary_percent=partial_rotary_factor(hf),
+            rotary_percent=rotary_fraction(hf, PARTIAL_ROTARY_DEFAULT),
             mtp_num_layers=hf.get("num_nextn_predict_layers") or None,
             **moe_from_hf(hf, default_scaling=1.0),
         )
@@ -95,9 +83,7 @@ class Glm4Moe(Family):
 
     def check_megatron(self, config):
         super().check_megatron(config.replace(rotary_percent=1.0))  # partial rotary maps: checked here
-        if (config.head_dim * config.rotary_percent) % 2:
-            raise ReshardError(f"rotary_percent={config.rotary_percent} of kv_channels={config.head_dim} rotates an odd "
-                               "number of dims, which HF GLM-4.5's partial_rotary_factor cannot say")
+        check_rotary_dims(config, "GLM-4.5")
         check_megatron_moe(config, "GLM-4.5")
 
     def mappings(self, config):

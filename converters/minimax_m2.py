@@ -21,8 +21,6 @@ mapped: transformers never builds them, and reshard refuses a file that holds th
 
 from __future__ import annotations
 
-from typing import Any
-
 from reshard.config import ModelConfig
 from reshard.converters.base import (
     LLAMA_SIGNATURE,
@@ -34,38 +32,13 @@ from reshard.converters.base import (
     expert_count,
     llama_attention,
     moe_mlp,
-    number,
     refuse,
 )
-from reshard.errors import ReshardError
+from reshard.converters.partial_rotary import check_rotary_dims, rotary_fraction
 
 # What transformers' MiniMaxM2 computes whatever these fields say; the values its configs give them.
 _FIXED = {"use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid", "use_routing_bias": True}
 _ROUTER = {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}
-
-
-def rotary_fraction(hf: dict[str, Any]) -> float:
-    """The fraction of each head's dims that rotate, from rope_parameters.partial_rotary_factor, partial_rotary_factor
-    or rotary_dim (the released configs'), refused where they disagree or give no even number of dims."""
-    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
-    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
-    named = (("rope_parameters.partial_rotary_factor", params.get("partial_rotary_factor")),
-             ("partial_rotary_factor", hf.get("partial_rotary_factor")))
-    field, value = next(((f, v) for f, v in named if v is not None), (None, None))
-    fraction = None if field is None else number(value, field)
-    rotary_dim = hf.get("rotary_dim")
-    if rotary_dim is not None:
-        if type(rotary_dim) is not int or not 0 < rotary_dim <= head_dim:
-            raise bad_value("rotary_dim", rotary_dim, f"a whole number of dims from 1 to head_dim={head_dim}")
-        if fraction is not None and int(head_dim * fraction) != rotary_dim:
-            raise bad_value("rotary_dim", rotary_dim, f"{field}={fraction} of head_dim={head_dim}")
-        fraction = rotary_dim / head_dim
-    fraction = 1.0 if fraction is None else fraction
-    dims = head_dim * fraction
-    if not 0 < fraction <= 1 or dims != int(dims) or int(dims) % 2:
-        field, value = ("rotary_dim", rotary_dim) if rotary_dim is not None else (field, fraction)
-        raise bad_value(field, value, f"an even number of head_dim={head_dim}'s dims" + (" (as a fraction)" if rotary_dim is None else ""))
-    return fraction
 
 
 class MiniMaxM2(Family):
@@ -103,10 +76,7 @@ class MiniMaxM2(Family):
 
     def check_megatron(self, config: ModelConfig) -> None:
         super().check_megatron(config.replace(rotary_percent=1.0))  # partial rotary is this family's (below)
-        dims = config.head_dim * config.rotary_percent
-        if dims != int(dims) or int(dims) % 2:
-            raise ReshardError(f"rotary_percent={config.rotary_percent} of kv_channels={config.head_dim} is no even "
-                               "number of dims, which HF MiniMax-M2's rotary_dim must be")
+        check_rotary_dims(config, "MiniMax-M2")
 
     def mappings(self, config):
         return [

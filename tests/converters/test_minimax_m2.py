@@ -15,7 +15,7 @@ from test_hf_roundtrip import cli
 
 from reshard.config import ModelConfig
 from reshard.converters import families_for_model, family_by_name, family_for_hf
-from reshard.converters.minimax_m2 import rotary_fraction
+from reshard.converters.partial_rotary import rotary_fraction
 from reshard.errors import ReshardError
 from reshard.layout import Layout
 from reshard.logical import Split, describe
