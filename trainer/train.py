@@ -37,6 +37,10 @@ from reshard.trainer import checkpoint as ckpt
 from reshard.trainer.presets import PRESETS
 
 
+# How long a failed rank other than 0 waits for rank 0's report before making its own.
+REPORT_GRACE_S = 10
+
+
 class TrainerError(RuntimeError):
     """A user-facing failure: printed once (rank 0) as one line, exit status 1."""
 
@@ -495,7 +499,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run(args)
     except (TrainerError, ReshardError, ValueError, ckpt.CheckpointError) as exc:
-        if not torch.distributed.is_initialized() or _rank() == 0:
+        if torch.distributed.is_initialized() and _rank() != 0:
+            # Rank 0 reports. A check every rank makes fails on rank 0 too, and the launcher stops this rank
+            # when rank 0 exits; exiting first would have it kill rank 0 before its line is out. A failure
+            # rank 0 does not share is this rank's to report, once rank 0 has had the time to go first.
+            time.sleep(REPORT_GRACE_S)
+            print(f"trainer: error: rank {_rank()}: {exc}", file=sys.stderr, flush=True)
+        else:
             print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
         status = 1
     if torch.distributed.is_initialized():
