@@ -486,4 +486,5 @@ def _target_common(
     if not optimizer and "optimizer" in extra:
         dropped.append("optimizer (common part)")
         del extra["optimizer"]
-    return CommonState(args=dict(source.args), iteration=source.iteration, extra=extra, objects=objects, dropped=list(source.dropped))
+    return CommonState(args=dict(source.args), iteration=source.iteration, extra=extra, objects=objects, dropped=list(source.dropped),
+                       integrity=source.integrity)

@@ -130,6 +130,7 @@ class CommonState:
     # per-module state by layout-free key (naming.ObjectKey); a reader may load values on access (LazyObjects)
     objects: dict[str, Any] | LazyObjects = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)  # non-tensor state not carried, said out loud
+    integrity: bool = False  # Megatron-LM's integrity.json was there: a torch_dist copy gets one of its own
 
 
 @dataclass

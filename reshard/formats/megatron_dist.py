@@ -28,6 +28,7 @@ from reshard.config import ModelConfig
 from reshard.direct_io import DirectFile, round_up
 from reshard.dtypes import itemsize, numpy_dtype
 from reshard.errors import ReshardError
+from reshard.formats import integrity
 from reshard.formats.base import (
     CheckpointReader,
     CheckpointWriter,
@@ -109,7 +110,12 @@ class TorchDistReader(CheckpointReader):
             raise ReshardError(f"{path} is not a torch_dist checkpoint (no .metadata found)")
         self.path, self.tree, self.tokenizer_dir = path, tree, tree.root
         directory = tree.iteration_dir
+        self.integrity = (directory / integrity.NAME).exists()  # Megatron-LM's file digests: checked before anything is read
+        listed = integrity.verify(directory) if self.integrity else set()
         self.metadata = dcp_metadata.load(directory / ".metadata")
+        if self.integrity:
+            needed = [".metadata", *(["common.pt"] if (directory / "common.pt").exists() else [])]
+            integrity.require_covered(directory, listed, needed + sorted({info.relative_path for info in self.metadata.storage.values()}))
         by_offset: dict[str, list[tuple[tuple[int, ...], Storage]]] = defaultdict(list)
         objects: dict[str, Storage] = {}
         for (fqn, offsets), info in self.metadata.storage.items():
@@ -130,7 +136,7 @@ class TorchDistReader(CheckpointReader):
         iteration = found_iteration(tree, common.pop("iteration", tree.iteration))
         self.config: ModelConfig | None = ModelConfig.from_megatron_args(args) if args else None
         self.layout = Layout.from_megatron_args(args) if args else Layout()
-        self.common = CommonState(args=args or {}, iteration=iteration, extra=common)
+        self.common = CommonState(args=args or {}, iteration=iteration, extra=common, integrity=self.integrity)
         self.manifest = Manifest.load(directory)
         self.unsupported_optimizer = []
         kept = []
@@ -606,4 +612,6 @@ class TorchDistWriter(CheckpointWriter):
             save_archive(common, f)
         (self.directory / "metadata.json").write_text(json.dumps(METADATA_JSON))
         manifest.save(self.directory)
+        if self.common.integrity:  # last: it lists every file written above
+            integrity.write(self.directory)
         write_tracker(self.path, self.common.iteration)
