@@ -278,7 +278,9 @@ class _Transaction:
             )
         self.writer.finish(manifest, [part for part, _, _ in results])
         if self.plan.target_format != "hf":  # the HF writer copies them itself, before it records its files' digests
-            copy_tokenizer(self.plan.options.tokenizer_from, self.tmp)
+            home = self.writer.tokenizer_home()
+            home.mkdir(exist_ok=True)
+            copy_tokenizer(self.plan.options.tokenizer_from, home)
 
     def check(self) -> dict[str, Checksum]:
         """This rank's share of the output opened as any checkpoint is, its checksums recomputed (records

@@ -188,6 +188,7 @@ class CheckpointReader(abc.ABC):
     # where the tokenizer files (`hf.TOKENIZER_FILES`) it was trained with lie, if anywhere: the trainer saves
     # tokenizer.json beside its iterations, and a run resumed without it would train another (other token ids)
     tokenizer_dir: Path | None = None
+    tokenizer_in_iteration: bool = False  # there, in the iteration: Megatron-LM 0.18's tokenizer assets (`megatron_tree`)
     # the buffer each reading thread stages a strided record in, at most (every reader reads records by RecordFile)
     scratch_bytes: ClassVar[int] = READ_BLOCK
     # the bytes its files hold of the model, where the logical tensors' do not tell (fp8 blocks); None: theirs
@@ -239,6 +240,7 @@ class WriteOptions:
     # the source's tokenizer files' directory (`CheckpointReader.tokenizer_dir`): the HF writer copies them before it
     # records its files' digests; for other formats the conversion copies them
     tokenizer_from: Path | None = None
+    tokenizer_in_iteration: bool = False  # the source kept them in its iteration: a Megatron copy keeps them in its own
     fp8_blocks: bool = False  # HF: the decoder's linear weights re-quantized to fp8 per block (`reshard.fp8_blocks`)
     optimizer: OptimizerOutput | None = None  # the form the optimizer tensors are written in (`reshard.optim.forms`)
 
@@ -272,6 +274,10 @@ class CheckpointWriter(abc.ABC):
         self.rank = rank
         self._written: dict[StoredRecord, TensorChecksum] = {}
         self._facts: list[Any] = []  # see `facts`
+
+    def tokenizer_home(self) -> Path:
+        """Where the conversion copies the source's tokenizer files (the HF writer copies them itself)."""
+        return self.path
 
     @classmethod
     def whole_regions(cls, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[Region]:

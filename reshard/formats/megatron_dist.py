@@ -40,12 +40,14 @@ from reshard.formats.base import (
     cached,
 )
 from reshard.formats.megatron_tree import (
+    TOKENIZER_ASSETS,
     args_dict,
     args_namespace,
     found_iteration,
     iteration_dirname,
     locate,
     stored_iteration,
+    tokenizer_dir,
     write_tracker,
 )
 from reshard.formats.model_args import RUN_CONFIG, args_from_file, bridge_args, save_run_config
@@ -108,7 +110,8 @@ class TorchDistReader(CheckpointReader):
         tree = locate(path)
         if tree is None or not (tree.iteration_dir / ".metadata").is_file():
             raise ReshardError(f"{path} is not a torch_dist checkpoint (no .metadata found)")
-        self.path, self.tree, self.tokenizer_dir = path, tree, tree.root
+        self.path, self.tree, self.tokenizer_dir = path, tree, tokenizer_dir(tree)
+        self.tokenizer_in_iteration = self.tokenizer_dir != tree.root
         directory = tree.iteration_dir
         self.integrity = (directory / integrity.NAME).exists()  # Megatron-LM's file digests: checked before anything is read
         listed = integrity.verify(directory) if self.integrity else set()
@@ -429,6 +432,10 @@ class TorchDistWriter(CheckpointWriter):
             self.sink = optimizer.form.sink(self.specs, self.config, self.layout, self._target_args(), self.common.objects, self.common.extra,
                                             optimizer.dp)
             self.common = replace(self.common, objects=self.sink.objects, extra=self.sink.extra)
+
+    def tokenizer_home(self) -> Path:
+        # the source's Megatron-LM 0.18 tokenizer assets stay in the iteration, where they were saved
+        return self.directory / TOKENIZER_ASSETS if self.options.tokenizer_in_iteration else self.path
 
     def _name(self, index: int) -> str:
         return f"__{index}_{self.rank}.distcp"

@@ -45,6 +45,7 @@ from reshard.formats.megatron_tree import (
     iteration_dirname,
     locate,
     stored_iteration,
+    tokenizer_dir,
     write_tracker,
 )
 from reshard.layout import Layout, RankCoord, megatron_arg, ranks
@@ -147,7 +148,8 @@ class LegacyReader(CheckpointReader):
         tree = locate(path)
         if tree is None or not is_legacy(path):
             raise ReshardError(f"{path} is not a legacy Megatron checkpoint (no mp_rank_* directories)")
-        self.path, self.tree, self.tokenizer_dir = path, tree, tree.root
+        self.path, self.tree, self.tokenizer_dir = path, tree, tokenizer_dir(tree)
+        self.tokenizer_in_iteration = self.tokenizer_dir != tree.root
         names = sorted(p.name for p in tree.iteration_dir.iterdir() if _RANK_DIR.match(p.name))
         first_file = self._rank_file(names[0])
         first = self._load_path(first_file)

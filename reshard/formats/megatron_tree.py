@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import ReshardError
+from reshard.paths import confined
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
@@ -19,6 +20,17 @@ class MegatronTree:
     root: Path  # the --save directory
     iteration_dir: Path  # the one checkpoint inside it
     iteration: int | str  # int, or "release"
+
+
+# Megatron-LM 0.18+ (`--save-tokenizer-assets`) saves the tokenizer's files in the iteration, beside its weights.
+TOKENIZER_ASSETS = "tokenizer"
+
+
+def tokenizer_dir(tree: MegatronTree) -> Path:
+    """Where the tokenizer these weights were trained with lies: the iteration's own assets, else the save
+    directory (where reshard's trainer keeps tokenizer.json)."""
+    assets = tree.iteration_dir / TOKENIZER_ASSETS
+    return confined(tree.iteration_dir, TOKENIZER_ASSETS) if assets.is_dir() else tree.root
 
 
 def iteration_dirname(iteration: int | str) -> str:
