@@ -479,10 +479,12 @@ def _target_common(
             dropped.append(key)
         else:
             objects[key] = value
-    # without an architecture the module names are unknown: the source's own entries are all there is
-    if writer.needs_extra_state and reader.config is not None and not any("_extra_state" in k for k in objects):
+    # Each module's own where the source has it; an empty one where not: an HF source has none, and Megatron-LM 0.18's
+    # --ckpt-drop-redundant-extra-state saves only some, while a run loading without that flag asks for every one.
+    # Without an architecture the module names are unknown: the source's own entries are all there is.
+    if writer.needs_extra_state and reader.config is not None:
         te = uses_te_names(source.args) if te_names is None else te_names
-        objects.update(default_extra_state(reader.config, te))
+        objects = {**default_extra_state(reader.config, te), **objects}
     extra = dict(source.extra)
     if not optimizer and "optimizer" in extra:
         dropped.append("optimizer (common part)")

@@ -192,3 +192,37 @@ def test_args_that_contradict_the_chunks_are_refused_by_name(tmp_path, monkeypat
     write_synthetic(source, config, saved, "torch_dist")
     rewrite_args(source, **args)
     refused_by_every_command(monkeypatch, capsys, source, tmp_path / "out", words, "the args do not describe these files")
+
+
+def _drop_objects(iter_dir, dropped: str) -> int:
+    """What Megatron-LM 0.18's --ckpt-drop-redundant-extra-state saves: the `_extra_state` objects matching
+    `dropped` left out of the checkpoint (their .metadata entries removed; the bytes may stay). How many went."""
+    metadata = dcp_metadata.load(iter_dir / ".metadata")
+    gone = [key for key in metadata.storage if key[1] is None and dropped in key[0]]
+    for key in gone:
+        del metadata.storage[key]
+    metadata.objects = [key for key in metadata.objects if dropped not in key]
+    dcp_metadata.save(iter_dir / ".metadata", metadata)
+    return len(gone)
+
+
+@pytest.mark.slow  # launches Megatron-Core to load what it converts
+@pytest.mark.parametrize("to", [["--to-tp", 1], ["--to-format", "legacy"], []], ids=["tp2->tp1", "legacy", "same-layout"])
+def test_a_source_saved_without_redundant_extra_state_gives_megatron_core_every_one(tmp_path, monkeypatch, capsys, to):
+    """Megatron-LM 0.18+ (`--ckpt-drop-redundant-extra-state`) may save only some `_extra_state` objects (those of
+    delayed FP8 scaling); a run loading without the flag asks for every one. The copy holds each module's, the
+    source's own where it has one, an empty one where not: megatron-core's own load of all of them succeeds."""
+    from tests.cli import run_cli
+    from tests.launch import run
+
+    write_synthetic(tmp_path / "src", TINY_LLAMA, Layout(tp=2), "torch_dist", dtype="float32")
+    assert _drop_objects(tmp_path / "src" / "iter_0000010", "mlp.linear_fc1._extra_state") > 0
+    assert run_cli(monkeypatch, capsys, "convert", tmp_path / "src", tmp_path / "dst", *to, "-q")[0] == 0
+    if to == ["--to-format", "legacy"]:  # what Megatron-LM's strict load_state_dict asks of each rank file
+        model = torch.load(tmp_path / "dst" / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)["model"]
+        for layer in range(TINY_LLAMA.num_layers):
+            assert model[f"decoder.layers.{layer}.mlp.linear_fc1._extra_state"] is None
+        return
+    run("fixtures.megatron_load_all", ["--load", tmp_path / "dst", "--out", tmp_path / "loaded.pt"], nproc=1)
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    assert len(loaded["objects"]) == 4 * TINY_LLAMA.num_layers and set(loaded["objects"].values()) == {None}
