@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import ReshardError
+from reshard.formats import nemo_rl
 from reshard.paths import confined
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -38,7 +39,8 @@ def iteration_dirname(iteration: int | str) -> str:
 
 
 def locate(path: Path) -> MegatronTree | None:
-    """Find the checkpoint in a save directory (via its tracker file) or an iteration directory."""
+    """Find the checkpoint in a save directory (via its tracker file) or an iteration directory, or a NeMo-RL run's."""
+    path = nemo_rl.weights_dir(path)
     tracker = path / TRACKER
     if tracker.is_file():
         text = tracker.read_text().strip()
