@@ -329,10 +329,15 @@ def parse_bytes(text: str) -> int:
 
 
 def summarize(names: list[str]) -> str:
-    """'18 optimizer tensors, 2 rng_state objects' rather than a wall of names."""
+    """'18 optimizer tensors, 2 rng_state objects' rather than a wall of names; an argument (`args.x`) by its name."""
     groups: dict[str, int] = {}
     for name in names:
-        kind = "optimizer state" if name.startswith("optimizer") else name.split("/", 1)[0].rsplit(".", 1)[-1]
+        if name.startswith("args."):
+            kind = name
+        elif name.startswith("optimizer"):
+            kind = "optimizer state"
+        else:
+            kind = name.split("/", 1)[0].rsplit(".", 1)[-1]
         groups[kind] = groups.get(kind, 0) + 1
     return ", ".join(f"{count} x {kind}" for kind, count in groups.items())
 

@@ -64,7 +64,7 @@ from reshard.torchfile import PARSE_ERRORS, dcp_metadata
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord
 from reshard.torchfile.archive_writer import At, archive_size, save_archive, save_tensor, storage_alignment
 from reshard.torchfile.dcp_metadata import Chunk, DcpMetadata, Storage, StorageKey, TensorEntry
-from reshard.torchfile.payloads import EXTRA_STATE, load_screened, screen_payloads
+from reshard.torchfile.payloads import EXTRA_STATE, load_args_screened, screen_payloads
 
 HEADER_THREADS = 8  # small reads in flight at once: the disk answers many as fast as one
 
@@ -134,12 +134,13 @@ class TorchDistReader(CheckpointReader):
         self._header_pool: ThreadPoolExecutor | None = None
         self._prefetched: set[tuple[str, int]] = set()
         self._closed = False
+        self._dropped_args: list[str] = []  # arguments of classes off the allow-list (`load_args_screened`)
         common = self._common_state(directory, objects)
         args = self._architecture(common.pop("args", None), config_file, need_architecture)
         iteration = found_iteration(tree, common.pop("iteration", tree.iteration))
         self.config: ModelConfig | None = ModelConfig.from_megatron_args(args) if args else None
         self.layout = Layout.from_megatron_args(args) if args else Layout()
-        self.common = CommonState(args=args or {}, iteration=iteration, extra=common, integrity=self.integrity)
+        self.common = CommonState(args=args or {}, iteration=iteration, extra=common, integrity=self.integrity, dropped=self._dropped_args)
         self.manifest = Manifest.load(directory)
         self.unsupported_optimizer = []
         kept = []
@@ -251,7 +252,7 @@ class TorchDistReader(CheckpointReader):
         common_path = directory / "common.pt"
         inside = [key for key in objects if key.startswith(_COMMON_STATE)]
         if common_path.is_file():
-            common = load_screened(common_path, str(common_path))
+            common, self._dropped_args = load_args_screened(common_path, str(common_path))
             where = str(common_path)
         elif inside:
             common, where = self._object(objects[inside[0]], inside[0]), f"{directory}'s common_state"

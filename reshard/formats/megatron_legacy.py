@@ -70,7 +70,7 @@ from reshard.sharding import (
 )
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord, archive_tensor
 from reshard.torchfile.archive_writer import Slot, StreamingTorchSave
-from reshard.torchfile.payloads import load_screened
+from reshard.torchfile.payloads import load_args_screened
 
 RANK_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -152,7 +152,7 @@ class LegacyReader(CheckpointReader):
         self.tokenizer_in_iteration = self.tokenizer_dir != tree.root
         names = sorted(p.name for p in tree.iteration_dir.iterdir() if _RANK_DIR.match(p.name))
         first_file = self._rank_file(names[0])
-        first = self._load_path(first_file)
+        first, dropped = self._load_path(first_file)
         args = args_dict(first.get("args"))
         self.config = ModelConfig.from_megatron_args(args)
         self.layout = Layout.from_megatron_args(args)
@@ -168,7 +168,8 @@ class LegacyReader(CheckpointReader):
             if self.config.is_moe:
                 self._holder(rank, experts=True)
         extra = {k: v for k, v in first.items() if k not in _NOT_COMMON and not k.startswith("model")}
-        self.common = CommonState(args=args, iteration=found_iteration(tree, first.get("iteration", tree.iteration)), extra=extra)
+        self.common = CommonState(args=args, iteration=found_iteration(tree, first.get("iteration", tree.iteration)), extra=extra,
+                                  dropped=dropped)
         # Legacy optimizer state is keyed by parameter index within each rank: tied to its layout.
         self.unsupported_optimizer = ["optimizer (legacy per-rank state)"] if "optimizer" in first else []
         self.manifest = Manifest.load(tree.iteration_dir)
@@ -226,18 +227,19 @@ class LegacyReader(CheckpointReader):
         return confined(self.tree.iteration_dir, f"{dirname}/{RANK_FILE}")  # a link in the checkpoint may not lead out of it
 
     @staticmethod
-    def _load_path(path: Path) -> dict[str, Any]:
-        state = load_screened(path, str(path))
+    def _load_path(path: Path) -> tuple[dict[str, Any], list[str]]:
+        """A rank's state, and the arguments dropped from it (`load_args_screened`)."""
+        state, dropped = load_args_screened(path, str(path))
         if not isinstance(state, dict):
             raise ReshardError(f"{path} does not hold a Megatron rank's state: the file is foreign or damaged")
-        return state
+        return state, dropped
 
     def _state(self, rank: RankCoord) -> dict[str, Any]:
         key = RankCoord(pp=rank.pp, tp=rank.tp, ep=rank.ep)
         return cached(self._states, key, lambda: self._load_rank(key))
 
     def _load_rank(self, rank: RankCoord) -> dict[str, Any]:
-        return self._load_path(self._rank_file(rank.legacy_dirname(self.layout)))
+        return self._load_path(self._rank_file(rank.legacy_dirname(self.layout)))[0]
 
     def _file(self, rank: RankCoord) -> RecordFile:
         return cached(self._files, rank, lambda: RecordFile(self._rank_file(rank.legacy_dirname(self.layout))))

@@ -13,13 +13,14 @@ from __future__ import annotations
 import io
 import math
 import pickle
+from argparse import Namespace
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from reshard.errors import ReshardError
 from reshard.torchfile import PARSE_ERRORS
 from reshard.torchfile.archive_reader import archive_tensor, load_archive
-from reshard.torchfile.pickles import Call, Unpickler, named
+from reshard.torchfile.pickles import Call, Unpickler, UnsafeGlobal, is_foreign, named, tolerating_foreign
 
 _BYTES_IO = named("_io", "BytesIO")
 _ENCODE = named("_codecs", "encode")
@@ -63,6 +64,53 @@ def load_screened(source: Path | BinaryIO, what: str) -> Any:
     value = load_archive(source, what)
     screen_payloads(value, what)
     return value
+
+
+def load_args_screened(source: Path | BinaryIO, what: str) -> tuple[Any, list[str]]:
+    """`load_screened` for a file that holds Megatron-LM's `args` (common.pt, a legacy rank file), and the arguments
+    dropped from it. An argument whose value holds an instance of a class off the allow-list (an RL framework's
+    own: slime keeps its eval datasets' config dataclasses among the args) is dropped, instead of refusing the
+    checkpoint: it describes the run, not the model, and writing it back would have whoever loads the copy import
+    and build it. Only an instance made as pickle makes any object (the class's `__new__`, then its state) is
+    dropped so; a class off the list called (the pickle's REDUCE, how `os.system` is run) or held as a value,
+    and any of them outside the args, is refused as `load_screened` refuses it."""
+    with tolerating_foreign():
+        value = load_archive(source, what)
+    dropped = []
+    args = value.get("args") if isinstance(value, dict) else None
+    if isinstance(args, Namespace):
+        for name, arg in list(vars(args).items()):
+            found = _foreign_in(arg)
+            if found and all(isinstance(item, Call) and item.new for item in found):
+                delattr(args, name)
+                dropped.append(f"args.{name} ({found[0].function.module}.{found[0].function.qualname})")
+    found = _foreign_in(value)
+    if found:
+        function = found[0].function if isinstance(found[0], Call) else found[0]
+        raise UnsafeGlobal(what, function.module, function.qualname)
+    screen_payloads(value, what)
+    return value, dropped
+
+
+def _foreign_in(value: Any) -> list[Any]:
+    """The `pickles.foreign` stand-ins in `value`: objects built from one (Calls), and ones held as values."""
+    found, seen, stack = [], set(), [value]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if is_foreign(item):
+            found.append(item)
+        if isinstance(item, dict):
+            stack.extend((*item.keys(), *item.values()))
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+        elif isinstance(item, Namespace):
+            stack.extend(vars(item).values())
+        elif isinstance(item, Call):
+            stack.extend((*item.args, *item.kwargs.values(), item.state, *item.items, *(x for kv in item.entries for x in kv)))
+    return found
 
 
 def screen_payloads(value: Any, what: str, extra_state: bool = False) -> None:

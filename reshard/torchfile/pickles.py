@@ -19,10 +19,13 @@ what it writes nor vouch for a checkpoint holding one (`screen`).
 from __future__ import annotations
 
 import _compat_pickle
+import contextlib
+import contextvars
 import functools
 import pickle
 from argparse import Namespace
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 from reshard.dtypes import DTYPE_NAMES
@@ -156,6 +159,34 @@ class Call:
 _REAL = {("argparse", "Namespace"): Namespace, ("collections", "OrderedDict"): OrderedDict}
 
 
+class Foreign(_Standin):
+    """A stand-in's base for a global off the allow-list, read only where `tolerating_foreign` is in effect."""
+
+
+@functools.cache
+def foreign(module: str, qualname: str) -> Named:
+    return Named(qualname, (Foreign,), {"module": module, "qualname": qualname})
+
+
+def is_foreign(value: Any) -> bool:
+    function = value.function if isinstance(value, Call) else value
+    return isinstance(function, Named) and issubclass(function, Foreign)
+
+
+# Where set, a global off the allow-list is read as a `foreign` stand-in (nothing is built or imported either way)
+# for the caller to drop, instead of refused: see `payloads.load_args_screened`.
+_TOLERATE_FOREIGN: contextvars.ContextVar[bool] = contextvars.ContextVar("tolerate_foreign", default=False)
+
+
+@contextlib.contextmanager
+def tolerating_foreign() -> Iterator[None]:
+    token = _TOLERATE_FOREIGN.set(True)
+    try:
+        yield
+    finally:
+        _TOLERATE_FOREIGN.reset(token)
+
+
 class Unpickler(pickle.Unpickler):
     """`what` names the file in the refusal of a global off the allow-list."""
 
@@ -166,6 +197,8 @@ class Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         module, name = python3_name(module, name)
         if (module, name) not in SAFE_GLOBALS:
+            if _TOLERATE_FOREIGN.get():
+                return foreign(module, name)
             raise UnsafeGlobal(self.what, module, name)
         return _REAL.get((module, name)) or named(module, name)
 
