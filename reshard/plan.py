@@ -19,6 +19,7 @@ from reshard.layout import Layout
 from reshard.logical import TensorSpec
 from reshard.naming import default_extra_state, is_layout_bound, uses_te_names
 from reshard.optim import forms
+from reshard.optim.state import other_kind
 from reshard.request import Run, Target
 from reshard.sharding import Piece, Region, contiguous_offset, intersect, pieces, pieces_by_slab, region_size, shift, slab_of, slabs, units
 
@@ -410,6 +411,8 @@ def _moves(reader: CheckpointReader, config: ModelConfig | None, optimizer: bool
     """Every tensor the target carries, at its vocabulary padding and precision (the optimizer state only where
     `optimizer`, and only as it was saved); what it leaves behind is added to `dropped`."""
     unsupported, refused = reader.unsupported_optimizer, reader.optimizer_refusal
+    if refused is None and (unsupported or any(spec.is_optimizer for spec in reader.specs.values())):
+        refused = other_kind(reader.common.args, reader.path)
     if optimizer and refused is not None:
         raise refused.error()
     if optimizer and unsupported:

@@ -49,6 +49,27 @@ class OptimizerRefusal:
         return ReshardError(f"{self.reason}; pass --no-optimizer to convert the model without its optimizer state")
 
 
+# Megatron-LM's --optimizer values whose state reshard decodes (each form's `optimizer.state.<param|exp_avg|exp_avg_sq>`),
+# and why it does not decode the others' (megatron-core 0.18+'s Lion and Muon).
+DECODED_KINDS = frozenset({"adam"})
+_OTHER_KINDS = {
+    "lion": "Lion keeps one moment (exp_avg) where reshard reads Adam's two",
+    "muon": "Muon's layer-wise distributed optimizer state reloads only at the data-parallel size it was saved at",
+    "dist_muon": "Muon's layer-wise distributed optimizer state reloads only at the data-parallel size it was saved at",
+}
+
+
+def other_kind(args: dict[str, Any], source: object) -> OptimizerRefusal | None:
+    """The refusal of an optimizer state saved by an optimizer other than Adam, by its name (`--optimizer`)."""
+    kind = args.get("optimizer", "adam")
+    if kind in DECODED_KINDS:
+        return None
+    why = _OTHER_KINDS.get(kind, "reshard decodes Adam's state only")
+    return OptimizerRefusal(f"optimizer state ({kind})", f"{source} was trained with --optimizer {kind}: {why}, so reshard does not "
+                            "reshard its state; pass --no-optimizer to convert the model without it (the run resumes with a new "
+                            "optimizer), or resume it at the layout it was saved at")
+
+
 class OptimizerState(abc.ABC):
     """The optimizer tensors a checkpoint's stored form decodes to."""
 
