@@ -219,6 +219,41 @@ class GatedMLP(Mapping):
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
+# Which config.json fields size each axis of an HF tensor (rows, then columns; a vector's one axis), for the refusal
+# of a config that contradicts the weights; first match wins. Families name alike where they share a module.
+_HF_AXIS_FIELDS = tuple((re.compile(pattern), fields) for pattern, fields in (
+    (r"\.q_proj\.", ("num_attention_heads, head_dim", "hidden_size")),
+    (r"\.[kv]_proj\.", ("num_key_value_heads, head_dim", "hidden_size")),
+    (r"\.o_proj\.", ("hidden_size", "num_attention_heads, head_dim")),
+    (r"\.q_a_proj\.", ("q_lora_rank", "hidden_size")),
+    (r"\.q_b_proj\.", ("num_attention_heads, qk_nope_head_dim, qk_rope_head_dim", "q_lora_rank")),
+    (r"\.kv_a_proj_with_mqa\.", ("kv_lora_rank, qk_rope_head_dim", "hidden_size")),
+    (r"\.kv_b_proj\.", ("num_attention_heads, qk_nope_head_dim, v_head_dim", "kv_lora_rank")),
+    (r"\.shared_experts?\.(gate|up)_proj\.", ("shared_expert_intermediate_size (or moe_intermediate_size x n_shared_experts)", "hidden_size")),
+    (r"\.shared_experts?\.down_proj\.", ("hidden_size", "shared_expert_intermediate_size (or moe_intermediate_size x n_shared_experts)")),
+    (r"\.experts\.\d+\.(gate_proj|up_proj|w1|w3)\.", ("moe_intermediate_size (or intermediate_size)", "hidden_size")),
+    (r"\.experts\.\d+\.(down_proj|w2)\.", ("hidden_size", "moe_intermediate_size (or intermediate_size)")),
+    (r"\.(gate|up)_proj\.", ("intermediate_size", "hidden_size")),
+    (r"\.down_proj\.", ("hidden_size", "intermediate_size")),
+    (r"(embed_tokens|lm_head)\.", ("vocab_size", "hidden_size")),
+    (r"\.(gate|router)\.weight", ("num_experts (n_routed_experts, num_local_experts)", "hidden_size")),
+    (r"\.[qk]_norm\.", ("head_dim",)),
+    (r"\.sinks", ("num_attention_heads",)),
+))
+
+
+def hf_axis_fields(hf_name: str, stored: tuple[int, ...], implied: tuple[int, ...]) -> str:
+    """The config.json fields behind the first axis where an HF tensor's stored shape and the config's differ."""
+    if len(stored) != len(implied):
+        return "num_experts (a fused experts tensor), or the tensor's kind"
+    axis = next(i for i, (a, b) in enumerate(zip(stored, implied, strict=True)) if a != b)
+    lead = max(0, len(implied) - 2)  # a fused [experts, ...] tensor's leading axis
+    if axis < lead:
+        return "num_experts (n_routed_experts, num_local_experts)"
+    fields = next((f for pattern, f in _HF_AXIS_FIELDS if pattern.search(hf_name)), ("hidden_size",))
+    return fields[min(axis - lead, len(fields) - 1)]
+
+
 def refuse(what: str, hint: str) -> ReshardError:
     return ReshardError(f"HF config: {what} is not supported by reshard's converter; {hint}")
 

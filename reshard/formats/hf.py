@@ -348,9 +348,11 @@ class HFReader(CheckpointReader):
         # Every tensor at the shape config.json implies: values are read at offsets computed from it.
         for _, _, _, hf_name, shape in hf_tensors(self.specs, self._mappings, config):
             if (stored := self._shape(hf_name)) != shape:
+                from reshard.converters.base import hf_axis_fields
+
                 raise ReshardError(
-                    f"{hf_name} has shape {list(stored)} but config.json implies {list(shape)}: "
-                    "config.json does not match the weights"
+                    f"{hf_name} has shape {list(stored)} but config.json implies {list(shape)} (check "
+                    f"{hf_axis_fields(hf_name, tuple(stored), tuple(shape))}): config.json does not match the weights"
                 )
         self.common = CommonState(args=self._args(config, extras), iteration="release", extra={"checkpoint_version": 3.0},
                                   dropped=absent + dropped)
