@@ -40,7 +40,6 @@ def iteration_dirname(iteration: int | str) -> str:
 
 def locate(path: Path) -> MegatronTree | None:
     """Find the checkpoint in a save directory (via its tracker file) or an iteration directory, or a NeMo-RL run's."""
-    path = nemo_rl.weights_dir(path)
     tracker = path / TRACKER
     if tracker.is_file():
         text = tracker.read_text().strip()
@@ -60,7 +59,8 @@ def locate(path: Path) -> MegatronTree | None:
         return MegatronTree(path, newest, int(newest.name[5:]))
     if (path / ".metadata").is_file():  # a bare dist_checkpointing.save directory: no tracker, no iteration
         return MegatronTree(path, path, 0)
-    return None
+    weights = nemo_rl.weights_dir(path)  # last: it lists the directory, which an iteration's holds thousands of files
+    return locate(weights) if weights != path else None
 
 
 def stored_iteration(iteration: int | str) -> int:
