@@ -39,6 +39,7 @@ from reshard.formats.base import (
     cached,
 )
 from reshard.formats.megatron_tree import (
+    MegatronTree,
     args_dict,
     args_namespace,
     found_iteration,
@@ -107,9 +108,14 @@ class TorchDistReader(CheckpointReader):
         tree = locate(path)
         if tree is None or not (tree.iteration_dir / ".metadata").is_file():
             raise ReshardError(f"{path} is not a torch_dist checkpoint (no .metadata found)")
+        self._open(path, tree, dcp_metadata.load(tree.iteration_dir / ".metadata"), config_file, need_architecture)
+
+    def _open(self, path: Path, tree: MegatronTree, metadata: DcpMetadata, config_file: Path | None, need_architecture: bool) -> None:
+        """Read the checkpoint `metadata` lists, its files named relative to `tree.iteration_dir` (a layout that
+        keeps the model and the optimizer in directories of their own gives them merged: `formats.verl`)."""
         self.path, self.tree, self.tokenizer_dir = path, tree, tree.root
         directory = tree.iteration_dir
-        self.metadata = dcp_metadata.load(directory / ".metadata")
+        self.metadata = metadata
         by_offset: dict[str, list[tuple[tuple[int, ...], Storage]]] = defaultdict(list)
         objects: dict[str, Storage] = {}
         for (fqn, offsets), info in self.metadata.storage.items():
