@@ -412,7 +412,7 @@ class TorchDistWriter(CheckpointWriter):
         te_names = self.options.te_names
         self.te_names = uses_te_names(self.common.args) if te_names is None else te_names
         # the files of a multi-rank conversion's ranks are __<target rank>_<rank>.distcp
-        self.directory = self.path / iteration_dirname(self.common.iteration)
+        self.directory = self._iteration_directory()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._file_index = {rank: i for i, rank in enumerate(ranks(self.layout))}
         self._files: dict[int, DirectFile] = {}
@@ -430,8 +430,16 @@ class TorchDistWriter(CheckpointWriter):
                                             optimizer.dp)
             self.common = replace(self.common, objects=self.sink.objects, extra=self.sink.extra)
 
+    def _iteration_directory(self) -> Path:
+        """Where the checkpoint's files go (`_name`s are relative to it)."""
+        return self.path / iteration_dirname(self.common.iteration)
+
     def _name(self, index: int) -> str:
         return f"__{index}_{self.rank}.distcp"
+
+    def _first_file(self, key: str) -> int:
+        """The file where stored object (or optimizer gap) `key` goes: the first rank's."""
+        return 0
 
     def _open(self, index: int, size: int = 0) -> None:
         self._files[index] = DirectFile(self.directory / self._name(index))
@@ -454,8 +462,9 @@ class TorchDistWriter(CheckpointWriter):
 
     def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Record]:
         """Place each piece's record after the ones reserved before it in its file."""
+        first = self._first_file(spec.name)  # 0, or where a layout keeps this kind of tensor (formats.verl)
         return [
-            self._reserve_record(self._file_index[placed.rank], placed.offsets, placed.shape, spec.dtype, placed.key, placed)
+            self._reserve_record(first + self._file_index[placed.rank], placed.offsets, placed.shape, spec.dtype, placed.key, placed)
             for placed in self._placements(spec, pieces)
         ]
 
@@ -515,17 +524,19 @@ class TorchDistWriter(CheckpointWriter):
 
     def _zeros(self, key: str, start: int, count: int) -> None:
         """A chunk of zeros of fp32 tensor `key` at `start`, in the first file (a gap between the sink's pieces)."""
-        self._open_first()
-        record = self._reserve_record(0, (start,), (count,), "float32", key)
-        save_tensor(np.zeros(count, np.float32), At(self._files[0], record.storage.offset))
+        first = self._open_first(key)
+        record = self._reserve_record(first, (start,), (count,), "float32", key)
+        save_tensor(np.zeros(count, np.float32), At(self._files[first], record.storage.offset))
         self._add(key, record)
 
-    def _open_first(self) -> None:
-        """The first rank's file, where objects (and zeros) go after its records (closed by `part` in a multi-rank
-        run, or never written)."""
-        if 0 not in self._files:
-            path = self.directory / self._name(0)
-            self._open(0, path.stat().st_size if path.exists() else 0)
+    def _open_first(self, key: str) -> int:
+        """The first rank's file (`_first_file`), where objects (and zeros) go after its records (closed by `part` in a
+        multi-rank run, or never written)."""
+        first = self._first_file(key)
+        if first not in self._files:
+            path = self.directory / self._name(first)
+            self._open(first, path.stat().st_size if path.exists() else 0)
+        return first
 
     def _target_args(self) -> dict[str, Any]:
         args = args_for_layout(self.common.args, self.layout, self.config, "torch_dist")
@@ -545,16 +556,14 @@ class TorchDistWriter(CheckpointWriter):
 
     def _write_objects(self) -> list[str]:
         """Per-module objects go into the first rank's file, as Megatron's replica 0 saves them."""
-        if not self.common.objects:
-            return []
-        self._open_first()
         for key, value in sorted(self.common.objects.items()):
+            first = self._open_first(key)
             buffer = io.BytesIO()
             save_archive([value], buffer)
-            offset = self._sizes[0]
-            At(self._files[0], offset).write(buffer.getbuffer())
-            self._sizes[0] = self._planned[0] = offset + len(buffer.getbuffer())
-            self._storage[(key, None)] = Storage(self._name(0), offset, len(buffer.getbuffer()))
+            offset = self._sizes[first]
+            At(self._files[first], offset).write(buffer.getbuffer())
+            self._sizes[first] = self._planned[first] = offset + len(buffer.getbuffer())
+            self._storage[(key, None)] = Storage(self._name(first), offset, len(buffer.getbuffer()))
         return sorted(self.common.objects)
 
     def sync(self) -> None:
@@ -587,8 +596,9 @@ class TorchDistWriter(CheckpointWriter):
             file.close()
         self._files.clear()
 
-    def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
-        if parts is not None:  # every rank's chunks, in rank order (rank 0's own part among them)
+    def _finish_records(self, parts: list[Any] | None) -> DcpMetadata:
+        """Every rank's records (`parts`, in rank order, rank 0's own among them) and the objects, written and listed."""
+        if parts is not None:
             self._chunks, self._storage = defaultdict(list), {}
             for chunks, storage in parts:
                 for key, found in chunks.items():
@@ -597,7 +607,10 @@ class TorchDistWriter(CheckpointWriter):
         tensors = self._tensor_entries()
         objects = self._write_objects()
         self._close_files()
-        dcp_metadata.save(self.directory / ".metadata", DcpMetadata(tensors, objects, self._storage))
+        return DcpMetadata(tensors, objects, self._storage)
+
+    def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
+        dcp_metadata.save(self.directory / ".metadata", self._finish_records(parts))
         common = dict(self.common.extra)
         common["iteration"] = stored_iteration(self.common.iteration)
         form = common.get("optimizer", {}).get("param_state_sharding_type") if isinstance(common.get("optimizer"), dict) else None

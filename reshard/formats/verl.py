@@ -12,14 +12,19 @@
 Layout v1 (verl up to early 2026) has no manifest: one `dist_ckpt/` holds all of it, `huggingface/` beside it.
 
 No Megatron-LM args are saved: the architecture is the HF config's (mapped by its family's converter), the layout
-transformer_config.json's, the data-parallel size the manifest's world size over it. The model's and the optimizer's
-directories are read as one torch_dist checkpoint (`TorchDistReader`), their .metadata merged with each file named
+transformer_config.json's, the data-parallel size the manifest's world size over it. The step's model, optimizer and
+RNG directories are read as one torch_dist checkpoint (`TorchDistReader`), their .metadata merged with each file named
 from the step directory; verl's `lr_scheduler` is carried as Megatron-LM's `opt_param_scheduler`.
+
+Written (`VerlWriter`, from a v2 step only: the HF config and transformer_config.json come from it) as layout v2 at
+the target layout, for verl to resume with its config's parallel sizes changed alike.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,14 +32,17 @@ from typing import Any
 from reshard.config import ModelConfig
 from reshard.documents import read_json
 from reshard.errors import ReshardError
-from reshard.formats.megatron_dist import TorchDistReader
-from reshard.formats.megatron_tree import TRACKER, MegatronTree
+from reshard.formats.base import Manifest
+from reshard.formats.megatron_dist import METADATA_JSON, TorchDistReader, TorchDistWriter
+from reshard.formats.megatron_tree import TRACKER, MegatronTree, write_tracker
 from reshard.formats.model_args import _RENAMED, args_from_file
 from reshard.layout import megatron_arg
+from reshard.naming import is_layout_bound
 from reshard.optim.dp_reshardable import is_dp_reshardable
 from reshard.optim.state import OptimizerRefusal
 from reshard.paths import confined
 from reshard.torchfile import dcp_metadata
+from reshard.torchfile.archive_writer import save_archive
 from reshard.torchfile.dcp_metadata import DcpMetadata
 from reshard.torchfile.payloads import load_screened
 
@@ -64,9 +72,16 @@ class VerlStep:
     version: int  # the layout: 2 (ckpt_contents.json) or 1
     model_dir: Path  # the model's dist_checkpointing directory
     optimizer_dir: Path | None  # the optimizer's (v1: the model's own)
+    extra_dir: Path | None  # the RNG state's (v1: the model's own)
     hf_dir: Path
     transformer_config: Path
     world_size: int | None  # v2's manifest records it; v1 does not
+    manifest: dict[str, Any] | None = None  # v2's ckpt_contents.json
+
+    @property
+    def dist_dirs(self) -> list[Path]:
+        """The dist_checkpointing directories, each once."""
+        return list(dict.fromkeys(d for d in (self.model_dir, self.optimizer_dir, self.extra_dir) if d is not None))
 
 
 def _step_dir(path: Path) -> Path | None:
@@ -107,7 +122,8 @@ def find_step(path: Path) -> VerlStep:
     root = step_dir.parent
     number = int(m.group(1)) if (m := _STEP_DIR.match(step_dir.name)) else 0
     if not (role / MANIFEST).is_file():
-        return VerlStep(root, role, number, 1, role / "dist_ckpt", role / "dist_ckpt", role / "huggingface", role / TRANSFORMER_CONFIG, None)
+        dist = role / "dist_ckpt"
+        return VerlStep(root, role, number, 1, dist, dist, dist, role / "huggingface", role / TRANSFORMER_CONFIG, None)
     manifest = read_json(role / MANIFEST)
     if not isinstance(manifest, dict) or manifest.get("schema_version") != SCHEMA_VERSION or not isinstance(manifest.get("contents"), dict):
         said = manifest.get("schema_version") if isinstance(manifest, dict) else None
@@ -120,14 +136,15 @@ def find_step(path: Path) -> VerlStep:
             "already HF weights; convert that directory"
         )
     optimizer = _entry(role, contents, "optimizer", required=False)
+    extra = _entry(role, contents, "rng_state", required=False)
     hf = _entry(role, contents, "hf_config", required=True)
     config = _entry(role, contents, "transformer_config", required=True)
     world = manifest.get("world_size")
     if not isinstance(world, int) or world < 1:
         raise ReshardError(f"{role / MANIFEST}: world_size is {world!r}, not a number of ranks")
     step = manifest.get("global_step", number)
-    return VerlStep(root, role, step if isinstance(step, int) else number, 2, model["where"],
-                    optimizer["where"] if optimizer else None, hf["where"], config["where"], world)
+    return VerlStep(root, role, step if isinstance(step, int) else number, 2, model["where"], optimizer["where"] if optimizer else None,
+                    extra["where"] if extra else None, hf["where"], config["where"], world, manifest)
 
 
 def _entry(role: Path, contents: dict, name: str, required: bool) -> dict[str, Any] | None:
@@ -168,8 +185,7 @@ class VerlReader(TorchDistReader):
 
     def __init__(self, path: Path):
         self.step = find_step(path)
-        dirs = list(dict.fromkeys(d for d in (self.step.model_dir, self.step.optimizer_dir) if d is not None))
-        metadata = merged_metadata(self.step.role_dir, dirs)
+        metadata = merged_metadata(self.step.role_dir, self.step.dist_dirs)
         undecodable = self._undecodable(metadata)
         self._open(path, MegatronTree(self.step.root, self.step.role_dir, self.step.step), metadata, None, True)
         self.tokenizer_dir = self.step.hf_dir
@@ -193,9 +209,9 @@ class VerlReader(TorchDistReader):
         return sorted(set(keys))
 
     def _common_state(self, directory: Path, objects: dict) -> dict[str, Any]:
-        """common.pt of the model's and the optimizer's directories, `lr_scheduler` named as Megatron-LM names it."""
+        """common.pt of the step's directories, `lr_scheduler` named as Megatron-LM names it."""
         common: dict[str, Any] = {"iteration": self.step.step}
-        for dist in dict.fromkeys(d for d in (self.step.model_dir, self.step.optimizer_dir) if d is not None):
+        for dist in self.step.dist_dirs:
             path = dist / "common.pt"
             if not path.is_file():
                 raise ReshardError(f"{dist} has no common.pt: not a dist_checkpointing save reshard reads")
@@ -239,3 +255,94 @@ class VerlReader(TorchDistReader):
                     f"{self.step.transformer_config}: {theirs} is {said}, but {self.step.hf_dir / 'config.json'} says "
                     f"{getattr(config, ours)}: the step's two configs disagree; refusing to guess"
                 )
+
+
+_MODEL_DIR, _OPTIMIZER_DIR, _EXTRA_DIR, _HF_DIR = "model/dist_ckpt", "optimizer/dist_ckpt", "extra/dist_ckpt", "model/huggingface"
+# transformer_config.json's parallel sizes, from a Layout's fields
+_LAYOUT_FIELDS = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp", "expert_model_parallel_size": "ep",
+                  "expert_tensor_parallel_size": "expert_tp", "num_layers_in_first_pipeline_stage": "first_stage_layers",
+                  "num_layers_in_last_pipeline_stage": "last_stage_layers"}
+
+
+def _directory_of(key: str) -> str:
+    """The step directory a stored key belongs in, as verl's three saves divide them."""
+    if key.startswith("optimizer.") or is_dp_reshardable(key):
+        return _OPTIMIZER_DIR
+    return _EXTRA_DIR if is_layout_bound(key) else _MODEL_DIR
+
+
+def source_step(tokenizer_dir: Path | None) -> VerlStep:
+    """The verl step a conversion reads, found from its reader's `tokenizer_dir` (the step's HF directory)."""
+    role = next((p for p in (tokenizer_dir.parents if tokenizer_dir else []) if _role_dir(p) == p and is_verl(p)), None)
+    if role is None:
+        raise ReshardError("--to-format verl writes a verl step from a verl step (its transformer_config.json and HF config): convert from one")
+    step = find_step(role)
+    if step.version != SCHEMA_VERSION:
+        raise ReshardError(f"{role} is in verl's layout v1; migrate it with verl's scripts/migrate_megatron_checkpoint_layout.py, then convert")
+    return step
+
+
+class VerlWriter(TorchDistWriter):
+    """A verl step (layout v2) at the target layout, for verl to resume at its new size: TorchDistWriter's records, each
+    in a file of the directory verl keeps its kind in (`_directory_of`: model, optimizer, RNG state), each directory with
+    its own .metadata and common.pt as verl's dist_checkpointing saves make them. The optimizer state is written as
+    dp_reshardable buckets (verl's default form) at the target's data-parallel size; the RNG state only where the
+    (PP, TP) ranks are unchanged. The source step's HF config and tokenizer are carried untouched, its
+    transformer_config.json and ckpt_contents.json with the new sizes, the manifest last."""
+
+    format_name = "verl"
+
+    def _iteration_directory(self) -> Path:
+        self.source = source_step(self.options.tokenizer_from)
+        return self.path / f"global_step_{self.common.iteration}" / self.source.role_dir.name
+
+    def _first_file(self, key: str) -> int:
+        return (_MODEL_DIR, _OPTIMIZER_DIR, _EXTRA_DIR).index(_directory_of(key)) * len(self._file_index)
+
+    def _name(self, index: int) -> str:
+        kind, rank = divmod(index, len(self._file_index))
+        return f"{(_MODEL_DIR, _OPTIMIZER_DIR, _EXTRA_DIR)[kind]}/__{rank}_{self.rank}.distcp"
+
+    def _open(self, index: int, size: int = 0) -> None:
+        (self.directory / self._name(index)).parent.mkdir(parents=True, exist_ok=True)
+        super()._open(index, size)
+
+    def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
+        metadata = self._finish_records(parts)
+        extra = self.common.extra
+        commons = {_MODEL_DIR: {}, _OPTIMIZER_DIR: {"optimizer": extra.get("optimizer"), "lr_scheduler": extra.get("opt_param_scheduler")},
+                   _EXTRA_DIR: {}}
+        written = [d for d in commons if d == _MODEL_DIR or any(_directory_of(key) == d for key, _ in metadata.storage)]
+        for directory in written:
+            prefix = directory + "/"
+            mine = {key: replace(info, relative_path=info.relative_path.removeprefix(prefix))
+                    for key, info in metadata.storage.items() if _directory_of(key[0]) == directory}
+            tensors = {key: entry for key, entry in metadata.tensors.items() if _directory_of(key) == directory}
+            objects = [key for key in metadata.objects if _directory_of(key) == directory]
+            (self.directory / directory).mkdir(parents=True, exist_ok=True)
+            dcp_metadata.save(self.directory / directory / ".metadata", DcpMetadata(tensors, objects, mine))
+            with open(self.directory / directory / "common.pt", "wb") as f:
+                save_archive({k: v for k, v in commons[directory].items() if v is not None}, f)
+            (self.directory / directory / "metadata.json").write_text(json.dumps(METADATA_JSON))
+        shutil.copytree(self.source.hf_dir, self.directory / _HF_DIR, symlinks=False)
+        self._write_configs(written)
+        manifest.save(self.directory)
+        write_tracker(self.path, self.common.iteration)
+
+    def _write_configs(self, written: list[str]) -> None:
+        """transformer_config.json at the target's sizes, then ckpt_contents.json naming what was written."""
+        tc = read_json(self.source.transformer_config)
+        tc.update({field: getattr(self.layout, ours) for field, ours in _LAYOUT_FIELDS.items()})
+        tc["virtual_pipeline_model_parallel_size"] = self.layout.vpp if self.layout.vpp > 1 else None
+        (self.directory / TRANSFORMER_CONFIG).write_text(json.dumps(tc, indent=2))
+        out = json.loads(json.dumps(self.source.manifest))
+        dp = self.options.optimizer.dp if self.options.optimizer and self.options.optimizer.dp else self.common.args.get("data_parallel_size") or 1
+        out["world_size"] = self.layout.tp * self.layout.pp * (tc.get("context_parallel_size") or 1) * dp
+        places = {"model": _MODEL_DIR, "optimizer": _OPTIMIZER_DIR, "lr_scheduler": _OPTIMIZER_DIR, "rng_state": _EXTRA_DIR,
+                  "transformer_config": TRANSFORMER_CONFIG, "hf_config": _HF_DIR, "tokenizer": _HF_DIR}
+        kept = (*written, TRANSFORMER_CONFIG, _HF_DIR)
+        out["contents"] = {name: dict(entry, path=places[name]) for name, entry in out["contents"].items() if places.get(name) in kept}
+        out["directories"] = {name: said for name, said in out.get("directories", {}).items() if name in kept}
+        needs = {"optimizer": _OPTIMIZER_DIR, "extra": _EXTRA_DIR}
+        out["save_contents"] = [name for name in out.get("save_contents", []) if needs.get(name, _MODEL_DIR) in written]
+        (self.directory / MANIFEST).write_text(json.dumps(out, indent=2))

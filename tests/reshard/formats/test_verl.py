@@ -162,3 +162,43 @@ def test_a_v1_steps_dp_reshardable_optimizer_is_refused_by_name_and_its_model_co
     assert not (tmp_path / "with").exists()
     convert(made["run"], tmp_path / "without", Target(format="zarr", optimizer=False))
     assert sorted(tensors(tmp_path / "without")) == sorted(want)
+
+
+# (reshard convert's flags, the layout megatron-core loads the output at, its ranks, whether the RNG state is carried)
+RESHARDS = {
+    "tp2dp2-to-tp1pp2": (["--to-tp", "1", "--to-pp", "2"], ["--tp", "1", "--pp", "2"], 4, False),
+    "tp2dp2-to-tp1dp4": (["--to-tp", "1", "--to-dp", "4"], ["--tp", "1"], 4, False),
+    "tp2dp2-to-tp2dp1": (["--to-dp", "1"], ["--tp", "2"], 2, True),
+}
+
+
+@pytest.mark.slow  # megatron-core loads the output on forked ranks
+@pytest.mark.parametrize("case", RESHARDS.values(), ids=RESHARDS.keys())
+def test_a_resharded_verl_step_is_loaded_by_megatron_core_as_verl_loads_it(verl_step, tmp_path, case):
+    """Written back in verl's layout at a new TP/PP/DP, megatron-core's dist_checkpointing.load (fixtures/verl.py
+    --load: verl's keys, the DistributedOptimizer's dp_reshardable buckets at the new layout) gets the model, the optimizer
+    state and the LR scheduler the source run saved."""
+    flags, layout, ranks, rng = case
+    made = verl_step()
+    result = reshard("convert", made["run"], tmp_path / "out", *flags)
+    assert result.returncode == 0 and "checksums verified" in result.stdout, result.stderr
+    actor = tmp_path / "out" / STEP / "actor"
+    run("fixtures.verl", ["--preset", "tiny-llama", *layout, "--load", actor, "--mlm-out", tmp_path / "loaded"], nproc=ranks, timeout=600)
+    got, want = tensors(tmp_path / "loaded"), tensors(made["mlm"])
+    assert any(name.startswith("optimizer.state.exp_avg_sq.") for name in want) and sorted(got) == sorted(want)
+    assert all(same(got[name], want[name]) for name in want), [name for name in want if not same(got[name], want[name])][:3]
+    with open_checkpoint(tmp_path / "loaded") as loaded, open_checkpoint(made["mlm"]) as oracle:
+        assert loaded.common.extra["opt_param_scheduler"] == oracle.common.extra["opt_param_scheduler"]
+    source = made["run"] / STEP / "actor"
+    assert (actor / "model" / "huggingface" / "config.json").read_bytes() == (source / "model" / "huggingface" / "config.json").read_bytes()
+    manifest, config = json.loads((actor / "ckpt_contents.json").read_text()), json.loads((actor / "transformer_config.json").read_text())
+    assert manifest["world_size"] == ranks and config["tensor_model_parallel_size"] == int(layout[1])
+    assert (actor / "extra" / "dist_ckpt").is_dir() == rng == ("rng_state" in manifest["contents"]) == ("extra" in manifest["save_contents"])
+    assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+@pytest.mark.slow
+def test_a_verl_output_from_another_format_is_refused(verl_step, tmp_path):
+    result = reshard("convert", verl_step()["mlm"], tmp_path / "out", "--to-format", "verl")
+    _one_line_error(result, "writes a verl step from a verl step")
+    assert not (tmp_path / "out").exists()
