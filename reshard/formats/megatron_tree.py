@@ -12,6 +12,8 @@ from reshard.errors import ReshardError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
+_NEMO_RL_STEP = re.compile(r"^step_(\d+)$")  # a finished one: NeMo-RL saves into tmp_step_<N> and renames it
+NEMO_RL_WEIGHTS = ("policy", "weights")  # where NeMo-RL's Megatron policy has Megatron-Bridge save its checkpoint
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,9 @@ def iteration_dirname(iteration: int | str) -> str:
 
 
 def locate(path: Path) -> MegatronTree | None:
-    """Find the checkpoint in a save directory (via its tracker file) or an iteration directory."""
+    """Find the checkpoint in a save directory (via its tracker file) or an iteration directory; in NeMo-RL's
+    `step_<N>` (or its checkpoint directory, the newest step) the save directory is the policy's weights."""
+    path = nemo_rl_weights(path) or path
     tracker = path / TRACKER
     if tracker.is_file():
         text = tracker.read_text().strip()
@@ -47,6 +51,15 @@ def locate(path: Path) -> MegatronTree | None:
     if (path / ".metadata").is_file():  # a bare dist_checkpointing.save directory: no tracker, no iteration
         return MegatronTree(path, path, 0)
     return None
+
+
+def nemo_rl_weights(path: Path) -> Path | None:
+    """The policy's weights of NeMo-RL's `step_<N>`, or of the newest step in its checkpoint directory; None elsewhere."""
+    if _NEMO_RL_STEP.match(path.name) and path.joinpath(*NEMO_RL_WEIGHTS).is_dir():
+        return path.joinpath(*NEMO_RL_WEIGHTS)
+    steps = [(int(m.group(1)), p) for p in path.iterdir() if (m := _NEMO_RL_STEP.match(p.name))] if path.is_dir() else []
+    steps = [(n, p) for n, p in steps if p.joinpath(*NEMO_RL_WEIGHTS).is_dir()]
+    return max(steps)[1].joinpath(*NEMO_RL_WEIGHTS) if steps else None
 
 
 def stored_iteration(iteration: int | str) -> int:
