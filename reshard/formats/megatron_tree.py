@@ -30,7 +30,6 @@ def iteration_dirname(iteration: int | str) -> str:
 def locate(path: Path) -> MegatronTree | None:
     """Find the checkpoint in a save directory (via its tracker file) or an iteration directory; in NeMo-RL's
     `step_<N>` (or its checkpoint directory, the newest step) the save directory is the policy's weights."""
-    path = nemo_rl_weights(path) or path
     tracker = path / TRACKER
     if tracker.is_file():
         text = tracker.read_text().strip()
@@ -50,7 +49,8 @@ def locate(path: Path) -> MegatronTree | None:
         return MegatronTree(path, newest, int(newest.name[5:]))
     if (path / ".metadata").is_file():  # a bare dist_checkpointing.save directory: no tracker, no iteration
         return MegatronTree(path, path, 0)
-    return None
+    weights = nemo_rl_weights(path)
+    return locate(weights) if weights is not None else None
 
 
 def nemo_rl_weights(path: Path) -> Path | None:
