@@ -107,10 +107,14 @@ def _role_dir(path: Path) -> Path | None:
     return found[0] if found else None
 
 
+def _is_v1(role: Path) -> bool:
+    return (role / "dist_ckpt" / ".metadata").is_file() and (role / TRANSFORMER_CONFIG).is_file()
+
+
 def is_verl(path: Path) -> bool:
+    """A verl step, or one whose save did not finish (model/ but no manifest yet), which `find_step` refuses by name."""
     role = _role_dir(path)
-    v1 = role is not None and (role / "dist_ckpt" / ".metadata").is_file() and (role / TRANSFORMER_CONFIG).is_file()
-    return role is not None and (role / MANIFEST).is_file() or v1
+    return role is not None and ((role / MANIFEST).is_file() or (role / "model" / "dist_ckpt").is_dir() or _is_v1(role))
 
 
 def find_step(path: Path) -> VerlStep:
@@ -121,13 +125,17 @@ def find_step(path: Path) -> VerlStep:
     step_dir = role.parent
     root = step_dir.parent
     number = int(m.group(1)) if (m := _STEP_DIR.match(step_dir.name)) else 0
+    if not (role / MANIFEST).is_file() and not _is_v1(role):
+        raise ReshardError(f"{role} has model/dist_ckpt but no {MANIFEST}, which verl writes last: the save did not finish")
     if not (role / MANIFEST).is_file():
         dist = role / "dist_ckpt"
         return VerlStep(root, role, number, 1, dist, dist, dist, role / "huggingface", role / TRANSFORMER_CONFIG, None)
     manifest = read_json(role / MANIFEST)
-    if not isinstance(manifest, dict) or manifest.get("schema_version") != SCHEMA_VERSION or not isinstance(manifest.get("contents"), dict):
-        said = manifest.get("schema_version") if isinstance(manifest, dict) else None
+    said = manifest.get("schema_version") if isinstance(manifest, dict) else None
+    if said != SCHEMA_VERSION:
         raise ReshardError(f"{role / MANIFEST}: schema_version is {said!r}; reshard reads verl's schema {SCHEMA_VERSION}")
+    if not isinstance(manifest.get("contents"), dict):
+        raise ReshardError(f"{role / MANIFEST}: contents is not a mapping of what was saved where; the manifest is damaged")
     contents = manifest["contents"]
     model = _entry(role, contents, "model", required=True)
     if model["format"] != _DIST:

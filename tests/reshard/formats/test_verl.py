@@ -202,3 +202,11 @@ def test_a_verl_output_from_another_format_is_refused(verl_step, tmp_path):
     result = reshard("convert", verl_step()["mlm"], tmp_path / "out", "--to-format", "verl")
     _one_line_error(result, "writes a verl step from a verl step")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_step_whose_save_did_not_finish_is_refused_by_name(tmp_path):
+    actor = tmp_path / "run" / STEP / "actor"
+    (actor / "model" / "dist_ckpt").mkdir(parents=True)
+    assert detect(tmp_path / "run") == "verl"
+    with pytest.raises(ReshardError, match="no ckpt_contents.json, which verl writes last: the save did not finish"):
+        find_step(actor)
