@@ -59,7 +59,7 @@ _PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expe
              "context_parallel_size")
 _ARCHITECTURE = {"num_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
                  "ffn_hidden_size": "ffn_hidden_size", "num_query_groups": "groups", "kv_channels": "head_dim",
-                 "num_moe_experts": "num_experts"}
+                 "num_moe_experts": "num_experts", "moe_ffn_hidden_size": "moe_ffn_hidden_size"}
 
 
 @dataclass(frozen=True)
@@ -258,6 +258,8 @@ class VerlReader(TorchDistReader):
         config = ModelConfig.from_megatron_args(args)
         for theirs, ours in _ARCHITECTURE.items():
             said = tc.get(theirs)
+            if ours == "ffn_hidden_size" and all(config.moe_layers):  # a model of MoE layers only has no dense MLP to size
+                continue
             if said is not None and said != getattr(config, ours):
                 raise ReshardError(
                     f"{self.step.transformer_config}: {theirs} is {said}, but {self.step.hf_dir / 'config.json'} says "

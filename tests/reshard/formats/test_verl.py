@@ -24,21 +24,30 @@ from tests.reshard.test_cli import _one_line_error, reshard
 STEP = "global_step_2"
 
 
-def made_verl_step(out: Path, preset: str, tp: int, layout: str, fully: bool) -> dict[str, Path]:
-    """`preset` trained two steps by the DistributedOptimizer on 4 ranks at TP `tp`, saved by fixtures/verl.py as
-    verl's `layout` saves it ('run') and in Megatron-LM's layout ('mlm')."""
+def made_verl_step(out: Path, preset: str, layout: str, fully: bool, parallel: tuple) -> dict[str, Path]:
+    """`preset` trained two steps by the DistributedOptimizer on 4 ranks at `parallel` (fixtures' layout flags), saved
+    by fixtures/verl.py as verl's `layout` saves it ('run') and in Megatron-LM's layout ('mlm')."""
     made = {"run": out / "run", "mlm": out / "mlm"}
-    run("fixtures.verl", ["--preset", preset, "--tp", tp, "--layout", layout, *(["--fully-reshardable"] if fully else []),
+    run("fixtures.verl", ["--preset", preset, *parallel, "--layout", layout, *(["--fully-reshardable"] if fully else []),
                           "--out", made["run"], "--mlm-out", made["mlm"]], nproc=4, timeout=600)
     return made
 
 
 @pytest.fixture(scope="session")
 def verl_step(tmp_path_factory):
-    def made(preset="tiny-llama", tp=2, layout="v2", fully=False):
-        return built(tmp_path_factory, made_verl_step, preset, tp, layout, fully)
+    def made(preset="tiny-llama", layout="v2", fully=False, parallel=("--tp", "2")):
+        return built(tmp_path_factory, made_verl_step, preset, layout, fully, parallel)
 
     return made
+
+
+# (preset, verl's layout, fully_reshardable, parallel flags): DP = 4 / (TP x PP)
+SOURCES = {
+    "v2-tp2dp2": ("tiny-llama", "v2", False, ("--tp", "2")),
+    "v1-fully-tp2dp2": ("tiny-llama", "v1", True, ("--tp", "2")),
+    "v2-pp2vpp2dp2": ("tiny-llama", "v2", False, ("--pp", "2", "--vpp", "2")),  # {"model0": ..., "model1": ...}
+    "v2-moe-ep2dp4": ("tiny-moe", "v2", False, ("--ep", "2")),  # the ChainedOptimizer's experts' buckets
+}
 
 
 def _hf_tensors(path: Path) -> dict:
@@ -49,11 +58,12 @@ def _hf_tensors(path: Path) -> dict:
 
 
 @pytest.mark.slow  # a DistributedOptimizer run of megatron-core on 4 forked ranks
-@pytest.mark.parametrize("layout, fully", [("v2", False), ("v1", True)])
-def test_a_verl_step_reads_as_the_same_state_saved_by_megatron_lm(verl_step, layout, fully):
+@pytest.mark.parametrize("source", SOURCES.values(), ids=SOURCES.keys())
+def test_a_verl_step_reads_as_the_same_state_saved_by_megatron_lm(verl_step, source):
     """Every tensor, the model's and the decoded optimizer state's, equals megatron-core's Megatron-LM save of it,
-    whichever directory of the run is given."""
-    made = verl_step(layout=layout, fully=fully)
+    whichever directory of the run is given. The architecture is the HF config's: an MoE model's dense FFN size,
+    which it lacks and no layer uses, is the one difference from the args."""
+    made = verl_step(*source)
     want = tensors(made["mlm"])
     assert any(name.startswith("optimizer.state.exp_avg.") for name in want)
     for path in (made["run"], made["run"] / STEP, made["run"] / STEP / "actor"):
@@ -62,7 +72,8 @@ def test_a_verl_step_reads_as_the_same_state_saved_by_megatron_lm(verl_step, lay
         assert sorted(got) == sorted(want)
         assert all(same(got[name], want[name]) for name in want), [name for name in want if not same(got[name], want[name])][:3]
     with open_checkpoint(made["run"]) as reader, open_checkpoint(made["mlm"]) as oracle:
-        assert reader.layout == oracle.layout and reader.config == oracle.config and reader.common.iteration == 2
+        dense = oracle.config if not oracle.config.is_moe else oracle.config.replace(ffn_hidden_size=reader.config.ffn_hidden_size)
+        assert reader.layout == oracle.layout and reader.config == dense and reader.common.iteration == 2
         assert reader.common.extra["optimizer"] == oracle.common.extra["optimizer"]
         assert reader.common.extra["opt_param_scheduler"] == oracle.common.extra["opt_param_scheduler"]
         assert type(reader.optimizer) is type(oracle.optimizer) and reader.unsupported_optimizer == []  # decoded as the oracle's form
