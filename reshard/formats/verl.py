@@ -245,12 +245,17 @@ class VerlReader(TorchDistReader):
         if embedding is not None:  # its padding is the saving run's choice, not the architecture's
             out["padded_vocab_size"] = embedding.size[0]
         self._check_architecture(out, tc)
-        tp, pp = out.get(megatron_arg("tp"), 1), out.get(megatron_arg("pp"), 1)
+        model_parallel = out.get(megatron_arg("tp"), 1) * out.get(megatron_arg("pp"), 1) * (out.get("context_parallel_size") or 1)
         if self.step.world_size is not None:
-            out["data_parallel_size"] = self.step.world_size // (tp * pp * (out.get("context_parallel_size") or 1))
-        # verl's DDP: gradients reduced in fp32, not overlapped (verl/utils/megatron_utils.py); TE's spec by default
-        out.update(use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                   moe_grouped_gemm=bool(tc.get("moe_grouped_gemm")), transformer_impl=tc.get("transformer_impl", "transformer_engine"))
+            if self.step.world_size % model_parallel:
+                raise ReshardError(f"{self.step.role_dir / MANIFEST}: world_size {self.step.world_size} is no multiple of TP x PP x CP "
+                                   f"= {model_parallel} ({TRANSFORMER_CONFIG}'s): the two disagree")
+            out["data_parallel_size"] = self.step.world_size // model_parallel
+        # verl's DDP: gradients reduced in fp32, not overlapped (verl/utils/megatron_utils.py)
+        out.update(use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+        out["moe_grouped_gemm"] = bool(tc.get("moe_grouped_gemm"))
+        if tc.get("transformer_impl") is not None:  # else the stored names tell (TorchDistReader), TE's spec by default
+            out["transformer_impl"] = tc["transformer_impl"]
         out["params_dtype"] = str(tc.get("params_dtype", "torch.float32")).removeprefix("torch.")
         return out
 
