@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from reshard.convert import ConversionResult
     from reshard.request import Run, Target
 
-FORMATS = ["torch_dist", "legacy", "zarr", "hf"]
+FORMATS = ["torch_dist", "legacy", "zarr", "hf", "verl"]
 
 # Each thread waits on the disk about half the time (a read, then a write, of every unit), so two per core
 # keep the cores busier (benchmarks/README.md, "Measurements behind defaults").

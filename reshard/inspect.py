@@ -27,11 +27,14 @@ class TensorRow:
     bytes: int
 
 
+DCP_FORMATS = ("torch_dist", "verl")  # read by TorchDistReader: its tree's iteration directory holds every .metadata
+
+
 def optimizer_form(reader) -> StoredForm | None:
     """The optimizer form of an open `reader`; None without optimizer state, or where the format names none."""
     if reader.optimizer is not None:  # the reader presents it as fully_reshardable: name what is stored
         return reader.optimizer.form
-    if reader.format_name != "torch_dist":
+    if reader.format_name not in DCP_FORMATS:
         return None
     dp = reader.common.args.get("data_parallel_size")
     common = reader.common.extra.get("optimizer") or {}
@@ -107,7 +110,7 @@ def screen_objects(reader) -> None:
     """Read every pickle of a torch_dist checkpoint through the allow-list (`screen`): its reader reads the
     objects of the .distcp files only when a conversion carries them, and inspect and verify, which carry
     none, must refuse a hostile one rather than describe or vouch for the checkpoint holding it."""
-    if reader.format_name == "torch_dist":
+    if reader.format_name in DCP_FORMATS:
         screen(reader.tree.iteration_dir)
 
 

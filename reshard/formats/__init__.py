@@ -8,11 +8,13 @@ from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader, CheckpointWriter
 from reshard.formats.megatron_dist import TorchDistReader, TorchDistWriter, is_torch_dist
 from reshard.formats.megatron_legacy import LegacyReader, LegacyWriter, is_legacy
+from reshard.formats.verl import VerlReader, VerlWriter, is_verl
 from reshard.formats.zarr_store import ZarrReader, ZarrWriter, is_zarr
 
-READERS: dict[str, type[CheckpointReader]] = {"torch_dist": TorchDistReader, "legacy": LegacyReader, "zarr": ZarrReader}
-WRITERS: dict[str, type[CheckpointWriter]] = {"torch_dist": TorchDistWriter, "legacy": LegacyWriter, "zarr": ZarrWriter}
-_DETECTORS = (("zarr", is_zarr), ("torch_dist", is_torch_dist), ("legacy", is_legacy))
+READERS: dict[str, type[CheckpointReader]] = {"torch_dist": TorchDistReader, "legacy": LegacyReader, "zarr": ZarrReader, "verl": VerlReader}
+WRITERS: dict[str, type[CheckpointWriter]] = {"torch_dist": TorchDistWriter, "legacy": LegacyWriter, "zarr": ZarrWriter, "verl": VerlWriter}
+# verl before torch_dist: its run directory's tracker names a global_step_<N>, which Megatron-LM's would take for a missing iter_<N>
+_DETECTORS = (("zarr", is_zarr), ("verl", is_verl), ("torch_dist", is_torch_dist), ("legacy", is_legacy))
 
 
 def register(name: str, reader: type[CheckpointReader], writer: type[CheckpointWriter], detector) -> None:
@@ -37,7 +39,7 @@ def detect(path: Path) -> str:
         if test(path):
             return name
     raise ReshardError(
-        f"{path} is not a checkpoint reshard knows (torch_dist, legacy mp_rank_*, zarr, HuggingFace); "
+        f"{path} is not a checkpoint reshard knows (torch_dist, legacy mp_rank_*, zarr, HuggingFace, verl); "
         "point at the --save directory or an iter_NNNNNNN directory"
     )
 

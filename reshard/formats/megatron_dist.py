@@ -41,6 +41,7 @@ from reshard.formats.base import (
 )
 from reshard.formats.megatron_tree import (
     TOKENIZER_ASSETS,
+    MegatronTree,
     args_dict,
     args_namespace,
     found_iteration,
@@ -102,6 +103,7 @@ _COMMON_STATE = "common_state/"  # megatron-core 0.19's ShardedObject of the com
 
 class TorchDistReader(CheckpointReader):
     format_name = "torch_dist"
+    integrity = False  # whether its iteration directory has Megatron-LM's integrity.json (`formats.integrity`)
 
     def __init__(self, path: Path, config_file: Path | None = None, need_architecture: bool = True):
         """`config_file` (`--config`): the architecture of a checkpoint that records none (see `model_args`).
@@ -110,15 +112,22 @@ class TorchDistReader(CheckpointReader):
         tree = locate(path)
         if tree is None or not (tree.iteration_dir / ".metadata").is_file():
             raise ReshardError(f"{path} is not a torch_dist checkpoint (no .metadata found)")
-        self.path, self.tree, self.tokenizer_dir = path, tree, tokenizer_dir(tree)
-        self.tokenizer_in_iteration = self.tokenizer_dir != tree.root
         directory = tree.iteration_dir
         self.integrity = (directory / integrity.NAME).exists()  # Megatron-LM's file digests: checked before anything is read
         listed = integrity.verify(directory) if self.integrity else set()
-        self.metadata = dcp_metadata.load(directory / ".metadata")
+        metadata = dcp_metadata.load(directory / ".metadata")
         if self.integrity:
             needed = [".metadata", *(["common.pt"] if (directory / "common.pt").exists() else [])]
-            integrity.require_covered(directory, listed, needed + sorted({info.relative_path for info in self.metadata.storage.values()}))
+            integrity.require_covered(directory, listed, needed + sorted({info.relative_path for info in metadata.storage.values()}))
+        self._open(path, tree, metadata, config_file, need_architecture)
+
+    def _open(self, path: Path, tree: MegatronTree, metadata: DcpMetadata, config_file: Path | None, need_architecture: bool) -> None:
+        """Read the checkpoint `metadata` lists, its files named relative to `tree.iteration_dir` (a layout that
+        keeps the model and the optimizer in directories of their own gives them merged: `formats.verl`)."""
+        self.path, self.tree, self.tokenizer_dir = path, tree, tokenizer_dir(tree)
+        self.tokenizer_in_iteration = self.tokenizer_dir != tree.root
+        directory = tree.iteration_dir
+        self.metadata = metadata
         by_offset: dict[str, list[tuple[tuple[int, ...], Storage]]] = defaultdict(list)
         objects: dict[str, Storage] = {}
         for (fqn, offsets), info in self.metadata.storage.items():
@@ -416,7 +425,7 @@ class TorchDistWriter(CheckpointWriter):
         te_names = self.options.te_names
         self.te_names = uses_te_names(self.common.args) if te_names is None else te_names
         # the files of a multi-rank conversion's ranks are __<target rank>_<rank>.distcp
-        self.directory = self.path / iteration_dirname(self.common.iteration)
+        self.directory = self._iteration_directory()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._file_index = {rank: i for i, rank in enumerate(ranks(self.layout))}
         self._files: dict[int, DirectFile] = {}
@@ -438,8 +447,16 @@ class TorchDistWriter(CheckpointWriter):
         # the source's Megatron-LM 0.18 tokenizer assets stay in the iteration, where they were saved
         return self.directory / TOKENIZER_ASSETS if self.options.tokenizer_in_iteration else self.path
 
+    def _iteration_directory(self) -> Path:
+        """Where the checkpoint's files go (`_name`s are relative to it)."""
+        return self.path / iteration_dirname(self.common.iteration)
+
     def _name(self, index: int) -> str:
         return f"__{index}_{self.rank}.distcp"
+
+    def _first_file(self, key: str) -> int:
+        """The file where stored object (or optimizer gap) `key` goes: the first rank's."""
+        return 0
 
     def _open(self, index: int, size: int = 0) -> None:
         self._files[index] = DirectFile(self.directory / self._name(index))
@@ -462,8 +479,9 @@ class TorchDistWriter(CheckpointWriter):
 
     def reserve(self, spec: TensorSpec, slab: Region, pieces: list[Piece]) -> list[_Record]:
         """Place each piece's record after the ones reserved before it in its file."""
+        first = self._first_file(spec.name)  # 0, or where a layout keeps this kind of tensor (formats.verl)
         return [
-            self._reserve_record(self._file_index[placed.rank], placed.offsets, placed.shape, spec.dtype, placed.key, placed)
+            self._reserve_record(first + self._file_index[placed.rank], placed.offsets, placed.shape, spec.dtype, placed.key, placed)
             for placed in self._placements(spec, pieces)
         ]
 
@@ -523,17 +541,19 @@ class TorchDistWriter(CheckpointWriter):
 
     def _zeros(self, key: str, start: int, count: int) -> None:
         """A chunk of zeros of fp32 tensor `key` at `start`, in the first file (a gap between the sink's pieces)."""
-        self._open_first()
-        record = self._reserve_record(0, (start,), (count,), "float32", key)
-        save_tensor(np.zeros(count, np.float32), At(self._files[0], record.storage.offset))
+        first = self._open_first(key)
+        record = self._reserve_record(first, (start,), (count,), "float32", key)
+        save_tensor(np.zeros(count, np.float32), At(self._files[first], record.storage.offset))
         self._add(key, record)
 
-    def _open_first(self) -> None:
-        """The first rank's file, where objects (and zeros) go after its records (closed by `part` in a multi-rank
-        run, or never written)."""
-        if 0 not in self._files:
-            path = self.directory / self._name(0)
-            self._open(0, path.stat().st_size if path.exists() else 0)
+    def _open_first(self, key: str) -> int:
+        """The first rank's file (`_first_file`), where objects (and zeros) go after its records (closed by `part` in a
+        multi-rank run, or never written)."""
+        first = self._first_file(key)
+        if first not in self._files:
+            path = self.directory / self._name(first)
+            self._open(first, path.stat().st_size if path.exists() else 0)
+        return first
 
     def _target_args(self) -> dict[str, Any]:
         args = args_for_layout(self.common.args, self.layout, self.config, "torch_dist")
@@ -553,16 +573,14 @@ class TorchDistWriter(CheckpointWriter):
 
     def _write_objects(self) -> list[str]:
         """Per-module objects go into the first rank's file, as Megatron's replica 0 saves them."""
-        if not self.common.objects:
-            return []
-        self._open_first()
         for key, value in sorted(self.common.objects.items()):
+            first = self._open_first(key)
             buffer = io.BytesIO()
             save_archive([value], buffer)
-            offset = self._sizes[0]
-            At(self._files[0], offset).write(buffer.getbuffer())
-            self._sizes[0] = self._planned[0] = offset + len(buffer.getbuffer())
-            self._storage[(key, None)] = Storage(self._name(0), offset, len(buffer.getbuffer()))
+            offset = self._sizes[first]
+            At(self._files[first], offset).write(buffer.getbuffer())
+            self._sizes[first] = self._planned[first] = offset + len(buffer.getbuffer())
+            self._storage[(key, None)] = Storage(self._name(first), offset, len(buffer.getbuffer()))
         return sorted(self.common.objects)
 
     def sync(self) -> None:
@@ -595,8 +613,9 @@ class TorchDistWriter(CheckpointWriter):
             file.close()
         self._files.clear()
 
-    def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
-        if parts is not None:  # every rank's chunks, in rank order (rank 0's own part among them)
+    def _finish_records(self, parts: list[Any] | None) -> DcpMetadata:
+        """Every rank's records (`parts`, in rank order, rank 0's own among them) and the objects, written and listed."""
+        if parts is not None:
             self._chunks, self._storage = defaultdict(list), {}
             for chunks, storage in parts:
                 for key, found in chunks.items():
@@ -605,7 +624,10 @@ class TorchDistWriter(CheckpointWriter):
         tensors = self._tensor_entries()
         objects = self._write_objects()
         self._close_files()
-        dcp_metadata.save(self.directory / ".metadata", DcpMetadata(tensors, objects, self._storage))
+        return DcpMetadata(tensors, objects, self._storage)
+
+    def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
+        dcp_metadata.save(self.directory / ".metadata", self._finish_records(parts))
         common = dict(self.common.extra)
         common["iteration"] = stored_iteration(self.common.iteration)
         form = common.get("optimizer", {}).get("param_state_sharding_type") if isinstance(common.get("optimizer"), dict) else None

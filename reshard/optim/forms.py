@@ -7,6 +7,7 @@ to a data-parallel size needs of the source: the plan's `OptimizerOutput`.
 | legacy | the DistributedOptimizer's distrib_optim.pt beside each rank file | |
 | zarr | per-parameter tensors | |
 | hf | none: refused | |
+| verl | dp_reshardable buckets (verl's default) | |
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ TAKES: dict[str, Takes] = {
     "legacy": Takes(DISTRIB_OPTIM_PT),
     "zarr": Takes(PER_PARAMETER),
     "hf": Takes(None, refusal="the HF format holds no optimizer state"),
+    "verl": Takes(DP_RESHARDABLE, {"dp_reshardable": DP_RESHARDABLE}),  # verl's default form (dist_ckpt_optim_fully_reshardable off)
 }
 
 

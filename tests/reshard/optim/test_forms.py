@@ -21,8 +21,8 @@ DP = ["--optimizer-form", "dp_reshardable"]
     ([*DP, "--to-dp", "-2"], ["--to-dp -2", "at least 1"], ["add --optimizer-form"]),
     (["--to-dp", "4"], ["--to-dp", "add --optimizer-form dp_reshardable"], []),  # per-parameter tensors: no DP size
     (["--to-format", "zarr", "--to-dp", "4"], ["--to-dp", "add --optimizer-form dp_reshardable"], []),
-    (["--to-format", "zarr", *DP], ["torch_dist form", "zarr"], []),
-    (["--to-format", "legacy", *DP], ["torch_dist form", "legacy"], []),
+    (["--to-format", "zarr", *DP], ["torch_dist or verl form", "zarr"], []),
+    (["--to-format", "legacy", *DP], ["torch_dist or verl form", "legacy"], []),
     ([*DP, "--no-optimizer"], ["drop --no-optimizer"], []),
     (["--to-format", "hf"], ["HF format holds no optimizer state", "--no-optimizer"], []),
 ])

@@ -1,0 +1,223 @@
+"""verl's Megatron checkpoints as a source: a step written as verl's MegatronCheckpointManager writes one
+(fixtures/verl.py: megatron-core's own dist_checkpointing saves under verl's keys and directories), read against the
+same state saved by megatron-core in Megatron-LM's layout (with its args)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.numpy import load_file
+
+from reshard.convert import convert
+from reshard.errors import ReshardError
+from reshard.formats import detect, open_checkpoint
+from reshard.formats.verl import find_step
+from reshard.request import Target
+from tests.arrays import same, tensors
+from tests.cache import built
+from tests.launch import run
+from tests.reshard.test_cli import _one_line_error, reshard
+
+STEP = "global_step_2"
+
+
+def made_verl_step(out: Path, preset: str, layout: str, fully: bool, parallel: tuple) -> dict[str, Path]:
+    """`preset` trained two steps by the DistributedOptimizer on 4 ranks at `parallel` (fixtures' layout flags), saved
+    by fixtures/verl.py as verl's `layout` saves it ('run') and in Megatron-LM's layout ('mlm')."""
+    made = {"run": out / "run", "mlm": out / "mlm"}
+    run("fixtures.verl", ["--preset", preset, *parallel, "--layout", layout, *(["--fully-reshardable"] if fully else []),
+                          "--out", made["run"], "--mlm-out", made["mlm"]], nproc=4, timeout=600)
+    return made
+
+
+@pytest.fixture(scope="session")
+def verl_step(tmp_path_factory):
+    def made(preset="tiny-llama", layout="v2", fully=False, parallel=("--tp", "2")):
+        return built(tmp_path_factory, made_verl_step, preset, layout, fully, parallel)
+
+    return made
+
+
+# (preset, verl's layout, fully_reshardable, parallel flags): DP = 4 / (TP x PP)
+SOURCES = {
+    "v2-tp2dp2": ("tiny-llama", "v2", False, ("--tp", "2")),
+    "v1-fully-tp2dp2": ("tiny-llama", "v1", True, ("--tp", "2")),
+    "v2-pp2vpp2dp2": ("tiny-llama", "v2", False, ("--pp", "2", "--vpp", "2")),  # {"model0": ..., "model1": ...}
+    "v2-moe-ep2dp4": ("tiny-moe", "v2", False, ("--ep", "2")),  # the ChainedOptimizer's experts' buckets
+}
+
+
+def _hf_tensors(path: Path) -> dict:
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+@pytest.mark.slow  # a DistributedOptimizer run of megatron-core on 4 forked ranks
+@pytest.mark.parametrize("source", SOURCES.values(), ids=SOURCES.keys())
+def test_a_verl_step_reads_as_the_same_state_saved_by_megatron_lm(verl_step, source):
+    """Every tensor, the model's and the decoded optimizer state's, equals megatron-core's Megatron-LM save of it,
+    whichever directory of the run is given. The architecture is the HF config's: an MoE model's dense FFN size,
+    which it lacks and no layer uses, is the one difference from the args."""
+    made = verl_step(*source)
+    want = tensors(made["mlm"])
+    assert any(name.startswith("optimizer.state.exp_avg.") for name in want)
+    for path in (made["run"], made["run"] / STEP, made["run"] / STEP / "actor"):
+        assert detect(path) == "verl"
+        got = tensors(path)
+        assert sorted(got) == sorted(want)
+        assert all(same(got[name], want[name]) for name in want), [name for name in want if not same(got[name], want[name])][:3]
+    with open_checkpoint(made["run"]) as reader, open_checkpoint(made["mlm"]) as oracle:
+        dense = oracle.config if not oracle.config.is_moe else oracle.config.replace(ffn_hidden_size=reader.config.ffn_hidden_size)
+        assert reader.layout == oracle.layout and reader.config == dense and reader.common.iteration == 2
+        assert reader.common.extra["optimizer"] == oracle.common.extra["optimizer"]
+        assert reader.common.extra["opt_param_scheduler"] == oracle.common.extra["opt_param_scheduler"]
+        assert type(reader.optimizer) is type(oracle.optimizer) and reader.unsupported_optimizer == []  # decoded as the oracle's form
+
+
+@pytest.mark.slow
+def test_hf_and_zarr_exports_of_a_verl_step_equal_those_of_its_megatron_lm_save(verl_step, tmp_path):
+    made = verl_step()
+    for fmt in ("hf", "zarr"):
+        for name in ("run", "mlm"):
+            convert(made[name], tmp_path / f"{name}.{fmt}", Target(format=fmt, optimizer=fmt != "hf"))
+        if fmt == "hf":
+            got, want = _hf_tensors(tmp_path / "run.hf"), _hf_tensors(tmp_path / "mlm.hf")
+            assert json.loads((tmp_path / "run.hf" / "config.json").read_text()) == json.loads((tmp_path / "mlm.hf" / "config.json").read_text())
+        else:
+            got, want = tensors(tmp_path / "run.zarr"), tensors(tmp_path / "mlm.zarr")
+        assert got and sorted(got) == sorted(want)
+        assert all(same(got[name], want[name]) for name in want), fmt
+
+
+@pytest.mark.slow
+def test_the_cli_inspects_and_exports_a_verl_step(verl_step, tmp_path):
+    made = verl_step()
+    out = reshard("inspect", made["run"])
+    assert out.returncode == 0 and "verl checkpoint, iteration 2, layout TP2PP1EP1" in out.stdout, out.stderr
+    assert "optimizer: dp_reshardable, DP 2" in out.stdout
+    result = reshard("convert", made["run"] / STEP / "actor", tmp_path / "hf", "--to-format", "hf", "--no-optimizer")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "hf" / "config.json").is_file()
+
+
+def _damaged(source: Path, dest: Path) -> Path:
+    shutil.copytree(source, dest, symlinks=True)
+    return dest / STEP / "actor"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["../../../mlm/iter_0000002", "/etc", "model/../../actor/model/dist_ckpt"])
+def test_a_manifest_naming_a_path_outside_the_step_is_refused(verl_step, tmp_path, path):
+    actor = _damaged(verl_step()["run"], tmp_path / "run")
+    manifest = json.loads((actor / "ckpt_contents.json").read_text())
+    manifest["contents"]["model"]["path"] = path
+    (actor / "ckpt_contents.json").write_text(json.dumps(manifest))
+    result = reshard("convert", actor, tmp_path / "out", "--to-format", "hf", "--no-optimizer")
+    _one_line_error(result, "a path outside the checkpoint", repr(path))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_transformer_config_that_contradicts_the_hf_config_is_refused_naming_the_field(verl_step, tmp_path):
+    actor = _damaged(verl_step()["run"], tmp_path / "run")
+    config = json.loads((actor / "transformer_config.json").read_text())
+    config["num_layers"] += 1
+    (actor / "transformer_config.json").write_text(json.dumps(config))
+    result = reshard("convert", actor, tmp_path / "out", "--to-format", "hf", "--no-optimizer")
+    _one_line_error(result, "transformer_config.json: num_layers is 5", "disagree")
+    assert not (tmp_path / "out").exists()
+
+
+def _manifest_only(tmp_path: Path, **changes) -> Path:
+    """A step directory holding only a manifest (what find_step reads first)."""
+    actor = tmp_path / "run" / STEP / "actor"
+    actor.mkdir(parents=True)
+    manifest = {"schema_version": 2, "world_size": 4, "global_step": 2,
+                "contents": {"model": {"path": "model/dist_ckpt", "format": "megatron_dist_checkpoint"}}} | changes
+    (actor / "ckpt_contents.json").write_text(json.dumps(manifest))
+    return actor
+
+
+def test_a_manifest_of_another_schema_is_refused_naming_it(tmp_path):
+    with pytest.raises(ReshardError, match="schema_version is 3"):
+        find_step(_manifest_only(tmp_path, schema_version=3))
+
+
+def test_an_mbridge_step_whose_model_is_hf_weights_is_refused_pointing_at_them(tmp_path):
+    actor = _manifest_only(tmp_path, contents={"model": {"path": "model/huggingface", "format": "huggingface"}})
+    (actor / "model" / "huggingface").mkdir(parents=True)
+    with pytest.raises(ReshardError, match="already HF weights; convert that directory"):
+        find_step(tmp_path / "run")
+
+
+def test_an_absolute_manifest_path_is_refused_by_name(tmp_path):
+    actor = _manifest_only(tmp_path, contents={"model": {"path": str(tmp_path), "format": "megatron_dist_checkpoint"}})
+    with pytest.raises(ReshardError, match="a path outside the checkpoint"):
+        find_step(actor)
+
+
+@pytest.mark.slow
+def test_a_v1_steps_dp_reshardable_optimizer_is_refused_by_name_and_its_model_converts(verl_step, tmp_path):
+    """Layout v1 records no world size: the buckets' data-parallel size is unknown, so they are not decoded."""
+    made = verl_step(layout="v1")
+    want = {name: value for name, value in tensors(made["mlm"]).items() if not name.startswith("optimizer.")}
+    got = tensors(made["run"])
+    assert sorted(got) == sorted(want) and all(same(got[name], want[name]) for name in want)
+    with pytest.raises(ReshardError, match="layout v1 records no world size.*--no-optimizer"):
+        convert(made["run"], tmp_path / "with", Target(format="zarr"))
+    assert not (tmp_path / "with").exists()
+    convert(made["run"], tmp_path / "without", Target(format="zarr", optimizer=False))
+    assert sorted(tensors(tmp_path / "without")) == sorted(want)
+
+
+# (reshard convert's flags, the layout megatron-core loads the output at, its ranks, whether the RNG state is carried)
+RESHARDS = {
+    "tp2dp2-to-tp1pp2": (["--to-tp", "1", "--to-pp", "2"], ["--tp", "1", "--pp", "2"], 4, False),
+    "tp2dp2-to-tp1dp4": (["--to-tp", "1", "--to-dp", "4"], ["--tp", "1"], 4, False),
+    "tp2dp2-to-tp2dp1": (["--to-dp", "1"], ["--tp", "2"], 2, True),
+}
+
+
+@pytest.mark.slow  # megatron-core loads the output on forked ranks
+@pytest.mark.parametrize("case", RESHARDS.values(), ids=RESHARDS.keys())
+def test_a_resharded_verl_step_is_loaded_by_megatron_core_as_verl_loads_it(verl_step, tmp_path, case):
+    """Written back in verl's layout at a new TP/PP/DP, megatron-core's dist_checkpointing.load (fixtures/verl.py
+    --load: verl's keys, the DistributedOptimizer's dp_reshardable buckets at the new layout) gets the model, the optimizer
+    state and the LR scheduler the source run saved."""
+    flags, layout, ranks, rng = case
+    made = verl_step()
+    result = reshard("convert", made["run"], tmp_path / "out", *flags)
+    assert result.returncode == 0 and "checksums verified" in result.stdout, result.stderr
+    actor = tmp_path / "out" / STEP / "actor"
+    run("fixtures.verl", ["--preset", "tiny-llama", *layout, "--load", actor, "--mlm-out", tmp_path / "loaded"], nproc=ranks, timeout=600)
+    got, want = tensors(tmp_path / "loaded"), tensors(made["mlm"])
+    assert any(name.startswith("optimizer.state.exp_avg_sq.") for name in want) and sorted(got) == sorted(want)
+    assert all(same(got[name], want[name]) for name in want), [name for name in want if not same(got[name], want[name])][:3]
+    with open_checkpoint(tmp_path / "loaded") as loaded, open_checkpoint(made["mlm"]) as oracle:
+        assert loaded.common.extra["opt_param_scheduler"] == oracle.common.extra["opt_param_scheduler"]
+    source = made["run"] / STEP / "actor"
+    assert (actor / "model" / "huggingface" / "config.json").read_bytes() == (source / "model" / "huggingface" / "config.json").read_bytes()
+    manifest, config = json.loads((actor / "ckpt_contents.json").read_text()), json.loads((actor / "transformer_config.json").read_text())
+    assert manifest["world_size"] == ranks and config["tensor_model_parallel_size"] == int(layout[1])
+    assert (actor / "extra" / "dist_ckpt").is_dir() == rng == ("rng_state" in manifest["contents"]) == ("extra" in manifest["save_contents"])
+    assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+@pytest.mark.slow
+def test_a_verl_output_from_another_format_is_refused(verl_step, tmp_path):
+    result = reshard("convert", verl_step()["mlm"], tmp_path / "out", "--to-format", "verl")
+    _one_line_error(result, "writes a verl step from a verl step")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_step_whose_save_did_not_finish_is_refused_by_name(tmp_path):
+    actor = tmp_path / "run" / STEP / "actor"
+    (actor / "model" / "dist_ckpt").mkdir(parents=True)
+    assert detect(tmp_path / "run") == "verl"
+    with pytest.raises(ReshardError, match="no ckpt_contents.json, which verl writes last: the save did not finish"):
+        find_step(actor)
