@@ -87,6 +87,12 @@ def conv1d_to_linear(t: Tensor) -> Tensor:
 linear_to_conv1d = conv1d_to_linear  # a transpose is its own inverse
 
 
+def at_index(name: str, index: str) -> str:
+    """The HF address of one slice of tensor `name` along its leading axis, e.g. an expert of experts fused into one
+    [E, ...] tensor (`at_index(f"{p}experts.down_proj", E)`): the HF format reads and writes that slice alone."""
+    return f"{name}[{index}]"
+
+
 def _expect(t: Tensor, rows: int, what: str) -> None:
     if t.shape[0] != rows:
         raise ReshardError(f"{what} has {t.shape[0]} rows, the config implies {rows}: config.json does not match the weights")
@@ -108,6 +114,7 @@ class Mapping:
     stacks_rows: ClassVar[bool] = False
 
     def hf_names(self, layer: int | None = None, expert: int | None = None) -> list[str]:
+        """The HF tensors of one slab: names, or a fused tensor's slice (`at_index`)."""
         return [t.format(layer=layer, expert=expert) for t in self.hf]
 
     def to_megatron(self, tensors: Sequence[Tensor], config: ModelConfig) -> Tensor:

@@ -270,6 +270,25 @@ def stacked_regions(spec: TensorSpec, slab: Region, shapes: list[tuple[int, ...]
     return regions
 
 
+_ADDRESS = re.compile(r"^(?P<name>.+)\[(?P<index>\d+)\]$")
+
+
+@dataclass(frozen=True)
+class HFAddress:
+    """What a mapping names on the HF side: a whole tensor, or one slice of it along its leading axis
+    (`name[index]`, `converters.base.at_index`), as transformers stores fused experts ([E, ...], one expert a
+    slice). A slice of a C-order tensor at a leading index is itself one contiguous run: it is read and written
+    where it lies, never with the rest of the tensor."""
+
+    name: str
+    index: int | None = None
+
+    @classmethod
+    def parse(cls, address: str) -> HFAddress:
+        match = _ADDRESS.match(address)
+        return cls(match["name"], int(match["index"])) if match else cls(address)
+
+
 @dataclass(frozen=True)
 class _Stored:
     """Where one HF tensor lives, by its file's header."""
@@ -283,6 +302,14 @@ class _Stored:
     def record(self) -> TensorRecord:
         """Where its values lie in its file (a safetensors tensor is one C-order run)."""
         return TensorRecord(_ST_DTYPES[self.st_dtype], self.shape, self.offset)
+
+    def part(self, index: int, address: str) -> _Stored:
+        """Its slice at `index` along the leading axis; one past its end is the config contradicting the file."""
+        if not self.shape or index >= self.shape[0]:
+            raise ReshardError(f"{address} is past tensor {HFAddress.parse(address).name} of shape {list(self.shape)}: "
+                               "config.json does not match the weights")
+        size = math.prod(self.shape[1:]) * _ST_BITS[self.st_dtype] // 8
+        return _Stored(self.file, self.st_dtype, self.shape[1:], self.offset + index * size)
 
 
 def hf_tensors(
@@ -300,6 +327,25 @@ def hf_tensors(
             for expert in range(spec.shape[int(spec.stacked)]) if spec.experts else [None]:
                 for hf_name, shape in zip(mapping.hf_names(layer, expert), shapes):
                     yield name, spec, layer, hf_name, tuple(shape)
+
+
+def _whole_tensors(tensors: Iterator[tuple[str, TensorSpec, int | None, str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of each whole HF tensor of `hf_tensors`: a tensor named by its slices (`HFAddress`) once,
+    as [slices, *slice shape], its slices numbered from 0 without a gap, each of one shape."""
+    whole: dict[str, tuple[int, ...]] = {}
+    parts: dict[str, list[tuple[int, tuple[int, ...]]]] = {}
+    for *_, hf_name, shape in tensors:
+        address = HFAddress.parse(hf_name)
+        if address.index is None:
+            whole[hf_name] = shape
+        else:
+            whole.setdefault(address.name, ())
+            parts.setdefault(address.name, []).append((address.index, shape))
+    for name, slices in parts.items():
+        if sorted(index for index, _ in slices) != list(range(len(slices))) or len({shape for _, shape in slices}) != 1:
+            raise ReshardError(f"internal: the slices of HF tensor {name} are not numbered 0.. of one shape")
+        whole[name] = (len(slices), *slices[0][1])
+    return list(whole.items())
 
 
 class HFReader(CheckpointReader):
@@ -346,7 +392,7 @@ class HFReader(CheckpointReader):
         self.config = config
         self.specs: dict[str, TensorSpec] = {name: describe(name, shape, dtypes[name], config) for name, shape in shapes.items()}
         # Every tensor at the shape config.json implies: values are read at offsets computed from it.
-        for _, _, _, hf_name, shape in hf_tensors(self.specs, self._mappings, config):
+        for hf_name, shape in _whole_tensors(hf_tensors(self.specs, self._mappings, config)):
             if (stored := self._shape(hf_name)) != shape:
                 raise ReshardError(
                     f"{hf_name} has shape {list(stored)} but config.json implies {list(shape)}: "
@@ -395,7 +441,8 @@ class HFReader(CheckpointReader):
             for layer in layers:
                 for expert in experts:
                     for hf_name in mapping.hf_names(layer, expert):
-                        stored = self._alias.get(hf_name, hf_name)
+                        base = HFAddress.parse(hf_name).name
+                        stored = self._alias.get(base, base)
                         kinds.add(self._stored_as(hf_name).st_dtype)
                         used.update([stored, fp8_blocks.scale_name(stored)] if stored in self._scales else [stored])
             if len(kinds) != 1 or next(iter(kinds)) not in ("F32", "BF16", "F16", "F8_E4M3"):
@@ -459,10 +506,11 @@ class HFReader(CheckpointReader):
 
     # -- files ------------------------------------------------------------------------------------
     def _stored_as(self, hf_name: str) -> _Stored:
-        stored = self._stored.get(self._alias.get(hf_name, hf_name))
+        address = HFAddress.parse(hf_name)
+        stored = self._stored.get(self._alias.get(address.name, address.name))
         if stored is None:
-            raise ReshardError(f"{self.path}: tensor {hf_name} is missing; the checkpoint is incomplete or config.json does not match it")
-        return stored
+            raise ReshardError(f"{self.path}: tensor {address.name} is missing; the checkpoint is incomplete or config.json does not match it")
+        return stored if address.index is None else stored.part(address.index, hf_name)
 
     def _shape(self, hf_name: str) -> tuple[int, ...]:
         return self._stored_as(hf_name).shape
@@ -607,7 +655,8 @@ class HFWriter(CheckpointWriter):
                 f"(missing {missing[:3]}, unmapped {extra[:3]}); it cannot be exported without losing weights"
             )
         self.path.mkdir(parents=True, exist_ok=True)
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, _Entry] = {}  # by HF name, and by the address of each slice of a fused tensor
+        self._slices: dict[str, dict[str, int]] = {}  # fused HF tensor -> its slices' addresses -> their index
         self._scratch = PerThread()  # stages the tensors that cannot be written from where they are
         self._plan_files(options.max_shard_bytes or DEFAULT_SHARD_BYTES)
 
@@ -616,11 +665,22 @@ class HFWriter(CheckpointWriter):
         return self.dtype or spec.dtype
 
     def _all_tensors(self) -> list[tuple[tuple, str, tuple[int, ...], str]]:
-        """(sort key, HF name, shape, dtype) of every output tensor, in HF's usual order (by layer)."""
+        """(sort key, HF name, shape, dtype) of every output tensor, in HF's usual order (by layer); a tensor written
+        by its slices (`HFAddress`) once, whole, each slice's place noted in `_slices`."""
         out = []
         for name, spec, layer, hf_name, shape in hf_tensors(self.specs, self._mappings, self.config):
             group = 0 if name.startswith("embedding.") else (2 if not spec.stacked else 1)
             key = (group, layer if layer is not None else -1, hf_name)
+            address = HFAddress.parse(hf_name)
+            if address.index is not None:
+                if name in self._quantized:
+                    raise ReshardError(f"HF {self.family.model_type} stores {name} fused with other experts ({address.name}), "
+                                       "which fp8 blocks do not scale; export it without --to-fp8-blocks")
+                slices = self._slices.setdefault(address.name, {})
+                if not slices:
+                    out.append(((*key[:2], address.name), address.name, shape, self._out_dtype(spec)))
+                slices[hf_name] = address.index
+                continue
             if name in self._quantized:  # the float8 weight, its scales after it
                 out.append((key, hf_name, shape, "float8_e4m3fn"))
                 scales = fp8_blocks.scale_name(hf_name)
@@ -628,7 +688,8 @@ class HFWriter(CheckpointWriter):
             else:
                 out.append((key, hf_name, shape, self._out_dtype(spec)))
         out.sort(key=lambda t: t[0])
-        return out
+        return [(key, name, (len(self._slices[name]), *shape) if name in self._slices else shape, dtype)
+                for key, name, shape, dtype in out]
 
     def _plan_files(self, max_shard_size: int) -> None:
         shards: list[list[tuple[str, tuple[int, ...], str, int]]] = [[]]
@@ -661,6 +722,9 @@ class HFWriter(CheckpointWriter):
             for name, shape, dtype, nbytes in tensors:
                 begin = header[name]["data_offsets"][0]
                 self._entries[name] = _Entry(name, tuple(shape), dtype, index, start + begin, nbytes)
+                for address, i in self._slices.get(name, {}).items():  # one contiguous run each
+                    size = nbytes // shape[0]
+                    self._entries[address] = _Entry(address, tuple(shape[1:]), dtype, index, start + begin + i * size, size)
 
     # -- streaming --------------------------------------------------------------------------------
     def prepare(
@@ -724,9 +788,16 @@ class HFWriter(CheckpointWriter):
         names = self._mappings[spec.name].hf_names(layer, expert)
         if spec.name in self._quantized:
             names += [fp8_blocks.scale_name(name) for name in names]
-        for hf_name in names:
-            self._entries[hf_name].written = True
+        self._mark(names)
         self._facts.extend(names)
+
+    def _mark(self, names: list[str]) -> None:
+        """Note HF tensors (or slices of one) as written; a fused tensor is written once every slice is."""
+        for name in names:
+            self._entries[name].written = True
+            fused = HFAddress.parse(name).name
+            if fused != name and all(self._entries[part].written for part in self._slices[fused]):
+                self._entries[fused].written = True
 
     # Every tensor has its place from the start, so a tensor is done once its bytes are durable: the state
     # to resume from, or to hand to rank 0, is the names of the tensors written.
@@ -735,8 +806,7 @@ class HFWriter(CheckpointWriter):
             os.fsync(f.fd)
 
     def restore(self, facts: list[str]) -> None:
-        for name in facts:
-            self._entries[name].written = True
+        self._mark(facts)
         self._facts.extend(facts)
 
     def part(self) -> list[str]:
@@ -755,10 +825,11 @@ class HFWriter(CheckpointWriter):
         missing = [e.name for e in self._entries.values() if not e.written]
         if missing:
             raise ReshardError(f"internal: {len(missing)} HF tensors were never written (first: {missing[0]})")
+        tensors = {name: e for name, e in self._entries.items() if HFAddress.parse(name).name == name}  # slices are not tensors
         if len(self._file_names) > 1:
             index = {
-                "metadata": {"total_size": sum(e.nbytes for e in self._entries.values())},
-                "weight_map": {name: self._file_names[e.file] for name, e in sorted(self._entries.items())},
+                "metadata": {"total_size": sum(e.nbytes for e in tensors.values())},
+                "weight_map": {name: self._file_names[e.file] for name, e in sorted(tensors.items())},
             }
             (self.path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         config = dict(self.hf_config)
