@@ -422,6 +422,12 @@ LLAMA_SIGNATURE: dict[str, Any] = {
     "moe_router_enable_expert_bias": False,
     "moe_router_num_groups": None,
     "moe_router_topk_scaling_factor": None,
+    # gpt-oss's (`converters.gpt_oss`): attention sinks, sliding windows, the clamped SwiGLU
+    "softmax_type": "vanilla",
+    "window_size": None,
+    "quick_geglu": False,
+    "activation_func_clamp_value": None,
+    "glu_linear_offset": 0.0,
 }
 
 
@@ -559,6 +565,11 @@ class Family:
             "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
             "moe_router_num_groups": config.moe_router_num_groups,
             "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor,
+            "softmax_type": config.softmax_type,
+            "window_size": config.window_size,
+            "quick_geglu": config.quick_geglu,
+            "activation_func_clamp_value": config.activation_func_clamp_value,
+            "glu_linear_offset": config.glu_linear_offset,
         }
 
     def mismatch(self, config: ModelConfig) -> str | None:
