@@ -36,7 +36,6 @@ from reshard.layout import Layout
 from reshard.trainer import checkpoint as ckpt
 from reshard.trainer.presets import PRESETS
 
-
 # How long a failed rank other than 0 waits for rank 0's report before making its own.
 REPORT_GRACE_S = 10
 
