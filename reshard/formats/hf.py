@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from reshard import fp8_blocks
+from reshard import fp8_blocks, mxfp4
 from reshard.buffers import PerThread, copy
 from reshard.checksum import HashedParts, TensorChecksum
 from reshard.config import ModelConfig
@@ -312,6 +312,24 @@ class _Stored:
         return _Stored(self.file, self.st_dtype, self.shape[1:], self.offset + index * size)
 
 
+@dataclass(frozen=True)
+class _Packed:
+    """An MXFP4 tensor (`reshard.mxfp4`): where its blocks and scales live, or one leading slice of both; read
+    dequantized to float32."""
+
+    name: str
+    blocks: _Stored
+    scales: _Stored
+    st_dtype = "F32"  # as read
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return mxfp4.shape(self.name, self.blocks.shape, self.scales.shape)
+
+    def part(self, index: int, address: str) -> _Packed:
+        return _Packed(self.name, self.blocks.part(index, address), self.scales.part(index, address))
+
+
 def hf_tensors(
     specs: dict[str, TensorSpec], mappings: dict[str, Any], config: ModelConfig
 ) -> Iterator[tuple[str, TensorSpec, int | None, str, tuple[int, ...]]]:
@@ -371,13 +389,14 @@ class HFReader(CheckpointReader):
         self._stored = self._locate_tensors()
         self._handles: dict[Path, RecordFile] = {}
         quantization = self.hf_config.get("quantization_config")
-        self._block = fp8_blocks.block_size(quantization) if quantization else None
+        self._block = fp8_blocks.block_size(quantization) if quantization and not mxfp4.is_config(quantization) else None
         self._scales = self._pair_scales()  # quantized weight -> its scales, by their names in the files
+        self._packed = self._pair_mxfp4() if mxfp4.is_config(quantization) else {}  # MXFP4 tensor -> its blocks and scales
         self._rows = PerThread()  # a block row of float8 values being dequantized
-        # Told no dtype, a conversion writes bf16: DeepSeek-V3's unquantized tensors are, and it runs in it.
-        self.default_dtype = "bfloat16" if self._scales else None
+        # Told no dtype, a conversion writes bf16: DeepSeek-V3's and gpt-oss's unquantized tensors are, and they run in it.
+        self.default_dtype = "bfloat16" if self._scales or self._packed else None
         self._alias = self._aliases()
-        self.family, config, absent = self.family.for_files(config, {*self._stored, *self._alias})
+        self.family, config, absent = self.family.for_files(config, {*self._stored, *self._packed, *self._alias})
         self._check_vocab_rows(config)
         self._mappings = {m.megatron: m for m in self.family.mappings(config)}
         shapes = model_tensors(config)
@@ -444,7 +463,8 @@ class HFReader(CheckpointReader):
                         base = HFAddress.parse(hf_name).name
                         stored = self._alias.get(base, base)
                         kinds.add(self._stored_as(hf_name).st_dtype)
-                        used.update([stored, fp8_blocks.scale_name(stored)] if stored in self._scales else [stored])
+                        used.update([stored, fp8_blocks.scale_name(stored)] if stored in self._scales else
+                                    mxfp4.stored_names(stored) if stored in self._packed else [stored])
             if len(kinds) != 1 or next(iter(kinds)) not in ("F32", "BF16", "F16", "F8_E4M3"):
                 raise ReshardError(f"{name}: HF tensors have dtypes {sorted(kinds)}; expected one floating-point dtype")
             dtypes[name] = "float32" if kinds == {"F8_E4M3"} else _ST_DTYPES[next(iter(kinds))]  # fp8: dequantized
@@ -504,10 +524,29 @@ class HFReader(CheckpointReader):
                 raise ReshardError(f"{self.path}: tensor {name} scales no float8 weight {name.removesuffix('_scale_inv')}")
         return scales
 
+    def _pair_mxfp4(self) -> dict[str, _Packed]:
+        """Each MXFP4 tensor of the files (`reshard.mxfp4`: `name_blocks` and `name_scales`, uint8, of shapes that
+        pair); blocks without their scales, scales without their blocks, or either of another dtype refused naming it."""
+        mxfp4.check_config(self.hf_config["quantization_config"])
+        packed = {}
+        for name, stored in self._stored.items():
+            for suffix, other in ((mxfp4.BLOCKS, mxfp4.SCALES), (mxfp4.SCALES, mxfp4.BLOCKS)):
+                base = name.removesuffix(suffix)
+                if base == name:
+                    continue
+                if (pair := self._stored.get(base + other)) is None:
+                    raise ReshardError(f"{self.path}: MXFP4 tensor {name} is without its {base + other}")
+                if stored.st_dtype != "U8":
+                    raise ReshardError(f"{self.path}: MXFP4 tensor {name} is {stored.st_dtype}, not U8")
+                if suffix == mxfp4.BLOCKS:
+                    packed[base] = _Packed(base, stored, pair)
+                    packed[base].shape  # noqa: B018 (refuses blocks and scales that do not pair)
+        return packed
+
     # -- files ------------------------------------------------------------------------------------
-    def _stored_as(self, hf_name: str) -> _Stored:
+    def _stored_as(self, hf_name: str) -> _Stored | _Packed:
         address = HFAddress.parse(hf_name)
-        stored = self._stored.get(self._alias.get(address.name, address.name))
+        stored = self._stored.get(self._alias.get(address.name, address.name)) or self._packed.get(address.name)
         if stored is None:
             raise ReshardError(f"{self.path}: tensor {address.name} is missing; the checkpoint is incomplete or config.json does not match it")
         return stored if address.index is None else stored.part(address.index, hf_name)
@@ -524,13 +563,21 @@ class HFReader(CheckpointReader):
     def _tensor(self, hf_name: str) -> np.ndarray:
         shape = self._shape(hf_name)
         quantized = self._alias.get(hf_name, hf_name) in self._scales
-        out = np.empty(shape, dtype=np.float32 if quantized else numpy_dtype(self._stored_as(hf_name).record.dtype))
+        out = np.empty(shape, dtype=np.float32 if quantized else numpy_dtype(_ST_DTYPES[self._stored_as(hf_name).st_dtype]))
         self._read(hf_name, full_region(shape), out)
         return out
 
     def _read(self, hf_name: str, region: Region, out: np.ndarray) -> None:
-        """`region` of an HF tensor into `out`: as stored, or a float8 weight dequantized to float32, read a block
-        row at a time."""
+        """`region` of an HF tensor into `out`: as stored, a float8 weight dequantized to float32, read a block
+        row at a time, or an MXFP4 one (or one slice of it: an expert) dequantized whole."""
+        if isinstance(packed := self._stored_as(hf_name), _Packed):
+            stored = []
+            for where in (packed.blocks, packed.scales):
+                file = cached(self._handles, where.file, lambda where=where: RecordFile(where.file))
+                stored.append(np.empty(where.shape, np.uint8))
+                file.read_into(where.record, full_region(where.shape), stored[-1])
+            copy(out, mxfp4.dequantize(*stored, packed.name)[tuple(slice(a, b) for a, b in region)])
+            return
         file, record = self._record(hf_name)
         scales = self._scales.get(self._alias.get(hf_name, hf_name))
         if scales is None:
@@ -579,7 +626,7 @@ class HFReader(CheckpointReader):
         for slab in slabs(spec):
             layer, expert = slab_of(spec, slab)
             stored = [self._stored_as(hf_name) for hf_name in mapping.hf_names(layer, expert)]
-            if any(s.st_dtype == "F8_E4M3" for s in stored):
+            if any(s.st_dtype == "F8_E4M3" or isinstance(s, _Packed) for s in stored):
                 return None  # dequantized values are not the bytes stored
             for where, region in zip(stored, stacked_regions(spec, slab, [s.shape for s in stored])):
                 records.append(StoredRecord(name, region, where.record.dtype, where.file.name, where.offset))
