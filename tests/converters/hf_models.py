@@ -85,6 +85,11 @@ def _configs():
                                    swiglu_limit=7.0, tie_word_embeddings=False,
                                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
+        # the same with experts of 96 (MXFP4 groups 32 input columns: down_proj's 96, gate_up_proj's 64)
+        "gpt_oss_mxfp4": tf.GptOssConfig(**dict(COMMON, rms_norm_eps=1e-5), intermediate_size=96, num_hidden_layers=2,
+                                         num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                         sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                         max_position_embeddings=128, tie_word_embeddings=False),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
                               activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
