@@ -539,8 +539,8 @@ class HFReader(CheckpointReader):
                 if stored.st_dtype != "U8":
                     raise ReshardError(f"{self.path}: MXFP4 tensor {name} is {stored.st_dtype}, not U8")
                 if suffix == mxfp4.BLOCKS:
+                    mxfp4.shape(base, stored.shape, pair.shape)  # refuses blocks and scales that do not pair
                     packed[base] = _Packed(base, stored, pair)
-                    packed[base].shape  # noqa: B018 (refuses blocks and scales that do not pair)
         return packed
 
     # -- files ------------------------------------------------------------------------------------
