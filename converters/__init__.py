@@ -14,6 +14,7 @@ from reshard.converters.base import Family
 from reshard.converters.deepseek_v3 import DeepseekV3
 from reshard.converters.glm4_moe import Glm4Moe
 from reshard.converters.gpt2 import GPT2
+from reshard.converters.gpt_oss import GptOss
 from reshard.converters.llama import Llama
 from reshard.converters.minimax_m2 import MiniMaxM2
 from reshard.converters.mistral import Mistral
@@ -37,7 +38,7 @@ def register(family: Family) -> Family:
 
 # Order matters for `family_for_model`: the first family whose signature matches is the default export.
 _BUILTIN = (Llama(), Mistral(), Qwen2(), Qwen3(), Mixtral(), Qwen3Moe(), Qwen2Moe(), DeepseekV3(), GPT2(),
-            MiniMaxM2(), Glm4Moe())
+            MiniMaxM2(), Glm4Moe(), GptOss())
 for _family in _BUILTIN:
     register(_family)
 

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from reshard import fp8_blocks
+from reshard import fp8_blocks, mxfp4
 from reshard.config import ModelConfig, pad_vocab
 from reshard.errors import ReshardError
 from reshard.logical import PRECISIONS
@@ -87,6 +87,12 @@ def conv1d_to_linear(t: Tensor) -> Tensor:
 linear_to_conv1d = conv1d_to_linear  # a transpose is its own inverse
 
 
+def at_index(name: str, index: str) -> str:
+    """The HF address of one slice of tensor `name` along its leading axis, e.g. an expert of experts fused into one
+    [E, ...] tensor (`at_index(f"{p}experts.down_proj", E)`): the HF format reads and writes that slice alone."""
+    return f"{name}[{index}]"
+
+
 def _expect(t: Tensor, rows: int, what: str) -> None:
     if t.shape[0] != rows:
         raise ReshardError(f"{what} has {t.shape[0]} rows, the config implies {rows}: config.json does not match the weights")
@@ -108,6 +114,7 @@ class Mapping:
     stacks_rows: ClassVar[bool] = False
 
     def hf_names(self, layer: int | None = None, expert: int | None = None) -> list[str]:
+        """The HF tensors of one slab: names, or a fused tensor's slice (`at_index`)."""
         return [t.format(layer=layer, expert=expert) for t in self.hf]
 
     def to_megatron(self, tensors: Sequence[Tensor], config: ModelConfig) -> Tensor:
@@ -450,6 +457,12 @@ LLAMA_SIGNATURE: dict[str, Any] = {
     "moe_router_enable_expert_bias": False,
     "moe_router_num_groups": None,
     "moe_router_topk_scaling_factor": None,
+    # gpt-oss's (`converters.gpt_oss`): attention sinks, sliding windows, the clamped SwiGLU
+    "softmax_type": "vanilla",
+    "window_size": None,
+    "quick_geglu": False,
+    "activation_func_clamp_value": None,
+    "glu_linear_offset": 0.0,
 }
 
 
@@ -469,8 +482,8 @@ class Family:
     # ---- HF config -> ModelConfig ----------------------------------------------------------------
     def check_hf(self, hf: dict[str, Any]) -> None:
         """Refuse HF config features the mapping does not cover."""
-        if hf.get("quantization_config"):
-            fp8_blocks.block_size(hf["quantization_config"])  # fp8 block scales are read dequantized; all else refused
+        if quantization := hf.get("quantization_config"):  # fp8 blocks and MXFP4 are read dequantized; all else refused
+            mxfp4.check_config(quantization) if mxfp4.is_config(quantization) else fp8_blocks.block_size(quantization)
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise refuse(f"hidden_act={act!r}", "this family converts SwiGLU (silu) MLPs only")
@@ -587,6 +600,11 @@ class Family:
             "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
             "moe_router_num_groups": config.moe_router_num_groups,
             "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor,
+            "softmax_type": config.softmax_type,
+            "window_size": config.window_size,
+            "quick_geglu": config.quick_geglu,
+            "activation_func_clamp_value": config.activation_func_clamp_value,
+            "glu_linear_offset": config.glu_linear_offset,
         }
 
     def mismatch(self, config: ModelConfig) -> str | None:

@@ -103,12 +103,16 @@ def _stacked(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             out.update(_norm(f"{attn}q_layernorm.", c, c.head_dim * (c.num_attention_heads if full else 1), L))
             out.update(_norm(f"{attn}k_layernorm.", c, c.head_dim * (c.groups if full else 1), L))
         out.update(_linear(f"{attn}linear_proj.", h, c.num_attention_heads * c.head_dim, c.add_bias_linear, L))
+        if c.softmax_type == "learnable":  # attention sinks: a logit per head
+            out[f"{attn}core_attention.softmax_offset"] = (c.num_layers, c.num_attention_heads)
     mlp = "decoder.layers.mlp."
     if c.is_moe:
         assert c.num_experts is not None
         ffn = c.moe_ffn_hidden_size or c.ffn_hidden_size
         out.update(_norm("decoder.layers.pre_mlp_layernorm.", c, h, L))
         out[f"{mlp}router.weight"] = (c.num_layers, c.num_experts, h)
+        if c.add_bias_linear:  # gpt-oss's
+            out[f"{mlp}router.bias"] = (c.num_layers, c.num_experts)
         if c.moe_router_enable_expert_bias:
             out[f"{mlp}router.expert_bias"] = (c.num_layers, c.num_experts)
         lead = [c.num_layers, c.num_experts]

@@ -36,7 +36,8 @@ PRECISIONS = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"
 
 # Values no tensor's shape pins down that the model's math divides by, raises to powers or scales with: out of
 # range, the model computes inf, NaN, or flipped signs (a negative epsilon, rotary_base 0, a negative routing scale).
-_POSITIVE = ("norm_epsilon", "rotary_base", "rope_scaling_factor", "rotary_scaling_factor", "moe_router_topk_scaling_factor")
+_POSITIVE = ("norm_epsilon", "rotary_base", "rope_scaling_factor", "rotary_scaling_factor", "moe_router_topk_scaling_factor",
+             "activation_func_clamp_value")
 # Counts no tensor's shape pins down either (positions, the vocabulary's padding unit, experts and groups chosen),
 # and the sizes shapes are computed from, which must be counts before they can be compared with any shape.
 _COUNTS = ("max_position_embeddings", "original_max_position_embeddings", "make_vocab_size_divisible_by", "moe_router_topk",
@@ -116,6 +117,19 @@ class ModelConfig:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # GPT (non-MLA) YaRN (position_embedding_type "yarn") reads the YaRN fields above; it may leave YaRN's correction
+    # range unrounded (HF's truncate false: gpt-oss). No Megatron-LM option; reshard's args carry it.
+    yarn_correction_range_round_to_int: bool = True
+    # gpt-oss: a learnable per-head logit in every softmax's denominator (attention sinks: core_attention.softmax_offset),
+    # sliding-window attention (window_size (W-1, 0)) on the layers window_attn_skip_freq says (an int N: all but
+    # every Nth; a 0/1 per layer: 1 windowed), and the clamped SwiGLU (quick_geglu: x * sigmoid(1.702 x) gating
+    # up + glu_linear_offset, both clamped at activation_func_clamp_value). Megatron-LM's names and defaults.
+    softmax_type: str = "vanilla"
+    window_size: tuple[int, int] | None = None
+    window_attn_skip_freq: int | tuple[int, ...] | None = None
+    quick_geglu: bool = False
+    activation_func_clamp_value: float | None = None
+    glu_linear_offset: float = 0.0
     # Multi-token prediction (DeepSeek-V3): this many MTP layers (`mtp.layers.{i}.`) after the decoder, on its last stage.
     mtp_num_layers: int | None = None
     params_dtype: str = "float32"
@@ -124,8 +138,9 @@ class ModelConfig:
     unmodeled: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if isinstance(self.moe_layer_freq, list):  # Megatron's args and JSON give a list; the config stays hashable
-            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
+        for name in ("moe_layer_freq", "window_size", "window_attn_skip_freq"):
+            if isinstance(getattr(self, name), list):  # Megatron's args and JSON give a list; the config stays hashable
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in _POSITIVE:
             value = getattr(self, name)
             if value is not None and not (_plain_number(value) and 0 < value < math.inf):
@@ -237,6 +252,7 @@ class ModelConfig:
         out["use_rope_scaling"] = self.rope_scaling
         out["layernorm_epsilon"] = self.norm_epsilon  # Megatron-LM's name (core_v0.17.1: TransformerConfig's)
         del out["unmodeled"]  # the source's own values of those options travel in its args
-        if isinstance(self.moe_layer_freq, tuple):
-            out["moe_layer_freq"] = list(self.moe_layer_freq)
+        for name in ("moe_layer_freq", "window_size", "window_attn_skip_freq"):
+            if isinstance(out[name], tuple):
+                out[name] = list(out[name])
         return out

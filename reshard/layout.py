@@ -159,6 +159,9 @@ class Layout:
             checks.append((config.kv_lora_rank + config.qk_pos_emb_head_dim, self.tp,
                            "kv_lora_rank + qk_pos_emb_head_dim rows (linear_kv_down_proj)"))
         if config.is_moe:
+            if config.add_bias_linear and self.expert_tp > 1:  # megatron-core's TransformerConfig refuses it
+                raise ReshardError(f"ETP={self.expert_tp}: megatron-core gives experts their biases (add_bias_linear, gpt-oss) "
+                                   "only without expert tensor parallelism; pass --to-etp 1")
             checks.append((config.num_experts, self.ep, "experts"))
             checks.append((config.moe_ffn_hidden_size or config.ffn_hidden_size, self.expert_tp, "expert FFN hidden size"))
             if config.moe_shared_expert_intermediate_size:

@@ -69,7 +69,9 @@ PARTITION_RULES: tuple[tuple[str, Rule], ...] = (
     (r"self_attention\.(q|k)_layernorm\.(weight|bias)$", Rule(Split.COLUMN, when=_full_width_qk_norm)),
     (r"layer_norm_(weight|bias)$", Rule(Split.NONE)),
     (r"(layernorm|norm)\.(weight|bias)$", Rule(Split.NONE)),
-    (r"router\.(weight|expert_bias)$", Rule(Split.NONE)),
+    (r"router\.(weight|bias|expert_bias)$", Rule(Split.NONE)),
+    # gpt-oss's attention sinks: one logit per head, split with the heads
+    (r"self_attention\.core_attention\.softmax_offset$", Rule(Split.COLUMN)),
     (r"shared_experts\.gate_weight$", Rule(Split.NONE)),
 )
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -52,3 +54,13 @@ def refused_by_every_command(monkeypatch, capsys, source: Path, out: Path, *word
     for command in (["inspect", source], ["verify", source], ["convert", source, out, *to, "-q"]):
         refused_cli(monkeypatch, capsys, command, *words, untouched=(source,))
     assert not out.exists()
+
+
+def refused_config(monkeypatch, capsys, source: Path, tmp_path: Path, change: dict, *words: str) -> None:
+    """A copy of HF model `source` whose config.json has the fields `change`: its conversion is refused as `refused_cli`
+    says, with `words`, and writes nothing."""
+    bad = tmp_path / "bad"
+    shutil.copytree(source, bad)
+    (bad / "config.json").write_text(json.dumps({**json.loads((source / "config.json").read_text()), **change}))
+    refused_cli(monkeypatch, capsys, ["convert", bad, tmp_path / "out", "--to-format", "torch_dist", "-q"], *words, untouched=(bad,))
+    assert not (tmp_path / "out").exists()

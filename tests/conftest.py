@@ -52,25 +52,27 @@ def oracle(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def distrib_optim(tmp_path_factory):
-    """distrib_optim(preset, tp=.., pp=.., vpp=1, bucket_size=None, bf16=False, ep=1, te_order=False) -> {'dp': dp_reshardable, 'full':
+    """distrib_optim(preset, tp=.., pp=.., vpp=1, bucket_size=None, bf16=False, ep=1, te_order=False, etp=None) -> {'dp': dp_reshardable,
+    'full':
     fully_reshardable, 'legacy': Megatron-LM's --ckpt-format torch (model_optim_rng.pt and megatron-core's own
     distrib_optim.pt)}: the preset trained two steps by Megatron-Core's DistributedOptimizer on 4 ranks (gloo, CPU;
     DP = 4 / (TP x PP), experts over EP of them; with `bucket_size`, gradients reduced in overlapped buckets of about that many elements;
     `bf16`: bf16 parameters, fp32 master weights and grads; `te_order`: its buffers in the Transformer-Engine spec's parameter
-    order, fixtures/distrib_optim_checkpoint.py), the same state saved in both forms. Made once per
+    order; `etp`: expert tensor parallelism; fixtures/distrib_optim_checkpoint.py), the same state saved in both forms. Made once per
     test run per argument set (tests/cache.py)."""
 
-    def made(preset="tiny-llama", tp=2, pp=1, vpp=1, bucket_size=None, bf16=False, ep=1, te_order=False):
-        return built(tmp_path_factory, trained_distrib_optim, preset, tp, pp, vpp, bucket_size, bf16, ep, te_order)
+    def made(preset="tiny-llama", tp=2, pp=1, vpp=1, bucket_size=None, bf16=False, ep=1, te_order=False, etp=None):
+        return built(tmp_path_factory, trained_distrib_optim, preset, tp, pp, vpp, bucket_size, bf16, ep, te_order, etp)
 
     return made
 
 
-def trained_distrib_optim(out, preset, tp, pp, vpp, bucket_size, bf16, ep, te_order) -> dict:
+def trained_distrib_optim(out, preset, tp, pp, vpp, bucket_size, bf16, ep, te_order, etp=None) -> dict:
     """The `distrib_optim` fixture's run, saved under `out`."""
     made = {"dp": out / "dp", "full": out / "full", "legacy": out / "legacy"}
     extra = ([] if bucket_size is None else ["--bucket-size", bucket_size]) + (["--bf16"] if bf16 else [])
     extra += ["--te-order"] if te_order else []
+    extra += ["--etp", etp] if etp else []
     run("fixtures.distrib_optim_checkpoint", ["--preset", preset, "--tp", tp, "--pp", pp, "--vpp", vpp, "--ep", ep, "--steps", 2, *extra,
                                               "--dp-out", made["dp"], "--full-out", made["full"], "--legacy-out", made["legacy"]],
         nproc=4, timeout=600)

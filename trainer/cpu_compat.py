@@ -13,8 +13,8 @@ with gloo on a CPU-only torch). `apply()` redirects exactly those calls:
   filesystem_async's synchronize and the torch_dist saver's result all-reduce, RoPE's and the MoE
   router's first-use move of CPU tensors to the GPU, MoE dispatcher/shared-expert streams, the
   default causal mask, the DDP grad buffers and non-distributed optimizer of an Adam step, and the
-  DistributedOptimizer's gather of its shards for a `fully_reshardable` save, and the MTP loss tracker of a
-  training step with multi-token-prediction layers.
+  DistributedOptimizer's gather of its shards for a `fully_reshardable` save, the MTP loss tracker of a
+  training step with multi-token-prediction layers, and attention sinks' `softmax_offset` (gpt-oss).
 * `tensor_parallel.random.CudaRNGStatesTracker` is replaced by a subclass that keeps CPU RNG
   states, so `model_parallel_cuda_manual_seed()` and `get_cuda_rng_tracker().fork()` work.
 * `LanguageModule.setup_embeddings_and_output_layer` (tied embeddings with PP>1) calls
@@ -68,6 +68,7 @@ _CUDA_MODULES = (
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.transformer.multi_token_prediction",
+    "megatron.core.transformer.dot_product_attention",  # attention sinks' softmax_offset
 )
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand", "zeros_like", "empty_like", "ones_like")
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from reshard.config import MLA_FIELDS, ModelConfig
 from reshard.layout import Layout
-from reshard.trainer import cpu_compat, full_width_norm
+from reshard.trainer import cpu_compat, expert_bias, full_width_norm
 
 
 def parallel_sizes(layout: Layout) -> dict[str, int | None]:
@@ -45,8 +45,17 @@ def init_parallel(layout: Layout, seed: int = 1234) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """megatron-core's quick_gelu (fusions/fused_bias_geglu.py), without its torch.compile: each rank would compile it
+    with inductor into one shared cache, a C++ build per rank on the CPU."""
+    return x * torch.sigmoid(1.702 * x)
+
+
 def activation(config: ModelConfig):
-    """SiLU for gated MLPs; GELU otherwise, tanh-approximated when Megatron's `openai_gelu` is set."""
+    """SiLU for gated MLPs (quick GELU with `quick_geglu`: gpt-oss's); GELU otherwise, tanh-approximated when
+    Megatron's `openai_gelu` is set."""
+    if config.quick_geglu:
+        return quick_gelu
     if config.swiglu:
         return F.silu
     return partial(F.gelu, approximate="tanh") if config.openai_gelu else F.gelu
@@ -103,6 +112,11 @@ def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype =
         add_bias_linear=config.add_bias_linear,
         add_qkv_bias=config.add_qkv_bias,
         qk_layernorm=config.qk_layernorm,
+        softmax_type=config.softmax_type,
+        window_size=config.window_size,
+        window_attn_skip_freq=list(skip) if isinstance(skip := config.window_attn_skip_freq, tuple) else skip,
+        activation_func_clamp_value=config.activation_func_clamp_value,
+        glu_linear_offset=config.glu_linear_offset,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -156,7 +170,13 @@ def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype =
                       kv_channels=config.v_head_dim, rotary_base=config.rotary_base,
                       rotary_percent=config.rotary_percent)
         return MLATransformerConfig(**kwargs)
-    return TransformerConfig(**kwargs)
+    tconfig = TransformerConfig(**kwargs)
+    if config.position_embedding_type == "yarn":  # GPTModel reads these attributes, which TransformerConfig lacks
+        for field in ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                      "mscale_all_dim"):
+            setattr(tconfig, f"yarn_{field}", getattr(config, field))
+        tconfig.yarn_correction_range_round_to_int = config.yarn_correction_range_round_to_int
+    return tconfig
 
 
 def layer_spec(config: ModelConfig, tconfig, vp_stage: int | None):
@@ -180,6 +200,10 @@ def layer_spec(config: ModelConfig, tconfig, vp_stage: int | None):
     if config.multi_latent_attention:
         for layer in layers:
             layer.submodules.self_attention.submodules.core_attention = cpu_compat.local_mla_core_attention()
+    if config.is_moe and config.add_bias_linear:  # gpt-oss's expert biases, trainable
+        for layer in layers:
+            if hasattr(layer.submodules.mlp.submodules, "experts"):
+                expert_bias.use_in(layer)
     if config.qk_layernorm_full_width:  # MiniMax-M2's q/k norms: over every head, a module megatron-core lacks
         for layer in layers:
             attention = layer.submodules.self_attention.submodules

@@ -65,6 +65,13 @@ TINY_GLM4_MOE = TINY_LLAMA.replace(num_layers=2, add_qkv_bias=True, qk_layernorm
                                    num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=48,
                                    moe_layer_freq=(0, 1), moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                                    moe_router_topk_scaling_factor=2.5, mtp_num_layers=1)
+# gpt-oss's layer in small: attention sinks (softmax_offset, split by head), a window of 8 on every other layer, biases
+# on every linear (the router's and the experts' too: parameters in the DistributedOptimizer's buffers, the experts'
+# at ETP1 only), the clamped SwiGLU, YaRN with its correction range unrounded
+TINY_GPT_OSS = TINY_MOE.replace(num_layers=2, add_bias_linear=True, add_qkv_bias=True, norm_epsilon=1e-5, moe_ffn_hidden_size=48,
+                                softmax_type="learnable", window_size=(7, 0), window_attn_skip_freq=2, quick_geglu=True,
+                                activation_func_clamp_value=7.0, glu_linear_offset=1.0, position_embedding_type="yarn",
+                                rotary_base=150000.0, rotary_scaling_factor=32.0, yarn_correction_range_round_to_int=False)
 
 PRESETS = {
     "tiny-llama": TINY_LLAMA,
@@ -79,4 +86,5 @@ PRESETS = {
     "tiny-mla-moe": TINY_MLA_MOE,
     "tiny-minimax": TINY_MINIMAX,
     "tiny-glm4-moe": TINY_GLM4_MOE,
+    "tiny-gpt-oss": TINY_GPT_OSS,
 }

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from reshard import fp8_blocks
+from reshard import fp8_blocks, mxfp4
 from reshard.architecture import model_tensors
 from reshard.documents import read_json
 from reshard.dtypes import itemsize
@@ -46,7 +46,8 @@ class ConfigOnlyReader(CheckpointReader):
         except KeyError as exc:
             raise ReshardError(f"{self.path} lacks {exc.args[0]!r}, which a {family.model_type} config needs") from None
         quantization = self.hf_config.get("quantization_config")
-        block = fp8_blocks.block_size(quantization) if quantization else None
+        # MXFP4 (reshard.mxfp4) is read dequantized: its bytes are counted unquantized, in the config's dtype
+        block = fp8_blocks.block_size(quantization) if quantization and not mxfp4.is_config(quantization) else None
         self.layout, self.manifest, self.config = Layout(), None, config
         self.mappings = mappings = {m.megatron: m for m in family.mappings(config)}
         quantized = {name for name in mappings if block and FP8_LINEAR.match(name)}

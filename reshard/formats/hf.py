@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from reshard import fp8_blocks
+from reshard import fp8_blocks, mxfp4
 from reshard.buffers import PerThread, copy
 from reshard.checksum import HashedParts, TensorChecksum
 from reshard.config import ModelConfig
@@ -270,6 +270,25 @@ def stacked_regions(spec: TensorSpec, slab: Region, shapes: list[tuple[int, ...]
     return regions
 
 
+_ADDRESS = re.compile(r"^(?P<name>.+)\[(?P<index>\d+)\]$")
+
+
+@dataclass(frozen=True)
+class HFAddress:
+    """What a mapping names on the HF side: a whole tensor, or one slice of it along its leading axis
+    (`name[index]`, `converters.base.at_index`), as transformers stores fused experts ([E, ...], one expert a
+    slice). A slice of a C-order tensor at a leading index is itself one contiguous run: it is read and written
+    where it lies, never with the rest of the tensor."""
+
+    name: str
+    index: int | None = None
+
+    @classmethod
+    def parse(cls, address: str) -> HFAddress:
+        match = _ADDRESS.match(address)
+        return cls(match["name"], int(match["index"])) if match else cls(address)
+
+
 @dataclass(frozen=True)
 class _Stored:
     """Where one HF tensor lives, by its file's header."""
@@ -283,6 +302,32 @@ class _Stored:
     def record(self) -> TensorRecord:
         """Where its values lie in its file (a safetensors tensor is one C-order run)."""
         return TensorRecord(_ST_DTYPES[self.st_dtype], self.shape, self.offset)
+
+    def part(self, index: int, address: str) -> _Stored:
+        """Its slice at `index` along the leading axis; one past its end is the config contradicting the file."""
+        if not self.shape or index >= self.shape[0]:
+            raise ReshardError(f"{address} is past tensor {HFAddress.parse(address).name} of shape {list(self.shape)}: "
+                               "config.json does not match the weights")
+        size = math.prod(self.shape[1:]) * _ST_BITS[self.st_dtype] // 8
+        return _Stored(self.file, self.st_dtype, self.shape[1:], self.offset + index * size)
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """An MXFP4 tensor (`reshard.mxfp4`): where its blocks and scales live, or one leading slice of both; read
+    dequantized to float32."""
+
+    name: str
+    blocks: _Stored
+    scales: _Stored
+    st_dtype = "F32"  # as read
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return mxfp4.shape(self.name, self.blocks.shape, self.scales.shape)
+
+    def part(self, index: int, address: str) -> _Packed:
+        return _Packed(self.name, self.blocks.part(index, address), self.scales.part(index, address))
 
 
 def hf_tensors(
@@ -300,6 +345,25 @@ def hf_tensors(
             for expert in range(spec.shape[int(spec.stacked)]) if spec.experts else [None]:
                 for hf_name, shape in zip(mapping.hf_names(layer, expert), shapes):
                     yield name, spec, layer, hf_name, tuple(shape)
+
+
+def _whole_tensors(tensors: Iterator[tuple[str, TensorSpec, int | None, str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of each whole HF tensor of `hf_tensors`: a tensor named by its slices (`HFAddress`) once,
+    as [slices, *slice shape], its slices numbered from 0 without a gap, each of one shape."""
+    whole: dict[str, tuple[int, ...]] = {}
+    parts: dict[str, list[tuple[int, tuple[int, ...]]]] = {}
+    for *_, hf_name, shape in tensors:
+        address = HFAddress.parse(hf_name)
+        if address.index is None:
+            whole[hf_name] = shape
+        else:
+            whole.setdefault(address.name, ())
+            parts.setdefault(address.name, []).append((address.index, shape))
+    for name, slices in parts.items():
+        if sorted(index for index, _ in slices) != list(range(len(slices))) or len({shape for _, shape in slices}) != 1:
+            raise ReshardError(f"internal: the slices of HF tensor {name} are not numbered 0.. of one shape")
+        whole[name] = (len(slices), *slices[0][1])
+    return list(whole.items())
 
 
 class HFReader(CheckpointReader):
@@ -325,13 +389,14 @@ class HFReader(CheckpointReader):
         self._stored = self._locate_tensors()
         self._handles: dict[Path, RecordFile] = {}
         quantization = self.hf_config.get("quantization_config")
-        self._block = fp8_blocks.block_size(quantization) if quantization else None
+        self._block = fp8_blocks.block_size(quantization) if quantization and not mxfp4.is_config(quantization) else None
         self._scales = self._pair_scales()  # quantized weight -> its scales, by their names in the files
+        self._packed = self._pair_mxfp4() if mxfp4.is_config(quantization) else {}  # MXFP4 tensor -> its blocks and scales
         self._rows = PerThread()  # a block row of float8 values being dequantized
-        # Told no dtype, a conversion writes bf16: DeepSeek-V3's unquantized tensors are, and it runs in it.
-        self.default_dtype = "bfloat16" if self._scales else None
+        # Told no dtype, a conversion writes bf16: DeepSeek-V3's and gpt-oss's unquantized tensors are, and they run in it.
+        self.default_dtype = "bfloat16" if self._scales or self._packed else None
         self._alias = self._aliases()
-        self.family, config, absent = self.family.for_files(config, {*self._stored, *self._alias})
+        self.family, config, absent = self.family.for_files(config, {*self._stored, *self._packed, *self._alias})
         self._check_vocab_rows(config)
         self._mappings = {m.megatron: m for m in self.family.mappings(config)}
         shapes = model_tensors(config)
@@ -346,7 +411,7 @@ class HFReader(CheckpointReader):
         self.config = config
         self.specs: dict[str, TensorSpec] = {name: describe(name, shape, dtypes[name], config) for name, shape in shapes.items()}
         # Every tensor at the shape config.json implies: values are read at offsets computed from it.
-        for _, _, _, hf_name, shape in hf_tensors(self.specs, self._mappings, config):
+        for hf_name, shape in _whole_tensors(hf_tensors(self.specs, self._mappings, config)):
             if (stored := self._shape(hf_name)) != shape:
                 from reshard.converters.base import hf_axis_fields
 
@@ -397,9 +462,11 @@ class HFReader(CheckpointReader):
             for layer in layers:
                 for expert in experts:
                     for hf_name in mapping.hf_names(layer, expert):
-                        stored = self._alias.get(hf_name, hf_name)
+                        base = HFAddress.parse(hf_name).name
+                        stored = self._alias.get(base, base)
                         kinds.add(self._stored_as(hf_name).st_dtype)
-                        used.update([stored, fp8_blocks.scale_name(stored)] if stored in self._scales else [stored])
+                        used.update([stored, fp8_blocks.scale_name(stored)] if stored in self._scales else
+                                    mxfp4.stored_names(stored) if stored in self._packed else [stored])
             if len(kinds) != 1 or next(iter(kinds)) not in ("F32", "BF16", "F16", "F8_E4M3"):
                 raise ReshardError(f"{name}: HF tensors have dtypes {sorted(kinds)}; expected one floating-point dtype")
             dtypes[name] = "float32" if kinds == {"F8_E4M3"} else _ST_DTYPES[next(iter(kinds))]  # fp8: dequantized
@@ -459,12 +526,32 @@ class HFReader(CheckpointReader):
                 raise ReshardError(f"{self.path}: tensor {name} scales no float8 weight {name.removesuffix('_scale_inv')}")
         return scales
 
+    def _pair_mxfp4(self) -> dict[str, _Packed]:
+        """Each MXFP4 tensor of the files (`reshard.mxfp4`: `name_blocks` and `name_scales`, uint8, of shapes that
+        pair); blocks without their scales, scales without their blocks, or either of another dtype refused naming it."""
+        mxfp4.check_config(self.hf_config["quantization_config"])
+        packed = {}
+        for name, stored in self._stored.items():
+            for suffix, other in ((mxfp4.BLOCKS, mxfp4.SCALES), (mxfp4.SCALES, mxfp4.BLOCKS)):
+                base = name.removesuffix(suffix)
+                if base == name:
+                    continue
+                if (pair := self._stored.get(base + other)) is None:
+                    raise ReshardError(f"{self.path}: MXFP4 tensor {name} is without its {base + other}")
+                if stored.st_dtype != "U8":
+                    raise ReshardError(f"{self.path}: MXFP4 tensor {name} is {stored.st_dtype}, not U8")
+                if suffix == mxfp4.BLOCKS:
+                    mxfp4.shape(base, stored.shape, pair.shape)  # refuses blocks and scales that do not pair
+                    packed[base] = _Packed(base, stored, pair)
+        return packed
+
     # -- files ------------------------------------------------------------------------------------
-    def _stored_as(self, hf_name: str) -> _Stored:
-        stored = self._stored.get(self._alias.get(hf_name, hf_name))
+    def _stored_as(self, hf_name: str) -> _Stored | _Packed:
+        address = HFAddress.parse(hf_name)
+        stored = self._stored.get(self._alias.get(address.name, address.name)) or self._packed.get(address.name)
         if stored is None:
-            raise ReshardError(f"{self.path}: tensor {hf_name} is missing; the checkpoint is incomplete or config.json does not match it")
-        return stored
+            raise ReshardError(f"{self.path}: tensor {address.name} is missing; the checkpoint is incomplete or config.json does not match it")
+        return stored if address.index is None else stored.part(address.index, hf_name)
 
     def _shape(self, hf_name: str) -> tuple[int, ...]:
         return self._stored_as(hf_name).shape
@@ -478,13 +565,21 @@ class HFReader(CheckpointReader):
     def _tensor(self, hf_name: str) -> np.ndarray:
         shape = self._shape(hf_name)
         quantized = self._alias.get(hf_name, hf_name) in self._scales
-        out = np.empty(shape, dtype=np.float32 if quantized else numpy_dtype(self._stored_as(hf_name).record.dtype))
+        out = np.empty(shape, dtype=np.float32 if quantized else numpy_dtype(_ST_DTYPES[self._stored_as(hf_name).st_dtype]))
         self._read(hf_name, full_region(shape), out)
         return out
 
     def _read(self, hf_name: str, region: Region, out: np.ndarray) -> None:
-        """`region` of an HF tensor into `out`: as stored, or a float8 weight dequantized to float32, read a block
-        row at a time."""
+        """`region` of an HF tensor into `out`: as stored, a float8 weight dequantized to float32, read a block
+        row at a time, or an MXFP4 one (or one slice of it: an expert) dequantized whole."""
+        if isinstance(packed := self._stored_as(hf_name), _Packed):
+            stored = []
+            for where in (packed.blocks, packed.scales):
+                file = cached(self._handles, where.file, lambda where=where: RecordFile(where.file))
+                stored.append(np.empty(where.shape, np.uint8))
+                file.read_into(where.record, full_region(where.shape), stored[-1])
+            copy(out, mxfp4.dequantize(*stored, packed.name)[tuple(slice(a, b) for a, b in region)])
+            return
         file, record = self._record(hf_name)
         scales = self._scales.get(self._alias.get(hf_name, hf_name))
         if scales is None:
@@ -533,7 +628,7 @@ class HFReader(CheckpointReader):
         for slab in slabs(spec):
             layer, expert = slab_of(spec, slab)
             stored = [self._stored_as(hf_name) for hf_name in mapping.hf_names(layer, expert)]
-            if any(s.st_dtype == "F8_E4M3" for s in stored):
+            if any(s.st_dtype == "F8_E4M3" or isinstance(s, _Packed) for s in stored):
                 return None  # dequantized values are not the bytes stored
             for where, region in zip(stored, stacked_regions(spec, slab, [s.shape for s in stored])):
                 records.append(StoredRecord(name, region, where.record.dtype, where.file.name, where.offset))
@@ -609,7 +704,8 @@ class HFWriter(CheckpointWriter):
                 f"(missing {missing[:3]}, unmapped {extra[:3]}); it cannot be exported without losing weights"
             )
         self.path.mkdir(parents=True, exist_ok=True)
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, _Entry] = {}  # by HF name, and by the address of each slice of a fused tensor
+        self._slices: dict[str, dict[str, int]] = {}  # fused HF tensor -> its slices' addresses -> their index
         self._scratch = PerThread()  # stages the tensors that cannot be written from where they are
         self._plan_files(options.max_shard_bytes or DEFAULT_SHARD_BYTES)
 
@@ -618,11 +714,22 @@ class HFWriter(CheckpointWriter):
         return self.dtype or spec.dtype
 
     def _all_tensors(self) -> list[tuple[tuple, str, tuple[int, ...], str]]:
-        """(sort key, HF name, shape, dtype) of every output tensor, in HF's usual order (by layer)."""
+        """(sort key, HF name, shape, dtype) of every output tensor, in HF's usual order (by layer); a tensor written
+        by its slices (`HFAddress`) once, whole, each slice's place noted in `_slices`."""
         out = []
         for name, spec, layer, hf_name, shape in hf_tensors(self.specs, self._mappings, self.config):
             group = 0 if name.startswith("embedding.") else (2 if not spec.stacked else 1)
             key = (group, layer if layer is not None else -1, hf_name)
+            address = HFAddress.parse(hf_name)
+            if address.index is not None:
+                if name in self._quantized:
+                    raise ReshardError(f"HF {self.family.model_type} stores {name} fused with other experts ({address.name}), "
+                                       "which fp8 blocks do not scale; export it without --to-fp8-blocks")
+                slices = self._slices.setdefault(address.name, {})
+                if not slices:
+                    out.append(((*key[:2], address.name), address.name, shape, self._out_dtype(spec)))
+                slices[hf_name] = address.index
+                continue
             if name in self._quantized:  # the float8 weight, its scales after it
                 out.append((key, hf_name, shape, "float8_e4m3fn"))
                 scales = fp8_blocks.scale_name(hf_name)
@@ -630,7 +737,8 @@ class HFWriter(CheckpointWriter):
             else:
                 out.append((key, hf_name, shape, self._out_dtype(spec)))
         out.sort(key=lambda t: t[0])
-        return out
+        return [(key, name, (len(self._slices[name]), *shape) if name in self._slices else shape, dtype)
+                for key, name, shape, dtype in out]
 
     def _plan_files(self, max_shard_size: int) -> None:
         shards: list[list[tuple[str, tuple[int, ...], str, int]]] = [[]]
@@ -663,6 +771,9 @@ class HFWriter(CheckpointWriter):
             for name, shape, dtype, nbytes in tensors:
                 begin = header[name]["data_offsets"][0]
                 self._entries[name] = _Entry(name, tuple(shape), dtype, index, start + begin, nbytes)
+                for address, i in self._slices.get(name, {}).items():  # one contiguous run each
+                    size = nbytes // shape[0]
+                    self._entries[address] = _Entry(address, tuple(shape[1:]), dtype, index, start + begin + i * size, size)
 
     # -- streaming --------------------------------------------------------------------------------
     def prepare(
@@ -726,9 +837,16 @@ class HFWriter(CheckpointWriter):
         names = self._mappings[spec.name].hf_names(layer, expert)
         if spec.name in self._quantized:
             names += [fp8_blocks.scale_name(name) for name in names]
-        for hf_name in names:
-            self._entries[hf_name].written = True
+        self._mark(names)
         self._facts.extend(names)
+
+    def _mark(self, names: list[str]) -> None:
+        """Note HF tensors (or slices of one) as written; a fused tensor is written once every slice is."""
+        for name in names:
+            self._entries[name].written = True
+            fused = HFAddress.parse(name).name
+            if fused != name and all(self._entries[part].written for part in self._slices[fused]):
+                self._entries[fused].written = True
 
     # Every tensor has its place from the start, so a tensor is done once its bytes are durable: the state
     # to resume from, or to hand to rank 0, is the names of the tensors written.
@@ -737,8 +855,7 @@ class HFWriter(CheckpointWriter):
             os.fsync(f.fd)
 
     def restore(self, facts: list[str]) -> None:
-        for name in facts:
-            self._entries[name].written = True
+        self._mark(facts)
         self._facts.extend(facts)
 
     def part(self) -> list[str]:
@@ -757,10 +874,11 @@ class HFWriter(CheckpointWriter):
         missing = [e.name for e in self._entries.values() if not e.written]
         if missing:
             raise ReshardError(f"internal: {len(missing)} HF tensors were never written (first: {missing[0]})")
+        tensors = {name: e for name, e in self._entries.items() if HFAddress.parse(name).name == name}  # slices are not tensors
         if len(self._file_names) > 1:
             index = {
-                "metadata": {"total_size": sum(e.nbytes for e in self._entries.values())},
-                "weight_map": {name: self._file_names[e.file] for name, e in sorted(self._entries.items())},
+                "metadata": {"total_size": sum(e.nbytes for e in tensors.values())},
+                "weight_map": {name: self._file_names[e.file] for name, e in sorted(tensors.items())},
             }
             (self.path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         config = dict(self.hf_config)

@@ -39,6 +39,10 @@ _PLAIN = (str, int, float, bool, type(None))  # what a YAML value read into args
 # the other exact GELU); anything else is refused, never carried into the args reshard writes.
 _DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
 _ACTIVATIONS = {True: "torch.nn.functional.silu", False: "torch.nn.functional.gelu"}
+QUICK_GELU = "megatron.core.fusions.fused_bias_geglu.quick_gelu"  # gated: gpt-oss's quick_geglu, as Bridge's provider names it
+# GPT YaRN: Bridge's provider fields (yarn_*) for the ModelConfig fields MLA's YaRN shares
+_YARN = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+_LISTS = ("moe_layer_freq", "window_size", "window_attn_skip_freq")  # provider fields that may hold a list
 # Bridge's layer spec of MiniMax-M2 (q/k norms over every head: `ModelConfig.qk_layernorm_full_width`), which its
 # provider names instead of a field
 MINIMAX_M2_SPEC = "megatron.bridge.models.minimax_m2.minimax_m2_provider.minimax_m2_layer_spec"
@@ -69,7 +73,7 @@ def _plain_values(path: Path, model: dict[str, Any]) -> dict[str, Any]:
     for key, value in model.items():
         name = _RENAMED.get(key, key) if isinstance(key, str) else key
         reads = name in read and key != "params_dtype"  # params_dtype names a dtype: `_named` reads it
-        if isinstance(key, str) and isinstance(value, _PLAIN) or name == "moe_layer_freq" and _plain(value):
+        if isinstance(key, str) and isinstance(value, _PLAIN) or name in _LISTS and _plain(value):
             args[name] = value
         elif reads or not isinstance(value, (dict, list)):
             raise ReshardError(f"{path}: model.{key} holds a YAML {type(value).__name__}, not a plain value reshard reads")
@@ -87,8 +91,10 @@ def bridge_args(path: Path) -> dict[str, Any]:
         if model.get(key, default) not in (default, False, None):
             raise ReshardError(f"{path}: model.{key} is {model[key]!r}, which reshard does not read yet")
     gated = bool(model.get("gated_linear_unit"))
-    _named(path, model, "activation_func", {_ACTIVATIONS[gated]}, _ACTIVATIONS[False])
-    args["swiglu"] = gated
+    activation = _named(path, model, "activation_func", {_ACTIVATIONS[gated], *([QUICK_GELU] if gated else [])}, _ACTIVATIONS[False])
+    args["swiglu"], args["quick_geglu"] = gated, activation == QUICK_GELU
+    if model.get("position_embedding_type") == "yarn" and not model.get("multi_latent_attention"):
+        args.update({field: model[f"yarn_{field}"] for field in _YARN if model.get(f"yarn_{field}") is not None})
     spec = model.get("transformer_layer_spec")
     args["qk_layernorm_full_width"] = isinstance(spec, dict) and spec.get("_target_") == MINIMAX_M2_SPEC
     args["untie_embeddings_and_output_weights"] = not model.get("share_embeddings_and_output_weights", False)
@@ -116,7 +122,7 @@ def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, 
     `load_megatron_model` instantiates it) describes this model at this layout: what `bridge_args` reads back."""
     import yaml
 
-    activation = "silu" if config.swiglu else "gelu"
+    activation = "torch.nn.functional." + ("silu" if config.swiglu else "gelu")
     padded = config.vocab_size is not None and config.padded_vocab_for(layout.tp) == config.padded_vocab_size
     model = {
         "_target_": "megatron.bridge.models.gpt_provider.GPTModelProvider",
@@ -141,7 +147,7 @@ def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, 
         "normalization": config.normalization,
         "layernorm_epsilon": config.norm_epsilon,
         "gated_linear_unit": config.swiglu,
-        "activation_func": _name(f"torch.nn.functional.{activation}"),
+        "activation_func": _name(QUICK_GELU if config.quick_geglu else activation),
         "share_embeddings_and_output_weights": config.tied_embeddings,
         "add_bias_linear": config.add_bias_linear,
         "add_qkv_bias": config.add_qkv_bias,
@@ -162,7 +168,13 @@ def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, 
         "moe_router_group_topk": config.moe_router_group_topk,
         "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor,
         "mtp_num_layers": config.mtp_num_layers,  # or Bridge builds the model without its mtp.layers.*
+        # gpt-oss's sinks, windows and clamped SwiGLU: TransformerConfig fields, which Bridge's providers take as they are
+        **{name: value for name, value in config.megatron_args().items() if name in (
+            "softmax_type", "window_size", "window_attn_skip_freq", "activation_func_clamp_value", "glu_linear_offset")},
     }
+    if config.position_embedding_type == "yarn" and not config.multi_latent_attention:  # GPT YaRN: the provider's yarn_* fields
+        model.update({f"yarn_{field}": getattr(config, field) for field in _YARN},
+                     yarn_correction_range_round_to_int=config.yarn_correction_range_round_to_int)
     if config.multi_latent_attention:  # Bridge's MLA providers take Megatron-Core's MLATransformerConfig fields
         model.update({key: getattr(config, key) for key in MLA_FIELDS}, rope_type=config.mla_rope_type, kv_channels=config.v_head_dim)
     chosen = {key: args.get(key, default) for key, default in _UNMODELED.items()} | layout.megatron_args()

@@ -19,6 +19,7 @@ from reshard.logical import TensorSpec
 _LAYER_ORDER = (
     "self_attention.linear_qkv.layer_norm_weight",  # input_layernorm.weight
     "self_attention.linear_qkv.layer_norm_bias",
+    "self_attention.core_attention.softmax_offset",  # attention sinks: core_attention registers before linear_proj
     "self_attention.linear_proj.weight",
     "self_attention.linear_proj.bias",
     "self_attention.linear_qkv.weight",
@@ -32,6 +33,7 @@ _LAYER_ORDER = (
     "pre_mlp_layernorm.weight",  # an MoE layer's
     "pre_mlp_layernorm.bias",
     "mlp.router.weight",
+    "mlp.router.bias",
     "mlp.experts",  # the experts, where they share the dense buffer (EP1)
     "mlp.shared_experts.gate_weight",
     "mlp.shared_experts.linear_fc1.weight",
@@ -52,11 +54,13 @@ _LAYER_ORDER = (
 # linear_proj. mlp.linear_fc1 is a LayerNormLinear too, registered where the local pre_mlp_layernorm was (just
 # before fc1's weight), and TE's Linear registers weight before bias (linear.py:1268,1283), so the rest is alike.
 _TE_LAYER_ORDER = (
+    "self_attention.core_attention.softmax_offset",
     "self_attention.linear_proj.weight",
     "self_attention.linear_proj.bias",
     "self_attention.linear_qkv.layer_norm_weight",
     "self_attention.linear_qkv.layer_norm_bias",
-    *(name for name in _LAYER_ORDER if not name.startswith(("self_attention.linear_proj.", "self_attention.linear_qkv.layer_norm_"))),
+    *(name for name in _LAYER_ORDER if not name.startswith(("self_attention.linear_proj.", "self_attention.linear_qkv.layer_norm_",
+                                                             "self_attention.core_attention."))),
 )
 _MLP_ORDER = _LAYER_ORDER[_LAYER_ORDER.index("mlp.linear_fc1.layer_norm_weight") :]  # the same in every table
 # A multi-latent-attention layer (megatron-core 0.16.1; alike in 0.17.1 and 0.19.2): TransformerLayer registers

@@ -76,6 +76,20 @@ def _configs():
                                      num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
                                      num_nextn_predict_layers=1, tie_word_embeddings=False,
                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        # gpt-oss in small: fused experts with biases, sinks, a window of 8 (the tests' 16 tokens see past it) on the
+        # first layer and full attention on the second, the clamped SwiGLU, YaRN unrounded (truncate false) as
+        # released; hidden 64 and expert width 48 (neither 2x nor 1x the other: a transposition shows in the shapes)
+        "gpt_oss": tf.GptOssConfig(**dict(COMMON, rms_norm_eps=1e-5), intermediate_size=48, num_hidden_layers=2, num_key_value_heads=2,
+                                   head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                   layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128,
+                                   swiglu_limit=7.0, tie_word_embeddings=False,
+                                   rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
+        # the same with experts of 96 (MXFP4 groups 32 input columns: down_proj's 96, gate_up_proj's 64)
+        "gpt_oss_mxfp4": tf.GptOssConfig(**dict(COMMON, rms_norm_eps=1e-5), intermediate_size=96, num_hidden_layers=2,
+                                         num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                         sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                         max_position_embeddings=128, tie_word_embeddings=False),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
                               activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
@@ -84,10 +98,11 @@ def _configs():
 # config.json fields a family's release writes where transformers writes others
 SAVED_AS = {"kimi_k2": {"model_type": "kimi_k2"}}
 
-MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed", "deepseek_v3_moe", "deepseek_v3_mixed", "minimax_m2"}
+MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed", "deepseek_v3_moe", "deepseek_v3_mixed", "minimax_m2",
+       "gpt_oss"}
 NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed",
          "deepseek_v3", "deepseek_v3_q",
-         "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2", "minimax_m2"]
+         "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2", "minimax_m2", "gpt_oss"]
 
 
 def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:

@@ -19,6 +19,7 @@ from reshard.cli import main
 from reshard.converters.base import GatedMLP, Rename
 from reshard.converters.deepseek_v3 import DeepseekV3
 from reshard.converters.glm4_moe import Glm4Moe
+from reshard.converters.gpt_oss import GptOss, InterleavedGated
 from reshard.converters.minimax_m2 import MiniMaxM2
 from reshard.converters.qwen2_moe import Qwen2Moe
 from tests.launch import run
@@ -60,6 +61,11 @@ CASES = [
     ("glm4_moe", "torch_dist", dict(tp=2)),
     ("glm4_moe", "torch_dist", dict(ep=2)),
     ("glm4_moe", "torch_dist", dict(pp=2)),
+    # gpt-oss: sinks split by head, a window on layer 1 only, biases (experts' at ETP1, as megatron-core requires),
+    # the clamped SwiGLU, YaRN; its experts read from transformers' fused tensors
+    ("gpt_oss", "torch_dist", dict(tp=2, etp=1)),
+    ("gpt_oss", "torch_dist", dict(ep=2)),
+    ("gpt_oss", "legacy", dict(pp=2)),
 ]
 
 
@@ -291,3 +297,42 @@ def test_the_oracle_sees_a_wrong_minimax_mapping(tmp_path, monkeypatch, sabotage
     method, wrap, layout = MINIMAX_SABOTAGE[sabotage]
     monkeypatch.setattr(MiniMaxM2, method, wrap(getattr(MiniMaxM2, method)))
     assert max_logits_diff(tmp_path, "minimax_m2", "torch_dist", layout) > 1e-3
+
+
+class NotInterleaved(InterleavedGated):
+    """A wrong gate_up_proj mapping: its columns read as [gate; up] halves, as every other family stores them."""
+
+    def to_megatron(self, tensors, config):
+        return np.ascontiguousarray(tensors[0].T if self.transposed else tensors[0])
+
+
+class ExpertsSwapped(Rename):
+    """A wrong expert mapping: experts 0 and 1 each read from the other's slice of the fused tensor."""
+
+    def hf_names(self, layer=None, expert=None):
+        return super().hf_names(layer, {0: 1, 1: 0}.get(expert, expert))
+
+
+def _gpt_oss_with(wrong, hf_tensor):
+    return lambda right: lambda self, config: [wrong(m.megatron, m.hf[0]) if m.hf[0].endswith(hf_tensor) else m
+                                               for m in right(self, config)]
+
+
+GPT_OSS_SABOTAGE = {  # what GptOss gets wrong (the method, a wrapper of the right one), the layout it is loaded at
+    "sinks_negated": ("mappings", _gpt_oss_with(Negated, "self_attn.sinks"), dict(tp=2, etp=1)),
+    "gate_up_interleave_undone": ("mappings", lambda right: lambda self, config: [
+        NotInterleaved(m.megatron, m.hf[0], m.transposed) if isinstance(m, InterleavedGated) else m for m in right(self, config)], dict()),
+    "expert_biases_swapped": ("mappings", _gpt_oss_with(ExpertsSwapped, "down_proj_bias[{expert}]"), dict()),
+    "sliding_window_ignored": ("adjust_from_hf", lambda right: lambda self, config, hf: right(self, config, hf).replace(
+        window_size=None, window_attn_skip_freq=None), dict()),
+}
+
+
+@pytest.mark.parametrize("sabotage", sorted(GPT_OSS_SABOTAGE))
+def test_the_oracle_sees_a_wrong_gpt_oss_mapping(tmp_path, monkeypatch, sabotage):
+    """Each gpt-oss specific, got wrong in a way that still loads strictly, moves the logits far past the tolerance:
+    the sinks negated (at TP2, each rank its heads'), gate and up read as halves instead of interleaved, two experts'
+    down-projection biases in each other's place, the first layer's window of 8 ignored."""
+    method, wrap, layout = GPT_OSS_SABOTAGE[sabotage]
+    monkeypatch.setattr(GptOss, method, wrap(getattr(GptOss, method)))
+    assert max_logits_diff(tmp_path, "gpt_oss", "torch_dist", layout) > 1e-3

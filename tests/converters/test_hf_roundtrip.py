@@ -23,6 +23,7 @@ from hf_models import DEEPSEEK, MOE, NAMES, VOCAB, build
 LAYOUTS = {
     "dense": [dict(tp=1, pp=1), dict(tp=2, pp=1), dict(tp=1, pp=2)],
     "moe": [dict(tp=1, pp=1, ep=2), dict(tp=2, pp=2)],
+    "gpt_oss": [dict(tp=1, pp=1, ep=2), dict(tp=2, pp=2, etp=1)],  # experts with biases: megatron-core has them at ETP1 only
 }
 
 
@@ -55,7 +56,7 @@ def models(tmp_path_factory):
     return {name: build(name, root / name) for name in NAMES}
 
 
-CASES = [(name, layout) for name in NAMES for layout in LAYOUTS["moe" if name in MOE else "dense"]]
+CASES = [(name, layout) for name in NAMES for layout in LAYOUTS.get(name, LAYOUTS["moe" if name in MOE else "dense"])]
 
 
 @pytest.mark.parametrize("name,layout", CASES, ids=[f"{n}-" + "".join(f"{k}{v}" for k, v in lay.items()) for n, lay in CASES])

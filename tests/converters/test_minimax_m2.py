@@ -6,7 +6,6 @@ with nothing written. The logits proof is test_hf_logits.py's; fp8 blocks, test_
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from reshard.errors import ReshardError
 from reshard.layout import Layout
 from reshard.logical import Split, describe
 from reshard.sharding import pieces
-from tests.cli import refused_cli
+from tests.cli import refused_cli, refused_config
 
 from hf_models import build
 
@@ -93,11 +92,7 @@ def source(tmp_path_factory):
     ({"quantization_config": {"quant_method": "fp8", "fmt": "float8_e5m2"}}, ["quantization_config.fmt='float8_e5m2'"]),
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
 def test_a_config_transformers_would_not_compute_is_refused_naming_the_field(source, tmp_path, monkeypatch, capsys, change, words):
-    bad = tmp_path / "bad"
-    shutil.copytree(source, bad)
-    (bad / "config.json").write_text(json.dumps({**json.loads((source / "config.json").read_text()), **change}))
-    refused_cli(monkeypatch, capsys, ["convert", bad, tmp_path / "out", "--to-format", "torch_dist", "-q"], *words, untouched=(bad,))
-    assert not (tmp_path / "out").exists()
+    refused_config(monkeypatch, capsys, source, tmp_path, change, *words)
 
 
 @pytest.mark.slow  # over 5 s here (the args unpickled and pickled again with torch)

@@ -190,6 +190,9 @@ HF_CONFIGS = {
     "glm4_moe": dict(BASE, architectures=["Glm4MoeForCausalLM"], head_dim=32, n_routed_experts=4, n_shared_experts=1,
                      moe_intermediate_size=32, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0,
                      attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, num_nextn_predict_layers=1),
+    "gpt_oss": dict(BASE, architectures=["GptOssForCausalLM"], num_local_experts=4, num_experts_per_tok=2, attention_bias=True,
+                    sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                    swiglu_limit=7.0, rope_scaling=dict(YARN, truncate=False)),
     "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 250},
 }
 

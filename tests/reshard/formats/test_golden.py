@@ -304,7 +304,8 @@ _ITS_ETP = {"expert_tensor_parallel_size"}  # its loader's 1 at any TP; validate
 _MODEL_FACTS = {"rotary_base", "layernorm_epsilon", "tokenizer_model"}
 # ... and reshard's own record of the model: its HF origin, and ModelConfig fields core_v0.17.1 has no argument for.
 _RESHARDS_OWN = {"hf_architecture", "hf_config", "hf_model_type", "hf_source", "norm_epsilon", "rope_scaling",
-                 "beta_fast", "beta_slow", "original_max_position_embeddings", "qk_layernorm_full_width"}
+                 "beta_fast", "beta_slow", "original_max_position_embeddings", "qk_layernorm_full_width",
+                 "yarn_correction_range_round_to_int"}
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ EDITS = [
     ("  params_dtype:\n    _call_: false\n    _target_: torch.float32\n", "  params_dtype:\n    _target_: [torch.float32]\n",
      "model.params_dtype names a YAML list"),
     ("    _target_: torch.nn.functional.silu\n", "    _target_: os.system\n",
-     "model.activation_func names 'os.system'; reshard reads torch.nn.functional.silu there"),
+     "model.activation_func names 'os.system'; reshard reads megatron.core.fusions.fused_bias_geglu.quick_gelu or torch.nn.functional.silu there"),
     ("  gated_linear_unit: true\n", "  gated_linear_unit: false\n",
      "model.activation_func names 'torch.nn.functional.silu'; reshard reads torch.nn.functional.gelu there"),
     ("  layernorm_epsilon: 1.0e-06\n", "  layernorm_epsilon: {_target_: builtins.float, _args_: ['-1']}\n",

@@ -2,7 +2,7 @@
 DistributedOptimizer's buffers is known: a model family's new parameter is placed by its table entry alone.
 
 Megatron's own saves prove the tables' present entries (test_dp_reshardable.py, test_te_order.py, test_mla_order.py);
-these tests need no Megatron. The new parameter is gpt-oss's attention sinks: megatron-core 0.16.1's
+these tests need no Megatron. The example parameter is gpt-oss's attention sinks (now in the tables): megatron-core 0.16.1's
 DotProductAttention registers `softmax_offset` with softmax_type="learnable" (dot_product_attention.py:127), and
 Attention builds core_attention before linear_proj (attention.py:318, 349), so it comes right after the input norm."""
 
@@ -32,8 +32,17 @@ def _sinks_after_the_input_norm(order: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def test_a_parameter_no_table_places_is_refused_by_name():
-    with pytest.raises(ReshardError, match=f"decoder.layers.{SINKS}: where megatron-core places this parameter"):
-        ParamOrder("local").key(_layer_spec(SINKS), 0, None)
+    unknown = "self_attention.core_attention.temperature"  # a parameter no family has (yet)
+    with pytest.raises(ReshardError, match=f"decoder.layers.{unknown}: where megatron-core places this parameter"):
+        ParamOrder("local").key(_layer_spec(unknown), 0, None)
+
+
+def test_the_sinks_have_their_entry():
+    """gpt-oss's sinks, placed as below by their one entry in each table (megatron-core's own saves of them:
+    test_gpt_oss_order.py)."""
+    without = tuple(tail for tail in LAYER_ORDERS[LOCAL] if tail != SINKS)
+    assert LAYER_ORDERS[LOCAL] == _sinks_after_the_input_norm(without)
+    assert LAYER_ORDERS[("transformer_engine", MULTI_HEAD)][0] == SINKS  # TE: no input norm module, core_attention first
 
 
 def test_one_table_entry_places_a_new_parameter(monkeypatch):
