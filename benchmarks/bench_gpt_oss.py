@@ -54,8 +54,8 @@ def hf_config(size_gb: float) -> dict:
     def gigabytes(layers: int) -> float:
         return tensor_stats(config_reader(config(layers)).config)["logical_bytes"] / 1e9
 
-    per_layer = gigabytes(4) - gigabytes(2)
-    return config(max(2, 2 * round(1 + (size_gb - gigabytes(2)) / per_layer / 2)))
+    per_two = gigabytes(4) - gigabytes(2)  # layers come in (sliding, full) pairs
+    return config(max(2, 2 + 2 * round((size_gb - gigabytes(2)) / per_two)))
 
 
 def build_main(path: Path, size_gb: float) -> None:
