@@ -31,6 +31,8 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -115,10 +117,27 @@ def build_main(path: Path, size_gb: float) -> None:
             tensors += [(name, "F8_E4M3", shape, "fp8"), (fp8_blocks.scale_name(name), "F32", fp8_blocks.scale_shape(shape, BLOCK), "scale")]
         else:
             tensors.append((name, "BF16", shape, "norm" if "norm" in name else "bf16"))
-    size = {"F8_E4M3": 1, "F32": 4, "BF16": 2}
+    write_release(path, hf, tensors)
+
+
+# The bytes each kind of tensor of a release is written with (random, deterministic, of realistic magnitude).
+_FILL = {
+    "fp8": _fp8,
+    "scale": lambda n, rng: rng.uniform(1e-4, 3e-4, n).astype(np.float32).tobytes(),
+    "norm": lambda n, rng: _bf16(1 + 0.1 * rng.standard_normal(n, dtype=np.float32)),
+    "bf16": lambda n, rng: _bf16(0.02 * rng.standard_normal(n, dtype=np.float32)),
+    "u8": lambda n, rng: rng.integers(0, 256, n, dtype=np.uint8).tobytes(),
+    "e8m0": lambda n, rng: rng.integers(118, 124, n, dtype=np.uint8).tobytes(),  # MXFP4 scales: 2^-9 .. 2^-4
+}
+_BYTES = {"F8_E4M3": 1, "U8": 1, "F32": 4, "BF16": 2}
+
+
+def write_release(path: Path, hf: dict, tensors: list[tuple[str, str, tuple[int, ...], str]]) -> None:
+    """An HF model as a release ships it: `tensors` (name, safetensors dtype, shape, `_FILL` kind) in shards of at
+    most SHARD_BYTES with an index, and config.json."""
     shards, current, used = [], [], 0
     for t in tensors:
-        n = math.prod(t[2]) * size[t[1]]
+        n = math.prod(t[2]) * _BYTES[t[1]]
         if current and used + n > SHARD_BYTES:
             shards.append(current)
             current, used = [], 0
@@ -132,7 +151,7 @@ def build_main(path: Path, size_gb: float) -> None:
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for name, dtype, shape, _ in shard:
-            n = math.prod(shape) * size[dtype]
+            n = math.prod(shape) * _BYTES[dtype]
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
             offset += n
             weight_map[name] = file
@@ -141,15 +160,7 @@ def build_main(path: Path, size_gb: float) -> None:
         with open(path / file, "wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)
             for _, _, shape, kind in shard:
-                numel = math.prod(shape)
-                if kind == "fp8":
-                    f.write(_fp8(numel, rng))
-                elif kind == "scale":
-                    f.write(rng.uniform(1e-4, 3e-4, numel).astype(np.float32).tobytes())
-                elif kind == "norm":
-                    f.write(_bf16(1 + 0.1 * rng.standard_normal(numel, dtype=np.float32)))
-                else:
-                    f.write(_bf16(0.02 * rng.standard_normal(numel, dtype=np.float32)))
+                f.write(_FILL[kind](math.prod(shape), rng))
         total += offset
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
@@ -157,96 +168,128 @@ def build_main(path: Path, size_gb: float) -> None:
     print(f"wrote {path}: {len(tensors)} tensors in {len(shards)} shards, {total / 1e9:.2f} GB")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+@dataclass(frozen=True)
+class Release:
+    """A family's quantized release, benchmarked as `run_release` runs it."""
+
+    tag: str  # of its work directories and results file
+    title: str  # of its results table
+    script: str  # its benchmark's file: `script --_build PATH SIZE` writes the source
+    hf_config: Callable[[float], dict]  # its config.json at about SIZE GB of bf16 weights
+    shown: tuple[str, ...]  # the config fields its results record
+    steps: Callable[[Steps], None]  # its conversions, after the source is built
+
+
+@dataclass
+class Steps:
+    """What a release's `steps` run: copies and conversions, each measured in a fresh process and recorded."""
+
+    work: Path
+    source: Path
+    record: Callable[..., dict]
+    drop: bool
+    timeout: float
+    env: dict
+    made: list[Path]
+
+    def path(self, name: str) -> Path:
+        self.made.append(self.work / name)
+        return self.made[-1]
+
+    def copy(self, source: Path) -> None:
+        dst = self.path("copy")
+        rmtree(dst)
+        self.record(measure(f"cp -r {source.name}", ["cp", "-r", str(source), str(dst)], drop=self.drop, timeout=self.timeout), "cp", source, dst)
+        rmtree(dst)
+
+    def convert(self, label: str, source: Path, out: Path, *flags: str) -> dict:
+        rmtree(out)
+        command = reshard_cmd(source, out, *flags)
+        return self.record(measure(f"reshard {label}", command, drop=self.drop, timeout=self.timeout, env=self.env), "reshard", source, out)
+
+
+def run_release(argv: list[str] | None, release: Release) -> int:
+    parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=float, default=3.0, help="model size in GB of bf16 weights (default 3)")
-    parser.add_argument("--out", type=Path, default=None, help="JSON results (default: <work>/results_deepseek.json)")
+    parser.add_argument("--out", type=Path, default=None, help=f"JSON results (default: <work>/results_{release.tag}.json)")
     parser.add_argument("--work", type=Path, default=REPO / "benchmarks" / "work", help="work directory (git-ignored)")
     parser.add_argument("--no-drop-cache", action="store_true", help="do not drop the page cache before each step")
     parser.add_argument("--timeout", type=float, default=None, help="per-step limit in seconds (default scales with size)")
-    parser.add_argument("--_build", nargs=2, metavar=("PATH", "SIZE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args._build:
-        build_main(Path(args._build[0]), float(args._build[1]))
-        return 0
-
-    work: Path = args.work.resolve()
-    out_path = (args.out or work / "results_deepseek.json").resolve()
+    work: Path = args.work.resolve() / release.tag
+    out_path = (args.out or work.parent / f"results_{release.tag}.json").resolve()
     timeout, drop, env = args.timeout or max(300.0, 300.0 * args.size), not args.no_drop_cache, python_env()
     work.mkdir(parents=True, exist_ok=True)
-    need = args.size * 1e9 * 5  # source (fp8: ~half), torch_dist, the two exports, a copy
+    need = args.size * 1e9 * 5  # source (quantized: a fraction), the Megatron checkpoint, the exports, a copy
     if shutil.disk_usage(work).free < need:
-        print(f"bench_deepseek: {work} has too little free space; about {need / 1e9:.0f} GB are needed", file=sys.stderr)
+        print(f"{release.script}: {work} has too little free space; about {need / 1e9:.0f} GB are needed", file=sys.stderr)
         return 2
-    hf = hf_config(args.size)
+    hf = release.hf_config(args.size)
     stats = tensor_stats(config_reader(hf).config)
     m = {
-        "hf_config": {k: v for k, v in hf.items() if k in (*SCALED, "num_hidden_layers", "vocab_size")},
+        "hf_config": {k: v for k, v in hf.items() if k in (*release.shown, "num_hidden_layers", "vocab_size")},
         **stats,
         "memory_target_bytes": GIB + 2 * stats["largest_tensor_bytes"],
     }
-    results: dict = {"machine": machine_info(work), "size_gb": args.size, "model": m, "steps": [], "notes": []}
+    results: dict = {"machine": machine_info(work), "size_gb": args.size, "model": m, "steps": [], "notes": [], "title": release.title}
     print(
-        f"bench_deepseek: {m['params'] / 1e9:.2f} B params, {m['logical_bytes'] / 1e9:.2f} GB bf16, largest tensor "
+        f"{release.title}: {m['params'] / 1e9:.2f} B params, {m['logical_bytes'] / 1e9:.2f} GB bf16, largest tensor "
         f"{m['largest_tensor_bytes'] / MIB:.0f} MiB, memory target {m['memory_target_bytes'] / MIB:.0f} MiB",
         flush=True,
     )
-    src, ts, fp8_out, bf16_out = work / "ds_hf_fp8", work / "ds_tp2ep4", work / "ds_back_fp8", work / "ds_back_bf16"
-    steps = results["steps"]
 
     def record(res: dict, kind: str, source: Path | None, out: Path | None) -> dict:
         res["kind"], res["git_rev"] = kind, git_rev()
         res["source"] = source.name if source else None
         res["source_dir_bytes"] = dir_bytes(source) if source else None
         res["output_dir_bytes"] = dir_bytes(out) if out and out.exists() else None
-        steps.append(res)
+        results["steps"].append(res)
         return res
 
-    def copy(source: Path) -> None:
-        dst = work / "ds_cp"
-        rmtree(dst)
-        record(measure(f"cp -r {source.name}", ["cp", "-r", str(source), str(dst)], drop=drop, timeout=timeout), "cp", source, dst)
-        rmtree(dst)
-
-    def convert(label: str, source: Path, out: Path, *flags: str) -> dict:
-        rmtree(out)
-        return record(measure(f"reshard {label}", reshard_cmd(source, out, *flags), drop=drop, timeout=timeout, env=env), "reshard", source, out)
-
+    run = Steps(work, work / "hf_release", record, drop, timeout, env, [work / "hf_release"])
     t0 = time.perf_counter()
     try:
-        rmtree(src)
-        build = record(
-            measure(
-                "build HF fp8 source", [sys.executable, __file__, "--_build", str(src), str(args.size)], drop=False, timeout=timeout * 2, env=env
-            ),
-            "build",
-            None,
-            src,
-        )
-        if not build["ok"]:
-            raise SystemExit(f"bench_deepseek: could not build the source:\n{build['output_tail']}")
-        copy(src)
-        convert("HF fp8 -> torch_dist TP2 EP4", src, ts, "--to-format", "torch_dist", "--to-tp", "2", "--to-ep", "4")
-        if ts.exists():
-            copy(ts)
-            convert("torch_dist TP2 EP4 -> HF fp8 blocks", ts, fp8_out, "--to-format", "hf", "--to-fp8-blocks")
-            rmtree(fp8_out)
-            res = convert("torch_dist TP2 EP4 -> HF bf16", ts, bf16_out, "--to-format", "hf")
-            verify_step(res, bf16_out, ts, "verified_against_torch_dist", env)
-            rmtree(bf16_out)
-            copy(ts)
-        copy(src)
+        rmtree(run.source)
+        build = [sys.executable, release.script, "--_build", str(run.source), str(args.size)]
+        if not record(measure("build HF release", build, drop=False, timeout=timeout * 2, env=env), "build", None, run.source)["ok"]:
+            raise SystemExit(f"{release.script}: could not build the source:\n{results['steps'][-1]['output_tail']}")
+        release.steps(run)
     finally:
         results["total_seconds"] = round(time.perf_counter() - t0, 1)
         summarize(results)
         out_path.write_text(json.dumps(results, indent=1))
-        for p in (src, ts, fp8_out, bf16_out, work / "ds_cp"):
+        for p in run.made:
             rmtree(p)
-        for p in work.glob(".ds_*.reshard-partial"):
+        for p in work.glob(".*.reshard-partial"):
             rmtree(p)
         print(render(results))
         print(f"\nresults: {out_path} ({results['total_seconds']} s in all)")
-    return 0 if all(s.get("ok") for s in steps) else 1
+    return 0 if all(s.get("ok") for s in results["steps"]) else 1
+
+
+def _steps(run: Steps) -> None:
+    ts, fp8_out, bf16_out = run.path("tp2ep4"), run.path("back_fp8"), run.path("back_bf16")
+    run.copy(run.source)
+    run.convert("HF fp8 -> torch_dist TP2 EP4", run.source, ts, "--to-format", "torch_dist", "--to-tp", "2", "--to-ep", "4")
+    if ts.exists():
+        run.copy(ts)
+        run.convert("torch_dist TP2 EP4 -> HF fp8 blocks", ts, fp8_out, "--to-format", "hf", "--to-fp8-blocks")
+        rmtree(fp8_out)
+        res = run.convert("torch_dist TP2 EP4 -> HF bf16", ts, bf16_out, "--to-format", "hf")
+        verify_step(res, bf16_out, ts, "verified_against_torch_dist", run.env)
+        rmtree(bf16_out)
+        run.copy(ts)
+    run.copy(run.source)
+
+
+DEEPSEEK = Release("deepseek", "DeepSeek-V3-shaped MoE", __file__, hf_config, tuple(SCALED), _steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["--_build"]:  # the source, written in a process of its own
+        build_main(Path(sys.argv[2]), float(sys.argv[3]))
+        return 0
+    return run_release(argv, DEEPSEEK)
 
 
 def summarize(results: dict) -> None:
@@ -273,7 +316,7 @@ def summarize(results: dict) -> None:
 def render(results: dict) -> str:
     m, machine = results["model"], results["machine"]
     lines = [
-        f"\n### DeepSeek-V3-shaped MoE, {m['params'] / 1e9:.2f} B params ({m['logical_bytes'] / 1e9:.2f} GB bf16), "
+        f"\n### {results['title']}, {m['params'] / 1e9:.2f} B params ({m['logical_bytes'] / 1e9:.2f} GB bf16), "
         f"{machine['cpu_affinity']} cores, {machine['ram_gib']} GiB RAM ({machine['date']})\n",
         f"largest tensor {m['largest_tensor_bytes'] / MIB:.0f} MiB, memory target {m['memory_target_bytes'] / MIB:.0f} MiB\n",
         "| step | cache | source GB | s | cp of the same bytes, s | × cp | peak RSS MiB | ≤ target |",
