@@ -22,7 +22,9 @@ layouts does not change their checksum.
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -184,3 +186,15 @@ def checksum_tensor(t: np.ndarray, content_rows: int | None = None) -> Checksum:
     acc = TensorChecksum(tuple(t.shape), dtype_name(t.dtype), content_rows)
     acc.add(tuple((0, d) for d in t.shape), t)
     return acc.result()
+
+
+_FILE_BLOCK = 8 << 20
+
+
+def file_sha256(path: Path) -> str:
+    """A file's sha256 in hex, read in blocks (what Megatron-LM's integrity.json and the Hub's LFS record)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_FILE_BLOCK):
+            h.update(block)
+    return h.hexdigest()

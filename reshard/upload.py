@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reshard.checksum import file_sha256
 from reshard.errors import ReshardError
 from reshard.formats.base import MANIFEST_NAME
 from reshard.formats.hf import CONFIG, INDEX, model_files, recorded_digests
@@ -41,7 +42,6 @@ RECORD = ".reshard-upload.json"  # in a staging export: the checkpoint it was ma
 COMMIT_BYTES = 5 << 30  # about one default HF shard per commit
 COMMIT_FILES = 100
 LAST = (CONFIG, INDEX, MANIFEST_NAME, CARD)  # committed last, in this order
-_HASH_BLOCK = 8 << 20
 
 Report = Callable[[str], None]
 
@@ -372,14 +372,6 @@ def unverified(folder: Path, files: dict[str, Path], allow_code: bool) -> list[s
     return [name for name in files if name not in covered and not (allow_code and name.endswith(".py"))]
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            h.update(block)
-    return h.hexdigest()
-
-
 def git_sha1(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
@@ -520,7 +512,7 @@ def _hashed(paths: dict[str, Path], workers: int, say: Report, hashed: Callable[
     done = 0
     digests = {}
     with ThreadPoolExecutor(max(1, workers)) as pool:
-        for name, digest in zip(paths, pool.map(sha256_of, paths.values())):
+        for name, digest in zip(paths, pool.map(file_sha256, paths.values())):
             digests[name] = digest
             done += paths[name].stat().st_size
             if hashed:

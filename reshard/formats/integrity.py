@@ -9,34 +9,25 @@ own, written after its last file, so that Megatron-LM's check passes on it too: 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from reshard.checksum import file_sha256
 from reshard.errors import ReshardError
 from reshard.paths import confined
 
 NAME = "integrity.json"
 ALGORITHM = "sha256"
 _DIGEST = re.compile(r"[0-9a-f]{64}")
-_CHUNK = 8 << 20
 _WORKERS = 8  # hashlib lets go of the GIL on large updates: files hash side by side at the disk's speed
-
-
-def digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _hashed(directory: Path, names: list[str]) -> dict[str, str]:
     with ThreadPoolExecutor(max(1, min(_WORKERS, len(names)))) as pool:
-        return dict(zip(names, pool.map(lambda name: digest(directory / name), names), strict=True))
+        return dict(zip(names, pool.map(lambda name: file_sha256(directory / name), names), strict=True))
 
 
 def _listed(directory: Path) -> dict[str, str]:
