@@ -174,15 +174,17 @@ def is_foreign(value: Any) -> bool:
 
 
 # Where set, a global off the allow-list is read as a `foreign` stand-in (nothing is built or imported either way)
-# for the caller to drop, instead of refused: see `payloads.load_args_screened`.
-_TOLERATE_FOREIGN: contextvars.ContextVar[bool] = contextvars.ContextVar("tolerate_foreign", default=False)
+# for the caller to drop, instead of refused, and noted in the list: see `payloads.load_args_screened`.
+_TOLERATE_FOREIGN: contextvars.ContextVar[list[tuple[str, str]] | None] = contextvars.ContextVar("tolerate_foreign", default=None)
 
 
 @contextlib.contextmanager
-def tolerating_foreign() -> Iterator[None]:
-    token = _TOLERATE_FOREIGN.set(True)
+def tolerating_foreign() -> Iterator[list[tuple[str, str]]]:
+    """Within it, globals off the allow-list are read as stand-ins; the list it gives names them, in order read."""
+    found: list[tuple[str, str]] = []
+    token = _TOLERATE_FOREIGN.set(found)
     try:
-        yield
+        yield found
     finally:
         _TOLERATE_FOREIGN.reset(token)
 
@@ -197,7 +199,8 @@ class Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         module, name = python3_name(module, name)
         if (module, name) not in SAFE_GLOBALS:
-            if _TOLERATE_FOREIGN.get():
+            if (found := _TOLERATE_FOREIGN.get()) is not None:
+                found.append((module, name))
                 return foreign(module, name)
             raise UnsafeGlobal(self.what, module, name)
         return _REAL.get((module, name)) or named(module, name)

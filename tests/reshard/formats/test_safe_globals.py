@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron.core.safe_globals import SAFE_GLOBALS
+from megatron.core.safe_globals import register_safe_globals
 
 from reshard.convert import convert
 from reshard.layout import Layout
@@ -21,11 +21,13 @@ GOLDEN = Path(__file__).resolve().parents[3] / "fixtures" / "golden"
 
 
 def strict_load(blob: bytes, where: str) -> object:
-    with torch.serialization.safe_globals(SAFE_GLOBALS):
-        try:
-            return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        except Exception as exc:  # what Megatron-LM would report, with the file named
-            raise AssertionError(f"{where} does not load with weights_only under megatron-core's SAFE_GLOBALS: {exc}") from None
+    """torch.load(weights_only=True) with megatron-core's list added, as megatron-core adds it when imported (for the
+    process: torch's `safe_globals` context would take them away again on leaving, from every later test too)."""
+    register_safe_globals()
+    try:
+        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except Exception as exc:  # what Megatron-LM would report, with the file named
+        raise AssertionError(f"{where} does not load with weights_only under megatron-core's SAFE_GLOBALS: {exc}") from None
 
 
 def pickles(checkpoint: Path) -> dict[str, bytes]:

@@ -13,7 +13,7 @@ import types
 
 import pytest
 import torch
-from megatron.core.safe_globals import SAFE_GLOBALS
+from megatron.core.safe_globals import register_safe_globals
 
 from reshard import cli
 from tests.cli import refused_by_every_command
@@ -72,8 +72,8 @@ def test_a_slime_checkpoint_converts_without_the_runs_objects(tmp_path, monkeypa
     assert dropped in converted(monkeypatch, capsys, source, tmp_path / "hf", "--to-format", "hf")
     _same_as_original(tmp_path / "hf")
     assert dropped in converted(monkeypatch, capsys, source, tmp_path / "dist", "--to-format", "torch_dist")
-    with torch.serialization.safe_globals(SAFE_GLOBALS):  # as Megatron-LM 0.18+ loads it: no slime class is left
-        args = torch.load(tmp_path / "dist" / "iter_0000001" / "common.pt", weights_only=True)["args"]
+    register_safe_globals()  # as Megatron-LM 0.18+ loads it: no slime class is left
+    args = torch.load(tmp_path / "dist" / "iter_0000001" / "common.pt", weights_only=True)["args"]
     assert not hasattr(args, "eval_datasets") and (args.rollout_batch_size, args.hf_checkpoint) == (32, "/models/Qwen3-4B")
 
 
