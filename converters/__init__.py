@@ -13,6 +13,7 @@ from reshard.config import ModelConfig
 from reshard.converters.base import Family
 from reshard.converters.deepseek_v3 import DeepseekV3
 from reshard.converters.glm4_moe import Glm4Moe
+from reshard.converters.glm4_moe_lite import Glm4MoeLite
 from reshard.converters.gpt2 import GPT2
 from reshard.converters.gpt_oss import GptOss
 from reshard.converters.llama import Llama
@@ -38,7 +39,7 @@ def register(family: Family) -> Family:
 
 # Order matters for `family_for_model`: the first family whose signature matches is the default export.
 _BUILTIN = (Llama(), Mistral(), Qwen2(), Qwen3(), Mixtral(), Qwen3Moe(), Qwen2Moe(), DeepseekV3(), GPT2(),
-            MiniMaxM2(), Glm4Moe(), GptOss())
+            MiniMaxM2(), Glm4Moe(), GptOss(), Glm4MoeLite())
 for _family in _BUILTIN:
     register(_family)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ def _configs():
     # but YaRN changes the frequencies and the attention scale at every position)
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    lite = dict(rms_norm_eps=1e-5, num_nextn_predict_layers=1)
     return {
         "llama": tf.LlamaConfig(**COMMON, intermediate_size=128, num_hidden_layers=4, num_key_value_heads=2,
                                 max_position_embeddings=16384, rope_theta=500000.0, rope_scaling=llama3),
@@ -90,6 +92,11 @@ def _configs():
                                          num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                                          sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                                          max_position_embeddings=128, tie_word_embeddings=False),
+        # GLM-4.7-Flash: DeepSeek-V3's MLA and MoE under GLM's config (mlp_layer_types, rms_norm_eps 1e-5), a dense layer
+        # then an MoE one and an MTP layer keeping copies of the embedding and head, as the release does
+        "glm4_moe_lite": tf.Glm4MoeLiteConfig(**{k: v for k, v in DEEPSEEK.items() if k != "first_k_dense_replace"} | lite,
+                                              mlp_layer_types=["dense", "sparse"], q_lora_rank=24,
+                                              max_position_embeddings=128, routed_scaling_factor=1.8),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
                               activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
@@ -113,6 +120,8 @@ def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
     config = _configs()[name]
     layers, mtp = config.num_hidden_layers, getattr(config, "num_nextn_predict_layers", 0)
     config.num_hidden_layers = layers + mtp  # transformers builds no MTP layers: their decoder layers are built as layers past the last
+    if mtp and getattr(config, "mlp_layer_types", None):  # GLM-4.7-Flash's MTP layers are MoE, as its last layer
+        config.mlp_layer_types = config.mlp_layer_types + config.mlp_layer_types[-1:] * mtp
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -125,7 +134,7 @@ def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
                 b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(directory, **save_kwargs)
     if mtp:
-        _add_mtp_heads(directory, layers, mtp, copies=config.model_type == "deepseek_v3")
+        _add_mtp_heads(directory, layers, mtp, copies=config.model_type in ("deepseek_v3", "glm4_moe_lite"))
     if name in SAVED_AS:
         _edit_config(directory, **SAVED_AS[name])
     (directory / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')  # stands in for tokenizer files
@@ -151,12 +160,12 @@ def _add_mtp_heads(directory: Path, layers: int, mtp: int, copies: bool) -> None
         tensors[f"{p}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
         tensors[f"{p}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     save_file(tensors, str(file), metadata={"format": "pt"})
-    _edit_config(directory, num_hidden_layers=layers)
+    config = json.loads((directory / "config.json").read_text())
+    kinds = {"mlp_layer_types": config["mlp_layer_types"][:layers]} if "mlp_layer_types" in config else {}
+    _edit_config(directory, num_hidden_layers=layers, **kinds)
 
 
 def _edit_config(directory: Path, **fields) -> None:
-    import json
-
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps(dict(config, **fields), indent=2))
 
@@ -164,8 +173,6 @@ def _edit_config(directory: Path, **fields) -> None:
 def load(source: Path):
     """The saved model, built by transformers' class its config.json names (AutoModel knows no kimi_k2), read as that
     class's model_type (transformers picks the per-expert -> fused weight conversion by model_type)."""
-    import json
-
     import transformers
 
     cls = getattr(transformers, json.loads((source / "config.json").read_text())["architectures"][0])

@@ -19,6 +19,7 @@ from reshard.cli import main
 from reshard.converters.base import GatedMLP, Rename
 from reshard.converters.deepseek_v3 import DeepseekV3
 from reshard.converters.glm4_moe import Glm4Moe
+from reshard.converters.glm4_moe_lite import Glm4MoeLite
 from reshard.converters.gpt_oss import GptOss, InterleavedGated
 from reshard.converters.minimax_m2 import MiniMaxM2
 from reshard.converters.qwen2_moe import Qwen2Moe
@@ -208,6 +209,8 @@ def hf_mtp_logits(source: Path, inputs: torch.Tensor) -> torch.Tensor:
     config = AutoConfig.from_pretrained(source)
     n = config.num_hidden_layers
     config.num_hidden_layers = n + 1  # so transformers builds and loads the MTP layer's decoder layer as layer n
+    if getattr(config, "mlp_layer_types", None):  # GLM-4.7-Flash says each layer's kind: the MTP layer's is MoE
+        config.mlp_layer_types = [*config.mlp_layer_types, "sparse"]
     longer, info = AutoModelForCausalLM.from_pretrained(source, config=config, attn_implementation="eager", output_loading_info=True)
     assert not info["missing_keys"] and not info["mismatched_keys"], info
     weights, p = load_file(source / "model.safetensors"), f"model.layers.{n}."
@@ -245,13 +248,27 @@ def mtp_diffs(tmp_path, layout: dict, name: str = "deepseek_v3_mtp") -> tuple[fl
 
 
 @pytest.mark.parametrize("name,layout", [("deepseek_v3_mtp", {}), ("deepseek_v3_mtp", dict(pp=2)), ("deepseek_v3_mtp", dict(ep=2)),
-                                         ("glm4_moe", dict(tp=2))], ids=["tp1", "pp2", "ep2", "glm4_moe-tp2"])
+                                         ("glm4_moe", dict(tp=2)), ("glm4_moe_lite", dict(ep=2))],
+                         ids=["tp1", "pp2", "ep2", "glm4_moe-tp2", "glm4_moe_lite-ep2"])
 def test_multi_token_prediction_matches_transformers(tmp_path, name, layout):
     """DeepSeek-V3 with an MTP layer: Megatron-Core loads every mtp.layers.0.* key strictly (at PP2 on the last
     stage, beside its copy of the embedding; at EP2 its experts split), its main logits equal transformers', and its
     MTP layer's logits equal the ones computed from transformers' modules."""
     main, mtp = mtp_diffs(tmp_path, layout, name)
     assert main <= 1e-4 and mtp <= 1e-4, f"max abs logits diff {main}, MTP logits diff {mtp}"
+
+
+def test_the_oracle_sees_deepseeks_routed_scaling_on_glm_flash(tmp_path, monkeypatch):
+    """GLM-4.7-Flash's experts weighted by DeepSeek-V3's routed scaling (2.5, the path it shares) where its config says
+    1.8: the main logits move past the tolerance."""
+    right = Glm4MoeLite.config_from_hf
+
+    def config_from_hf(self, hf):
+        config, extras = right(self, hf)
+        return config.replace(moe_router_topk_scaling_factor=2.5), extras
+
+    monkeypatch.setattr(Glm4MoeLite, "config_from_hf", config_from_hf)
+    assert mtp_diffs(tmp_path, dict(ep=2), "glm4_moe_lite")[0] > 1e-3
 
 
 def test_the_mtp_oracle_sees_swapped_norms(tmp_path, monkeypatch):
