@@ -193,6 +193,9 @@ HF_CONFIGS = {
     "gpt_oss": dict(BASE, architectures=["GptOssForCausalLM"], num_local_experts=4, num_experts_per_tok=2, attention_bias=True,
                     sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                     swiglu_limit=7.0, rope_scaling=dict(YARN, truncate=False)),
+    "glm4_moe_lite": dict(BASE, architectures=["Glm4MoeLiteForCausalLM"],
+                          **{k: v for k, v in DEEPSEEK_MOE.items() if k not in ("first_k_dense_replace", "head_dim")},
+                          mlp_layer_types=["sparse", "sparse"], num_nextn_predict_layers=1),
     "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 250},
 }
 
