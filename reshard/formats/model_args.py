@@ -31,7 +31,7 @@ _RENAMED = {
 }
 _BRIDGE_NAMES = {megatron: bridge for bridge, megatron in _RENAMED.items()}
 # Options that change what the tensors mean; a provider that sets one is refused rather than misread.
-_REFUSED = {"multi_latent_attention": False, "mtp_num_layers": None, "pipeline_model_parallel_layout": None}
+_REFUSED = {"pipeline_model_parallel_layout": None}
 
 
 _PLAIN = (str, int, float, bool, type(None))  # what a YAML value read into args may be (no dates, bytes or sets)
@@ -95,6 +95,8 @@ def bridge_args(path: Path) -> dict[str, Any]:
     args["swiglu"], args["quick_geglu"] = gated, activation == QUICK_GELU
     if model.get("position_embedding_type") == "yarn" and not model.get("multi_latent_attention"):
         args.update({field: model[f"yarn_{field}"] for field in _YARN if model.get(f"yarn_{field}") is not None})
+    if model.get("multi_latent_attention"):  # MLA computes with its own head dims: Bridge's kv_channels means nothing
+        args["kv_channels"] = model.get("v_head_dim")
     spec = model.get("transformer_layer_spec")
     args["qk_layernorm_full_width"] = isinstance(spec, dict) and spec.get("_target_") == MINIMAX_M2_SPEC
     args["untie_embeddings_and_output_weights"] = not model.get("share_embeddings_and_output_weights", False)
@@ -118,8 +120,8 @@ def _name(target: str) -> dict[str, Any]:
 
 
 def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, layout: Layout, te_names: bool) -> None:
-    """Write a Megatron-Bridge `run_config.yaml` whose `model:` section (a GPTModelProvider, as Bridge's
-    `load_megatron_model` instantiates it) describes this model at this layout: what `bridge_args` reads back."""
+    """Write a Megatron-Bridge `run_config.yaml` whose `model:` section (a GPTModelProvider, or an MLAModelProvider, as
+    Bridge's `load_megatron_model` instantiates it) describes this model at this layout: what `bridge_args` reads back."""
     import yaml
 
     activation = "torch.nn.functional." + ("silu" if config.swiglu else "gelu")
@@ -175,8 +177,9 @@ def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, 
     if config.position_embedding_type == "yarn" and not config.multi_latent_attention:  # GPT YaRN: the provider's yarn_* fields
         model.update({f"yarn_{field}": getattr(config, field) for field in _YARN},
                      yarn_correction_range_round_to_int=config.yarn_correction_range_round_to_int)
-    if config.multi_latent_attention:  # Bridge's MLA providers take Megatron-Core's MLATransformerConfig fields
-        model.update({key: getattr(config, key) for key in MLA_FIELDS}, rope_type=config.mla_rope_type, kv_channels=config.v_head_dim)
+    if config.multi_latent_attention:  # Bridge's MLA provider (its GPT one has no MLA fields) takes MLATransformerConfig's
+        model.update({key: getattr(config, key) for key in MLA_FIELDS}, rope_type=config.mla_rope_type, kv_channels=config.v_head_dim,
+                     _target_="megatron.bridge.models.mla_provider.MLAModelProvider")
     chosen = {key: args.get(key, default) for key, default in _UNMODELED.items()} | layout.megatron_args()
     model.update({_BRIDGE_NAMES.get(key, key): value for key, value in chosen.items()})
     (directory / RUN_CONFIG).write_text(yaml.safe_dump({"model": model}, sort_keys=False))
