@@ -478,6 +478,10 @@ class Family:
     # ModelConfig fields this family's HF model fixes; a Megatron model that differs cannot be exported.
     signature: ClassVar[dict[str, Any]] = {}
     holds_mtp: ClassVar[bool] = False  # the HF model has multi-token-prediction layers (DeepSeek-V3's)
+    # Where the family is released in MXFP4 (`reshard.mxfp4`): the HF tensors quantized (by their names' endings), and
+    # the release's quantization_config.modules_to_not_convert
+    mxfp4_tensors: ClassVar[tuple[str, ...]] = ()
+    mxfp4_unconverted: ClassVar[tuple[str, ...]] = ()
 
     # ---- HF config -> ModelConfig ----------------------------------------------------------------
     def check_hf(self, hf: dict[str, Any]) -> None:

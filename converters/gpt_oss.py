@@ -132,6 +132,8 @@ class GptOss(Family):
         "quick_geglu": True,
         "glu_linear_offset": 1.0,
     }
+    mxfp4_tensors = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # the experts' weights, not their biases
+    mxfp4_unconverted = ("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head")
 
     def allowed_flags(self):
         return {"attention_bias"}

@@ -100,6 +100,10 @@ def inspect(path: Path, as_json: bool, config_file: Path | None) -> None:
               help="HF output: the decoder's linear weights as float8_e4m3fn with a float32 weight_scale_inv per block "
               "(DeepSeek-V3's form; the source's blocks, else 128x128). Lossy: each value is held to the re-quantization "
               "error bound instead of the source's checksums. An fp8 SOURCE is read dequantized, to bf16 unless --dtype.")
+@click.option("--to-mxfp4", "mxfp4", is_flag=True,
+              help="HF output: the experts' weights as MXFP4 blocks and scales, as gpt-oss is released (other families are "
+              "not released so: refused). Lossy: each value is held to MXFP4's error bound; a released MXFP4 model comes back "
+              "byte for byte. An MXFP4 SOURCE is read dequantized, to bf16 unless --dtype.")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty destination (only after the new one verifies).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes, peak memory) and write nothing. SOURCE may "
               "then be an HF config.json alone (no weights): the plan of its model, e.g. of a 671B model before downloading it.")
@@ -172,7 +176,7 @@ def _target(opts: dict[str, Any]) -> Target:
                           first_stage_layers=opts["first_stage_layers"], last_stage_layers=opts["last_stage_layers"])
     return Target(format=opts["to_format"], layout=layout, dtype=opts["dtype"], optimizer=not opts["no_optimizer"],
                   naming=opts["naming"], for_bridge=opts["for_tool"] == "bridge", fp8_blocks=opts["fp8_blocks"],
-                  optimizer_form=opts["optimizer_form"], dp=opts["to_dp"])
+                  mxfp4=opts["mxfp4"], optimizer_form=opts["optimizer_form"], dp=opts["to_dp"])
 
 
 def _run(opts: dict[str, Any]) -> Run:
@@ -185,22 +189,24 @@ def _run(opts: dict[str, Any]) -> Run:
 
 def _tell_converted(result: ConversionResult, destination: Path, target: Target, opts: dict[str, Any], copy_speed: float | None) -> None:
     """What convert says once done: the plan (--dry-run), the JSON of --json, or a line of what was written."""
-    from reshard import fp8_blocks
+    from reshard import fp8_blocks, mxfp4
 
+    # lossy: the bound holds the output to the source, the checksums only to what was stored
+    lossy = ("fp8_blocks", "linear weights re-quantized to fp8 blocks", fp8_blocks.BOUND) if target.fp8_blocks else \
+        ("mxfp4", "experts' weights re-quantized to MXFP4", mxfp4.BOUND) if target.mxfp4 else None
     plan = result.plan
     if opts["as_json"]:
         out = plan.to_json(copy_speed) | {"seconds": round(result.seconds, 3), "dry_run": opts["dry_run"]}
-        if target.fp8_blocks:
-            out["fp8_blocks"] = {"bit_identical": False, "bound": fp8_blocks.BOUND}
+        if lossy:
+            out[lossy[0]] = {"bit_identical": False, "bound": lossy[2]}
         click.echo(json.dumps(out, indent=1))
     elif opts["dry_run"]:
         click.echo(plan.render(copy_speed))
     else:
         rate = plan.bytes_moved / max(result.seconds, 1e-9) / 1e6
         checked = "checksums verified"
-        if target.fp8_blocks:  # lossy: the bound holds the output to the source, the checksums only to what was stored
-            checked = (f"linear weights re-quantized to fp8 blocks, NOT bit-identical: every value within "
-                       f"{fp8_blocks.BOUND} of the source, checksums verified against the values stored")
+        if lossy:
+            checked = f"{lossy[1]}, NOT bit-identical: every value within {lossy[2]} of the source, checksums verified against the values stored"
         click.echo(
             f"wrote {destination} ({plan.target_format}, {plan.target_layout}): {len(plan.moves)} tensors, "
             f"{checked}, {result.seconds:.1f} s ({rate:.0f} MB/s)"

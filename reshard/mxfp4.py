@@ -1,4 +1,5 @@
-"""MXFP4 weights as gpt-oss is released (`quantization_config.quant_method: "mxfp4"`), read dequantized.
+"""MXFP4 weights as gpt-oss is released (`quantization_config.quant_method: "mxfp4"`), read dequantized, and written
+(`--to-mxfp4`) as the release was made.
 
 A quantized HF tensor `name` of shape [*lead, C, R] (as transformers holds it dequantized: gpt-oss's experts'
 `gate_up_proj [E, H, 2I]` and `down_proj [E, I, H]`) is stored as `name_blocks` uint8 [*lead, R, C/32, 16] and
@@ -7,6 +8,13 @@ block holding element 2b in its low nibble and 2b+1 in its high one, the group s
 NaN). Dequantized, the result is transposed back (transformers' integrations/mxfp4.py `_convert_moe_packed_tensors`,
 which loading with `dequantize=True` calls), so a family maps an MXFP4 file as it maps the unquantized one. Every value
 is exact in float32 (and in bfloat16: at most two significant bits, scaled by a power of two in its range).
+
+Written, a group's scale is the power of two its largest magnitude over 6 rounds up to (the exponent bits of that
+float32 quotient, rounded up unless its mantissa is zero), and each value over the scale rounds to the nearest E2M1
+value, ties away from zero, as triton_kernels' `downcast_to_mxfp_torch` does in its default ROUND_UP mode (what
+transformers' MXFP4 quantization calls, and what made the release: every released group's largest code is 4 or 6).
+So a group so made comes back byte for byte, and any released value comes back exactly. Each written value is within
+`BOUND` of the one it stands for: half the widest E2M1 step (between 4 and 6) is one unit of its group's scale.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ NAN_SCALE = 255
 with np.errstate(over="ignore"):
     _POW2 = np.ldexp(np.float32(1), np.arange(256) - 127).astype(np.float32)
 _KEYS = {"quant_method", "modules_to_not_convert"}  # what gpt-oss's release gives; which tensors are packed, the files say
+BOUND = "|x - q| <= 2^(e - 127), e the E8M0 scale of x's group of 32"  # what `check_error` holds, as said to a user
 
 
 def is_config(quantization: Any) -> bool:
@@ -44,6 +53,14 @@ def check_config(quantization: dict[str, Any]) -> None:
 def stored_names(name: str) -> tuple[str, str]:
     """(blocks, scales) of quantized tensor `name`."""
     return name + BLOCKS, name + SCALES
+
+
+def packed_shapes(name: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(blocks, scales) shapes of tensor `name` [*lead, C, R]; refused where C is no whole number of groups."""
+    *lead, columns, rows = shape
+    if columns % GROUP:
+        raise ReshardError(f"{name} has {columns} input columns, not a multiple of MXFP4's group of {GROUP}: it cannot be MXFP4")
+    return (*lead, rows, columns // GROUP, GROUP // 2), (*lead, rows, columns // GROUP)
 
 
 def shape(name: str, blocks: tuple[int, ...], scales: tuple[int, ...]) -> tuple[int, ...]:
@@ -74,3 +91,41 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray, name: str) -> np.ndarray:
     if scales.size and scales.max() >= 253 and not np.isfinite(values).all():
         raise ReshardError(f"MXFP4 tensor {name}{SCALES} scales values past float32's range: the checkpoint is damaged")
     return values.reshape(*lead, groups * GROUP, rows)
+
+
+def quantize(x: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks uint8 [*lead, R, C/32, 16], scales uint8 [*lead, R, C/32]) of weight `x` [*lead, C, R] as transformers
+    holds it (C a multiple of 32), by the module docstring's rounding; non-finite values, and a group past what E8M0
+    scales, refused naming `name`."""
+    *lead, columns, rows = x.shape
+    packed_shapes(name, x.shape)
+    groups = np.ascontiguousarray(np.swapaxes(x, -1, -2), dtype=np.float32).reshape(*lead, rows, columns // GROUP, GROUP)
+    if not np.isfinite(groups).all():
+        raise ReshardError(f"{name} holds a value that is not finite, which MXFP4 cannot hold")
+    rounded = ((np.abs(groups).max(axis=-1) / np.float32(6)).view(np.int32) + 0x7FFFFF) & 0x7F800000
+    scales = (rounded >> 23).astype(np.uint8)
+    if (scales == NAN_SCALE).any():
+        raise ReshardError(f"{name} holds a value past 6 x 2^127, which MXFP4's scales cannot reach")
+    with np.errstate(divide="ignore"):
+        unit = np.where(rounded == 0, np.float32(0), np.float32(1) / rounded.view(np.float32))
+    bits = (groups * unit[..., None]).view(np.uint32)
+    exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    # below 1 the E2M1 value is subnormal: the implicit bit joins the mantissa, shifted down to its place
+    shift = np.minimum(126 - exponent.astype(np.int64), 31).clip(0).astype(np.uint32)
+    mantissa = np.where(exponent < 127, (0x400000 | (mantissa >> 1)) >> shift, mantissa)
+    exponent = np.maximum(exponent, 126) - 126
+    magnitude = np.minimum((((exponent << 2) | (mantissa >> 21)) + 1) >> 1, 7)  # to nearest, ties away from zero
+    codes = ((bits >> 28) & 0x8 | magnitude).astype(np.uint8).reshape(*lead, rows, columns // GROUP, GROUP // 2, 2)
+    return codes[..., 0] | (codes[..., 1] << 4), scales
+
+
+def check_error(x: np.ndarray, blocks: np.ndarray, scales: np.ndarray, name: str) -> np.ndarray:
+    """The float32 values [*lead, C, R] MXFP4 weight `name` holds, once each is within `BOUND` of the value of `x` it
+    stands for (refused in one line naming the tensor otherwise)."""
+    held = dequantize(blocks, scales, name)
+    unit = np.repeat(np.swapaxes(_POW2[scales], -1, -2), GROUP, axis=-2)  # [*lead, C, R], each value's group's scale
+    worst = np.abs(held - x.astype(np.float32)) - unit
+    if (worst > 0).any():
+        at = np.unravel_index(int(worst.argmax()), worst.shape)
+        raise ReshardError(f"{name}: MXFP4 holds {held[at]} for {x[at]} at {list(map(int, at))}, past the bound {BOUND}")
+    return held

@@ -356,8 +356,11 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
     format_name = target.format or reader.format_name
     if format_name not in WRITERS:
         raise ReshardError(f"unknown format {format_name!r}; choose one of {', '.join(sorted(WRITERS))}")
-    if target.fp8_blocks and format_name != "hf":
-        raise ReshardError(f"--to-fp8-blocks writes HF safetensors, not {format_name}; add --to-format hf")
+    for flag, asked in (("--to-fp8-blocks", target.fp8_blocks), ("--to-mxfp4", target.mxfp4)):
+        if asked and format_name != "hf":
+            raise ReshardError(f"{flag} writes HF safetensors, not {format_name}; add --to-format hf")
+    if target.fp8_blocks and target.mxfp4:
+        raise ReshardError("--to-fp8-blocks and --to-mxfp4 each say how to quantize the weights: choose one")
     layout = target.layout_for(reader.layout)
     dtype = target.dtype or reader.default_dtype
     config = _target_config(reader, format_name, layout, target, dtype)
@@ -384,7 +387,7 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         moves=moves,
         common=common,
         options=WriteOptions(te_names=te_names, dtype=dtype, max_shard_bytes=target.max_shard_bytes, fp8_blocks=target.fp8_blocks,
-                             tokenizer_from=reader.tokenizer_dir, tokenizer_in_iteration=reader.tokenizer_in_iteration,
+                             mxfp4=target.mxfp4, tokenizer_from=reader.tokenizer_dir, tokenizer_in_iteration=reader.tokenizer_in_iteration,
                              optimizer=optimizer),
         dropped=dropped,
         workers=run.workers,

@@ -49,6 +49,8 @@ class Target:
     # HF output: the decoder's linear weights re-quantized to fp8 per block, as DeepSeek-V3 releases them (lossy:
     # the output is held to an error bound, not to the source's checksums)
     fp8_blocks: bool = False
+    # HF output: the experts' weights re-quantized to MXFP4 where the family is released so (gpt-oss), lossy as above
+    mxfp4: bool = False
     # torch_dist output: the DistributedOptimizer state per parameter (any layout), or as the buckets of the target
     # layout's DistributedOptimizer at data-parallel size `dp` (None: the source's), Megatron-LM's default form
     optimizer_form: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable"

@@ -242,6 +242,7 @@ class WriteOptions:
     tokenizer_from: Path | None = None
     tokenizer_in_iteration: bool = False  # the source kept them in its iteration: a Megatron copy keeps them in its own
     fp8_blocks: bool = False  # HF: the decoder's linear weights re-quantized to fp8 per block (`reshard.fp8_blocks`)
+    mxfp4: bool = False  # HF: the experts' weights re-quantized to MXFP4 as the family is released (`reshard.mxfp4`)
     optimizer: OptimizerOutput | None = None  # the form the optimizer tensors are written in (`reshard.optim.forms`)
 
 

@@ -24,6 +24,7 @@ import re
 import shutil
 import struct
 from collections.abc import Iterator
+from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -287,6 +288,9 @@ class HFAddress:
     def parse(cls, address: str) -> HFAddress:
         match = _ADDRESS.match(address)
         return cls(match["name"], int(match["index"])) if match else cls(address)
+
+    def __str__(self) -> str:
+        return self.name if self.index is None else f"{self.name}[{self.index}]"
 
 
 @dataclass(frozen=True)
@@ -684,7 +688,9 @@ class HFWriter(CheckpointWriter):
         self.hf_config.pop("quantization_config", None)  # the weights are written unquantized unless below
         self._mappings = {m.megatron: m for m in self.family.mappings(config)}
         self._block = None  # of fp8 blocks, when written
-        self._quantized: set[str] = set()  # tensors written as fp8 blocks
+        self._quantized: set[str] = set()  # tensors written quantized: as fp8 blocks, or (no `_block`) as MXFP4
+        if options.mxfp4:
+            self._quantized = self._mxfp4_tensors(saved)
         if options.fp8_blocks:
             source = (saved or {}).get("quantization_config")  # an fp8 model's own blocks, for its bytes back
             self._block = fp8_blocks.block_size(source) if source else fp8_blocks.DEFAULT_BLOCK
@@ -709,6 +715,23 @@ class HFWriter(CheckpointWriter):
         self._scratch = PerThread()  # stages the tensors that cannot be written from where they are
         self._plan_files(options.max_shard_bytes or DEFAULT_SHARD_BYTES)
 
+    def _mxfp4_tensors(self, saved: dict[str, Any] | None) -> set[str]:
+        """The Megatron tensors the family's MXFP4 release quantizes (refused for a family not released so), and
+        config.json's quantization_config: the source's where it was MXFP4, else the release's."""
+        if not self.family.mxfp4_tensors:
+            raise ReshardError(f"HF {self.family.model_type} is not released in MXFP4 (gpt-oss is): export it without --to-mxfp4")
+        source = (saved or {}).get("quantization_config")
+        self.hf_config["quantization_config"] = deepcopy(source) if mxfp4.is_config(source) else {
+            "quant_method": mxfp4.METHOD, "modules_to_not_convert": list(self.family.mxfp4_unconverted)}
+        return {name for name, mapping in self._mappings.items()
+                if any(HFAddress.parse(hf).name.endswith(self.family.mxfp4_tensors) for hf in mapping.hf_names(0, 0))}
+
+    def _packed_names(self, hf_name: str) -> tuple[str, str]:
+        """The MXFP4 blocks and scales of HF tensor (or slice) `hf_name`, as the writer addresses them."""
+        address = HFAddress.parse(hf_name)
+        blocks, scales = mxfp4.stored_names(address.name)
+        return (blocks, scales) if address.index is None else (str(HFAddress(blocks, address.index)), str(HFAddress(scales, address.index)))
+
     # -- planning ---------------------------------------------------------------------------------
     def _out_dtype(self, spec: TensorSpec) -> str:
         return self.dtype or spec.dtype
@@ -721,6 +744,17 @@ class HFWriter(CheckpointWriter):
             group = 0 if name.startswith("embedding.") else (2 if not spec.stacked else 1)
             key = (group, layer if layer is not None else -1, hf_name)
             address = HFAddress.parse(hf_name)
+            if name in self._quantized and not self._block:  # MXFP4: blocks and scales, each whole or by slices
+                for packed, packed_shape in zip(self._packed_names(hf_name), mxfp4.packed_shapes(hf_name, shape)):
+                    whole = HFAddress.parse(packed)
+                    if whole.index is None:
+                        out.append(((*key[:2], packed), packed, packed_shape, "uint8"))
+                        continue
+                    slices = self._slices.setdefault(whole.name, {})
+                    if not slices:
+                        out.append(((*key[:2], whole.name), whole.name, packed_shape, "uint8"))
+                    slices[packed] = whole.index
+                continue
             if address.index is not None:
                 if name in self._quantized:
                     raise ReshardError(f"HF {self.family.model_type} stores {name} fused with other experts ({address.name}), "
@@ -814,13 +848,7 @@ class HFWriter(CheckpointWriter):
         regions = stacked_regions(spec, slab, [t.shape for t in tensors])
         held = []
         for hf_name, tensor, region in zip(hf_names, tensors, regions):
-            if tensor.shape != self._entries[hf_name].shape:
-                raise ReshardError(f"{hf_name}: got shape {tensor.shape}, expected {self._entries[hf_name].shape}")
-            values, scales = fp8_blocks.quantize(tensor, self._block, hf_name)
-            for name, stored in ((hf_name, values), (fp8_blocks.scale_name(hf_name), scales)):
-                entry = self._entries[name]
-                self._files[entry.file].pwrite(stored.reshape(-1).view(np.uint8), entry.offset)
-            dequantized = fp8_blocks.check_error(tensor, values, scales, self._block, hf_name)
+            dequantized = self._write_quantized(hf_name, tensor)
             if mapping.stacks_rows:
                 checksum.add(region, dequantized.reshape([b - a for a, b in region]))
             else:
@@ -829,6 +857,24 @@ class HFWriter(CheckpointWriter):
             checksum.add(slab, mapping.to_megatron(held, self.config).reshape([b - a for a, b in slab]))
         return checksum
 
+    def _write_quantized(self, hf_name: str, tensor: np.ndarray) -> np.ndarray:
+        """Write HF weight `hf_name` as fp8 blocks and their scales, or as MXFP4 blocks and scales; the float32 values
+        it then holds, each checked within the error bound."""
+        if self._block:
+            values, scales = fp8_blocks.quantize(tensor, self._block, hf_name)
+            stored = zip((hf_name, fp8_blocks.scale_name(hf_name)), (values, scales))
+        else:
+            blocks, scales = mxfp4.quantize(tensor, hf_name)
+            stored = zip(self._packed_names(hf_name), (blocks, scales))
+        for name, array in stored:
+            entry = self._entries[name]
+            if array.shape != entry.shape:
+                raise ReshardError(f"{name}: got shape {array.shape}, expected {entry.shape}")
+            self._files[entry.file].pwrite(array.reshape(-1).view(np.uint8), entry.offset)
+        if self._block:
+            return fp8_blocks.check_error(tensor, values, scales, self._block, hf_name)
+        return mxfp4.check_error(tensor, blocks, scales, hf_name)
+
     def stored_dtype(self, spec: TensorSpec) -> str | None:
         return "float32" if spec.name in self._quantized else None
 
@@ -836,7 +882,7 @@ class HFWriter(CheckpointWriter):
         layer, expert = slab_of(spec, slab)
         names = self._mappings[spec.name].hf_names(layer, expert)
         if spec.name in self._quantized:
-            names += [fp8_blocks.scale_name(name) for name in names]
+            names = [n for name in names for n in ((name, fp8_blocks.scale_name(name)) if self._block else self._packed_names(name))]
         self._mark(names)
         self._facts.extend(names)
 
@@ -895,6 +941,9 @@ class HFWriter(CheckpointWriter):
             (self.path / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
         manifest.provenance = dict(manifest.provenance, hf_family=self.family.model_type, hf_files_copied=copied,
                                    hf_files=recorded_digests(self.path))
-        if self._block:  # its checksums are of the values dequantized, held to the bound, not the source's
+        # its checksums are of the values dequantized, held to the bound, not the source's
+        if self._block:
             manifest.provenance["fp8_blocks"] = {"weight_block_size": list(self._block), "bound": fp8_blocks.BOUND}
+        elif self._quantized:
+            manifest.provenance["mxfp4"] = {"bound": mxfp4.BOUND}
         manifest.save(self.path)

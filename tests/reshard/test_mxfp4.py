@@ -1,6 +1,7 @@
 """MXFP4 (`reshard.mxfp4`), gpt-oss's released form, read dequantized: every value as transformers' own dequantization
 gives it (`_convert_moe_packed_tensors`, the oracle), one expert's blocks and scales read at a time, and blocks,
-scales or a quantization_config that do not say one thing refused naming them, nothing written."""
+scales or a quantization_config that do not say one thing refused naming them, nothing written. Written (`--to-mxfp4`):
+a release comes back byte for byte, and transformers loads an MXFP4 export to values within MXFP4's bound."""
 
 from __future__ import annotations
 
@@ -117,4 +118,110 @@ def test_an_unknown_quantization_key_is_refused(released, tmp_path, monkeypatch,
     (bad / "config.json").write_text(json.dumps(config))
     refused_cli(monkeypatch, capsys, ["convert", bad, tmp_path / "out", "--to-format", "torch_dist", "-q"],
                 "quantization_config.group_size", untouched=(bad,))
+    assert not (tmp_path / "out").exists()
+
+
+def _reference_groups(gen, shape):
+    """Random blocks whose every group holds a +-6 (code 7): as the reference quantizer makes every group (its scale
+    is the power of two that takes the group's largest magnitude into (3, 6])."""
+    blocks = gen.integers(0, 256, shape, dtype=np.uint8)
+    blocks[..., 5] = (blocks[..., 5] & 0xF0) | 0x7 | (blocks[..., 5] & 0x8)
+    return blocks
+
+
+def test_a_release_quantized_again_comes_back_byte_for_byte():
+    gen = np.random.default_rng(1)
+    blocks, scales = _reference_groups(gen, (2, 24, 3, 16)), gen.integers(100, 140, (2, 24, 3), dtype=np.uint8)
+    again = mxfp4.quantize(mxfp4.dequantize(blocks, scales, "w"), "w")
+    assert np.array_equal(again[0], blocks) and np.array_equal(again[1], scales)
+    # any released group (here: any bytes) comes back as the same values, if not always the same bytes
+    anything = gen.integers(0, 256, (2, 24, 3, 16), dtype=np.uint8)
+    values = mxfp4.dequantize(anything, scales, "w")
+    assert np.array_equal(mxfp4.dequantize(*mxfp4.quantize(values, "w"), "w"), values)
+
+
+def test_written_values_are_what_transformers_dequantizes_within_the_bound():
+    """Normal values: transformers' dequantization of the written blocks is the values `check_error` holds, bit for bit;
+    each group's scale is the least power of two that takes its largest magnitude to 6 or under; every value is
+    within one unit of its group's scale."""
+    from transformers.integrations.mxfp4 import _convert_moe_packed_tensors
+
+    x = (np.random.default_rng(2).standard_normal((3, 64, 40)) * np.float32(0.05)).astype(np.float32)
+    blocks, scales = mxfp4.quantize(x, "w")
+    held = mxfp4.check_error(x, blocks, scales, "w")
+    theirs = _convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32).numpy()
+    assert np.array_equal(held, theirs)
+    largest = np.abs(np.swapaxes(x, -1, -2)).reshape(3, 40, 2, 32).max(-1)
+    unit = np.ldexp(np.float32(1), scales.astype(np.int32) - 127)
+    assert (largest <= 6 * unit).all() and (largest > 3 * unit).all()
+    assert (np.abs(held - x) <= np.repeat(np.swapaxes(unit, -1, -2), 32, axis=-2)).all()
+
+
+def test_rounding_is_to_the_nearest_value_ties_away_from_zero():
+    """As the reference quantizer rounds (its `+ 1 >> 1` on the magnitude's bits): 5 -> 6, 2.5 -> 3, 0.25 -> 0.5."""
+    x = np.zeros((32, 1), np.float32)
+    x[:9, 0] = [6, 5, 2.5, 0.25, 0.75, -5, -0.25, 1.25, 0.2]
+    blocks, scales = mxfp4.quantize(x, "w")
+    assert scales.tolist() == [[127]]
+    assert mxfp4.dequantize(blocks, scales, "w")[:9, 0].tolist() == [6, 6, 3, 0.5, 1, -6, -0.5, 1.5, 0]
+    zeros = mxfp4.quantize(np.zeros((32, 2), np.float32), "w")
+    assert not zeros[0].any() and not zeros[1].any()
+
+
+@pytest.mark.parametrize("x,words", [
+    (np.full((32, 2), np.nan, np.float32), "w holds a value that is not finite"),
+    (np.zeros((48, 2), np.float32), "w has 48 input columns, not a multiple of MXFP4's group of 32"),
+])
+def test_what_mxfp4_cannot_hold_is_refused(x, words):
+    with pytest.raises(ReshardError, match=words):
+        mxfp4.quantize(x, "w")
+
+
+def test_the_release_comes_back_byte_for_byte_through_megatron(released, tmp_path, monkeypatch, capsys):
+    """MXFP4 gpt-oss -> torch_dist EP2 -> HF --to-mxfp4: every tensor, blocks and scales included, and
+    quantization_config as released (the fixture's random groups each hold a code of magnitude 4 or 6, as the reference
+    quantizer makes a release)."""
+    stored = load_file(str(released / "model.safetensors"))
+    codes = torch.stack([stored[BLOCKS] & 0x7, (stored[BLOCKS] >> 4) & 0x7], -1).flatten(-2)
+    assert (codes.amax(-1) >= 6).all()
+    for args in ([released, tmp_path / "m", "--to-format", "torch_dist", "--to-ep", "2"],
+                 [tmp_path / "m", tmp_path / "back", "--to-format", "hf", "--to-mxfp4"]):
+        assert run_cli(monkeypatch, capsys, "convert", *args, "-q") == (0, [])
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert back.keys() == stored.keys() and all(torch.equal(back[k], v) for k, v in stored.items())
+    config, source = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "back", released))
+    assert config["quantization_config"] == source["quantization_config"]
+
+
+def test_transformers_loads_an_mxfp4_export_within_the_bound(tmp_path, monkeypatch, capsys):
+    """An unquantized gpt-oss exported --to-mxfp4: transformers loads it (dequantizing on the CPU) with every expert
+    weight within MXFP4's bound of the source's, and each other tensor as it was."""
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    source = build("gpt_oss_mxfp4", tmp_path / "hf")
+    for args in ([source, tmp_path / "m", "--to-format", "torch_dist", "--to-tp", "2", "--to-ep", "2", "--to-etp", "1"],
+                 [tmp_path / "m", tmp_path / "back", "--to-format", "hf", "--to-mxfp4"]):
+        assert run_cli(monkeypatch, capsys, "convert", *args, "-q") == (0, [])
+    loaded = GptOssForCausalLM.from_pretrained(tmp_path / "back", quantization_config=Mxfp4Config(dequantize=True),
+                                               dtype=torch.float32).state_dict()
+    original = load_file(str(source / "model.safetensors"))
+    assert loaded.keys() >= original.keys()
+    for name, value in original.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            groups = value.transpose(-1, -2).reshape(*value.shape[:-2], value.shape[-1], -1, 32)
+            unit = 2.0 ** torch.ceil(torch.log2(groups.abs().amax(-1) / 6))  # the reference's scale, for this bound
+            bound = unit.repeat_interleave(32, -1).transpose(-1, -2)
+            assert not torch.equal(loaded[name], value) and ((loaded[name] - value).abs() <= bound).all(), name
+        else:
+            assert torch.equal(loaded[name], value), name
+
+
+@pytest.mark.parametrize("family,flags,words", [
+    ("llama", ["--to-format", "hf", "--to-mxfp4"], "HF llama is not released in MXFP4 (gpt-oss is)"),
+    ("gpt_oss_mxfp4", ["--to-format", "torch_dist", "--to-mxfp4"], "--to-mxfp4 writes HF safetensors, not torch_dist"),
+    ("gpt_oss_mxfp4", ["--to-format", "hf", "--to-mxfp4", "--to-fp8-blocks"], "choose one"),
+])
+def test_mxfp4_where_it_cannot_be_written_is_refused(tmp_path, monkeypatch, capsys, family, flags, words):
+    source = build(family, tmp_path / "hf")
+    refused_cli(monkeypatch, capsys, ["convert", source, tmp_path / "out", *flags], words, untouched=(source,))
     assert not (tmp_path / "out").exists()
