@@ -10,7 +10,8 @@ an index, the experts' gate_up_proj and down_proj as MXFP4 (`*_blocks` uint8 [E,
 [E, R, C/32]), everything else bf16 (random values; the tensor list is the one reshard's gpt_oss mapping gives for
 the config). Steps (`bench_deepseek.run_release`): `cp -r` of each source at the start and the end, the import
 to torch_dist EP4 (the experts dequantized to bf16, one expert's blocks and scales at a time), the export back
-to HF bf16 (checked against the torch_dist checkpoint with `reshard verify`, untimed). Peak RSS against
+to HF MXFP4 as released (`--to-mxfp4`: each expert re-quantized, each value checked against MXFP4's bound), and to
+HF bf16 (checked against the torch_dist checkpoint with `reshard verify`, untimed). Peak RSS against
 1 GiB + 2 x the largest tensor (the 201,088 x 1024 embedding in bf16).
 """
 
@@ -81,11 +82,13 @@ def build_main(path: Path, size_gb: float) -> None:
 
 
 def _steps(run: Steps) -> None:
-    ep4, back = run.path("ep4"), run.path("back_bf16")
+    ep4, mxfp4_out, back = run.path("ep4"), run.path("back_mxfp4"), run.path("back_bf16")
     run.copy(run.source)
     run.convert("HF MXFP4 -> torch_dist EP4", run.source, ep4, "--to-format", "torch_dist", "--to-ep", "4")
     if ep4.exists():
         run.copy(ep4)
+        run.convert("torch_dist EP4 -> HF MXFP4", ep4, mxfp4_out, "--to-format", "hf", "--to-mxfp4")
+        rmtree(mxfp4_out)
         res = run.convert("torch_dist EP4 -> HF bf16", ep4, back, "--to-format", "hf")
         verify_step(res, back, ep4, "verified_against_torch_dist", run.env)
         rmtree(back)

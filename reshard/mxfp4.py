@@ -31,6 +31,11 @@ GROUP = 32  # values per block (16 bytes) and per scale
 # E2M1: sign bit 3, then 2 exponent bits and one mantissa bit
 FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 NAN_SCALE = 255
+# A scaled magnitude's E2M1 code, by its float32 exponent and top two mantissa bits (its bits >> 21): the number of
+# midpoints between neighbouring E2M1 magnitudes at or below it (a tie goes up). Each midpoint has at most two
+# mantissa bits, so it is the least value of its entry, and every value of an entry rounds alike.
+_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+_CODE_OF_TOP_BITS = np.searchsorted(_MIDPOINTS, (np.arange(1 << 10, dtype=np.uint32) << 21).view(np.float32), side="right").astype(np.uint8)
 # Each E8M0 scale as its power of two (255, NaN, refused before use; 2^128 is inf): one gather instead of an ldexp
 # per value. The product of a value and a power of two is rounded once, as ldexp rounds it: the same bits.
 with np.errstate(over="ignore"):
@@ -100,22 +105,21 @@ def quantize(x: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
     *lead, columns, rows = x.shape
     packed_shapes(name, x.shape)
     groups = np.ascontiguousarray(np.swapaxes(x, -1, -2), dtype=np.float32).reshape(*lead, rows, columns // GROUP, GROUP)
-    if not np.isfinite(groups).all():
+    magnitudes = np.abs(groups)
+    largest = magnitudes.max(axis=-1)
+    if not np.isfinite(largest).all():
         raise ReshardError(f"{name} holds a value that is not finite, which MXFP4 cannot hold")
-    rounded = ((np.abs(groups).max(axis=-1) / np.float32(6)).view(np.int32) + 0x7FFFFF) & 0x7F800000
+    # the exponent bits of largest / 6, rounded up to a power of two unless they are one already
+    rounded = ((largest / np.float32(6)).view(np.int32) + 0x7FFFFF) & 0x7F800000
     scales = (rounded >> 23).astype(np.uint8)
     if (scales == NAN_SCALE).any():
         raise ReshardError(f"{name} holds a value past 6 x 2^127, which MXFP4's scales cannot reach")
     with np.errstate(divide="ignore"):
         unit = np.where(rounded == 0, np.float32(0), np.float32(1) / rounded.view(np.float32))
-    bits = (groups * unit[..., None]).view(np.uint32)
-    exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
-    # below 1 the E2M1 value is subnormal: the implicit bit joins the mantissa, shifted down to its place
-    shift = np.minimum(126 - exponent.astype(np.int64), 31).clip(0).astype(np.uint32)
-    mantissa = np.where(exponent < 127, (0x400000 | (mantissa >> 1)) >> shift, mantissa)
-    exponent = np.maximum(exponent, 126) - 126
-    magnitude = np.minimum((((exponent << 2) | (mantissa >> 21)) + 1) >> 1, 7)  # to nearest, ties away from zero
-    codes = ((bits >> 28) & 0x8 | magnitude).astype(np.uint8).reshape(*lead, rows, columns // GROUP, GROUP // 2, 2)
+    magnitudes *= unit[..., None]
+    codes = _CODE_OF_TOP_BITS[magnitudes.view(np.uint32) >> 21]
+    codes |= np.signbit(groups).view(np.uint8) << 3
+    codes = codes.reshape(*lead, rows, columns // GROUP, GROUP // 2, 2)
     return codes[..., 0] | (codes[..., 1] << 4), scales
 
 
@@ -123,9 +127,10 @@ def check_error(x: np.ndarray, blocks: np.ndarray, scales: np.ndarray, name: str
     """The float32 values [*lead, C, R] MXFP4 weight `name` holds, once each is within `BOUND` of the value of `x` it
     stands for (refused in one line naming the tensor otherwise)."""
     held = dequantize(blocks, scales, name)
-    unit = np.repeat(np.swapaxes(_POW2[scales], -1, -2), GROUP, axis=-2)  # [*lead, C, R], each value's group's scale
-    worst = np.abs(held - x.astype(np.float32)) - unit
+    *lead, columns, rows = held.shape
+    error = np.abs(held - x.astype(np.float32)).reshape(*lead, columns // GROUP, GROUP, rows)
+    worst = error - np.swapaxes(_POW2[scales], -1, -2)[..., None, :]  # each value's group's scale
     if (worst > 0).any():
-        at = np.unravel_index(int(worst.argmax()), worst.shape)
+        at = np.unravel_index(int(worst.argmax()), held.shape)
         raise ReshardError(f"{name}: MXFP4 holds {held[at]} for {x[at]} at {list(map(int, at))}, past the bound {BOUND}")
     return held

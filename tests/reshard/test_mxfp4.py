@@ -168,6 +168,18 @@ def test_rounding_is_to_the_nearest_value_ties_away_from_zero():
     assert not zeros[0].any() and not zeros[1].any()
 
 
+def test_every_scaled_value_rounds_to_the_nearest_e2m1_value():
+    """A dense sweep of [-6, 6] under scale 1 (a 6 in each group fixes it): each value becomes the E2M1 value nearest
+    it, the one of larger magnitude at a tie, found here by brute force over the 8 magnitudes."""
+    grid = np.abs(mxfp4.FP4[:8])
+    sweep = np.linspace(-6, 6, 31 * 1024, dtype=np.float32).reshape(1024, 31)
+    x = np.concatenate([np.full((1024, 1), 6, np.float32), sweep], axis=1).reshape(-1)  # groups of [6, 31 values]
+    held = mxfp4.dequantize(*mxfp4.quantize(x[:, None], "w"), "w")[:, 0]
+    distance = np.abs(np.abs(x)[:, None] - grid)  # [values, 8]
+    nearest = grid[7 - np.argmin(distance[:, ::-1], axis=1)]  # of two at one distance, the larger (the last)
+    assert np.array_equal(np.abs(held), nearest) and (np.signbit(held) == np.signbit(x)).all()
+
+
 @pytest.mark.parametrize("x,words", [
     (np.full((32, 2), np.nan, np.float32), "w holds a value that is not finite"),
     (np.zeros((48, 2), np.float32), "w has 48 input columns, not a multiple of MXFP4's group of 32"),
