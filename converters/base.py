@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from reshard import fp8_blocks, mxfp4
+from reshard import fp8_blocks, int4_pack, mxfp4
 from reshard.config import ModelConfig, pad_vocab
 from reshard.errors import ReshardError
 from reshard.logical import PRECISIONS
@@ -486,8 +486,13 @@ class Family:
     # ---- HF config -> ModelConfig ----------------------------------------------------------------
     def check_hf(self, hf: dict[str, Any]) -> None:
         """Refuse HF config features the mapping does not cover."""
-        if quantization := hf.get("quantization_config"):  # fp8 blocks and MXFP4 are read dequantized; all else refused
-            mxfp4.check_config(quantization) if mxfp4.is_config(quantization) else fp8_blocks.block_size(quantization)
+        if quantization := hf.get("quantization_config"):  # fp8 blocks, MXFP4, INT4 are read dequantized; all else refused
+            if mxfp4.is_config(quantization):
+                mxfp4.check_config(quantization)
+            elif int4_pack.is_config(quantization):
+                int4_pack.group_size(quantization)
+            else:
+                fp8_blocks.block_size(quantization)
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise refuse(f"hidden_act={act!r}", "this family converts SwiGLU (silu) MLPs only")

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from reshard import fp8_blocks, mxfp4
+from reshard import fp8_blocks, int4_pack, mxfp4
 from reshard.buffers import PerThread, copy
 from reshard.checksum import HashedParts, TensorChecksum
 from reshard.config import ModelConfig
@@ -318,20 +318,23 @@ class _Stored:
 
 @dataclass(frozen=True)
 class _Packed:
-    """An MXFP4 tensor (`reshard.mxfp4`): where its blocks and scales live, or one leading slice of both; read
-    dequantized to float32."""
+    """A quantized tensor stored as parts (`reshard.mxfp4`: blocks and scales; `reshard.int4_pack`: packed words and
+    scales), or one leading slice of them (an expert of fused experts); read dequantized to float32."""
 
     name: str
-    blocks: _Stored
-    scales: _Stored
+    parts: tuple[_Stored, ...]
+    names: tuple[str, ...]  # every stored tensor it takes (INT4's weight_shape too)
+    shape: tuple[int, ...]  # dequantized
+    group: int | None = None  # INT4: the columns a scale covers; None: MXFP4
     st_dtype = "F32"  # as read
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return mxfp4.shape(self.name, self.blocks.shape, self.scales.shape)
-
     def part(self, index: int, address: str) -> _Packed:
-        return _Packed(self.name, self.blocks.part(index, address), self.scales.part(index, address))
+        return _Packed(self.name, tuple(p.part(index, address) for p in self.parts), self.names, self.shape[1:], self.group)
+
+    def values(self, parts: list[np.ndarray]) -> np.ndarray:
+        if self.group is None:
+            return mxfp4.dequantize(*parts, self.name)
+        return int4_pack.dequantize(*parts, self.shape[-1], self.group, self.name)
 
 
 def hf_tensors(
@@ -393,9 +396,11 @@ class HFReader(CheckpointReader):
         self._stored = self._locate_tensors()
         self._handles: dict[Path, RecordFile] = {}
         quantization = self.hf_config.get("quantization_config")
-        self._block = fp8_blocks.block_size(quantization) if quantization and not mxfp4.is_config(quantization) else None
+        packs = mxfp4.is_config(quantization) or int4_pack.is_config(quantization)
+        self._block = fp8_blocks.block_size(quantization) if quantization and not packs else None
         self._scales = self._pair_scales()  # quantized weight -> its scales, by their names in the files
-        self._packed = self._pair_mxfp4() if mxfp4.is_config(quantization) else {}  # MXFP4 tensor -> its blocks and scales
+        # MXFP4 or INT4 tensor -> its parts
+        self._packed = self._pair_mxfp4() if mxfp4.is_config(quantization) else self._pair_int4(quantization) if packs else {}
         self._rows = PerThread()  # a block row of float8 values being dequantized
         # Told no dtype, a conversion writes bf16: DeepSeek-V3's and gpt-oss's unquantized tensors are, and they run in it.
         self.default_dtype = "bfloat16" if self._scales or self._packed else None
@@ -470,7 +475,7 @@ class HFReader(CheckpointReader):
                         stored = self._alias.get(base, base)
                         kinds.add(self._stored_as(hf_name).st_dtype)
                         used.update([stored, fp8_blocks.scale_name(stored)] if stored in self._scales else
-                                    mxfp4.stored_names(stored) if stored in self._packed else [stored])
+                                    self._packed[stored].names if stored in self._packed else [stored])
             if len(kinds) != 1 or next(iter(kinds)) not in ("F32", "BF16", "F16", "F8_E4M3"):
                 raise ReshardError(f"{name}: HF tensors have dtypes {sorted(kinds)}; expected one floating-point dtype")
             dtypes[name] = "float32" if kinds == {"F8_E4M3"} else _ST_DTYPES[next(iter(kinds))]  # fp8: dequantized
@@ -544,9 +549,34 @@ class HFReader(CheckpointReader):
                     raise ReshardError(f"{self.path}: MXFP4 tensor {name} is without its {base + other}")
                 if stored.st_dtype != "U8":
                     raise ReshardError(f"{self.path}: MXFP4 tensor {name} is {stored.st_dtype}, not U8")
-                if suffix == mxfp4.BLOCKS:
-                    mxfp4.shape(base, stored.shape, pair.shape)  # refuses blocks and scales that do not pair
-                    packed[base] = _Packed(base, stored, pair)
+                if suffix == mxfp4.BLOCKS:  # its shape refuses blocks and scales that do not pair
+                    packed[base] = _Packed(base, (stored, pair), (name, base + other), mxfp4.shape(base, stored.shape, pair.shape))
+        return packed
+
+    def _pair_int4(self, quantization: dict[str, Any]) -> dict[str, _Packed]:
+        """Each INT4 pack-quantized weight of the files (`reshard.int4_pack`: `X.weight_packed` int32, `X.weight_scale`,
+        `X.weight_shape`, fitting each other); a part without the others, or of another dtype, refused naming it."""
+        group = int4_pack.group_size(quantization)
+        packed = {}
+        for name in self._stored:
+            suffix = next((s for s in (int4_pack.PACKED, int4_pack.SCALE, int4_pack.SHAPE) if name.endswith(s)), None)
+            if suffix is None:
+                continue
+            weight = name.removesuffix(suffix) + ".weight"
+            names = int4_pack.stored_names(weight)
+            parts = [self._stored.get(part) for part in names]
+            if None in parts:
+                raise ReshardError(f"{self.path}: INT4 tensor {name} is without its {names[parts.index(None)]}")
+            for part, where, dtypes in zip(names, parts, (("I32",), ("BF16", "F16", "F32"), ("I32", "I64"))):
+                if where.st_dtype not in dtypes:
+                    raise ReshardError(f"{self.path}: INT4 tensor {part} is {where.st_dtype}, not {' or '.join(dtypes)}")
+            if suffix != int4_pack.PACKED:
+                continue
+            file = cached(self._handles, parts[2].file, lambda where=parts[2]: RecordFile(where.file))
+            stated = np.empty(parts[2].shape, numpy_dtype(_ST_DTYPES[parts[2].st_dtype]))
+            file.read_into(parts[2].record, full_region(parts[2].shape), stated)
+            dims = int4_pack.shape(weight, parts[0].shape, parts[1].shape, stated, group)
+            packed[weight] = _Packed(weight, tuple(parts[:2]), names, dims, group)
         return packed
 
     # -- files ------------------------------------------------------------------------------------
@@ -578,11 +608,11 @@ class HFReader(CheckpointReader):
         row at a time, or an MXFP4 one (or one slice of it: an expert) dequantized whole."""
         if isinstance(packed := self._stored_as(hf_name), _Packed):
             stored = []
-            for where in (packed.blocks, packed.scales):
+            for where in packed.parts:
                 file = cached(self._handles, where.file, lambda where=where: RecordFile(where.file))
-                stored.append(np.empty(where.shape, np.uint8))
+                stored.append(np.empty(where.shape, numpy_dtype(_ST_DTYPES[where.st_dtype])))
                 file.read_into(where.record, full_region(where.shape), stored[-1])
-            copy(out, mxfp4.dequantize(*stored, packed.name)[tuple(slice(a, b) for a, b in region)])
+            copy(out, packed.values(stored)[tuple(slice(a, b) for a, b in region)])
             return
         file, record = self._record(hf_name)
         scales = self._scales.get(self._alias.get(hf_name, hf_name))
@@ -693,6 +723,7 @@ class HFWriter(CheckpointWriter):
             self._quantized = self._mxfp4_tensors(saved)
         if options.fp8_blocks:
             source = (saved or {}).get("quantization_config")  # an fp8 model's own blocks, for its bytes back
+            source = source if isinstance(source, dict) and source.get("quant_method") == "fp8" else None  # not MXFP4's, INT4's
             self._block = fp8_blocks.block_size(source) if source else fp8_blocks.DEFAULT_BLOCK
             self._quantized = {name for name in self._mappings if FP8_LINEAR.match(name)}
             written = tuple(hf for name in self._quantized for hf in self._mappings[name].hf)
