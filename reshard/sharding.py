@@ -143,17 +143,21 @@ def pieces(spec: TensorSpec, config: ModelConfig | None, layout: Layout) -> list
                                 primary=tp_primary and ep_primary,
                             )
                         )
-    out.extend(_tied_output_copies(spec, config, layout, out))
+    out.extend(_last_stage_embedding_copies(spec, config, layout, out))
     return out
 
 
-def _tied_output_copies(spec: TensorSpec, config: ModelConfig | None, layout: Layout, embedding: list[Piece]) -> list[Piece]:
-    """With tied embeddings and several pipeline stages, the last stage keeps its own copy as output_layer."""
+def _last_stage_embedding_copies(spec: TensorSpec, config: ModelConfig | None, layout: Layout, embedding: list[Piece]) -> list[Piece]:
+    """With several pipeline stages the last one keeps its own copy of the word embeddings where it needs them: as
+    its embedding for multi-token-prediction layers (Megatron-Core's `mtp_process`; its output layer stays its own,
+    or is none where tied), else as the output layer of tied embeddings."""
     chunks = layout.pp * layout.vpp
-    if not (chunks > 1 and config.tied_embeddings and spec.param == "embedding.word_embeddings.weight"):
+    mtp = bool(config.mtp_num_layers)
+    if not (chunks > 1 and (config.tied_embeddings or mtp) and spec.param == "embedding.word_embeddings.weight"):
         return []
     last = chunks - 1
     last_rank = dict(pp=last % layout.pp, vstage=last // layout.pp)
+    alias = None if mtp else "output_layer.weight" if not spec.is_optimizer else spec.name.replace(spec.param, "output_layer.weight")
     return [
         Piece(
             rank=RankCoord(pp=last_rank["pp"], tp=p.rank.tp, ep=p.rank.ep, vstage=last_rank["vstage"]),
@@ -163,7 +167,7 @@ def _tied_output_copies(spec: TensorSpec, config: ModelConfig | None, layout: La
             local_shape=p.local_shape,
             local_region=p.local_region,
             primary=False,
-            alias="output_layer.weight" if not spec.is_optimizer else spec.name.replace(spec.param, "output_layer.weight"),
+            alias=alias,
         )
         for p in embedding
     ]

@@ -181,7 +181,12 @@ def model_keys(n: int) -> list[str]:
 
 
 def model_sharded_state_dict(models: list) -> dict:
-    return {key: unwrap(m).sharded_state_dict() for key, m in zip(model_keys(len(models)), models)}
+    # the data-parallel group named, as Megatron-LM names it: megatron-core 0.16's GPTModel looks it up unguarded on a
+    # last pipeline stage holding multi-token-prediction layers and the embedding they share
+    from megatron.core import parallel_state as ps
+
+    metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    return {key: unwrap(m).sharded_state_dict(metadata=metadata) for key, m in zip(model_keys(len(models)), models)}
 
 
 def optimizer_sharded_state_dict(models: list, optimizer, is_loading: bool, form: str = "fully_reshardable") -> dict:

@@ -141,11 +141,6 @@ class BufferLayout:
                 "DistributedOptimizer state of multi-latent attention with the Transformer-Engine spec at TP > 1 is not decoded "
                 "yet: its linear_q_down_proj/linear_kv_down_proj are whole on every TP rank (convert with --no-optimizer)"
             )
-        if config.mtp_num_layers and layout.pp > 1:
-            raise ReshardError(
-                "DistributedOptimizer state of a model with MTP layers at PP > 1 is not decoded yet: its last stage holds a "
-                "second embedding for them (convert with --no-optimizer)"
-            )
         self.dp = int(args.get("data_parallel_size") or 0)
         if self.dp < 1:
             raise ReshardError("the checkpoint's args record no data_parallel_size: its DistributedOptimizer state cannot be decoded")
@@ -250,7 +245,7 @@ class BufferLayout:
                     found.setdefault((name, layer, expert), []).append(piece)
                     ordered_as = spec if piece.alias is None else replace(spec, param=piece.alias)
                     order[(name, layer, expert)] = self.order.key(ordered_as, layer, expert)
-        shared = self.layout.pp > 1 and not self.config.untie_embeddings_and_output_weights
+        shared = self.layout.pp > 1 and (self.config.tied_embeddings or bool(self.config.mtp_num_layers))
         return [
             (name, layer, expert, tuple(found[(name, layer, expert)]), shared and name == "embedding.word_embeddings.weight")
             for name, layer, expert in sorted(found, key=order.__getitem__)

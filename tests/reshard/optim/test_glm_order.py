@@ -11,15 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from reshard.architecture import model_tensors
 from reshard.convert import convert
 from reshard.errors import ReshardError
-from reshard.layout import Layout
-from reshard.logical import describe
 from reshard.optim import order
-from reshard.optim.buffers import BufferLayout
 from reshard.request import LayoutChange, Target
-from reshard.trainer.presets import TINY_GLM4_MOE
 from tests.reshard.optim.test_dp_reshardable import assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
 from tests.reshard.test_cli import reshard
 
@@ -68,9 +63,17 @@ def test_a_swap_in_the_mtp_order_is_caught(distrib_optim, tmp_path, monkeypatch)
     assert not (tmp_path / "out").exists()
 
 
-def test_mtp_buffers_over_pipeline_stages_are_refused():
-    """At PP > 1 megatron-core's last stage holds a second embedding for its MTP layers, in its own buffer: not decoded."""
-    config = TINY_GLM4_MOE.replace(vocab_size=250)
-    specs = {name: describe(name, shape, "float32", config) for name, shape in model_tensors(config).items()}
-    with pytest.raises(ReshardError, match="MTP layers at PP > 1"):
-        BufferLayout(specs, config, Layout(pp=2), {"data_parallel_size": 2, "transformer_impl": "local"})
+def test_mtp_buffers_over_pipeline_stages_read_as_megatrons_fully_reshardable(distrib_optim, tmp_path):
+    """At PP2 Megatron-Core's last stage holds a second word embedding for its MTP layer (`mtp_process`), in a bucket of
+    its own as the first stage's: its dp_reshardable buffers decode to the fully_reshardable save bit for bit, and a
+    conversion to PP1 gives what converting the fully_reshardable one gives."""
+    made = distrib_optim("tiny-glm4-moe", tp=1, pp=2)  # at EP1 (a stage of no experts is refused at EP > 1)
+    dp, _ = optimizer_tensors(made["dp"])
+    full, _ = optimizer_tensors(made["full"])
+    assert len(dp) == 3 * PARAMS
+    assert_same(dp, full)
+    assert master_weights_are_the_model(made["dp"], dp) == []
+    for form in ("dp", "full"):
+        out = reshard("convert", made[form], tmp_path / form, "--to-pp", "1")
+        assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
+    assert len(assert_converted_alike(tmp_path / "dp", tmp_path / "full")) == 3 * PARAMS
