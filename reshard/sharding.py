@@ -152,9 +152,9 @@ def _last_stage_embedding_copies(spec: TensorSpec, config: ModelConfig | None, l
     its embedding for multi-token-prediction layers (Megatron-Core's `mtp_process`; its output layer stays its own,
     or is none where tied), else as the output layer of tied embeddings."""
     chunks = layout.pp * layout.vpp
-    mtp = bool(config.mtp_num_layers)
-    if not (chunks > 1 and (config.tied_embeddings or mtp) and spec.param == "embedding.word_embeddings.weight"):
+    if not (chunks > 1 and spec.param == "embedding.word_embeddings.weight" and (config.tied_embeddings or config.mtp_num_layers)):
         return []
+    mtp = bool(config.mtp_num_layers)
     last = chunks - 1
     last_rank = dict(pp=last % layout.pp, vstage=last // layout.pp)
     alias = None if mtp else "output_layer.weight" if not spec.is_optimizer else spec.name.replace(spec.param, "output_layer.weight")
