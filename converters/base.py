@@ -441,6 +441,13 @@ def at_layer(mapping: Mapping, layer: int, megatron: str | None = None) -> Mappi
     return out
 
 
+def under(prefix: str, mapping: Mapping) -> Mapping:
+    """`mapping` with its Megatron name under `prefix` (a language model beside other towers: `config.Tower`)."""
+    out = copy.copy(mapping)
+    object.__setattr__(out, "megatron", prefix + mapping.megatron)
+    return out
+
+
 # The Megatron features of a Llama-style decoder; families state how they differ from it.
 LLAMA_SIGNATURE: dict[str, Any] = {
     "normalization": "RMSNorm",
