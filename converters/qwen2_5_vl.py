@@ -126,6 +126,8 @@ class Qwen2_5_VL(Qwen2):
         saved = copy.deepcopy(saved) if saved and saved.get("model_type") == self.model_type else {}
         flat = super().config_to_hf(config, {**text_config(saved), "model_type": self.model_type}, extras)
         text = {k: v for k, v in flat.items() if k not in _TOP and k not in ("rope_scaling", "rope_theta")}
+        if "head_dim" not in text_config(saved) and config.head_dim == config.hidden_size // config.num_attention_heads:
+            del text["head_dim"]  # transformers' Qwen2.5-VL derives it, and does not save it
         text.update(model_type="qwen2_5_vl_text", rope_parameters={
             "mrope_section": list(config.mrope_section), "rope_theta": config.rotary_base, "rope_type": "default", "type": "mrope"})
         top = {k: v for k, v in flat.items() if k in _TOP}
