@@ -68,6 +68,27 @@ def test_round_trip_is_bit_identical(source, tmp_path, layout):
         assert json.loads((tmp_path / "back" / name).read_text()) == json.loads((source / name).read_text()), name
 
 
+def test_the_vision_tower_is_in_every_view_on_the_first_stage(source, tmp_path):
+    """zarr, a TP2 PP2 reshard of it, verify and inspect carry the vision tower like any tensor; its pieces lie on the
+    first pipeline stage whole on each TP rank, the language model's output layer on the last."""
+    from reshard.layout import Layout
+    from reshard.sharding import pieces
+    from reshard.verify import verify
+
+    cli("convert", source, tmp_path / "z", "--to-format", "zarr", "-q")
+    cli("convert", tmp_path / "z", tmp_path / "m", "--to-format", "torch_dist", "--to-tp", "2", "--to-pp", "2", "-q")
+    assert verify(tmp_path / "m").comparison.ok and verify(tmp_path / "m", against=tmp_path / "z").comparison.ok
+    assert "visual.merger.mlp.2.weight" in cli("inspect", tmp_path / "m")
+    reader = open_checkpoint(tmp_path / "m")
+    qkv = [p for p in pieces(reader.specs["visual.blocks.1.attn.qkv.weight"], reader.config, Layout(tp=2, pp=2))]
+    assert {(p.rank.pp, p.rank.tp, p.local_shape) for p in qkv} == {(0, 0, (96, 32)), (0, 1, (96, 32))}
+    head = pieces(reader.specs["language_model.output_layer.weight"], reader.config, Layout(tp=2, pp=2))
+    assert {p.rank.pp for p in head} == {1}
+    cli("convert", tmp_path / "m", tmp_path / "back", "--to-format", "hf", "-q")
+    original, back = hf_tensors(source), hf_tensors(tmp_path / "back")
+    assert all(torch.equal(original[k], back[k]) for k in original)
+
+
 def test_transformers_5_names_are_read_and_the_export_is_as_transformers_saves(source, tmp_path):
     """Files keyed as transformers >= 5 builds the model (model.language_model.*, model.visual.*) convert alike; the
     export names them as transformers 5.24 saves them (model.layers.*, visual.*), which Bridge reads too."""
@@ -190,14 +211,18 @@ def bridge(*args) -> None:
 @pytest.mark.slow
 def test_reshards_checkpoint_is_bridges_own_import_and_bridge_exports_it_back(source, tmp_path):
     """Megatron-Bridge's import of the same HF model equals reshard's tensor for tensor (names, shapes, values); Bridge
-    loads reshard's checkpoint and exports the original HF weights bit for bit."""
+    loads reshard's checkpoint, exports the original HF weights bit for bit and, run forward on an image and text,
+    gives transformers' logits."""
     cli("convert", source, tmp_path / "m", "--to-format", "torch_dist", "--for", "bridge", "-q")  # its vocabulary unpadded
     bridge(source, tmp_path / "bridge")
     ours, theirs = dist_tensors(tmp_path / "m" / "iter_0000000"), dist_tensors(tmp_path / "bridge" / "ckpt" / "iter_0000000")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    bridge(source, tmp_path / "export", "--load", tmp_path / "m" / "iter_0000000")
+    torch.save(image_inputs(), tmp_path / "inputs.pt")
+    bridge(source, tmp_path / "export", "--load", tmp_path / "m" / "iter_0000000", "--logits", tmp_path / "inputs.pt")
     exported, original = load_file(tmp_path / "export" / "export.safetensors"), hf_tensors(source)
     assert exported.keys() == original.keys() and all(torch.equal(original[k], exported[k]) for k in original)
+    # Bridge's own Qwen25VLModel runs on the CPU: on reshard's checkpoint it computes transformers' image-and-text logits
+    assert (torch.load(tmp_path / "export" / "logits.pt") - image_logits(source)).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("change,words", [
