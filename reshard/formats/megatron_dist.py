@@ -283,7 +283,7 @@ class TorchDistReader(CheckpointReader):
             return args_dict(args)
         if config_file is not None:
             args = args_from_file(config_file)
-            embedding = self.metadata.tensors.get("embedding.word_embeddings.weight")
+            embedding = self.metadata.tensors.get(args.get("language_model_prefix", "") + "embedding.word_embeddings.weight")
             if embedding is not None:  # its padding is the saving run's choice, not the architecture's
                 args["padded_vocab_size"] = embedding.size[0]
             return args

@@ -209,17 +209,28 @@ def bridge(*args) -> None:
 
 
 @pytest.mark.slow
-def test_reshards_checkpoint_is_bridges_own_import_and_bridge_exports_it_back(source, tmp_path):
-    """Megatron-Bridge's import of the same HF model equals reshard's tensor for tensor (names, shapes, values); Bridge
-    loads reshard's checkpoint, exports the original HF weights bit for bit and, run forward on an image and text,
-    gives transformers' logits."""
+def test_reshards_checkpoint_is_bridges_own_import_and_bridge_exports_it_back(source, tmp_path, monkeypatch, capsys):
+    """Megatron-Bridge's import of the same HF model equals reshard's tensor for tensor (names, shapes, values), and
+    reshard exports it (given the HF config) as the original HF weights; Bridge loads reshard's checkpoint, exports
+    the original HF weights bit for bit and, run forward on an image and text, gives transformers' logits."""
     cli("convert", source, tmp_path / "m", "--to-format", "torch_dist", "--for", "bridge", "-q")  # its vocabulary unpadded
     bridge(source, tmp_path / "bridge")
     ours, theirs = dist_tensors(tmp_path / "m" / "iter_0000000"), dist_tensors(tmp_path / "bridge" / "ckpt" / "iter_0000000")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    # Bridge's own checkpoint read by reshard (its run_config.yaml names no vision tower: the HF config says it)
+    cli("convert", tmp_path / "bridge" / "ckpt", tmp_path / "from_bridge", "--to-format", "hf", "--config", source / "config.json", "-q")
+    original, back = hf_tensors(source), hf_tensors(tmp_path / "from_bridge")
+    assert back.keys() == original.keys() and all(torch.equal(original[k], back[k]) for k in original)
+    wrong = json.loads((source / "config.json").read_text())
+    wrong["vision_config"]["intermediate_size"] = 40
+    (tmp_path / "wrong.json").write_text(json.dumps(wrong))
+    refused_cli(monkeypatch, capsys, ["convert", tmp_path / "bridge" / "ckpt", tmp_path / "out", "--to-format", "hf", "--config",
+                                      tmp_path / "wrong.json"], "visual.blocks.0.mlp.gate_proj.weight has shape [48, 32]", "visual tower",
+                untouched=(tmp_path / "bridge",))
+    assert not (tmp_path / "out").exists()
     torch.save(image_inputs(), tmp_path / "inputs.pt")
     bridge(source, tmp_path / "export", "--load", tmp_path / "m" / "iter_0000000", "--logits", tmp_path / "inputs.pt")
-    exported, original = load_file(tmp_path / "export" / "export.safetensors"), hf_tensors(source)
+    exported = load_file(tmp_path / "export" / "export.safetensors")
     assert exported.keys() == original.keys() and all(torch.equal(original[k], exported[k]) for k in original)
     # Bridge's own Qwen25VLModel runs on the CPU: on reshard's checkpoint it computes transformers' image-and-text logits
     assert (torch.load(tmp_path / "export" / "logits.pt") - image_logits(source)).abs().max() <= 1e-4
