@@ -28,6 +28,13 @@ VISUAL = "visual."  # the vision tower's, Megatron's (Bridge's) and the saved HF
 # config.json's own keys beside the nested text and vision configs
 _TOP = ("architectures", "model_type", "tie_word_embeddings", "dtype", "torch_dtype", "transformers_version", "image_token_id",
         "video_token_id", "vision_start_token_id", "vision_end_token_id", "vision_token_id", "text_config", "vision_config")
+# The fields of Megatron-Bridge's provider (its run_config.yaml) this family reads beyond a GPT provider's (Bridge keeps
+# the HF vision config object whole: its own fields are kept, PretrainedConfig's not)
+_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "vision_token_id")
+_VISION_CLASS = "transformers.models.qwen2_5_vl.configuration_qwen2_5_vl.Qwen2_5_VLVisionConfig"
+_VISION_KEYS = ("depth", "hidden_act", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size", "spatial_merge_size",
+                "temporal_patch_size", "tokens_per_second", "window_size", "fullatt_block_indexes", "out_hidden_size",
+                "initializer_range", "model_type", "rope_parameters")
 # vision_config sizes, by the name transformers reads (older files: in_chans)
 _VISION_SIZES = ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "patch_size", "temporal_patch_size",
                  "spatial_merge_size")
@@ -81,6 +88,26 @@ def vision_tensors(vision: dict[str, Any], text_hidden: int) -> tuple[tuple[str,
     shapes.update({"merger.ln_q.weight": (h,), "merger.mlp.0.weight": (merged, merged), "merger.mlp.0.bias": (merged,),
                    "merger.mlp.2.weight": (out, merged), "merger.mlp.2.bias": (out,)})
     return tuple((VISUAL + name, shape) for name, shape in shapes.items())
+
+
+def from_bridge(model: dict[str, Any]) -> dict[str, Any]:
+    """The Megatron args of a Bridge Qwen25VLModelProvider (its run_config.yaml's model section) beyond a GPT
+    provider's: the language model's prefix, the vision tower, and the HF config fields an export writes back."""
+    vision = model.get("vision_config")
+    if not isinstance(vision, dict):
+        raise bad_value("run_config.yaml model.vision_config", vision, "Qwen2.5-VL's vision config")
+    vision = {key: vision[key] for key in _VISION_KEYS if key in vision}
+    tower = Tower(VISUAL, vision_tensors(vision, model["hidden_size"]), json.dumps(vision, sort_keys=True))
+    hf = {"model_type": "qwen2_5_vl", **{key: model[key] for key in _TOKENS if type(model.get(key)) is int}, "vision_config": vision}
+    return {"language_model_prefix": LANGUAGE, "towers": [tower], "hf_model_type": "qwen2_5_vl", "hf_config": hf}
+
+
+def to_bridge(config: ModelConfig, hf: dict[str, Any] | None) -> dict[str, Any]:
+    """The fields of a Bridge Qwen25VLModelProvider beyond a GPT provider's, for the model and the HF config `hf` it was
+    imported from (its token ids): what `from_bridge` reads back."""
+    vision = json.loads(next(t for t in config.towers if t.prefix == VISUAL).hf_config)
+    tokens = {key: value for key, value in text_config(hf or {}).items() if key in _TOKENS}
+    return {"mrope_section": list(config.mrope_section or ()), "vision_config": {"_target_": _VISION_CLASS, **vision}, **tokens}
 
 
 class Qwen2_5_VL(Qwen2):

@@ -89,6 +89,23 @@ def test_the_vision_tower_is_in_every_view_on_the_first_stage(source, tmp_path):
     assert all(torch.equal(original[k], back[k]) for k in original)
 
 
+def test_torch_dist_for_bridge_names_its_vl_provider_and_reads_back(source, tmp_path):
+    """`--for bridge` writes the run_config.yaml of Bridge's Qwen25VLModelProvider (MRoPE sections, the vision config,
+    the image token ids); read back, it is the checkpoint's own architecture, vision tower included."""
+    import yaml
+
+    from reshard.config import ModelConfig
+    from reshard.formats.model_args import QWEN2_5_VL_PROVIDER, bridge_args
+
+    cli("convert", source, tmp_path / "out", "--to-format", "torch_dist", "--for", "bridge", "-q")
+    run_config = tmp_path / "out" / "iter_0000000" / "run_config.yaml"
+    model = yaml.safe_load(run_config.read_text())["model"]
+    assert (model["_target_"], model["mrope_section"], model["vision_config"]["depth"], model["image_token_id"]) == \
+        (QWEN2_5_VL_PROVIDER, [2, 3, 3], 2, IMAGE)
+    with open_checkpoint(tmp_path / "out") as reader:
+        assert ModelConfig.from_megatron_args(bridge_args(run_config)) == reader.config
+
+
 def test_transformers_5_names_are_read_and_the_export_is_as_transformers_saves(source, tmp_path):
     """Files keyed as transformers >= 5 builds the model (model.language_model.*, model.visual.*) convert alike; the
     export names them as transformers 5.24 saves them (model.layers.*, visual.*), which Bridge reads too."""
@@ -211,16 +228,18 @@ def bridge(*args) -> None:
 @pytest.mark.slow
 def test_reshards_checkpoint_is_bridges_own_import_and_bridge_exports_it_back(source, tmp_path, monkeypatch, capsys):
     """Megatron-Bridge's import of the same HF model equals reshard's tensor for tensor (names, shapes, values), and
-    reshard exports it (given the HF config) as the original HF weights; Bridge loads reshard's checkpoint, exports
+    reshard reads it (its run_config.yaml) and exports the original HF model; a --config that contradicts its vision
+    tower is refused; Bridge loads reshard's checkpoint, exports
     the original HF weights bit for bit and, run forward on an image and text, gives transformers' logits."""
     cli("convert", source, tmp_path / "m", "--to-format", "torch_dist", "--for", "bridge", "-q")  # its vocabulary unpadded
     bridge(source, tmp_path / "bridge")
     ours, theirs = dist_tensors(tmp_path / "m" / "iter_0000000"), dist_tensors(tmp_path / "bridge" / "ckpt" / "iter_0000000")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    # Bridge's own checkpoint read by reshard (its run_config.yaml names no vision tower: the HF config says it)
-    cli("convert", tmp_path / "bridge" / "ckpt", tmp_path / "from_bridge", "--to-format", "hf", "--config", source / "config.json", "-q")
+    # Bridge's own checkpoint read by reshard from its run_config.yaml, exported: the original weights and logits
+    cli("convert", tmp_path / "bridge" / "ckpt", tmp_path / "from_bridge", "--to-format", "hf", "-q")
     original, back = hf_tensors(source), hf_tensors(tmp_path / "from_bridge")
     assert back.keys() == original.keys() and all(torch.equal(original[k], back[k]) for k in original)
+    assert torch.equal(image_logits(tmp_path / "from_bridge"), image_logits(source))
     wrong = json.loads((source / "config.json").read_text())
     wrong["vision_config"]["intermediate_size"] = 40
     (tmp_path / "wrong.json").write_text(json.dumps(wrong))
