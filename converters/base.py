@@ -229,6 +229,14 @@ MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "origin
 # Which config.json fields size each axis of an HF tensor (rows, then columns; a vector's one axis), for the refusal
 # of a config that contradicts the weights; first match wins. Families name alike where they share a module.
 _HF_AXIS_FIELDS = tuple((re.compile(pattern), fields) for pattern, fields in (
+    # a vision tower's (Qwen2.5-VL's `visual.*`), sized by vision_config
+    (r"visual\..*\.(gate|up)_proj\.", ("vision_config.intermediate_size", "vision_config.hidden_size")),
+    (r"visual\..*\.down_proj\.", ("vision_config.hidden_size", "vision_config.intermediate_size")),
+    (r"visual\.merger\.mlp\.2\.", ("vision_config.out_hidden_size", "vision_config.hidden_size, spatial_merge_size")),
+    (r"visual\.merger\.mlp\.0\.", ("vision_config.hidden_size, spatial_merge_size",)),
+    (r"visual\.patch_embed\.", ("vision_config.hidden_size", "vision_config.in_channels", "vision_config.temporal_patch_size",
+                                "vision_config.patch_size")),
+    (r"visual\.", ("vision_config.hidden_size",)),
     (r"\.q_proj\.", ("num_attention_heads, head_dim", "hidden_size")),
     (r"\.[kv]_proj\.", ("num_key_value_heads, head_dim", "hidden_size")),
     (r"\.o_proj\.", ("hidden_size", "num_attention_heads, head_dim")),
@@ -254,7 +262,8 @@ def hf_axis_fields(hf_name: str, stored: tuple[int, ...], implied: tuple[int, ..
     if len(stored) != len(implied):
         return "num_experts (a fused experts tensor), or the tensor's kind"
     axis = next(i for i, (a, b) in enumerate(zip(stored, implied, strict=True)) if a != b)
-    lead = max(0, len(implied) - 2)  # a fused [experts, ...] tensor's leading axis
+    # a fused [experts, ...] tensor's leading axis; a vision tower has none (its patch embedding is a 5-D convolution)
+    lead = 0 if "visual." in hf_name else max(0, len(implied) - 2)
     if axis < lead:
         return "num_experts (n_routed_experts, num_local_experts)"
     fields = next((f for pattern, f in _HF_AXIS_FIELDS if pattern.search(hf_name)), ("hidden_size",))
@@ -438,6 +447,13 @@ def at_layer(mapping: Mapping, layer: int, megatron: str | None = None) -> Mappi
     out = copy.copy(mapping)
     object.__setattr__(out, "megatron", mapping.megatron.replace("decoder.layers.", megatron or f"decoder.layers.{layer}.", 1))
     object.__setattr__(out, "hf", tuple(name.replace(L, str(layer)) for name in mapping.hf))
+    return out
+
+
+def under(prefix: str, mapping: Mapping) -> Mapping:
+    """`mapping` with its Megatron name under `prefix` (a language model beside other towers: `config.Tower`)."""
+    out = copy.copy(mapping)
+    object.__setattr__(out, "megatron", prefix + mapping.megatron)
     return out
 
 

@@ -48,7 +48,13 @@ def _mla(c: ModelConfig, L: list[int]) -> dict[str, tuple[int, ...]]:
 def model_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical name -> global shape, with every decoder layer stacked on a leading layer axis; where MoE and
     dense layers mix (`per_layer_names`), each layer's tensors under `decoder.layers.{i}.` without it; each
-    multi-token-prediction layer's under `mtp.layers.{i}.`, unstacked (Megatron-Core keys them so)."""
+    multi-token-prediction layer's under `mtp.layers.{i}.`, unstacked (Megatron-Core keys them so). A model of
+    several towers has the language model's under its prefix and each other tower's as the tower says."""
+    language = {config.language_model_prefix + name: shape for name, shape in _language_model(config).items()}
+    return {**language, **{name: shape for tower in config.towers for name, shape in tower.tensors}}
+
+
+def _language_model(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.per_layer_names:
         return {**_stacked(config), **_mtp(config)}
     kinds = {moe: _one_layer(config, moe) for moe in (False, True)}
@@ -162,6 +168,9 @@ def check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], where:
         expected = implied.get(name)
         if expected is None or tuple(shape) == tuple(expected):
             continue
+        if (tower := config.tower_of(name)) is not None:
+            raise ReshardError(f"{where}: {name} has shape {list(shape)}, but the recorded architecture implies {list(expected)} "
+                               f"(check the {tower.prefix.rstrip('.')} tower's config): the architecture contradicts the tensors")
         linear = next((f for fragment, f in _AXIS_FIELDS if fragment in name and "layer_norm" not in name), None)
         core = 2 if linear and name.endswith(".weight") else 1  # a matrix, or a vector (norm, bias)
         if len(shape) != len(expected):
@@ -170,7 +179,7 @@ def check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], where:
             axis = next(i for i, (a, b) in enumerate(zip(shape, expected)) if a != b)
             lead = len(expected) - core
             if axis < lead:
-                fields = "num_layers" if axis == 0 and name.startswith("decoder.layers.") else "num_experts"
+                fields = "num_layers" if axis == 0 and config.language_name(name).startswith("decoder.layers.") else "num_experts"
             elif linear:
                 fields = linear[axis - lead]
             else:

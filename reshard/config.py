@@ -62,6 +62,24 @@ def _no_model(name: str, value: Any, want: str) -> ReshardError:
 
 
 @dataclass(frozen=True)
+class Tower:
+    """A model beside the language model (a vision encoder and its merger), carried as its own tensors under its
+    own names: every tensor whole on every tensor-parallel rank and on the first pipeline stage, where the
+    language model's embedding is (as Megatron-Bridge keeps Qwen2.5-VL's HF vision modules). A family declares
+    its towers (`converters.qwen2_5_vl`); the shapes travel with the model's args, so a Megatron checkpoint
+    describes them without its HF config."""
+
+    prefix: str  # e.g. "visual."
+    tensors: tuple[tuple[str, tuple[int, ...]], ...]  # full name -> global shape
+    hf_config: str = "{}"  # the tower's own HF config (JSON), which an HF export writes back
+
+    def __post_init__(self):  # JSON and Megatron's args give lists
+        object.__setattr__(self, "tensors", tuple((str(name), tuple(int(d) for d in shape)) for name, shape in self.tensors))
+        if any(not name.startswith(self.prefix) for name, _ in self.tensors):
+            raise ReshardError(f"tower {self.prefix!r}: a tensor of it is named outside its prefix")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     num_layers: int
     hidden_size: int
@@ -77,6 +95,9 @@ class ModelConfig:
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
     rope_scaling: bool = False
+    # Multimodal rotary embeddings (position_embedding_type "mrope", Qwen2.5-VL): the rotary frequencies cut into
+    # temporal, height and width sections of these many (each section rotated by its own position id).
+    mrope_section: tuple[int, ...] | None = None
     rope_scaling_factor: float = 8.0
     normalization: str = "RMSNorm"  # "RMSNorm" | "LayerNorm"
     norm_epsilon: float = 1e-5
@@ -133,14 +154,19 @@ class ModelConfig:
     # Multi-token prediction (DeepSeek-V3): this many MTP layers (`mtp.layers.{i}.`) after the decoder, on its last stage.
     mtp_num_layers: int | None = None
     params_dtype: str = "float32"
+    # A model of several towers (a vision-language model): the language model's tensors under this prefix
+    # (Megatron-Bridge's "language_model."), the other towers' under their own (`Tower`).
+    language_model_prefix: str = ""
+    towers: tuple[Tower, ...] = ()
     # Megatron options set away from their defaults that change the model's math in ways this tool does
     # not model (`_UNMODELED`): resharding carries them in the args; an HF export refuses them.
     unmodeled: tuple[str, ...] = ()
 
     def __post_init__(self):
-        for name in ("moe_layer_freq", "window_size", "window_attn_skip_freq"):
+        for name in ("moe_layer_freq", "window_size", "window_attn_skip_freq", "mrope_section"):
             if isinstance(getattr(self, name), list):  # Megatron's args and JSON give a list; the config stays hashable
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "towers", tuple(t if isinstance(t, Tower) else Tower(**t) for t in self.towers))
         for name in _POSITIVE:
             value = getattr(self, name)
             if value is not None and not (_plain_number(value) and 0 < value < math.inf):
@@ -153,6 +179,14 @@ class ModelConfig:
             raise _no_model("rotary_percent", self.rotary_percent, "a fraction in (0, 1]")
         if self.params_dtype not in PRECISIONS.values():  # it becomes a torch dtype in the args Megatron unpickles
             raise _no_model("params_dtype", self.params_dtype, f"one of {', '.join(sorted(set(PRECISIONS.values())))}")
+
+    def language_name(self, name: str) -> str:
+        """A language-model tensor's name without the model's language_model_prefix (as a plain GPT model names it)."""
+        return name.removeprefix(self.language_model_prefix)
+
+    def tower_of(self, name: str) -> Tower | None:
+        """The tower (other than the language model) whose tensor `name` is."""
+        return next((t for t in self.towers if name.startswith(t.prefix)), None)
 
     @property
     def groups(self) -> int:
@@ -252,7 +286,12 @@ class ModelConfig:
         out["use_rope_scaling"] = self.rope_scaling
         out["layernorm_epsilon"] = self.norm_epsilon  # Megatron-LM's name (core_v0.17.1: TransformerConfig's)
         del out["unmodeled"]  # the source's own values of those options travel in its args
-        for name in ("moe_layer_freq", "window_size", "window_attn_skip_freq"):
+        for name in ("moe_layer_freq", "window_size", "window_attn_skip_freq", "mrope_section"):
             if isinstance(out[name], tuple):
                 out[name] = list(out[name])
+        out["towers"] = [{"prefix": t.prefix, "tensors": [[name, list(shape)] for name, shape in t.tensors], "hf_config": t.hf_config}
+                         for t in self.towers]
+        for name in ("mrope_section", "language_model_prefix", "towers"):  # a plain GPT model's args stay as they were
+            if not out[name]:
+                del out[name]
         return out

@@ -126,7 +126,7 @@ class ObjectKey:
     def layer(self) -> int | None:
         if self.indexed:
             return int(_INDEXED.match(self.module).group(1))
-        return self.offsets[0] if self.module.startswith("decoder.layers.") else None
+        return self.offsets[0] if _LAYER_NAME.match(self.module) and not _MTP.match(self.module) else None
 
     @property
     def expert(self) -> int | None:
@@ -158,7 +158,8 @@ def default_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
     Linear layers carry an (empty) extra state in both specs; Transformer Engine's attention too.
     Megatron's loader refuses a checkpoint that lacks them, and `None` is what an unused one holds.
     """
-    return {**_decoder_extra_state(config, te), **_mtp_extra_state(config, te)}
+    prefix = config.language_model_prefix  # a tower's modules (HF's, in Qwen2.5-VL's) keep none
+    return {prefix + key: None for key in {**_decoder_extra_state(config, te), **_mtp_extra_state(config, te)}}
 
 
 def _decoder_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:

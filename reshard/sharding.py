@@ -66,10 +66,11 @@ def _owning_chunks(spec: TensorSpec, config: ModelConfig | None, layout: Layout)
     if spec.layer is not None:
         pp, vstage, local = layout.chunk_of_layer(config.num_layers, spec.layer)
         return [(pp, vstage, spec.layer, local)]
-    if spec.param.startswith("embedding."):
+    param = config.language_name(spec.param)  # a tower's tensors are on the first stage (`config.Tower`)
+    if param.startswith("embedding."):
         return [(0, 0, None, None)]
     # Multi-token-prediction layers live on the last stage, beside the output layer (Megatron-Core's default placement)
-    if spec.param.startswith(("output_layer.", "decoder.final_layernorm.", "decoder.final_norm.", "mtp.")):
+    if param.startswith(("output_layer.", "decoder.final_layernorm.", "decoder.final_norm.", "mtp.")):
         return [(last % layout.pp, last // layout.pp, None, None)]
     return [(0, 0, None, None)]
 

@@ -140,6 +140,8 @@ def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype =
     )
     if config.mtp_num_layers:
         kwargs["mtp_num_layers"] = config.mtp_num_layers
+    if config.mrope_section:
+        kwargs["mrope_section"] = list(config.mrope_section)
     if layout.first_stage_layers is not None:
         kwargs["num_layers_in_first_pipeline_stage"] = layout.first_stage_layers
     if layout.last_stage_layers is not None:

@@ -71,6 +71,10 @@ TOKENIZER_FILES = (
     "vocab.txt",
     "chat_template.jinja",
     "chat_template.json",
+    # a multimodal model's processor (Qwen2.5-VL's image and video preprocessing), carried as its tokenizer is
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
     GENERATION_CONFIG,
 )
 # What a model's users load beside the weights: an export records each one's sha256 (provenance `hf_files`),
@@ -416,7 +420,7 @@ class HFReader(CheckpointReader):
             )
         dtypes, dropped = self._dtypes(config)
         if not self.hf_config.get("dtype") and not self.hf_config.get("torch_dtype"):
-            config = config.replace(params_dtype=dtypes["embedding.word_embeddings.weight"])
+            config = config.replace(params_dtype=dtypes[config.language_model_prefix + "embedding.word_embeddings.weight"])
         self.config = config
         self.specs: dict[str, TensorSpec] = {name: describe(name, shape, dtypes[name], config) for name, shape in shapes.items()}
         # Every tensor at the shape config.json implies: values are read at offsets computed from it.
@@ -450,7 +454,7 @@ class HFReader(CheckpointReader):
 
     def _check_vocab_rows(self, config: ModelConfig) -> None:
         """The embedding has the rows config.json's vocab_size says (they are read at offsets computed from it)."""
-        emb = {m.megatron: m for m in self.family.mappings(config)}["embedding.word_embeddings.weight"]
+        emb = {m.megatron: m for m in self.family.mappings(config)}[config.language_model_prefix + "embedding.word_embeddings.weight"]
         shape = self._shape(emb.hf_names()[0])
         if len(shape) != 2:
             raise ReshardError(f"{emb.hf_names()[0]} has shape {list(shape)}, not [rows, columns]: it is no embedding")
@@ -465,7 +469,7 @@ class HFReader(CheckpointReader):
         used: set[str] = set()
         dtypes: dict[str, str] = {}
         for name, mapping in self._mappings.items():
-            layers = range(config.num_layers) if name.startswith("decoder.layers.") else [None]
+            layers = range(config.num_layers) if config.language_name(name).startswith("decoder.layers.") else [None]
             experts = range(config.num_experts or 0) if ".experts.experts." in name else [None]
             kinds = set()
             for layer in layers:
@@ -772,7 +776,7 @@ class HFWriter(CheckpointWriter):
         by its slices (`HFAddress`) once, whole, each slice's place noted in `_slices`."""
         out = []
         for name, spec, layer, hf_name, shape in hf_tensors(self.specs, self._mappings, self.config):
-            group = 0 if name.startswith("embedding.") else (2 if not spec.stacked else 1)
+            group = 0 if self.config.language_name(name).startswith("embedding.") else (2 if not spec.stacked else 1)
             key = (group, layer if layer is not None else -1, hf_name)
             address = HFAddress.parse(hf_name)
             if name in self._quantized and not self._block:  # MXFP4: blocks and scales, each whole or by slices
@@ -959,7 +963,7 @@ class HFWriter(CheckpointWriter):
             }
             (self.path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         config = dict(self.hf_config)
-        out_dtype = self.dtype or self.specs["embedding.word_embeddings.weight"].dtype
+        out_dtype = self.dtype or self.specs[self.config.language_model_prefix + "embedding.word_embeddings.weight"].dtype
         config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = out_dtype
         config.pop("_name_or_path", None)
         (self.path / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

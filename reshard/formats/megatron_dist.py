@@ -204,7 +204,8 @@ class TorchDistReader(CheckpointReader):
         embedding, vocabulary-parallel, shows TP; an expert weight ETP; chunks are per layer and expert whatever
         PP and EP were)."""
         expert = next((n for n, s in self.specs.items() if s.experts and s.tp_axis is not None and not s.is_optimizer), None)
-        for name, field in (("embedding.word_embeddings.weight", "tp"), (expert, "etp")):
+        embedding = self.config.language_model_prefix + "embedding.word_embeddings.weight"
+        for name, field in ((embedding, "tp"), (expert, "etp")):
             spec = self.specs.get(name)
             if spec is None or spec.tp_axis is None:
                 continue
@@ -282,7 +283,7 @@ class TorchDistReader(CheckpointReader):
             return args_dict(args)
         if config_file is not None:
             args = args_from_file(config_file)
-            embedding = self.metadata.tensors.get("embedding.word_embeddings.weight")
+            embedding = self.metadata.tensors.get(args.get("language_model_prefix", "") + "embedding.word_embeddings.weight")
             if embedding is not None:  # its padding is the saving run's choice, not the architecture's
                 args["padded_vocab_size"] = embedding.size[0]
             return args

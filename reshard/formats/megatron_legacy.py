@@ -106,6 +106,14 @@ def refuse_mtp(config: ModelConfig) -> None:
         )
 
 
+def refuse_towers(config: ModelConfig) -> None:
+    """Megatron-LM's per-rank files hold a GPT model; a vision-language model's towers (`config.Tower`) and its
+    language_model. prefix are Megatron-Bridge's, which saves torch_dist only."""
+    if config.towers or config.language_model_prefix:
+        raise ReshardError(f"the model has towers beside its language model ({', '.join(t.prefix for t in config.towers)}), which "
+                           "the legacy (per-rank) format does not hold; use torch_dist or zarr")
+
+
 def local_name(name: str, piece: Piece, te_names: bool, moe: bool, mla: bool = False) -> str:
     """The name of a piece of logical tensor `name` in its rank's `model` state dict."""
     if piece.alias:
@@ -435,6 +443,7 @@ class LegacyWriter(CheckpointWriter):
         self.te_names = uses_te_names(self.common.args) if te_names is None else te_names
         refuse_te_mla(self.config, self.layout, self.te_names)
         refuse_mtp(self.config)
+        refuse_towers(self.config)
         self.directory = self.path / iteration_dirname(self.common.iteration)
         self._streams: dict[RankCoord, StreamingTorchSave] = {}
         self._models: dict[RankCoord, list[dict[str, Any]]] = {}

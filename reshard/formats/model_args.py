@@ -42,10 +42,11 @@ _ACTIVATIONS = {True: "torch.nn.functional.silu", False: "torch.nn.functional.ge
 QUICK_GELU = "megatron.core.fusions.fused_bias_geglu.quick_gelu"  # gated: gpt-oss's quick_geglu, as Bridge's provider names it
 # GPT YaRN: Bridge's provider fields (yarn_*) for the ModelConfig fields MLA's YaRN shares
 _YARN = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-_LISTS = ("moe_layer_freq", "window_size", "window_attn_skip_freq")  # provider fields that may hold a list
+_LISTS = ("moe_layer_freq", "window_size", "window_attn_skip_freq", "mrope_section")  # provider fields that may hold a list
 # Bridge's layer spec of MiniMax-M2 (q/k norms over every head: `ModelConfig.qk_layernorm_full_width`), which its
 # provider names instead of a field
 MINIMAX_M2_SPEC = "megatron.bridge.models.minimax_m2.minimax_m2_provider.minimax_m2_layer_spec"
+QWEN2_5_VL_PROVIDER = "megatron.bridge.models.qwen_vl.qwen25_vl_provider.Qwen25VLModelProvider"
 
 
 def _plain(value: Any) -> bool:
@@ -105,6 +106,10 @@ def bridge_args(path: Path) -> dict[str, Any]:
         args["params_dtype"] = _DTYPES[_named(path, model, "params_dtype", set(_DTYPES), "")]
     if model.get("max_position_embeddings") is None and model.get("seq_length") is not None:
         args["max_position_embeddings"] = model["seq_length"]
+    if model.get("_target_") == QWEN2_5_VL_PROVIDER:  # a vision-language model: its tower and token ids (the family's)
+        from reshard.converters.qwen2_5_vl import from_bridge
+
+        args.update(from_bridge(model))
     if model.get("vocab_size") is not None:
         if model.get("should_pad_vocab"):  # padded as Megatron-LM pads it, at the saved TP
             tp = model.get("tensor_model_parallel_size") or 1
@@ -180,6 +185,10 @@ def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, 
     if config.multi_latent_attention:  # Bridge's MLA provider (its GPT one has no MLA fields) takes MLATransformerConfig's
         model.update({key: getattr(config, key) for key in MLA_FIELDS}, rope_type=config.mla_rope_type, kv_channels=config.v_head_dim,
                      _target_="megatron.bridge.models.mla_provider.MLAModelProvider")
+    if config.towers:  # a vision-language model: Bridge's provider of its family, with its vision config
+        from reshard.converters.qwen2_5_vl import to_bridge
+
+        model.update(_target_=QWEN2_5_VL_PROVIDER, **to_bridge(config, args.get("hf_config")))
     chosen = {key: args.get(key, default) for key, default in _UNMODELED.items()} | layout.megatron_args()
     model.update({_BRIDGE_NAMES.get(key, key): value for key, value in chosen.items()})
     (directory / RUN_CONFIG).write_text(yaml.safe_dump({"model": model}, sort_keys=False))

@@ -97,6 +97,15 @@ def _configs():
         "glm4_moe_lite": tf.Glm4MoeLiteConfig(**{k: v for k, v in DEEPSEEK.items() if k != "first_k_dense_replace"} | lite,
                                               mlp_layer_types=["dense", "sparse"], q_lora_rank=24,
                                               max_position_embeddings=128, routed_scaling_factor=1.8),
+        # Qwen2.5-VL in small: Qwen2's language model (q/k/v biases) with MRoPE sections 2, 3, 3 of the 8 rotary
+        # frequencies, beside a two-block vision tower (window attention in block 0, full in block 1) whose merger
+        # feeds the language model's width; image tokens inside the 250-token vocabulary
+        "qwen2_5_vl": tf.Qwen2_5_VLConfig(
+            text_config=dict(COMMON, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2, max_position_embeddings=128,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "type": "mrope", "mrope_section": [2, 3, 3]}),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
+                               temporal_patch_size=2, spatial_merge_size=2, in_channels=3, window_size=16, fullatt_block_indexes=[1]),
+            image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243, tie_word_embeddings=False),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
                               activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
@@ -114,15 +123,15 @@ NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_m
 
 def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
     """Save a randomly initialised tiny `name` model (every parameter, norms included, randomised)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
     config = _configs()[name]
-    layers, mtp = config.num_hidden_layers, getattr(config, "num_nextn_predict_layers", 0)
-    config.num_hidden_layers = layers + mtp  # transformers builds no MTP layers: their decoder layers are built as layers past the last
+    layers, mtp = config.get_text_config().num_hidden_layers, getattr(config, "num_nextn_predict_layers", 0)
+    config.get_text_config().num_hidden_layers = layers + mtp  # transformers builds no MTP layers: their decoder layers are built past the last
     if mtp and getattr(config, "mlp_layer_types", None):  # GLM-4.7-Flash's MTP layers are MoE, as its last layer
         config.mlp_layer_types = config.mlp_layer_types + config.mlp_layer_types[-1:] * mtp
-    model = AutoModelForCausalLM.from_config(config)
+    model = (AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM).from_config(config)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname or "ln_" in pname:
@@ -138,6 +147,9 @@ def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
     if name in SAVED_AS:
         _edit_config(directory, **SAVED_AS[name])
     (directory / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')  # stands in for tokenizer files
+    if hasattr(config, "vision_config"):  # and for a multimodal model's processor files
+        (directory / "preprocessor_config.json").write_text('{"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2}\n')
+        (directory / "chat_template.json").write_text('{"chat_template": "{{ messages }}"}\n')
     return directory
 
 

@@ -134,6 +134,9 @@ BASE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "nu
         "intermediate_size": 96, "vocab_size": 250, "max_position_embeddings": 128, "rms_norm_eps": 1e-6}
 
 
+MROPE = {"type": "mrope", "mrope_section": [2, 3, 3]}  # 8 rotary frequencies of BASE's head_dim 16
+VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64, "patch_size": 4,
+          "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3, "fullatt_block_indexes": [1]}
 YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0}
 DEEPSEEK = {"num_key_value_heads": 4, "first_k_dense_replace": 2, "q_lora_rank": 24, "kv_lora_rank": 32,
@@ -168,6 +171,14 @@ DEEPSEEK_MOE = dict(DEEPSEEK, first_k_dense_replace=0, n_routed_experts=4, num_e
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_scaling=dict(YARN, attention_factor=1.2)), "attention_factor"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_scaling=dict(YARN, truncate=False)), "truncate"),
     ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_scaling=dict(YARN, mscale=0.0)), "mscale_all_dim without mscale"),
+    ("Qwen2_5_VLForConditionalGeneration", {"vision_config": VISION}, "mrope_section"),
+    ("Qwen2_5_VLForConditionalGeneration", {"vision_config": VISION, "rope_scaling": dict(MROPE, mrope_section=[2, 3, 2])},
+     r"mrope_section=\[2, 3, 2\] is not sections of the 8 rotary frequencies"),
+    ("Qwen2_5_VLForConditionalGeneration", {"rope_scaling": MROPE}, "vision_config=null"),
+    ("Qwen2_5_VLForConditionalGeneration", {"vision_config": dict(VISION, out_hidden_size=32), "rope_scaling": MROPE},
+     "vision_config.out_hidden_size=32 is not the language model's hidden_size 64"),
+    ("Qwen2_5_VLForConditionalGeneration", {"vision_config": dict(VISION, num_heads=3), "rope_scaling": MROPE}, "vision_config.num_heads"),
+    ("Qwen2_5_VLForConditionalGeneration", {"vision_config": dict(VISION, depth=0), "rope_scaling": MROPE}, "vision_config.depth"),
 ])
 def test_unmapped_hf_features_are_refused(arch, extra, match):
     hf = dict(BASE, architectures=[arch], **extra)
@@ -197,6 +208,8 @@ HF_CONFIGS = {
                           **{k: v for k, v in DEEPSEEK_MOE.items() if k not in ("first_k_dense_replace", "head_dim")},
                           mlp_layer_types=["sparse", "sparse"], num_nextn_predict_layers=1),
     "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 250},
+    # the older Hub layout: the text fields at the top, MRoPE in rope_scaling
+    "qwen2_5_vl": dict(BASE, architectures=["Qwen2_5_VLForConditionalGeneration"], rope_scaling=MROPE, vision_config=VISION),
 }
 
 
@@ -219,7 +232,7 @@ def test_stacks_rows_says_exactly_when_the_hf_tensors_are_the_slab_cut_in_row_ba
     config, _ = family.config_from_hf(HF_CONFIGS[name])
     shapes = model_tensors(config)
     for mapping in family.mappings(config):
-        prefix = int(mapping.megatron.startswith("decoder.layers.")) + int(".experts.experts." in mapping.megatron)
+        prefix = int(config.language_name(mapping.megatron).startswith("decoder.layers.")) + int(".experts.experts." in mapping.megatron)
         slab = randn(*shapes[mapping.megatron][prefix:])
         parts = [t.reshape(-1, *slab.shape[1:]) for t in mapping.to_hf(slab, config)]
         stacked = np.concatenate(parts) if all(p.shape[1:] == slab.shape[1:] for p in parts) else None
