@@ -184,6 +184,8 @@ def layer_spec(config: ModelConfig, tconfig, vp_stage: int | None):
     layer of the stage)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
+    if any(config.linear_attention_layers):  # megatron-core's Gated DeltaNet spec is Transformer Engine's only
+        raise NotImplementedError("the trainer does not build Gated DeltaNet layers (experimental_attention_variant) yet")
     if config.per_layer_names:
         spec = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization=config.normalization,
                                           vp_stage=vp_stage)
