@@ -23,6 +23,7 @@ from reshard.converters.qwen2 import Qwen2
 from reshard.converters.qwen2_moe import Qwen2Moe
 from reshard.converters.qwen3 import Qwen3
 from reshard.converters.qwen3_moe import Qwen3Moe
+from reshard.converters.qwen3_next import Qwen3Next
 from reshard.errors import ReshardError
 
 FAMILIES: dict[str, Family] = {}  # model_type -> family
@@ -38,7 +39,7 @@ def register(family: Family) -> Family:
 
 # Order matters for `family_for_model`: the first family whose signature matches is the default export.
 _BUILTIN = (Llama(), Mistral(), Qwen2(), Qwen3(), Mixtral(), Qwen3Moe(), Qwen2Moe(), DeepseekV3(), GPT2(),
-            MiniMaxM2(), Glm4Moe(), GptOss())
+            MiniMaxM2(), Glm4Moe(), GptOss(), Qwen3Next())
 for _family in _BUILTIN:
     register(_family)
 
@@ -90,7 +91,8 @@ def family_for_model(config: ModelConfig, args: dict[str, Any]) -> Family:
         return FAMILIES[saved]
     if fits:
         return fits[0]
+    closest = min(FAMILIES.values(), key=lambda family: len(family.mismatches(config)))
     raise ReshardError(
-        "no HF family matches this model (normalization, gating, biases, q/k norms, experts); "
-        f"supported: {', '.join(sorted(FAMILIES))}"
+        f"no HF family matches this model; the closest has {'; '.join(closest.mismatches(config))} "
+        f"(supported: {', '.join(sorted(FAMILIES))}): keep it in a Megatron format"
     )

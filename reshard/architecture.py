@@ -107,7 +107,8 @@ def _layer(c: ModelConfig, kind: LayerKind, L: list[int]) -> dict[str, tuple[int
 def _attention(c: ModelConfig, L: list[int]) -> dict[str, tuple[int, ...]]:
     attn, h = "decoder.layers.self_attention.", c.hidden_size
     out = _norm(f"{attn}linear_qkv.layer_norm_", c, h, L)
-    qkv_rows = (c.num_attention_heads + 2 * c.groups) * c.head_dim
+    gates = c.num_attention_heads if c.attention_output_gate else 0
+    qkv_rows = (c.num_attention_heads + gates + 2 * c.groups) * c.head_dim
     out.update(_linear(f"{attn}linear_qkv.", qkv_rows, h, c.add_qkv_bias or c.add_bias_linear, L))
     if c.qk_layernorm:
         full = c.qk_layernorm_full_width  # over every head of the projection, not one head

@@ -26,7 +26,6 @@ def pad_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
 _UNMODELED: dict[str, Any] = {
     "rotary_interleaved": False,
     "rotary_seq_len_interpolation_factor": None,
-    "apply_layernorm_1p": False,
 }
 
 
@@ -47,6 +46,10 @@ _COUNTS = ("max_position_embeddings", "original_max_position_embeddings", "make_
            "qk_pos_emb_head_dim", "v_head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
            "linear_num_key_heads", "linear_num_value_heads")
 
+
+# The sizes of megatron-core's Gated DeltaNet (TransformerConfig's names and defaults, which are transformers' Qwen3-Next's).
+LINEAR_ATTENTION_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                           "linear_num_value_heads")
 
 # Fields Megatron's args and JSON give as lists, kept as tuples so the config stays hashable.
 _PATTERNS = ("moe_layer_freq", "window_size", "window_attn_skip_freq", "linear_attention_freq")
@@ -99,6 +102,10 @@ class ModelConfig:
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
+    # every norm's weight stored as its scale less one (megatron-core's layernorm_zero_centered_gamma; Qwen3-Next's)
+    apply_layernorm_1p: bool = False
+    # each attention head's output scaled by the sigmoid of a gate, its rows in linear_qkv after its group's queries
+    attention_output_gate: bool = False
     # q/k norms over the whole projection ([heads * head_dim], [groups * head_dim]; MiniMax-M2) instead of per head
     # ([head_dim]): the weights split over TP by head. No Megatron-LM option; reshard's args carry it.
     qk_layernorm_full_width: bool = False
