@@ -22,6 +22,7 @@ from reshard.converters.mixtral import Mixtral
 from reshard.converters.qwen2 import Qwen2
 from reshard.converters.qwen2_moe import Qwen2Moe
 from reshard.converters.qwen3 import Qwen3
+from reshard.converters.qwen3_5 import Qwen3_5
 from reshard.converters.qwen3_moe import Qwen3Moe
 from reshard.converters.qwen3_next import Qwen3Next
 from reshard.errors import ReshardError
@@ -39,7 +40,7 @@ def register(family: Family) -> Family:
 
 # Order matters for `family_for_model`: the first family whose signature matches is the default export.
 _BUILTIN = (Llama(), Mistral(), Qwen2(), Qwen3(), Mixtral(), Qwen3Moe(), Qwen2Moe(), DeepseekV3(), GPT2(),
-            MiniMaxM2(), Glm4Moe(), GptOss(), Qwen3Next())
+            MiniMaxM2(), Glm4Moe(), GptOss(), Qwen3Next(), Qwen3_5())
 for _family in _BUILTIN:
     register(_family)
 

@@ -166,15 +166,21 @@ class ZeroCentredNorm(Rename):
         return [tensor + np.ones((), tensor.dtype)]
 
 
-def gated_delta_net(config: ModelConfig) -> list[Mapping]:
+def gated_delta_net(config: ModelConfig, in_proj: list[Mapping]) -> list[Mapping]:
+    """A Gated DeltaNet layer's mappings; `in_proj`: those of its input projection's parts (the family's HF form)."""
     a, p = "decoder.layers.self_attention.", f"model.layers.{L}.linear_attn."
-    out: list[Mapping] = [Rename(f"{a}in_proj.layer_norm_weight", f"model.layers.{L}.input_layernorm.weight")]
-    for part, (hf, rows) in in_proj_rows(config).items():
-        out.append(Rows(f"{a}in_proj.weight.{part}", [at_index(f"{p}{hf}.weight", str(row)) for row in rows]))
+    out: list[Mapping] = [Rename(f"{a}in_proj.layer_norm_weight", f"model.layers.{L}.input_layernorm.weight"), *in_proj]
     for part, rows in conv_rows(config).items():
         out.append(Rows(f"{a}conv1d.weight.{part}", [at_index(f"{p}conv1d.weight", str(row)) for row in rows]))
     return [*out, Rename(f"{a}A_log", f"{p}A_log"), Rename(f"{a}dt_bias", f"{p}dt_bias"),
             ZeroCentredNorm(f"{a}out_norm.weight", f"{p}norm.weight"), Rename(f"{a}out_proj.weight", f"{p}out_proj.weight")]
+
+
+def fused_in_proj(config: ModelConfig) -> list[Mapping]:
+    """Qwen3-Next's in_proj_qkvz and in_proj_ba, grouped by key head (`in_proj_rows`)."""
+    a, p = "decoder.layers.self_attention.", f"model.layers.{L}.linear_attn."
+    return [Rows(f"{a}in_proj.weight.{part}", [at_index(f"{p}{hf}.weight", str(row)) for row in rows])
+            for part, (hf, rows) in in_proj_rows(config).items()]
 
 
 def gated_attention() -> list[Mapping]:
@@ -222,30 +228,38 @@ def linear_attention_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 class Qwen3Next(Family):
+    """Qwen3-Next; its hooks (`check_mlp`, `mlp_from_hf`, `in_proj`, `mlp`, `mlp_to_hf`) are what Qwen3.5
+    (`converters/qwen3_5.py`) does otherwise."""
+
     model_type = "qwen3_next"
     architectures = ("Qwen3NextForCausalLM",)
+    name = "Qwen3-Next"
     signature = {**{k: v for k, v in LLAMA_SIGNATURE.items() if k != "experimental_attention_variant"},
                  "qk_layernorm": True, "apply_layernorm_1p": True, "attention_output_gate": True, "moe": True,
                  "shared_experts": True, "shared_expert_gate": True}
 
     def check_hf(self, hf):
-        # layer_types and partial rotary are Qwen3-Next's own: read below, not refused as in other families
+        # layer_types and partial rotary are this family's own: read below, not refused as in other families
         super().check_hf({k: v for k, v in hf.items() if k not in ("layer_types", "partial_rotary_factor")})
         linear_attention_from_hf(hf)
         rotary_fraction(hf, PARTIAL_ROTARY_DEFAULT)
+        if hf.get("mtp_num_hidden_layers"):
+            raise refuse(f"mtp_num_hidden_layers={hf['mtp_num_hidden_layers']}",
+                         f"{self.name}'s MTP layers (mtp.*) are not mapped yet; set it to 0 and remove them to convert the rest")
+        self.check_mlp(hf)
+
+    def check_mlp(self, hf):
         if not hf.get("num_experts"):
             raise refuse("num_experts=0 (a Qwen3-Next whose every layer is dense)", "no such model is released; open an issue")
         qwen_moe_layer_freq(hf)
-        if hf.get("mtp_num_hidden_layers"):
-            raise refuse(f"mtp_num_hidden_layers={hf['mtp_num_hidden_layers']}",
-                         "Qwen3-Next's MTP layers (mtp.*) are not mapped yet; set it to 0 and remove them to convert the rest")
 
     def adjust_from_hf(self, config, hf):
-        return config.replace(
-            qk_layernorm=True,
-            apply_layernorm_1p=True,
-            attention_output_gate=True,
-            rotary_percent=rotary_fraction(hf, PARTIAL_ROTARY_DEFAULT),
+        return config.replace(qk_layernorm=True, apply_layernorm_1p=True, attention_output_gate=True,
+                              rotary_percent=rotary_fraction(hf, PARTIAL_ROTARY_DEFAULT), **linear_attention_from_hf(hf),
+                              **self.mlp_from_hf(hf))
+
+    def mlp_from_hf(self, hf) -> dict[str, Any]:
+        return dict(
             num_experts=expert_count(hf),
             moe_router_topk=int(hf.get("num_experts_per_tok", 10)),
             moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
@@ -253,30 +267,26 @@ class Qwen3Next(Family):
             moe_shared_expert_gate=True,
             moe_router_pre_softmax=not hf.get("norm_topk_prob", True),  # transformers' Qwen3NextConfig default: true
             moe_layer_freq=qwen_moe_layer_freq(hf),
-            **linear_attention_from_hf(hf),
         )
 
     def check_megatron(self, config):
         super().check_megatron(config.replace(rotary_percent=1.0))  # partial rotary maps: checked here
-        check_rotary_dims(config, "Qwen3-Next")
+        check_rotary_dims(config, self.name)
+
+    def in_proj(self, config: ModelConfig) -> list[Mapping]:
+        return fused_in_proj(config)
+
+    def mlp(self, config: ModelConfig, kind: LayerKind) -> list[Mapping]:
+        if not kind.moe:
+            return llama_dense_mlp()
+        return [*moe_mlp(config, "mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+                *shared_expert_mlp(config, "mlp.shared_expert", "mlp.shared_expert_gate")]
 
     def mappings(self, config):
-        moe = [*moe_mlp(config, "mlp", "gate", "gate_proj", "up_proj", "down_proj"),
-               *shared_expert_mlp(config, "mlp.shared_expert", "mlp.shared_expert_gate")]
-        mixers = {"attention": gated_attention(), "gated_delta_net": gated_delta_net(config)}
-
-        def layer(kind: LayerKind) -> list[Mapping]:
-            return [*mixers[kind.mixer], *(moe if kind.moe else llama_dense_mlp())]
-
-        return [*embeddings_and_head(config), *by_layer(config, layer)]
+        mixers = {"attention": gated_attention(), "gated_delta_net": gated_delta_net(config, self.in_proj(config))}
+        return [*embeddings_and_head(config), *by_layer(config, lambda kind: [*mixers[kind.mixer], *self.mlp(config, kind)])]
 
     def adjust_to_hf(self, out, config):
-        out["num_experts"] = config.num_experts
-        out["num_experts_per_tok"] = config.moe_router_topk
-        out["moe_intermediate_size"] = config.moe_ffn_hidden_size or config.ffn_hidden_size
-        out["shared_expert_intermediate_size"] = config.moe_shared_expert_intermediate_size
-        out["norm_topk_prob"] = not config.moe_router_pre_softmax
-        qwen_moe_layers_to_hf(out, config)
         out["layer_types"] = ["linear_attention" if linear else "full_attention" for linear in config.linear_attention_layers]
         out.pop("full_attention_interval", None)  # layer_types says it
         out.update({field: getattr(config, field) for field in _LINEAR_DEFAULTS})
@@ -285,3 +295,12 @@ class Qwen3Next(Family):
         else:
             out["partial_rotary_factor"] = config.rotary_percent
         out["attention_bias"] = False
+        self.mlp_to_hf(out, config)
+
+    def mlp_to_hf(self, out: dict[str, Any], config: ModelConfig) -> None:
+        out["num_experts"] = config.num_experts
+        out["num_experts_per_tok"] = config.moe_router_topk
+        out["moe_intermediate_size"] = config.moe_ffn_hidden_size or config.ffn_hidden_size
+        out["shared_expert_intermediate_size"] = config.moe_shared_expert_intermediate_size
+        out["norm_topk_prob"] = not config.moe_router_pre_softmax
+        qwen_moe_layers_to_hf(out, config)

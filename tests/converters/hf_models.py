@@ -100,6 +100,14 @@ def _configs():
                                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                                          linear_value_head_dim=8, linear_conv_kernel_dim=4, mlp_only_layers=[0],
                                          layer_types=["linear_attention", "full_attention"] * 2),
+        # Qwen3.5's text model in small: Qwen3-Next's layers with dense MLPs and in_proj split four ways; its multimodal
+        # RoPE's sections over the two rotating frequencies
+        "qwen3_5": tf.Qwen3_5TextConfig(**COMMON, intermediate_size=96, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                                        max_position_embeddings=128, tie_word_embeddings=False, linear_num_key_heads=2,
+                                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                                        linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                                         "mrope_section": [1, 1, 0], "mrope_interleaved": True}),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
                               activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
@@ -112,7 +120,7 @@ MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed"
        "gpt_oss", "qwen3_next"}
 NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed",
          "deepseek_v3", "deepseek_v3_q",
-         "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2", "minimax_m2", "gpt_oss", "qwen3_next"]
+         "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2", "minimax_m2", "gpt_oss", "qwen3_next", "qwen3_5"]
 
 
 def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 from reshard.cli import main
-from reshard.converters import qwen3_next
+from reshard.converters import qwen3_5, qwen3_next
 from reshard.converters.base import GatedMLP, Rename
 from reshard.converters.deepseek_v3 import DeepseekV3
 from reshard.converters.glm4_moe import Glm4Moe
@@ -73,6 +73,7 @@ CASES = [
     # between a full-attention layer (1) and a Gated DeltaNet one (2)
     ("qwen3_next", "torch_dist", dict(tp=2)),
     ("qwen3_next", "torch_dist", dict(pp=2)),
+    ("qwen3_5", "torch_dist", dict(pp=2)),  # Qwen3.5's text model: dense MLPs, in_proj split four ways, multimodal RoPE on text
 ]
 
 
@@ -366,6 +367,10 @@ QWEN3_NEXT_SABOTAGE = {  # what the family gets wrong: (object, attribute, its w
         **right(config), "query": right(config)["key"], "key": right(config)["query"]}),
     "a_log_negated": (qwen3_next.Qwen3Next, "mappings", _qwen3_next_with(Negated, "linear_attn.A_log")),
     "shared_expert_gate_dropped": (qwen3_next.Qwen3Next, "mappings", _qwen3_next_with(Dropped, "shared_expert_gate.weight")),
+    # Qwen3.5's split in_proj: its b and a (one row per value head each) in each other's place
+    "qwen3_5_beta_alpha_swapped": (qwen3_5, "split_in_proj", lambda right: lambda config: [
+        Rename(m.megatron, m.hf[0].replace("in_proj_b.", "in_proj_@.").replace("in_proj_a.", "in_proj_b.").replace("in_proj_@.", "in_proj_a."))
+        if m.megatron.endswith((".beta", ".alpha")) else m for m in right(config)]),
 }
 
 
@@ -373,7 +378,7 @@ QWEN3_NEXT_SABOTAGE = {  # what the family gets wrong: (object, attribute, its w
 def test_the_oracle_sees_a_wrong_qwen3_next_mapping(tmp_path, monkeypatch, sabotage):
     """Each Qwen3-Next specific, got wrong in a way that still loads strictly, moves the logits far past the tolerance:
     in_proj's q/k/v/z (and b/a) read as flat blocks instead of grouped by key head, the convolution's q and k channels
-    in each other's place, the decay's A_log negated, the shared expert's sigmoid gate lost."""
+    in each other's place, the decay's A_log negated, the shared expert's sigmoid gate lost; Qwen3.5's b and a swapped."""
     owner, attribute, wrap = QWEN3_NEXT_SABOTAGE[sabotage]
     monkeypatch.setattr(owner, attribute, wrap(getattr(owner, attribute)))
-    assert max_logits_diff(tmp_path, "qwen3_next", "torch_dist", {}) > 1e-3
+    assert max_logits_diff(tmp_path, "qwen3_5" if sabotage.startswith("qwen3_5") else "qwen3_next", "torch_dist", {}) > 1e-3

@@ -230,7 +230,7 @@ def test_deepseek_mla_and_yarn_settings_carried(models, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_moe", "deepseek_v3_mixed", "qwen2_moe_mixed", "qwen3_moe_mixed", "minimax_m2",
-                                  "qwen3_next"])
+                                  "qwen3_next", "qwen3_5"])
 def test_config_json_comes_back_as_it_was(models, tmp_path, name):
     """Through the layout-free store and back: every setting of config.json (MLA, YaRN, routing, which layers
     are dense) survives."""

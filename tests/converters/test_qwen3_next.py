@@ -116,3 +116,19 @@ def source(tmp_path_factory):
 ])
 def test_what_the_mapping_does_not_carry_is_refused_by_name(source, tmp_path, monkeypatch, capsys, change, words):
     refused_config(monkeypatch, capsys, source, tmp_path, change, *words)
+
+
+def test_qwen3_5s_split_in_proj_is_the_convolutions_channel_order_and_its_z_b_a_as_they_are():
+    """Qwen3.5 (converters/qwen3_5.py) projects [q; k; v] flat (then convolved in that order), z, b and a apart."""
+    from reshard.converters.qwen3_5 import split_in_proj
+
+    hf = dict(_configs()["qwen3_5"].to_dict())
+    config = family_for_hf(hf).config_from_hf(hf)[0]
+    table = {m.megatron.rsplit(".", 1)[1]: m.hf for m in split_in_proj(config)}
+    assert [int(name.split("[")[1][:-1]) for name in table["query"] + table["key"] + table["value"]] == list(range(96))
+    assert {part: names for part, names in table.items() if part in ("z", "beta", "alpha")} == {
+        "z": ("model.layers.{layer}.linear_attn.in_proj_z.weight",), "beta": ("model.layers.{layer}.linear_attn.in_proj_b.weight",),
+        "alpha": ("model.layers.{layer}.linear_attn.in_proj_a.weight",)}
+    assert [family.model_type for family in families_for_model(config)] == ["qwen3_5_text"]
+    with pytest.raises(ReshardError, match="num_experts=4 in a Qwen3.5 text model"):
+        family_for_hf(hf).config_from_hf(dict(hf, num_experts=4))

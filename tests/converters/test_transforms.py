@@ -198,6 +198,9 @@ HF_CONFIGS = {
                        moe_intermediate_size=32, shared_expert_intermediate_size=48, linear_num_key_heads=2,
                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
                        layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5_text": dict(BASE, architectures=["Qwen3_5ForCausalLM"], head_dim=16, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                         layer_types=["linear_attention", "full_attention"]),
     "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 250},
 }
 
