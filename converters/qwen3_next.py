@@ -43,16 +43,13 @@ from reshard.converters.base import (
     bad_value,
     by_layer,
     embeddings_and_head,
-    expert_count,
     llama_dense_mlp,
     megatron_frequency,
-    moe_mlp,
     qwen_moe_layer_freq,
-    qwen_moe_layers_to_hf,
     refuse,
-    shared_expert_mlp,
 )
 from reshard.converters.partial_rotary import check_rotary_dims, rotary_fraction
+from reshard.converters.qwen2_moe import moe_block, moe_from_hf, moe_to_hf
 from reshard.errors import ReshardError
 
 PARTIAL_ROTARY_DEFAULT = 0.25  # transformers' Qwen3NextConfig sets it where config.json does not
@@ -259,15 +256,7 @@ class Qwen3Next(Family):
                               **self.mlp_from_hf(hf))
 
     def mlp_from_hf(self, hf) -> dict[str, Any]:
-        return dict(
-            num_experts=expert_count(hf),
-            moe_router_topk=int(hf.get("num_experts_per_tok", 10)),
-            moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
-            moe_shared_expert_intermediate_size=int(hf["shared_expert_intermediate_size"]),
-            moe_shared_expert_gate=True,
-            moe_router_pre_softmax=not hf.get("norm_topk_prob", True),  # transformers' Qwen3NextConfig default: true
-            moe_layer_freq=qwen_moe_layer_freq(hf),
-        )
+        return moe_from_hf(hf, topk=10, norm_topk_prob=True)  # transformers' Qwen3NextConfig defaults
 
     def check_megatron(self, config):
         super().check_megatron(config.replace(rotary_percent=1.0))  # partial rotary maps: checked here
@@ -277,10 +266,7 @@ class Qwen3Next(Family):
         return fused_in_proj(config)
 
     def mlp(self, config: ModelConfig, kind: LayerKind) -> list[Mapping]:
-        if not kind.moe:
-            return llama_dense_mlp()
-        return [*moe_mlp(config, "mlp", "gate", "gate_proj", "up_proj", "down_proj"),
-                *shared_expert_mlp(config, "mlp.shared_expert", "mlp.shared_expert_gate")]
+        return moe_block(config) if kind.moe else llama_dense_mlp()
 
     def mappings(self, config):
         mixers = {"attention": gated_attention(), "gated_delta_net": gated_delta_net(config, self.in_proj(config))}
@@ -298,9 +284,4 @@ class Qwen3Next(Family):
         self.mlp_to_hf(out, config)
 
     def mlp_to_hf(self, out: dict[str, Any], config: ModelConfig) -> None:
-        out["num_experts"] = config.num_experts
-        out["num_experts_per_tok"] = config.moe_router_topk
-        out["moe_intermediate_size"] = config.moe_ffn_hidden_size or config.ffn_hidden_size
-        out["shared_expert_intermediate_size"] = config.moe_shared_expert_intermediate_size
-        out["norm_topk_prob"] = not config.moe_router_pre_softmax
-        qwen_moe_layers_to_hf(out, config)
+        moe_to_hf(out, config)
