@@ -462,7 +462,7 @@ LLAMA_SIGNATURE: dict[str, Any] = {
     "add_qkv_bias": False,
     "qk_layernorm": False,
     "qk_layernorm_full_width": False,
-    "apply_layernorm_1p": False,
+    "layernorm_zero_centered_gamma": False,
     "attention_output_gate": False,
     "experimental_attention_variant": None,
     "position_embedding_type": "rope",
@@ -605,7 +605,7 @@ class Family:
             "add_qkv_bias": config.add_qkv_bias or config.add_bias_linear,
             "qk_layernorm": config.qk_layernorm,
             "qk_layernorm_full_width": config.qk_layernorm_full_width,
-            "apply_layernorm_1p": config.apply_layernorm_1p,
+            "layernorm_zero_centered_gamma": config.layernorm_zero_centered_gamma,
             "attention_output_gate": config.attention_output_gate,
             "experimental_attention_variant": config.experimental_attention_variant,
             "moe_dense_layers": config.is_moe and not all(config.moe_layers),  # dense MLPs between MoE layers

@@ -31,7 +31,7 @@ class Qwen3_5(Qwen3Next):
     architectures = ("Qwen3_5ForCausalLM",)
     name = "Qwen3.5"
     signature = {**{k: v for k, v in LLAMA_SIGNATURE.items() if k != "experimental_attention_variant"},
-                 "qk_layernorm": True, "apply_layernorm_1p": True, "attention_output_gate": True}
+                 "qk_layernorm": True, "layernorm_zero_centered_gamma": True, "attention_output_gate": True}
 
     def check_mlp(self, hf):
         if hf.get("num_experts"):

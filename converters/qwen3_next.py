@@ -12,7 +12,7 @@ shared expert, zero-centred RMSNorms and partial RoPE.
 - Attention: `q_proj` holds per head its queries then its output gate's rows; Megatron-Core's linear_qkv with
   attention_output_gate per query group [queries; gates; key; value] (`group_gated_qkv`). q/k norms per head.
 - Every other norm is HF's (1 + weight) RMSNorm, Megatron-Core's layernorm_zero_centered_gamma (Megatron-LM's
-  apply_layernorm_1p): the same stored values.
+  --apply-layernorm-1p): the same stored values.
 - MoE: Qwen2-MoE's block (softmax router, top-k renormalised by norm_topk_prob, a shared expert scaled by
   sigmoid(shared_expert_gate)); `mlp_only_layers` dense, as in Qwen3-MoE.
 - Partial RoPE: the first partial_rotary_factor (transformers' default 0.25) of each head's dims rotate.
@@ -232,7 +232,7 @@ class Qwen3Next(Family):
     architectures = ("Qwen3NextForCausalLM",)
     name = "Qwen3-Next"
     signature = {**{k: v for k, v in LLAMA_SIGNATURE.items() if k != "experimental_attention_variant"},
-                 "qk_layernorm": True, "apply_layernorm_1p": True, "attention_output_gate": True, "moe": True,
+                 "qk_layernorm": True, "layernorm_zero_centered_gamma": True, "attention_output_gate": True, "moe": True,
                  "shared_experts": True, "shared_expert_gate": True}
 
     def check_hf(self, hf):
@@ -251,7 +251,7 @@ class Qwen3Next(Family):
         qwen_moe_layer_freq(hf)
 
     def adjust_from_hf(self, config, hf):
-        return config.replace(qk_layernorm=True, apply_layernorm_1p=True, attention_output_gate=True,
+        return config.replace(qk_layernorm=True, layernorm_zero_centered_gamma=True, attention_output_gate=True,
                               rotary_percent=rotary_fraction(hf, PARTIAL_ROTARY_DEFAULT), **linear_attention_from_hf(hf),
                               **self.mlp_from_hf(hf))
 

@@ -102,8 +102,8 @@ class ModelConfig:
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
-    # every norm's weight stored as its scale less one (megatron-core's layernorm_zero_centered_gamma; Qwen3-Next's)
-    apply_layernorm_1p: bool = False
+    # every norm's weight stored as its scale less one (Qwen3-Next's; Megatron-LM's --apply-layernorm-1p)
+    layernorm_zero_centered_gamma: bool = False
     # each attention head's output scaled by the sigmoid of a gate, its rows in linear_qkv after its group's queries
     attention_output_gate: bool = False
     # q/k norms over the whole projection ([heads * head_dim], [groups * head_dim]; MiniMax-M2) instead of per head
@@ -286,6 +286,8 @@ class ModelConfig:
         values.setdefault("ffn_hidden_size", 4 * a["hidden_size"])
         if "rope_scaling" not in values and a.get("use_rope_scaling") is not None:  # Megatron-LM's name for it
             values["rope_scaling"] = bool(a["use_rope_scaling"])
+        if a.get("apply_layernorm_1p"):  # the option's name; Megatron-LM 0.17's validate_args saves it renamed
+            values["layernorm_zero_centered_gamma"] = True
         if "norm_epsilon" not in values and a.get("layernorm_epsilon") is not None:  # Megatron-LM's (core_v0.17.1: TransformerConfig's)
             values["norm_epsilon"] = a["layernorm_epsilon"]
         values["unmodeled"] = tuple(k for k, default in _UNMODELED.items() if a.get(k, default) != default)

@@ -211,7 +211,7 @@ def layer_spec(config: ModelConfig, tconfig, vp_stage: int | None):
         for layer in layers:
             if hasattr(layer.submodules.mlp.submodules, "experts"):
                 expert_bias.use_in(layer)
-    if config.apply_layernorm_1p or any(config.linear_attention_layers):  # Qwen3-Next's, modules megatron-core has in TE only
+    if config.layernorm_zero_centered_gamma or any(config.linear_attention_layers):  # Qwen3-Next's, modules megatron-core has in TE only
         spec.layer_specs = layers = qwen3_next_layers(config, tconfig, spec, vp_stage)
     if config.qk_layernorm_full_width:  # MiniMax-M2's q/k norms: over every head, a module megatron-core lacks
         for layer in layers:
@@ -228,7 +228,7 @@ def qwen3_next_layers(config: ModelConfig, tconfig, spec, vp_stage: int | None) 
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    if not config.per_layer_names or not config.apply_layernorm_1p:
+    if not config.per_layer_names or not config.layernorm_zero_centered_gamma:
         raise NotImplementedError("the trainer builds Gated DeltaNet layers only as Qwen3-Next has them: zero-centred norms, mixed layers")
     offset = get_transformer_layer_offset(tconfig, vp_stage=vp_stage)
     spec.layer_norm = zero_centred_norm.ZeroCentredRMSNorm

@@ -1,5 +1,5 @@
 """Zero-centred RMSNorm for Megatron-Core's local (CPU) spec: the weight stored less one, scale = 1 + weight
-(megatron-core's layernorm_zero_centered_gamma, Megatron-LM's apply_layernorm_1p, HF Qwen3-Next's RMSNorm), which
+(megatron-core's layernorm_zero_centered_gamma, Megatron-LM's --apply-layernorm-1p, HF Qwen3-Next's RMSNorm), which
 megatron-core has only as Transformer Engine's norms (its WrappedTorchNorm refuses it). Computed as transformers'
 Qwen3NextRMSNorm computes it: in float32, (x * rsqrt(mean(x^2) + eps)) * (1 + weight), cast back."""
 

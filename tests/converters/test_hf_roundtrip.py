@@ -334,7 +334,7 @@ def test_an_option_no_hf_family_represents_is_refused_on_export(tmp_path):
     torch.save(state, f)
     cli("convert", tmp_path / "ckpt", tmp_path / "tp2", "--to-tp", "2", "-q")
     assert torch.load(tmp_path / "tp2" / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)["args"].apply_layernorm_1p
-    with pytest.raises(ReshardError, match="apply_layernorm_1p"):
+    with pytest.raises(ReshardError, match="layernorm_zero_centered_gamma=True"):  # what validate_args makes of it
         cli("convert", tmp_path / "ckpt", tmp_path / "hf", "--to-format", "hf", "--no-optimizer", "-q")
 
 

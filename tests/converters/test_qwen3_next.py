@@ -93,10 +93,10 @@ def test_layer_types_are_megatron_cores_linear_attention_freq_and_back(config, k
 
 def test_a_megatron_model_of_its_kind_exports_as_qwen3_next_and_no_other(config):
     assert [family.model_type for family in families_for_model(config)] == ["qwen3_next"]
-    for differs in ({"attention_output_gate": False}, {"apply_layernorm_1p": False}, {"moe_shared_expert_gate": False}):
+    for differs in ({"attention_output_gate": False}, {"layernorm_zero_centered_gamma": False}, {"moe_shared_expert_gate": False}):
         assert families_for_model(config.replace(**differs)) == [], differs
     qwen2_moe_like = config.replace(experimental_attention_variant=None, linear_attention_freq=None, attention_output_gate=False,
-                                    apply_layernorm_1p=False, qk_layernorm=False, add_qkv_bias=True, rotary_percent=1.0)
+                                    layernorm_zero_centered_gamma=False, qk_layernorm=False, add_qkv_bias=True, rotary_percent=1.0)
     assert [family.model_type for family in families_for_model(qwen2_moe_like)] == ["qwen2_moe"]
 
 
