@@ -24,7 +24,9 @@ from reshard.converters.qwen2 import Qwen2
 from reshard.converters.qwen2_5_vl import Qwen2_5_VL
 from reshard.converters.qwen2_moe import Qwen2Moe
 from reshard.converters.qwen3 import Qwen3
+from reshard.converters.qwen3_5 import Qwen3_5
 from reshard.converters.qwen3_moe import Qwen3Moe
+from reshard.converters.qwen3_next import Qwen3Next
 from reshard.errors import ReshardError
 
 FAMILIES: dict[str, Family] = {}  # model_type -> family
@@ -40,7 +42,7 @@ def register(family: Family) -> Family:
 
 # Order matters for `family_for_model`: the first family whose signature matches is the default export.
 _BUILTIN = (Llama(), Mistral(), Qwen2(), Qwen3(), Mixtral(), Qwen3Moe(), Qwen2Moe(), DeepseekV3(), GPT2(),
-            MiniMaxM2(), Glm4Moe(), GptOss(), Glm4MoeLite(), Qwen2_5_VL())
+            MiniMaxM2(), Glm4Moe(), GptOss(), Glm4MoeLite(), Qwen2_5_VL(), Qwen3Next(), Qwen3_5())
 for _family in _BUILTIN:
     register(_family)
 
@@ -92,7 +94,8 @@ def family_for_model(config: ModelConfig, args: dict[str, Any]) -> Family:
         return FAMILIES[saved]
     if fits:
         return fits[0]
+    closest = min(FAMILIES.values(), key=lambda family: len(family.mismatches(config)))
     raise ReshardError(
-        "no HF family matches this model (normalization, gating, biases, q/k norms, experts); "
-        f"supported: {', '.join(sorted(FAMILIES))}"
+        f"no HF family matches this model; the closest has {'; '.join(closest.mismatches(config))} "
+        f"(supported: {', '.join(sorted(FAMILIES))}): keep it in a Megatron format"
     )

@@ -19,14 +19,14 @@ import copy
 import json
 import math
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
 from reshard import fp8_blocks, int4_pack, mxfp4
-from reshard.config import ModelConfig, pad_vocab
+from reshard.config import LayerKind, ModelConfig, pad_vocab
 from reshard.errors import ReshardError
 from reshard.logical import PRECISIONS
 
@@ -369,12 +369,25 @@ def qwen_moe_layers_to_hf(out: dict[str, Any], config: ModelConfig) -> None:
     out["mlp_only_layers"] = [i for i, moe in enumerate(config.moe_layers) if not moe]
 
 
-def by_layer_kind(config: ModelConfig, dense: list[Mapping], moe: list[Mapping]) -> list[Mapping]:
-    """The decoder's mappings for a model whose layers are `dense` or `moe` ones; where they mix, Megatron keys each
-    layer apart (`ModelConfig.per_layer_names`), so each layer gets its own kind's mappings."""
+def by_layer(config: ModelConfig, table: Callable[[LayerKind], list[Mapping]]) -> list[Mapping]:
+    """The decoder's mappings, `table` giving a layer's by its kind; where kinds mix, Megatron keys each layer apart
+    (`ModelConfig.per_layer_names`), so each layer gets its own kind's mappings."""
+    kinds = config.layer_kinds
     if not config.per_layer_names:
-        return moe if config.is_moe else dense
-    return [at_layer(m, i) for i, is_moe in enumerate(config.moe_layers) for m in (moe if is_moe else dense)]
+        return table(kinds[0])
+    return [at_layer(m, i) for i, kind in enumerate(kinds) for m in table(kind)]
+
+
+def by_layer_kind(config: ModelConfig, dense: list[Mapping], moe: list[Mapping]) -> list[Mapping]:
+    """`by_layer` for a model whose layers are `dense` or `moe` ones."""
+    return by_layer(config, lambda kind: moe if kind.moe else dense)
+
+
+def megatron_frequency(flags: list[int]) -> int | tuple[int, ...]:
+    """A per-layer 0/1 pattern as Megatron-Core's frequency options take it (window_attn_skip_freq,
+    linear_attention_freq): N where layer n (from 1) is 1 unless n % N == 0, else the 0/1 per layer."""
+    layers = len(flags)
+    return next((n for n in range(2, layers + 1) if list(flags) == [int(i % n != 0) for i in range(1, layers + 1)]), tuple(flags))
 
 
 def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -465,6 +478,9 @@ LLAMA_SIGNATURE: dict[str, Any] = {
     "add_qkv_bias": False,
     "qk_layernorm": False,
     "qk_layernorm_full_width": False,
+    "layernorm_zero_centered_gamma": False,
+    "attention_output_gate": False,
+    "experimental_attention_variant": None,
     "position_embedding_type": "rope",
     "moe": False,
     "multi_latent_attention": False,
@@ -614,6 +630,9 @@ class Family:
             "add_qkv_bias": config.add_qkv_bias or config.add_bias_linear,
             "qk_layernorm": config.qk_layernorm,
             "qk_layernorm_full_width": config.qk_layernorm_full_width,
+            "layernorm_zero_centered_gamma": config.layernorm_zero_centered_gamma,
+            "attention_output_gate": config.attention_output_gate,
+            "experimental_attention_variant": config.experimental_attention_variant,
             "moe_dense_layers": config.is_moe and not all(config.moe_layers),  # dense MLPs between MoE layers
             "position_embedding_type": config.position_embedding_type,
             "moe": config.is_moe,
@@ -632,13 +651,15 @@ class Family:
             "glu_linear_offset": config.glu_linear_offset,
         }
 
-    def mismatch(self, config: ModelConfig) -> str | None:
-        """The first feature of the model this family's HF model cannot hold, said for a user; None if it fits."""
+    def mismatches(self, config: ModelConfig) -> list[str]:
+        """Each feature of the model this family's HF model cannot hold, said for a user."""
         features = self.megatron_features(config)
-        for field, want in self.signature.items():
-            if features[field] != want:
-                return f"{field}={features[field]!r} where HF {self.model_type} needs {want!r}"
-        return None
+        return [f"{field}={features[field]!r} where HF {self.model_type} needs {want!r}"
+                for field, want in self.signature.items() if features[field] != want]
+
+    def mismatch(self, config: ModelConfig) -> str | None:
+        """The first feature of the model this family's HF model cannot hold; None if it fits."""
+        return next(iter(self.mismatches(config)), None)
 
     def matches(self, config: ModelConfig) -> bool:
         return self.mismatch(config) is None

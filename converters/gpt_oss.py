@@ -44,6 +44,7 @@ from reshard.converters.base import (
     embeddings_and_head,
     expert_count,
     llama_attention,
+    megatron_frequency,
     number,
     refuse,
     rope_from_hf,
@@ -105,7 +106,7 @@ def window_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if all(windowed):
         skip: int | tuple[int, ...] | None = None
     else:  # Megatron-Core: layer n (from 1) is windowed unless n % N == 0; any other pattern as a 0/1 per layer
-        skip = next((n for n in range(2, layers + 1) if windowed == [int(i % n != 0) for i in range(1, layers + 1)]), tuple(windowed))
+        skip = megatron_frequency(windowed)
     return {"window_size": (width - 1, 0), "window_attn_skip_freq": skip}
 
 

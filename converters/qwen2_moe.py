@@ -9,9 +9,13 @@ computes the other (softmax, then top-k), so both map exactly. Layers named in `
 
 from __future__ import annotations
 
+from typing import Any
+
+from reshard.config import ModelConfig
 from reshard.converters.base import (
     LLAMA_SIGNATURE,
     Family,
+    Mapping,
     by_layer_kind,
     embeddings_and_head,
     expert_count,
@@ -23,6 +27,36 @@ from reshard.converters.base import (
     refuse,
     shared_expert_mlp,
 )
+
+
+def moe_from_hf(hf: dict[str, Any], topk: int, norm_topk_prob: bool) -> dict[str, Any]:
+    """Megatron's fields of the MoE block (Qwen3-Next's too): experts, top-k, the gated shared expert, the routing,
+    which layers are dense; `topk` and `norm_topk_prob` where config.json does not say them (the family's defaults)."""
+    return dict(
+        num_experts=expert_count(hf),
+        moe_router_topk=int(hf.get("num_experts_per_tok", topk)),
+        moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
+        moe_shared_expert_intermediate_size=int(hf["shared_expert_intermediate_size"]),
+        moe_shared_expert_gate=True,
+        moe_router_pre_softmax=not hf.get("norm_topk_prob", norm_topk_prob),
+        moe_layer_freq=qwen_moe_layer_freq(hf),
+    )
+
+
+def moe_block(config: ModelConfig) -> list[Mapping]:
+    """The MoE layer's MLP: router, experts, and the shared expert with its gate."""
+    return [*moe_mlp(config, "mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+            *shared_expert_mlp(config, "mlp.shared_expert", "mlp.shared_expert_gate")]
+
+
+def moe_to_hf(out: dict[str, Any], config: ModelConfig) -> None:
+    """The inverse of `moe_from_hf`."""
+    out["num_experts"] = config.num_experts
+    out["num_experts_per_tok"] = config.moe_router_topk
+    out["moe_intermediate_size"] = config.moe_ffn_hidden_size or config.ffn_hidden_size
+    out["shared_expert_intermediate_size"] = config.moe_shared_expert_intermediate_size
+    out["norm_topk_prob"] = not config.moe_router_pre_softmax
+    qwen_moe_layers_to_hf(out, config)
 
 
 class Qwen2Moe(Family):
@@ -39,30 +73,15 @@ class Qwen2Moe(Family):
     def adjust_from_hf(self, config, hf):
         return config.replace(
             add_qkv_bias=True,
-            num_experts=expert_count(hf),
-            moe_router_topk=int(hf.get("num_experts_per_tok", 4)),
-            moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
-            moe_shared_expert_intermediate_size=int(hf["shared_expert_intermediate_size"]),
-            moe_shared_expert_gate=True,
-            moe_router_pre_softmax=not hf.get("norm_topk_prob", False),  # transformers' default: false
-            moe_layer_freq=qwen_moe_layer_freq(hf),
+            **moe_from_hf(hf, topk=4, norm_topk_prob=False),  # transformers' Qwen2MoeConfig defaults
         )
 
     def mappings(self, config):
         attention = llama_attention(config, qkv_bias=True)
-        moe = [
-            *moe_mlp(config, "mlp", "gate", "gate_proj", "up_proj", "down_proj"),
-            *shared_expert_mlp(config, "mlp.shared_expert", "mlp.shared_expert_gate"),
-        ]
-        return [*embeddings_and_head(config), *by_layer_kind(config, [*attention, *llama_dense_mlp()], [*attention, *moe])]
+        return [*embeddings_and_head(config), *by_layer_kind(config, [*attention, *llama_dense_mlp()], [*attention, *moe_block(config)])]
 
     def adjust_to_hf(self, out, config):
-        out["num_experts"] = config.num_experts
-        out["num_experts_per_tok"] = config.moe_router_topk
-        out["moe_intermediate_size"] = config.moe_ffn_hidden_size or config.ffn_hidden_size
-        out["shared_expert_intermediate_size"] = config.moe_shared_expert_intermediate_size
-        out["norm_topk_prob"] = not config.moe_router_pre_softmax
-        qwen_moe_layers_to_hf(out, config)
+        moe_to_hf(out, config)
         if out.get("head_dim") == config.hidden_size // config.num_attention_heads:
             del out["head_dim"]  # not a Qwen2MoeConfig field: transformers derives it so
         out["qkv_bias"] = True

@@ -6,7 +6,7 @@ build synthetic checkpoints, and by importers that must produce the Megatron-Cor
 
 from __future__ import annotations
 
-from reshard.config import ModelConfig
+from reshard.config import LayerKind, ModelConfig
 from reshard.errors import ReshardError
 
 
@@ -46,29 +46,22 @@ def _mla(c: ModelConfig, L: list[int]) -> dict[str, tuple[int, ...]]:
 
 
 def model_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> global shape, with every decoder layer stacked on a leading layer axis; where MoE and
-    dense layers mix (`per_layer_names`), each layer's tensors under `decoder.layers.{i}.` without it; each
-    multi-token-prediction layer's under `mtp.layers.{i}.`, unstacked (Megatron-Core keys them so). A model of
-    several towers has the language model's under its prefix and each other tower's as the tower says."""
+    """Canonical name -> global shape, with every decoder layer stacked on a leading layer axis; where layers of
+    different kinds mix (`per_layer_names`), each layer's tensors under `decoder.layers.{i}.` without it, as its
+    kind has them; each multi-token-prediction layer's under `mtp.layers.{i}.`, unstacked (Megatron-Core keys them so).
+    A model of several towers has the language model's under its prefix and each other tower's as the tower says."""
     language = {config.language_model_prefix + name: shape for name, shape in _language_model(config).items()}
     return {**language, **{name: shape for tower in config.towers for name, shape in tower.tensors}}
 
 
 def _language_model(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    kinds = config.layer_kinds
     if not config.per_layer_names:
-        return {**_stacked(config), **_mtp(config)}
-    kinds = {moe: _one_layer(config, moe) for moe in (False, True)}
-    out = {name: shape for name, shape in kinds[True].items() if not name.startswith("decoder.layers.")}
-    for layer, moe in enumerate(config.moe_layers):
-        for name, shape in kinds[moe].items():
-            if name.startswith("decoder.layers."):
-                out[name.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)] = shape[1:]
+        return {**_embeddings(config), **_layer(config, kinds[0], [config.num_layers]), **_head(config), **_mtp(config)}
+    out = {**_embeddings(config), **_head(config)}
+    for i, kind in enumerate(kinds):
+        out.update({name.replace("decoder.layers.", f"decoder.layers.{i}.", 1): shape for name, shape in _layer(config, kind, []).items()})
     return {**out, **_mtp(config)}
-
-
-def _one_layer(config: ModelConfig, moe: bool) -> dict[str, tuple[int, ...]]:
-    """The tensors of a one-layer model whose layer is an MoE (or a dense) layer of `config`."""
-    return _stacked(config.replace(num_layers=1, moe_layer_freq=1, **({} if moe else {"num_experts": None})))
 
 
 def _mtp(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -78,7 +71,7 @@ def _mtp(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.mtp_num_layers:
         return {}
     h = config.hidden_size
-    layer = {name: shape[1:] for name, shape in _one_layer(config, config.moe_layers[-1]).items() if name.startswith("decoder.layers.")}
+    layer = _layer(config, config.layer_kinds[-1], [])
     out: dict[str, tuple[int, ...]] = {}
     for i in range(config.mtp_num_layers):
         m = f"mtp.layers.{i}."
@@ -90,56 +83,97 @@ def _mtp(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _stacked(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    c = config
-    h, L = c.hidden_size, [c.num_layers]
-    gate = 2 if c.swiglu else 1
-    out: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (c.padded_vocab_size, h)}
+def _embeddings(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    out: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (c.padded_vocab_size, c.hidden_size)}
     if c.position_embedding_type == "learned_absolute":
-        out["embedding.position_embeddings.weight"] = (c.max_position_embeddings, h)
-    attn = "decoder.layers.self_attention."
-    if c.multi_latent_attention:
-        out.update(_mla(c, L))
-    else:
-        out.update(_norm(f"{attn}linear_qkv.layer_norm_", c, h, L))
-        qkv_rows = (c.num_attention_heads + 2 * c.groups) * c.head_dim
-        out.update(_linear(f"{attn}linear_qkv.", qkv_rows, h, c.add_qkv_bias or c.add_bias_linear, L))
-        if c.qk_layernorm:
-            full = c.qk_layernorm_full_width  # over every head of the projection, not one head
-            out.update(_norm(f"{attn}q_layernorm.", c, c.head_dim * (c.num_attention_heads if full else 1), L))
-            out.update(_norm(f"{attn}k_layernorm.", c, c.head_dim * (c.groups if full else 1), L))
-        out.update(_linear(f"{attn}linear_proj.", h, c.num_attention_heads * c.head_dim, c.add_bias_linear, L))
-        if c.softmax_type == "learnable":  # attention sinks: a logit per head
-            out[f"{attn}core_attention.softmax_offset"] = (c.num_layers, c.num_attention_heads)
-    mlp = "decoder.layers.mlp."
-    if c.is_moe:
-        assert c.num_experts is not None
-        ffn = c.moe_ffn_hidden_size or c.ffn_hidden_size
-        out.update(_norm("decoder.layers.pre_mlp_layernorm.", c, h, L))
-        out[f"{mlp}router.weight"] = (c.num_layers, c.num_experts, h)
-        if c.add_bias_linear:  # gpt-oss's
-            out[f"{mlp}router.bias"] = (c.num_layers, c.num_experts)
-        if c.moe_router_enable_expert_bias:
-            out[f"{mlp}router.expert_bias"] = (c.num_layers, c.num_experts)
-        lead = [c.num_layers, c.num_experts]
-        out.update(_linear(f"{mlp}experts.experts.linear_fc1.", gate * ffn, h, c.add_bias_linear, lead))
-        out.update(_linear(f"{mlp}experts.experts.linear_fc2.", h, ffn, c.add_bias_linear, lead))
-        if c.moe_shared_expert_intermediate_size:
-            shared = c.moe_shared_expert_intermediate_size
-            out.update(_linear(f"{mlp}shared_experts.linear_fc1.", gate * shared, h, c.add_bias_linear, L))
-            out.update(_linear(f"{mlp}shared_experts.linear_fc2.", h, shared, c.add_bias_linear, L))
-            if c.moe_shared_expert_gate:
-                out[f"{mlp}shared_experts.gate_weight"] = (c.num_layers, 1, h)
-    else:
-        out.update(_norm(f"{mlp}linear_fc1.layer_norm_", c, h, L))
-        out.update(_linear(f"{mlp}linear_fc1.", gate * c.ffn_hidden_size, h, c.add_bias_linear, L))
-        out.update(_linear(f"{mlp}linear_fc2.", h, c.ffn_hidden_size, c.add_bias_linear, L))
-    out.update(_norm("decoder.final_layernorm.", c, h, []))
-    if not c.tied_embeddings:
-        out["output_layer.weight"] = (c.padded_vocab_size, h)
+        out["embedding.position_embeddings.weight"] = (c.max_position_embeddings, c.hidden_size)
     return out
 
 
+def _head(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The final norm and the output layer (absent when tied to the embedding)."""
+    out = _norm("decoder.final_layernorm.", c, c.hidden_size, [])
+    if not c.tied_embeddings:
+        out["output_layer.weight"] = (c.padded_vocab_size, c.hidden_size)
+    return out
+
+
+def _layer(c: ModelConfig, kind: LayerKind, L: list[int]) -> dict[str, tuple[int, ...]]:
+    """A decoder layer of `kind`, on the leading axes `L` (the layer axis, or none)."""
+    if kind.mixer == "gated_delta_net":
+        out = _gated_delta_net(c, L)
+    elif c.multi_latent_attention:
+        out = _mla(c, L)
+    else:
+        out = _attention(c, L)
+    out.update(_moe(c, L) if kind.moe else _dense_mlp(c, L))
+    return out
+
+
+def _attention(c: ModelConfig, L: list[int]) -> dict[str, tuple[int, ...]]:
+    attn, h = "decoder.layers.self_attention.", c.hidden_size
+    out = _norm(f"{attn}linear_qkv.layer_norm_", c, h, L)
+    gates = c.num_attention_heads if c.attention_output_gate else 0
+    qkv_rows = (c.num_attention_heads + gates + 2 * c.groups) * c.head_dim
+    out.update(_linear(f"{attn}linear_qkv.", qkv_rows, h, c.add_qkv_bias or c.add_bias_linear, L))
+    if c.qk_layernorm:
+        full = c.qk_layernorm_full_width  # over every head of the projection, not one head
+        out.update(_norm(f"{attn}q_layernorm.", c, c.head_dim * (c.num_attention_heads if full else 1), L))
+        out.update(_norm(f"{attn}k_layernorm.", c, c.head_dim * (c.groups if full else 1), L))
+    out.update(_linear(f"{attn}linear_proj.", h, c.num_attention_heads * c.head_dim, c.add_bias_linear, L))
+    if c.softmax_type == "learnable":  # attention sinks: a logit per head
+        out[f"{attn}core_attention.softmax_offset"] = (*L, c.num_attention_heads)
+    return out
+
+
+def _gated_delta_net(c: ModelConfig, L: list[int]) -> dict[str, tuple[int, ...]]:
+    """Megatron-Core's GatedDeltaNet. torch_dist keys its fused input projection's six parts and its depthwise
+    convolution's three apart (`in_proj.weight.query`, ...), each split over TP on its own, so each is a tensor here."""
+    attn, h = "decoder.layers.self_attention.", c.hidden_size
+    qk, v, heads = c.linear_key_head_dim * c.linear_num_key_heads, c.linear_value_head_dim * c.linear_num_value_heads, c.linear_num_value_heads
+    out = _norm(f"{attn}in_proj.layer_norm_", c, h, L)
+    for part, rows in (("query", qk), ("key", qk), ("value", v), ("z", v), ("beta", heads), ("alpha", heads)):
+        out[f"{attn}in_proj.weight.{part}"] = (*L, rows, h)
+    for part, rows in (("query", qk), ("key", qk), ("value", v)):
+        out[f"{attn}conv1d.weight.{part}"] = (*L, rows, 1, c.linear_conv_kernel_dim)
+    out[f"{attn}A_log"] = (*L, heads)
+    out[f"{attn}dt_bias"] = (*L, heads)
+    out.update(_norm(f"{attn}out_norm.", c, c.linear_value_head_dim, L))
+    out.update(_linear(f"{attn}out_proj.", h, v, False, L))
+    return out
+
+
+def _moe(c: ModelConfig, L: list[int]) -> dict[str, tuple[int, ...]]:
+    assert c.num_experts is not None
+    mlp, h, gate = "decoder.layers.mlp.", c.hidden_size, 2 if c.swiglu else 1
+    ffn = c.moe_ffn_hidden_size or c.ffn_hidden_size
+    out = _norm("decoder.layers.pre_mlp_layernorm.", c, h, L)
+    out[f"{mlp}router.weight"] = (*L, c.num_experts, h)
+    if c.add_bias_linear:  # gpt-oss's
+        out[f"{mlp}router.bias"] = (*L, c.num_experts)
+    if c.moe_router_enable_expert_bias:
+        out[f"{mlp}router.expert_bias"] = (*L, c.num_experts)
+    lead = [*L, c.num_experts]
+    out.update(_linear(f"{mlp}experts.experts.linear_fc1.", gate * ffn, h, c.add_bias_linear, lead))
+    out.update(_linear(f"{mlp}experts.experts.linear_fc2.", h, ffn, c.add_bias_linear, lead))
+    if c.moe_shared_expert_intermediate_size:
+        shared = c.moe_shared_expert_intermediate_size
+        out.update(_linear(f"{mlp}shared_experts.linear_fc1.", gate * shared, h, c.add_bias_linear, L))
+        out.update(_linear(f"{mlp}shared_experts.linear_fc2.", h, shared, c.add_bias_linear, L))
+        if c.moe_shared_expert_gate:
+            out[f"{mlp}shared_experts.gate_weight"] = (*L, 1, h)
+    return out
+
+
+def _dense_mlp(c: ModelConfig, L: list[int]) -> dict[str, tuple[int, ...]]:
+    mlp, h, gate = "decoder.layers.mlp.", c.hidden_size, 2 if c.swiglu else 1
+    out = _norm(f"{mlp}linear_fc1.layer_norm_", c, h, L)
+    out.update(_linear(f"{mlp}linear_fc1.", gate * c.ffn_hidden_size, h, c.add_bias_linear, L))
+    out.update(_linear(f"{mlp}linear_fc2.", h, c.ffn_hidden_size, c.add_bias_linear, L))
+    return out
+
+
+_LINEAR_ROWS = "linear_num_key_heads, linear_key_head_dim, linear_num_value_heads, linear_value_head_dim"
 # The arguments behind each axis of a tensor's shape, by a fragment of its name (first match).
 _AXIS_FIELDS = (
     ("linear_q_down_proj.", ("q_lora_rank", "hidden_size")),
@@ -156,6 +190,12 @@ _AXIS_FIELDS = (
     ("router.", ("num_experts", "hidden_size")),
     ("eh_proj.", ("hidden_size", "hidden_size (x 2)")),
     ("position_embeddings.", ("max_position_embeddings", "hidden_size")),
+    ("in_proj.weight.", (_LINEAR_ROWS, "hidden_size")),
+    ("conv1d.", (_LINEAR_ROWS, "1", "linear_conv_kernel_dim")),
+    ("out_proj.", ("hidden_size", "linear_num_value_heads, linear_value_head_dim")),
+    ("out_norm.", ("linear_value_head_dim",)),
+    ("A_log", ("linear_num_value_heads",)),
+    ("dt_bias", ("linear_num_value_heads",)),
 )
 
 
@@ -172,7 +212,7 @@ def check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], where:
             raise ReshardError(f"{where}: {name} has shape {list(shape)}, but the recorded architecture implies {list(expected)} "
                                f"(check the {tower.prefix.rstrip('.')} tower's config): the architecture contradicts the tensors")
         linear = next((f for fragment, f in _AXIS_FIELDS if fragment in name and "layer_norm" not in name), None)
-        core = 2 if linear and name.endswith(".weight") else 1  # a matrix, or a vector (norm, bias)
+        core = len(linear) if linear and (".weight" in name or len(linear) == 1) else 1  # a matrix (a kernel), or a vector
         if len(shape) != len(expected):
             fields = "num_layers, num_experts"
         else:

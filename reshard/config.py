@@ -26,7 +26,6 @@ def pad_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
 _UNMODELED: dict[str, Any] = {
     "rotary_interleaved": False,
     "rotary_seq_len_interpolation_factor": None,
-    "apply_layernorm_1p": False,
 }
 
 
@@ -44,7 +43,16 @@ _COUNTS = ("max_position_embeddings", "original_max_position_embeddings", "make_
            "moe_router_num_groups", "moe_router_group_topk",
            "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "padded_vocab_size", "num_query_groups",
            "kv_channels", "vocab_size", "num_experts", "moe_ffn_hidden_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-           "qk_pos_emb_head_dim", "v_head_dim")
+           "qk_pos_emb_head_dim", "v_head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+           "linear_num_key_heads", "linear_num_value_heads")
+
+
+# The sizes of megatron-core's Gated DeltaNet (TransformerConfig's names and defaults, which are transformers' Qwen3-Next's).
+LINEAR_ATTENTION_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                           "linear_num_value_heads")
+
+# Fields Megatron's args and JSON give as lists, kept as tuples so the config stays hashable.
+_PATTERNS = ("moe_layer_freq", "window_size", "window_attn_skip_freq", "linear_attention_freq", "mrope_section")
 
 
 def _plain_number(value: Any) -> bool:
@@ -54,6 +62,15 @@ def _plain_number(value: Any) -> bool:
 # The MLATransformerConfig fields a multi-latent-attention model is built with (besides rope_type).
 MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
               "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What one decoder layer is: its token mixer ("attention": softmax self-attention, or "gated_delta_net":
+    linear attention) and its MLP (mixture of experts or dense). Layers of one kind have the same tensors."""
+
+    mixer: str = "attention"
+    moe: bool = False
 
 
 def _no_model(name: str, value: Any, want: str) -> ReshardError:
@@ -106,6 +123,10 @@ class ModelConfig:
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
+    # every norm's weight stored as its scale less one (Qwen3-Next's; Megatron-LM's --apply-layernorm-1p)
+    layernorm_zero_centered_gamma: bool = False
+    # each attention head's output scaled by the sigmoid of a gate, its rows in linear_qkv after its group's queries
+    attention_output_gate: bool = False
     # q/k norms over the whole projection ([heads * head_dim], [groups * head_dim]; MiniMax-M2) instead of per head
     # ([head_dim]): the weights split over TP by head. No Megatron-LM option; reshard's args carry it.
     qk_layernorm_full_width: bool = False
@@ -151,6 +172,15 @@ class ModelConfig:
     quick_geglu: bool = False
     activation_func_clamp_value: float | None = None
     glu_linear_offset: float = 0.0
+    # Linear attention (Qwen3-Next's Gated DeltaNet) on the layers linear_attention_freq says (an int N: all but every
+    # Nth; a 0/1 per layer: 1 linear), softmax attention on the others. Megatron-LM's names and defaults.
+    experimental_attention_variant: str | None = None  # "gated_delta_net"
+    linear_attention_freq: int | tuple[int, ...] | None = None
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
     # Multi-token prediction (DeepSeek-V3): this many MTP layers (`mtp.layers.{i}.`) after the decoder, on its last stage.
     mtp_num_layers: int | None = None
     params_dtype: str = "float32"
@@ -163,7 +193,7 @@ class ModelConfig:
     unmodeled: tuple[str, ...] = ()
 
     def __post_init__(self):
-        for name in ("moe_layer_freq", "window_size", "window_attn_skip_freq", "mrope_section"):
+        for name in _PATTERNS:
             if isinstance(getattr(self, name), list):  # Megatron's args and JSON give a list; the config stays hashable
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "towers", tuple(t if isinstance(t, Tower) else Tower(**t) for t in self.towers))
@@ -220,10 +250,34 @@ class ModelConfig:
         return [bool(flag) for flag in self.moe_layer_freq]
 
     @property
+    def linear_attention_layers(self) -> list[bool]:
+        """Which layers are linear-attention layers (Megatron-Core's reading of linear_attention_freq)."""
+        if self.experimental_attention_variant is None:
+            return [False] * self.num_layers
+        if self.experimental_attention_variant != "gated_delta_net":
+            raise _no_model("experimental_attention_variant", self.experimental_attention_variant, '"gated_delta_net"')
+        freq = self.linear_attention_freq
+        if type(freq) is int and freq > 0:
+            return [(i + 1) % freq != 0 for i in range(self.num_layers)]
+        if not isinstance(freq, tuple) or len(freq) != self.num_layers or set(freq) - {0, 1}:
+            raise ReshardError(f"linear_attention_freq={freq!r} is neither a whole number from 1 nor a 0 or 1 for each of the "
+                               f"{self.num_layers} layers")
+        return [bool(flag) for flag in freq]
+
+    @property
+    def layer_kinds(self) -> list[LayerKind]:
+        """Each decoder layer's kind, in order."""
+        return [LayerKind("gated_delta_net" if linear else "attention", moe)
+                for linear, moe in zip(self.linear_attention_layers, self.moe_layers)]
+
+    @property
     def per_layer_names(self) -> bool:
-        """Megatron-Core keys every layer apart (`decoder.layers.{i}.`, no layer axis) in torch_dist when MoE and
-        dense layers may mix: for any list moe_layer_freq and any frequency above 1."""
-        return self.is_moe and (isinstance(self.moe_layer_freq, tuple) or self.moe_layer_freq > 1)
+        """Megatron-Core keys every layer apart (`decoder.layers.{i}.`, no layer axis) in torch_dist when layers of
+        different kinds may mix: for any list moe_layer_freq or linear_attention_freq and any frequency above 1."""
+        mixed_mlp = self.is_moe and (isinstance(self.moe_layer_freq, tuple) or self.moe_layer_freq > 1)
+        freq = self.linear_attention_freq
+        mixed_mixer = self.experimental_attention_variant is not None and (isinstance(freq, tuple) or (freq or 1) > 1)
+        return mixed_mlp or mixed_mixer
 
     @property
     def vocab_rows(self) -> int:
@@ -266,6 +320,8 @@ class ModelConfig:
         values.setdefault("ffn_hidden_size", 4 * a["hidden_size"])
         if "rope_scaling" not in values and a.get("use_rope_scaling") is not None:  # Megatron-LM's name for it
             values["rope_scaling"] = bool(a["use_rope_scaling"])
+        if a.get("apply_layernorm_1p"):  # the option's name; Megatron-LM 0.17's validate_args saves it renamed
+            values["layernorm_zero_centered_gamma"] = True
         if "norm_epsilon" not in values and a.get("layernorm_epsilon") is not None:  # Megatron-LM's (core_v0.17.1: TransformerConfig's)
             values["norm_epsilon"] = a["layernorm_epsilon"]
         values["unmodeled"] = tuple(k for k, default in _UNMODELED.items() if a.get(k, default) != default)
@@ -286,7 +342,7 @@ class ModelConfig:
         out["use_rope_scaling"] = self.rope_scaling
         out["layernorm_epsilon"] = self.norm_epsilon  # Megatron-LM's name (core_v0.17.1: TransformerConfig's)
         del out["unmodeled"]  # the source's own values of those options travel in its args
-        for name in ("moe_layer_freq", "window_size", "window_attn_skip_freq", "mrope_section"):
+        for name in _PATTERNS:
             if isinstance(out[name], tuple):
                 out[name] = list(out[name])
         out["towers"] = [{"prefix": t.prefix, "tensors": [[name, list(shape)] for name, shape in t.tensors], "hf_config": t.hf_config}

@@ -158,6 +158,9 @@ class Layout:
                 checks.append((config.q_lora_rank, self.tp, "q_lora_rank rows (linear_q_down_proj)"))
             checks.append((config.kv_lora_rank + config.qk_pos_emb_head_dim, self.tp,
                            "kv_lora_rank + qk_pos_emb_head_dim rows (linear_kv_down_proj)"))
+        if any(config.linear_attention_layers):  # Gated DeltaNet splits its key and value heads over TP
+            checks.append((config.linear_num_key_heads, self.tp, "linear attention key heads (linear_num_key_heads)"))
+            checks.append((config.linear_num_value_heads, self.tp, "linear attention value heads (linear_num_value_heads)"))
         if config.is_moe:
             if config.add_bias_linear and self.expert_tp > 1:  # megatron-core's TransformerConfig refuses it
                 raise ReshardError(f"ETP={self.expert_tp}: megatron-core gives experts their biases (add_bias_linear, gpt-oss) "

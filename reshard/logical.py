@@ -73,6 +73,12 @@ PARTITION_RULES: tuple[tuple[str, Rule], ...] = (
     # gpt-oss's attention sinks: one logit per head, split with the heads
     (r"self_attention\.core_attention\.softmax_offset$", Rule(Split.COLUMN)),
     (r"shared_experts\.gate_weight$", Rule(Split.NONE)),
+    # Gated DeltaNet: torch_dist keys each part of the fused input projection and of the depthwise convolution
+    # (one channel per row) apart, each split by heads over TP; so are the per-value-head decay and time-step bias.
+    (r"self_attention\.in_proj\.weight\.(query|key|value|z|beta|alpha)$", Rule(Split.COLUMN)),
+    (r"self_attention\.conv1d\.(weight|bias)\.(query|key|value)$", Rule(Split.COLUMN)),
+    (r"self_attention\.(A_log|dt_bias)$", Rule(Split.COLUMN)),
+    (r"self_attention\.out_proj\.weight$", Rule(Split.ROW)),
 )
 
 OPTIMIZER_PREFIX = re.compile(r"^optimizer\.state\.(?P<state>[A-Za-z0-9_]+)\.(?P<param>.+)$")

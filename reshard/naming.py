@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from reshard.config import ModelConfig
+from reshard.config import LayerKind, ModelConfig
 
 # Canonical layer-level name tail -> spelling, per (format family, implementation, MoE model).
 _SPELLINGS: dict[tuple[str, bool, bool], dict[str, str]] = {
@@ -144,8 +144,10 @@ def is_layout_bound(key: str) -> bool:
     return key.startswith("rng_state")
 
 
-def attention_linears(config: ModelConfig) -> list[str]:
-    """The linear modules of a layer's self-attention."""
+def attention_linears(config: ModelConfig, kind: LayerKind) -> list[str]:
+    """The linear modules of a layer's token mixer (self-attention or Gated DeltaNet)."""
+    if kind.mixer == "gated_delta_net":
+        return ["in_proj", "out_proj"]
     if not config.multi_latent_attention:
         return ["linear_qkv", "linear_proj"]
     queries = ["linear_q_down_proj", "linear_q_up_proj"] if config.q_lora_rank else ["linear_q_proj"]
@@ -165,12 +167,17 @@ def default_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
 def _decoder_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
     if config.per_layer_names:
         return _per_layer_extra_state(config, te)
+    return _stacked_extra_state(config, te, config.layer_kinds[0])
+
+
+def _stacked_extra_state(config: ModelConfig, te: bool, kind: LayerKind) -> dict[str, None]:
+    """The extra states of `config.num_layers` layers of `kind`, on a leading layer axis."""
     L = config.num_layers
-    modules = [f"self_attention.{name}" for name in attention_linears(config)]
-    if te:
+    modules = [f"self_attention.{name}" for name in attention_linears(config, kind)]
+    if te and kind.mixer == "attention":
         modules.append("self_attention.core_attention")
     keys: list[ObjectKey] = []
-    if config.is_moe:
+    if kind.moe:
         assert config.num_experts is not None
         E = config.num_experts
         for name in ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2"):
@@ -183,14 +190,12 @@ def _decoder_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
     return {str(k): None for k in keys}
 
 
-def _layer_extra_state(config: ModelConfig, te: bool, moe: bool, module: str) -> dict[str, None]:
-    """The extra states of one layer of `config`'s MoE (or dense) kind under `module` (e.g. `decoder.layers.3.`),
-    offsets without a layer axis (Megatron-Core saves a dense layer's linear as `decoder.layers.{i}.mlp.linear_fc1.
-    _extra_state/shard_0_1` and an expert's as `decoder.layers.{i}.mlp.experts.experts.linear_fc1._extra_state/
-    shard_{e}_{E}`)."""
-    one = config.replace(num_layers=1, moe_layer_freq=1, mtp_num_layers=None, **({} if moe else {"num_experts": None}))
+def _layer_extra_state(config: ModelConfig, te: bool, kind: LayerKind, module: str) -> dict[str, None]:
+    """The extra states of one layer of `kind` under `module` (e.g. `decoder.layers.3.`), offsets without a layer
+    axis (Megatron-Core saves a dense layer's linear as `decoder.layers.{i}.mlp.linear_fc1._extra_state/shard_0_1`
+    and an expert's as `decoder.layers.{i}.mlp.experts.experts.linear_fc1._extra_state/shard_{e}_{E}`)."""
     out: dict[str, None] = {}
-    for text in _decoder_extra_state(one, te):
+    for text in _stacked_extra_state(config.replace(num_layers=1), te, kind):
         key = ObjectKey.parse(text)
         assert key is not None
         experts = key.offsets[1:], key.shape[1:]
@@ -202,8 +207,8 @@ def _layer_extra_state(config: ModelConfig, te: bool, moe: bool, module: str) ->
 def _per_layer_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
     """`default_extra_state` of a model keyed per layer: each layer's own modules."""
     out: dict[str, None] = {}
-    for layer, moe in enumerate(config.moe_layers):
-        out.update(_layer_extra_state(config, te, moe, f"decoder.layers.{layer}."))
+    for layer, kind in enumerate(config.layer_kinds):
+        out.update(_layer_extra_state(config, te, kind, f"decoder.layers.{layer}."))
     return out
 
 
@@ -212,5 +217,6 @@ def _mtp_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
     out: dict[str, None] = {}
     for i in range(config.mtp_num_layers or 0):
         out[str(ObjectKey(f"mtp.layers.{i}.eh_proj._extra_state", (0,), (1,)))] = None
-        out.update(_layer_extra_state(config, te, config.moe_layers[-1], f"mtp.layers.{i}.transformer_layer."))
+        out.update(_layer_extra_state(config, te, config.layer_kinds[-1], f"mtp.layers.{i}.transformer_layer."))
     return out
+

@@ -10,9 +10,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from reshard.config import MLA_FIELDS, ModelConfig
+from reshard.config import LINEAR_ATTENTION_FIELDS, MLA_FIELDS, ModelConfig
 from reshard.layout import Layout
-from reshard.trainer import cpu_compat, expert_bias, full_width_norm
+from reshard.trainer import cpu_compat, expert_bias, full_width_norm, gated_delta_net, zero_centred_norm
 
 
 def parallel_sizes(layout: Layout) -> dict[str, int | None]:
@@ -142,6 +142,13 @@ def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype =
         kwargs["mtp_num_layers"] = config.mtp_num_layers
     if config.mrope_section:
         kwargs["mrope_section"] = list(config.mrope_section)
+    if config.attention_output_gate:
+        kwargs["attention_output_gate"] = True
+    if config.experimental_attention_variant:
+        freq = config.linear_attention_freq
+        kwargs.update(experimental_attention_variant=config.experimental_attention_variant,
+                      linear_attention_freq=list(freq) if isinstance(freq, tuple) else freq,
+                      **{key: getattr(config, key) for key in LINEAR_ATTENTION_FIELDS})
     if layout.first_stage_layers is not None:
         kwargs["num_layers_in_first_pipeline_stage"] = layout.first_stage_layers
     if layout.last_stage_layers is not None:
@@ -206,11 +213,38 @@ def layer_spec(config: ModelConfig, tconfig, vp_stage: int | None):
         for layer in layers:
             if hasattr(layer.submodules.mlp.submodules, "experts"):
                 expert_bias.use_in(layer)
+    if config.layernorm_zero_centered_gamma or any(config.linear_attention_layers):  # Qwen3-Next's, modules megatron-core has in TE only
+        spec.layer_specs = layers = qwen3_next_layers(config, tconfig, spec, vp_stage)
     if config.qk_layernorm_full_width:  # MiniMax-M2's q/k norms: over every head, a module megatron-core lacks
         for layer in layers:
             attention = layer.submodules.self_attention.submodules
             attention.q_layernorm, attention.k_layernorm = full_width_norm.FullWidthQNorm, full_width_norm.FullWidthKNorm
     return spec
+
+
+def qwen3_next_layers(config: ModelConfig, tconfig, spec, vp_stage: int | None) -> list:
+    """The stage's layer specs with Gated DeltaNet on its layers (`gated_delta_net`) and every norm zero-centred
+    (`zero_centred_norm`); each layer's its own copy (the block spec shares one per kind)."""
+    import copy
+
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if not config.per_layer_names or not config.layernorm_zero_centered_gamma:
+        raise NotImplementedError("the trainer builds Gated DeltaNet layers only as Qwen3-Next has them: zero-centred norms, mixed layers")
+    offset = get_transformer_layer_offset(tconfig, vp_stage=vp_stage)
+    spec.layer_norm = zero_centred_norm.ZeroCentredRMSNorm
+    layers = [copy.deepcopy(layer) for layer in spec.layer_specs]
+    for index, layer in enumerate(layers, start=offset):
+        parts = layer.submodules
+        parts.pre_mlp_layernorm = zero_centred_norm.ZeroCentredRMSNorm
+        if config.linear_attention_layers[index]:
+            parts.input_layernorm, parts.self_attention = IdentityOp, gated_delta_net.gated_delta_net_spec()
+        else:
+            parts.input_layernorm = zero_centred_norm.ZeroCentredRMSNorm
+            attention = parts.self_attention.submodules
+            attention.q_layernorm = attention.k_layernorm = zero_centred_norm.ZeroCentredRMSNorm
+    return layers
 
 
 def build_model(config: ModelConfig, layout: Layout, dtype: torch.dtype = torch.float32) -> list:

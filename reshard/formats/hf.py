@@ -267,10 +267,11 @@ def _read_header(path: Path) -> tuple[dict[str, Any], int]:
 def stacked_regions(spec: TensorSpec, slab: Region, shapes: list[tuple[int, ...]]) -> list[Region]:
     """The regions of `slab` that HF tensors of these shapes hold when the slab is them stacked by rows
     (`Mapping.stacks_rows`): where the writer vouches for each and where the reader finds it."""
-    regions, row = [], 0
+    regions, row, inner = [], 0, len(slab) - spec.prefix_axes
     for shape in shapes:
-        rows = shape[0] if shape else 1
-        regions.append((*slab[: spec.prefix_axes], (row, row + rows), *((0, d) for d in shape[1:])))
+        # a band of the slab's rows, or one row of it (a tensor's slice at a leading index: `HFAddress`; a scalar)
+        rows, columns = (shape[0], shape[1:]) if len(shape) == inner else (1, shape)
+        regions.append((*slab[: spec.prefix_axes], (row, row + rows), *((0, d) for d in columns)))
         row += rows
     return regions
 

@@ -114,6 +114,16 @@ def refuse_towers(config: ModelConfig) -> None:
                            "the legacy (per-rank) format does not hold; use torch_dist or zarr")
 
 
+def refuse_gated_delta_net(config: ModelConfig) -> None:
+    """A rank's Gated DeltaNet holds its input projection fused, each rank's share of the six parts in turn, which
+    torch_dist keys apart and reshard does not cut per rank yet: refused rather than written as torch_dist keys it."""
+    if any(config.linear_attention_layers):
+        raise ReshardError(
+            f"the model has Gated DeltaNet layers (experimental_attention_variant={config.experimental_attention_variant}), "
+            "which reshard does not carry in the legacy (per-rank) format yet; use torch_dist or zarr"
+        )
+
+
 def local_name(name: str, piece: Piece, te_names: bool, moe: bool, mla: bool = False) -> str:
     """The name of a piece of logical tensor `name` in its rank's `model` state dict."""
     if piece.alias:
@@ -168,6 +178,7 @@ class LegacyReader(CheckpointReader):
         self.te_names = uses_te_names(args)
         refuse_te_mla(self.config, self.layout, self.te_names)
         refuse_mtp(self.config)
+        refuse_gated_delta_net(self.config)
         self._states: dict[RankCoord, dict[str, Any]] = {}
         self._files: dict[RankCoord, RecordFile] = {}
         self._present = {rank for rank in ranks(self.layout) if self._rank_file(rank.legacy_dirname(self.layout)).is_file()}
@@ -444,6 +455,7 @@ class LegacyWriter(CheckpointWriter):
         refuse_te_mla(self.config, self.layout, self.te_names)
         refuse_mtp(self.config)
         refuse_towers(self.config)
+        refuse_gated_delta_net(self.config)
         self.directory = self.path / iteration_dirname(self.common.iteration)
         self._streams: dict[RankCoord, StreamingTorchSave] = {}
         self._models: dict[RankCoord, list[dict[str, Any]]] = {}

@@ -24,7 +24,6 @@ RUN_CONFIG = "run_config.yaml"
 _RENAMED = {
     "layernorm_epsilon": "norm_epsilon",
     "num_moe_experts": "num_experts",
-    "layernorm_zero_centered_gamma": "apply_layernorm_1p",
     "seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor",
     "num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
     "num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers",

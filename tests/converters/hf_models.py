@@ -106,6 +106,24 @@ def _configs():
             vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
                                temporal_patch_size=2, spatial_merge_size=2, in_channels=3, window_size=16, fullatt_block_indexes=[1]),
             image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243, tie_word_embeddings=False),
+        # Qwen3-Next in small: Gated DeltaNet on layers 0 and 2 (2 key heads of 16, 4 value heads of 8: two value heads per
+        # key head), gated attention with per-head q/k norms on 1 and 3, a quarter of the head dims rotated, zero-centred
+        # norms, layer 0's MLP dense and the others MoE with a gated shared expert (widths 96, 48, 40: none square, none
+        # twice the hidden size 64)
+        "qwen3_next": tf.Qwen3NextConfig(**COMMON, intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=40,
+                                         num_hidden_layers=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         norm_topk_prob=True, max_position_embeddings=128, tie_word_embeddings=False,
+                                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                         linear_value_head_dim=8, linear_conv_kernel_dim=4, mlp_only_layers=[0],
+                                         layer_types=["linear_attention", "full_attention"] * 2),
+        # Qwen3.5's text model in small: Qwen3-Next's layers with dense MLPs and in_proj split four ways; its multimodal
+        # RoPE's sections over the two rotating frequencies
+        "qwen3_5": tf.Qwen3_5TextConfig(**COMMON, intermediate_size=96, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                                        max_position_embeddings=128, tie_word_embeddings=False, linear_num_key_heads=2,
+                                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                                        linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                                         "mrope_section": [1, 1, 0], "mrope_interleaved": True}),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
                               activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
@@ -115,10 +133,10 @@ def _configs():
 SAVED_AS = {"kimi_k2": {"model_type": "kimi_k2"}}
 
 MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed", "deepseek_v3_moe", "deepseek_v3_mixed", "minimax_m2",
-       "gpt_oss"}
+       "gpt_oss", "qwen3_next"}
 NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed",
          "deepseek_v3", "deepseek_v3_q",
-         "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2", "minimax_m2", "gpt_oss"]
+         "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2", "minimax_m2", "gpt_oss", "qwen3_next", "qwen3_5"]
 
 
 def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:

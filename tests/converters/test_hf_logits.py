@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 from reshard.cli import main
+from reshard.converters import qwen3_5, qwen3_next
 from reshard.converters.base import GatedMLP, Rename
 from reshard.converters.deepseek_v3 import DeepseekV3
 from reshard.converters.glm4_moe import Glm4Moe
@@ -67,6 +68,13 @@ CASES = [
     ("gpt_oss", "torch_dist", dict(tp=2, etp=1)),
     ("gpt_oss", "torch_dist", dict(ep=2)),
     ("gpt_oss", "legacy", dict(pp=2)),
+    # Qwen3-Next: Gated DeltaNet layers (fla's kernels stood in by torch's: reshard.trainer.gated_delta_net) between
+    # gated attention ones, zero-centred norms, partial rotary, a dense layer then MoE ones with a gated shared expert;
+    # megatron-core's own dist_checkpointing.load of the split in_proj/conv1d keys, by TP and by a stage boundary
+    # between a full-attention layer (1) and a Gated DeltaNet one (2)
+    ("qwen3_next", "torch_dist", dict(tp=2)),
+    ("qwen3_next", "torch_dist", dict(pp=2)),
+    ("qwen3_5", "torch_dist", dict(pp=2)),  # Qwen3.5's text model: dense MLPs, in_proj split four ways, multimodal RoPE on text
 ]
 
 
@@ -353,3 +361,41 @@ def test_the_oracle_sees_a_wrong_gpt_oss_mapping(tmp_path, monkeypatch, sabotage
     method, wrap, layout = GPT_OSS_SABOTAGE[sabotage]
     monkeypatch.setattr(GptOss, method, wrap(getattr(GptOss, method)))
     assert max_logits_diff(tmp_path, "gpt_oss", "torch_dist", layout) > 1e-3
+
+
+def _flat(rows):
+    """A wrong in_proj regrouping: in_proj_qkvz read as [all q; all k; all v; all z] (and in_proj_ba as [all b; all a])
+    instead of grouped by key head."""
+    flat, start = {}, {"in_proj_qkvz": 0, "in_proj_ba": 0}
+    for part, (hf, taken) in rows.items():
+        flat[part] = (hf, list(range(start[hf], start[hf] + len(taken))))
+        start[hf] += len(taken)
+    return flat
+
+
+def _qwen3_next_with(wrong, hf_tensor):
+    return lambda right: lambda self, config: [wrong(m.megatron, m.hf[0]) if m.hf[0].endswith(hf_tensor) else m
+                                               for m in right(self, config)]
+
+
+QWEN3_NEXT_SABOTAGE = {  # what the family gets wrong: (object, attribute, its wrong value from the right one)
+    "in_proj_groups_flat": (qwen3_next, "in_proj_rows", lambda right: lambda config: _flat(right(config))),
+    "conv_q_k_channels_swapped": (qwen3_next, "conv_rows", lambda right: lambda config: {
+        **right(config), "query": right(config)["key"], "key": right(config)["query"]}),
+    "a_log_negated": (qwen3_next.Qwen3Next, "mappings", _qwen3_next_with(Negated, "linear_attn.A_log")),
+    "shared_expert_gate_dropped": (qwen3_next.Qwen3Next, "mappings", _qwen3_next_with(Dropped, "shared_expert_gate.weight")),
+    # Qwen3.5's split in_proj: its b and a (one row per value head each) in each other's place
+    "qwen3_5_beta_alpha_swapped": (qwen3_5, "split_in_proj", lambda right: lambda config: [
+        Rename(m.megatron, m.hf[0].replace("in_proj_b.", "in_proj_@.").replace("in_proj_a.", "in_proj_b.").replace("in_proj_@.", "in_proj_a."))
+        if m.megatron.endswith((".beta", ".alpha")) else m for m in right(config)]),
+}
+
+
+@pytest.mark.parametrize("sabotage", sorted(QWEN3_NEXT_SABOTAGE))
+def test_the_oracle_sees_a_wrong_qwen3_next_mapping(tmp_path, monkeypatch, sabotage):
+    """Each Qwen3-Next specific, got wrong in a way that still loads strictly, moves the logits far past the tolerance:
+    in_proj's q/k/v/z (and b/a) read as flat blocks instead of grouped by key head, the convolution's q and k channels
+    in each other's place, the decay's A_log negated, the shared expert's sigmoid gate lost; Qwen3.5's b and a swapped."""
+    owner, attribute, wrap = QWEN3_NEXT_SABOTAGE[sabotage]
+    monkeypatch.setattr(owner, attribute, wrap(getattr(owner, attribute)))
+    assert max_logits_diff(tmp_path, "qwen3_5" if sabotage.startswith("qwen3_5") else "qwen3_next", "torch_dist", {}) > 1e-3

@@ -22,6 +22,7 @@ from reshard.converters.base import (
 )
 from reshard.converters.deepseek_v3 import yarn_from_hf
 from reshard.errors import ReshardError
+from reshard.logical import describe
 from reshard.naming import ObjectKey, canonical, default_extra_state, layer_is_moe
 
 _rng = np.random.default_rng(0)
@@ -207,6 +208,13 @@ HF_CONFIGS = {
     "glm4_moe_lite": dict(BASE, architectures=["Glm4MoeLiteForCausalLM"],
                           **{k: v for k, v in DEEPSEEK_MOE.items() if k not in ("first_k_dense_replace", "head_dim")},
                           mlp_layer_types=["sparse", "sparse"], num_nextn_predict_layers=1),
+    "qwen3_next": dict(BASE, architectures=["Qwen3NextForCausalLM"], head_dim=16, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=48, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                       layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5_text": dict(BASE, architectures=["Qwen3_5ForCausalLM"], head_dim=16, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                         layer_types=["linear_attention", "full_attention"]),
     "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 250},
     # the older Hub layout: the text fields at the top, MRoPE in rope_scaling
     "qwen2_5_vl": dict(BASE, architectures=["Qwen2_5_VLForConditionalGeneration"], rope_scaling=MROPE, vision_config=VISION),
@@ -232,8 +240,7 @@ def test_stacks_rows_says_exactly_when_the_hf_tensors_are_the_slab_cut_in_row_ba
     config, _ = family.config_from_hf(HF_CONFIGS[name])
     shapes = model_tensors(config)
     for mapping in family.mappings(config):
-        prefix = int(config.language_name(mapping.megatron).startswith("decoder.layers.")) + int(".experts.experts." in mapping.megatron)
-        slab = randn(*shapes[mapping.megatron][prefix:])
+        slab = randn(*shapes[mapping.megatron][describe(mapping.megatron, shapes[mapping.megatron], "float32", config).prefix_axes:])
         parts = [t.reshape(-1, *slab.shape[1:]) for t in mapping.to_hf(slab, config)]
         stacked = np.concatenate(parts) if all(p.shape[1:] == slab.shape[1:] for p in parts) else None
         assert mapping.stacks_rows == (stacked is not None and stacked.shape == slab.shape and np.array_equal(stacked, slab)), mapping.megatron

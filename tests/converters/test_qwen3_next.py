@@ -1,0 +1,134 @@
+"""Qwen3-Next's config translation and transforms: in_proj's parts as transformers' own Gated DeltaNet splits them,
+the output gate's rows grouped per query group and back, the zero-centred output norm exact both ways, layer_types
+<-> megatron-core's linear_attention_freq, a Megatron model of its kind exported as Qwen3-Next, and configs that say
+what this mapping does not carry refused naming the field with nothing written. The logits proof is test_hf_logits.py's
+(with its sabotage cases); the round trip test_hf_roundtrip.py's; the layer kinds tests/reshard/test_architecture.py's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from reshard.config import ModelConfig
+from reshard.converters import families_for_model, family_for_hf
+from reshard.converters.qwen3_next import (
+    conv_rows,
+    group_gated_qkv,
+    in_proj_rows,
+    linear_attention_from_hf,
+    split_gated_qkv,
+    zero_centred,
+)
+from reshard.errors import ReshardError
+from tests.cli import refused_config
+
+from hf_models import _configs, build
+
+L, F = "linear_attention", "full_attention"
+
+
+@pytest.fixture(scope="module")
+def hf_config():
+    return _configs()["qwen3_next"]
+
+
+@pytest.fixture(scope="module")
+def config(hf_config) -> ModelConfig:
+    return family_for_hf(hf_config.to_dict()).config_from_hf(hf_config.to_dict())[0]
+
+
+def test_in_proj_parts_are_the_rows_transformers_gated_delta_net_splits_them_into(hf_config, config):
+    """transformers' own fix_query_key_value_ordering, fed each row's index as its value, says which rows of
+    in_proj_qkvz / in_proj_ba are which head's q, k, v, z, b, a: Megatron-Core's parts take them head by head."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    module = Qwen3NextGatedDeltaNet(hf_config, layer_idx=0)
+    qkvz, ba = (torch.arange(n, dtype=torch.float64)[None, None] for n in (module.in_proj_qkvz.out_features, module.in_proj_ba.out_features))
+    parts = dict(zip(("query", "key", "value", "z", "beta", "alpha"), module.fix_query_key_value_ordering(qkvz, ba)))
+    rows = in_proj_rows(config)
+    for part, split in parts.items():
+        hf, taken = rows[part]
+        assert hf == ("in_proj_ba" if part in ("beta", "alpha") else "in_proj_qkvz")
+        assert taken == split.flatten().long().tolist(), part
+    assert sorted(r for hf, taken in rows.values() if hf == "in_proj_qkvz" for r in taken) == list(range(module.in_proj_qkvz.out_features))
+    assert conv_rows(config) == {"query": list(range(32)), "key": list(range(32, 64)), "value": list(range(64, 96))}
+
+
+def test_the_output_gate_rows_are_grouped_per_query_group_and_back():
+    """q_proj rows per head [q_h; g_h] -> Megatron-Core's per group [queries; gates; k; v] (2 groups of 2 heads)."""
+    heads, groups, hd = 4, 2, 1
+    q_gate = np.array([f"{kind}{h}" for h in range(heads) for kind in "qg"])
+    k, v = np.array(["k0", "k1"]), np.array(["v0", "v1"])
+    grouped = group_gated_qkv(q_gate, k, v, heads, groups, hd)
+    assert list(grouped) == ["q0", "q1", "g0", "g1", "k0", "v0", "q2", "q3", "g2", "g3", "k1", "v1"]
+    back = split_gated_qkv(grouped, heads, groups, hd)
+    assert [list(t) for t in back] == [list(q_gate), list(k), list(v)]
+    with pytest.raises(ReshardError, match="q_proj"):
+        group_gated_qkv(q_gate[:6], k, v, heads, groups, hd)
+
+
+def test_the_output_norm_is_stored_less_one_exactly_and_a_weight_it_cannot_hold_so_is_refused():
+    weight = np.float32(1) + np.random.default_rng(0).normal(0, 0.3, 64).astype(np.float32)
+    assert np.array_equal(zero_centred(weight, "norm") + np.float32(1), weight)
+    with pytest.raises(ReshardError, match="layers.0.linear_attn.norm.weight: a norm weight below 0.5"):
+        zero_centred(np.array([0.1], np.float32), "layers.0.linear_attn.norm.weight")
+
+
+@pytest.mark.parametrize("kinds,freq", [
+    ([L, F] * 2, 2),
+    ([L, L, L, F] * 2, 4),  # Qwen3-Next-80B's interval
+    ([F, L, L, F], (0, 1, 1, 0)),  # no period megatron-core's int says: a 0/1 per layer
+    ([L, L], (1, 1)),
+])
+def test_layer_types_are_megatron_cores_linear_attention_freq_and_back(config, kinds, freq):
+    hf = {"num_hidden_layers": len(kinds), "layer_types": kinds}
+    fields = linear_attention_from_hf(hf)
+    assert fields["linear_attention_freq"] == freq and fields["experimental_attention_variant"] == "gated_delta_net"
+    model = config.replace(num_layers=len(kinds), moe_layer_freq=1, **fields)
+    assert ["linear_attention" if linear else "full_attention" for linear in model.linear_attention_layers] == kinds
+    release = {"num_hidden_layers": 8, "full_attention_interval": 4}  # the release's spelling, without layer_types
+    assert linear_attention_from_hf(release)["linear_attention_freq"] == 4
+
+
+def test_a_megatron_model_of_its_kind_exports_as_qwen3_next_and_no_other(config):
+    assert [family.model_type for family in families_for_model(config)] == ["qwen3_next"]
+    for differs in ({"attention_output_gate": False}, {"layernorm_zero_centered_gamma": False}, {"moe_shared_expert_gate": False}):
+        assert families_for_model(config.replace(**differs)) == [], differs
+    qwen2_moe_like = config.replace(experimental_attention_variant=None, linear_attention_freq=None, attention_output_gate=False,
+                                    layernorm_zero_centered_gamma=False, qk_layernorm=False, add_qkv_bias=True, rotary_percent=1.0)
+    assert [family.model_type for family in families_for_model(qwen2_moe_like)] == ["qwen2_moe"]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return build("qwen3_next", tmp_path_factory.mktemp("qwen3_next") / "hf")
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"layer_types": [L, "sliding_attention", L, F]}, ("layer_types 'sliding_attention'",)),
+    ({"layer_types": [L, F]}, ("layer_types", "4 layers")),
+    ({"linear_num_value_heads": 3}, ("linear_num_value_heads=3", "a multiple of linear_num_key_heads=2")),
+    ({"mtp_num_hidden_layers": 1}, ("mtp_num_hidden_layers=1", "MTP layers (mtp.*) are not mapped")),
+    ({"num_experts": 0}, ("num_experts=0",)),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.3}},
+     ("partial_rotary_factor",)),
+])
+def test_what_the_mapping_does_not_carry_is_refused_by_name(source, tmp_path, monkeypatch, capsys, change, words):
+    refused_config(monkeypatch, capsys, source, tmp_path, change, *words)
+
+
+def test_qwen3_5s_split_in_proj_is_the_convolutions_channel_order_and_its_z_b_a_as_they_are():
+    """Qwen3.5 (converters/qwen3_5.py) projects [q; k; v] flat (then convolved in that order), z, b and a apart."""
+    from reshard.converters.qwen3_5 import split_in_proj
+
+    hf = dict(_configs()["qwen3_5"].to_dict())
+    config = family_for_hf(hf).config_from_hf(hf)[0]
+    table = {m.megatron.rsplit(".", 1)[1]: m.hf for m in split_in_proj(config)}
+    assert [int(name.split("[")[1][:-1]) for name in table["query"] + table["key"] + table["value"]] == list(range(96))
+    assert {part: names for part, names in table.items() if part in ("z", "beta", "alpha")} == {
+        "z": ("model.layers.{layer}.linear_attn.in_proj_z.weight",), "beta": ("model.layers.{layer}.linear_attn.in_proj_b.weight",),
+        "alpha": ("model.layers.{layer}.linear_attn.in_proj_a.weight",)}
+    assert [family.model_type for family in families_for_model(config)] == ["qwen3_5_text"]
+    with pytest.raises(ReshardError, match="num_experts=4 in a Qwen3.5 text model"):
+        family_for_hf(hf).config_from_hf(dict(hf, num_experts=4))
