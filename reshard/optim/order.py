@@ -184,6 +184,9 @@ class ParamOrder:
                            ("experimental_attention_variant", "Gated DeltaNet layers")):
             if args.get(flag):
                 raise ReshardError(f"DistributedOptimizer state of a model with {what} ({flag}) is not decoded yet (convert with --no-optimizer)")
+        if args.get("towers") or args.get("language_model_prefix"):  # Megatron-Bridge's VL models register their own order
+            raise ReshardError("DistributedOptimizer state of a vision-language model (its language model beside other towers) is not "
+                               "decoded yet (convert with --no-optimizer)")
         # the local spec builds SequentialMLP whatever moe_grouped_gemm says (backends.py, LocalSpecProvider)
         return cls(impl, attention, impl == "transformer_engine" and bool(args.get("moe_grouped_gemm")))
 

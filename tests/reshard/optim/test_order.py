@@ -37,6 +37,15 @@ def test_a_parameter_no_table_places_is_refused_by_name():
         ParamOrder("local").key(_layer_spec(unknown), 0, None)
 
 
+@pytest.mark.parametrize("args,words", [
+    ({"experimental_attention_variant": "gated_delta_net"}, "Gated DeltaNet layers"),
+    ({"language_model_prefix": "language_model.", "towers": [{"prefix": "vision_model."}]}, "a vision-language model"),
+])
+def test_a_model_whose_order_is_not_derived_is_refused_by_name(args, words):
+    with pytest.raises(ReshardError, match=f"DistributedOptimizer state of {'a model with ' if 'Gated' in words else ''}{words}"):
+        ParamOrder.of({"transformer_impl": "local", **args})
+
+
 def test_the_sinks_have_their_entry():
     """gpt-oss's sinks, placed as below by their one entry in each table (megatron-core's own saves of them:
     test_gpt_oss_order.py)."""
