@@ -209,3 +209,16 @@ def load(source: Path):
     config = cls.config_class.from_pretrained(source)
     config.model_type = cls.config_class.model_type
     return cls.from_pretrained(source, config=config, attn_implementation="eager").eval()
+
+
+def edited_copy(source: Path, directory: Path, edit) -> Path:
+    """A copy of saved model `source` in `directory`, its model.safetensors' tensors (a dict) changed by `edit`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory

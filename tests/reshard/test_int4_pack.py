@@ -10,12 +10,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from reshard import int4_pack
 from reshard.dtypes import from_torch
 from tests.cli import refused_cli, run_cli
-from tests.converters.hf_models import build, load
+from tests.converters.hf_models import build, edited_copy, load
 from tests.int4_models import decompressed, make_int4, scheme
 
 pytest.importorskip("compressed_tensors")
@@ -67,15 +67,6 @@ def test_the_release_converts_to_what_compressed_tensors_and_transformers_make_o
 WEIGHT = "model.layers.1.mlp.experts.2.up_proj"
 
 
-def _edited(released, tmp_path, edit):
-    bad = tmp_path / "bad"
-    shutil.copytree(released, bad)
-    tensors = load_file(str(bad / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    return bad
-
-
 @pytest.mark.parametrize("edit,words", [
     (lambda t: t.pop(f"{WEIGHT}.weight_scale"), [f"is without its {WEIGHT}.weight_scale"]),
     (lambda t: t.pop(f"{WEIGHT}.weight_packed"), [f"is without its {WEIGHT}.weight_packed"]),
@@ -84,7 +75,7 @@ def _edited(released, tmp_path, edit):
     (lambda t: t[f"{WEIGHT}.weight_scale"].__setitem__((3, 1), 0.0), [f"{WEIGHT}.weight_scale holds a scale that is not a positive number"]),
 ], ids=["scale_missing", "packed_missing", "packed_not_int32", "shape_contradicts", "zero_scale"])
 def test_parts_that_do_not_say_one_thing_are_refused(released, tmp_path, monkeypatch, capsys, edit, words):
-    bad = _edited(released, tmp_path, edit)
+    bad = edited_copy(released, tmp_path / "bad", edit)
     refused_cli(monkeypatch, capsys, ["convert", bad, tmp_path / "out", "--to-format", "torch_dist", "-q"], *words, untouched=(bad,))
     assert not (tmp_path / "out").exists()
 

@@ -11,14 +11,14 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from reshard import mxfp4
 from reshard.errors import ReshardError
 from reshard.formats import open_checkpoint
 from reshard.torchfile.archive_reader import RecordFile
 from tests.cli import refused_cli, run_cli
-from tests.converters.hf_models import build
+from tests.converters.hf_models import build, edited_copy
 from tests.mxfp4_models import dequantized, make_mxfp4
 
 
@@ -84,15 +84,6 @@ def test_one_experts_slab_reads_that_experts_blocks_and_scales_only(released, mo
     assert sorted(reads) == [64 * 3, 64 * 3 * 16]  # expert 3's scales [64, 3] and blocks [64, 3, 16], nothing else
 
 
-def _edited(released, tmp_path, edit):
-    bad = tmp_path / "bad"
-    shutil.copytree(released, bad)
-    tensors = load_file(str(bad / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    return bad
-
-
 BLOCKS = "model.layers.0.mlp.experts.down_proj_blocks"
 SCALES = "model.layers.0.mlp.experts.down_proj_scales"
 
@@ -105,7 +96,7 @@ SCALES = "model.layers.0.mlp.experts.down_proj_scales"
     (lambda t: t[SCALES].__setitem__((1, 5, 0), 255), [f"{SCALES} holds the NaN scale 255"]),
 ], ids=["scales_missing", "scales_of_another_shape", "scales_not_bytes", "nan_scale"])
 def test_blocks_and_scales_that_do_not_say_one_thing_are_refused(released, tmp_path, monkeypatch, capsys, edit, words):
-    bad = _edited(released, tmp_path, edit)
+    bad = edited_copy(released, tmp_path / "bad", edit)
     refused_cli(monkeypatch, capsys, ["convert", bad, tmp_path / "out", "--to-format", "torch_dist", "-q"], *words, untouched=(bad,))
     assert not (tmp_path / "out").exists()
 
