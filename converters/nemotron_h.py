@@ -12,7 +12,8 @@ its own RMSNorm (`backbone.layers.{i}.norm`, fused into the first linear of the 
   `hybrid_layer_pattern`); an export writes it back in the spelling it came in.
 
 Refused by name: MoE layers ("moe"/"E", Nemotron 3's latent MoE among them), MTP layers (num_nextn_predict_layers),
-biases, a convolution width other than megatron-core's 4, a time-step limit, fp32 residuals, other activations.
+biases, a convolution width other than megatron-core's 4, a norm epsilon other than its Mamba norm's 1e-5, a time-step
+limit, fp32 residuals, other activations.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ _NAMES = {symbol: name for name, symbol in _SYMBOLS.items()}
 _FIXED = {"mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "use_conv_bias": True, "conv_kernel": MAMBA_CONV_KERNEL,
           "mamba_proj_bias": False, "use_bias": False, "attention_bias": False, "mlp_bias": False, "residual_in_fp32": False,
           "num_nextn_predict_layers": 0}
+MAMBA_NORM_EPSILON = 1e-5  # megatron-core's MambaMixer builds its gated norm with this epsilon, no option
 _MAMBA_SIZES = {"mamba_num_heads": "mamba_num_heads", "mamba_head_dim": "mamba_head_dim", "n_groups": "mamba_num_groups",
                 "ssm_state_size": "mamba_state_dim"}  # HF -> Megatron
 
@@ -137,7 +139,9 @@ class NemotronH(Family):
                 raise bad_value(field, hf.get(field), "a whole number from 1")
         if hf["mamba_num_heads"] % hf["n_groups"]:
             raise bad_value("mamba_num_heads", hf["mamba_num_heads"], f"a multiple of n_groups={hf['n_groups']}")
-        pattern_from_hf(hf)
+        if "M" in pattern_from_hf(hf) and hf.get("layer_norm_epsilon", MAMBA_NORM_EPSILON) != MAMBA_NORM_EPSILON:
+            raise refuse(f"layer_norm_epsilon={hf['layer_norm_epsilon']} with Mamba layers",
+                         f"megatron-core's Mamba mixer normalises with epsilon {MAMBA_NORM_EPSILON} whatever the model's")
 
     def config_from_hf(self, hf):
         check_values(hf)

@@ -167,7 +167,9 @@ def default_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
     Megatron's loader refuses a checkpoint that lacks them, and `None` is what an unused one holds.
     """
     prefix = config.language_model_prefix  # a tower's modules (HF's, in Qwen2.5-VL's) keep none
-    return {prefix + key: None for key in {**_decoder_extra_state(config, te), **_mtp_extra_state(config, te)}}
+    # GPTModel drops its output layer's (old GPT checkpoints lack it); megatron-core's MambaModel keeps it
+    head = {str(ObjectKey("output_layer._extra_state", (0,), (1,))): None} if config.hybrid_override_pattern else {}
+    return {prefix + key: None for key in {**_decoder_extra_state(config, te), **_mtp_extra_state(config, te), **head}}
 
 
 def _decoder_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:

@@ -117,6 +117,7 @@ def source(tmp_path_factory):
     ({"num_nextn_predict_layers": 1}, ("num_nextn_predict_layers=1",)),
     ({"time_step_limit": [0.0, 2.0]}, ("time_step_limit",)),
     ({"n_groups": 3}, ("mamba_num_heads=8", "n_groups=3")),
+    ({"layer_norm_epsilon": 1e-6}, ("layer_norm_epsilon=1e-06", "epsilon 1e-05")),
 ])
 def test_what_the_mapping_does_not_carry_is_refused_by_name(source, tmp_path, monkeypatch, capsys, change, words):
     refused_config(monkeypatch, capsys, source, tmp_path, change, *words)
