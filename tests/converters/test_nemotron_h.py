@@ -10,13 +10,16 @@ import argparse
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 from reshard.architecture import model_tensors
+from reshard.cli import main
 from reshard.config import LayerKind, ModelConfig
 from reshard.converters import families_for_model, family_for_hf
 from reshard.converters.nemotron_h import conv_rows, in_proj_rows, pattern_from_hf
 from reshard.errors import ReshardError
 from reshard.layout import Layout
+from reshard.optim.order import ParamOrder
 from tests.cli import refused_config
 
 from hf_models import _configs, build
@@ -121,3 +124,14 @@ def source(tmp_path_factory):
 ])
 def test_what_the_mapping_does_not_carry_is_refused_by_name(source, tmp_path, monkeypatch, capsys, change, words):
     refused_config(monkeypatch, capsys, source, tmp_path, change, *words)
+
+
+def test_formats_that_would_need_the_fused_per_rank_in_proj_are_refused_by_name(source, tmp_path):
+    """The legacy format keeps a rank's in_proj fused [z; x; B; C; dt], not cut per rank yet: refused, nothing written;
+    so is DistributedOptimizer state, whose parameter order of a MambaModel is not modelled."""
+    result = CliRunner().invoke(main, ["convert", str(source), str(tmp_path / "out"), "--to-format", "legacy", "--to-tp", "2", "-q"],
+                                standalone_mode=False)
+    assert isinstance(result.exception, ReshardError) and "Mamba layers" in str(result.exception)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ReshardError, match="hybrid"):
+        ParamOrder.of({"transformer_impl": "transformer_engine", "hybrid_override_pattern": "M*M-"})
