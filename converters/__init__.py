@@ -20,6 +20,7 @@ from reshard.converters.llama import Llama
 from reshard.converters.minimax_m2 import MiniMaxM2
 from reshard.converters.mistral import Mistral
 from reshard.converters.mixtral import Mixtral
+from reshard.converters.nemotron_h import NemotronH
 from reshard.converters.qwen2 import Qwen2
 from reshard.converters.qwen2_5_vl import Qwen2_5_VL
 from reshard.converters.qwen2_moe import Qwen2Moe
@@ -42,7 +43,7 @@ def register(family: Family) -> Family:
 
 # Order matters for `family_for_model`: the first family whose signature matches is the default export.
 _BUILTIN = (Llama(), Mistral(), Qwen2(), Qwen3(), Mixtral(), Qwen3Moe(), Qwen2Moe(), DeepseekV3(), GPT2(),
-            MiniMaxM2(), Glm4Moe(), GptOss(), Glm4MoeLite(), Qwen2_5_VL(), Qwen3Next(), Qwen3_5())
+            MiniMaxM2(), Glm4Moe(), GptOss(), Glm4MoeLite(), Qwen2_5_VL(), Qwen3Next(), Qwen3_5(), NemotronH())
 for _family in _BUILTIN:
     register(_family)
 

@@ -481,6 +481,8 @@ LLAMA_SIGNATURE: dict[str, Any] = {
     "layernorm_zero_centered_gamma": False,
     "attention_output_gate": False,
     "experimental_attention_variant": None,
+    "hybrid": False,
+    "squared_relu": False,
     "position_embedding_type": "rope",
     "moe": False,
     "multi_latent_attention": False,
@@ -633,6 +635,8 @@ class Family:
             "layernorm_zero_centered_gamma": config.layernorm_zero_centered_gamma,
             "attention_output_gate": config.attention_output_gate,
             "experimental_attention_variant": config.experimental_attention_variant,
+            "hybrid": config.hybrid_override_pattern is not None,  # megatron-core's MambaModel (`converters.nemotron_h`)
+            "squared_relu": config.squared_relu,
             "moe_dense_layers": config.is_moe and not all(config.moe_layers),  # dense MLPs between MoE layers
             "position_embedding_type": config.position_embedding_type,
             "moe": config.is_moe,

@@ -138,7 +138,7 @@ class Rows(Mapping):
         return np.stack(tensors)
 
     def to_hf(self, tensor, config):
-        return list(tensor)
+        return [tensor[i, ...] for i in range(len(tensor))]  # arrays, 0-d where the rows are a vector's (a bias's) elements
 
 
 class GatedQKV(QKV):

@@ -9,6 +9,9 @@ from __future__ import annotations
 from reshard.config import LayerKind, ModelConfig
 from reshard.errors import ReshardError
 
+# The Mamba mixer's convolution width: megatron-core's MambaMixer default (d_conv), which no option changes
+MAMBA_CONV_KERNEL = 4
+
 
 def _norm(prefix: str, config: ModelConfig, width: int, layers: list[int]) -> dict[str, tuple[int, ...]]:
     out = {f"{prefix}weight": (*layers, width)}
@@ -91,8 +94,9 @@ def _embeddings(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _head(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The final norm and the output layer (absent when tied to the embedding)."""
-    out = _norm("decoder.final_layernorm.", c, c.hidden_size, [])
+    """The final norm (a hybrid model's MambaStack names it final_norm) and the output layer (absent when tied to the
+    embedding)."""
+    out = _norm("decoder.final_norm." if c.hybrid_override_pattern else "decoder.final_layernorm.", c, c.hidden_size, [])
     if not c.tied_embeddings:
         out["output_layer.weight"] = (c.padded_vocab_size, c.hidden_size)
     return out
@@ -100,13 +104,18 @@ def _head(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _layer(c: ModelConfig, kind: LayerKind, L: list[int]) -> dict[str, tuple[int, ...]]:
     """A decoder layer of `kind`, on the leading axes `L` (the layer axis, or none)."""
-    if kind.mixer == "gated_delta_net":
+    if kind.mixer is None:
+        out = {}
+    elif kind.mixer == "gated_delta_net":
         out = _gated_delta_net(c, L)
+    elif kind.mixer == "mamba":
+        out = _mamba(c, L)
     elif c.multi_latent_attention:
         out = _mla(c, L)
     else:
         out = _attention(c, L)
-    out.update(_moe(c, L) if kind.moe else _dense_mlp(c, L))
+    if kind.mlp:
+        out.update(_moe(c, L) if kind.moe else _dense_mlp(c, L))
     return out
 
 
@@ -140,6 +149,24 @@ def _gated_delta_net(c: ModelConfig, L: list[int]) -> dict[str, tuple[int, ...]]
     out[f"{attn}dt_bias"] = (*L, heads)
     out.update(_norm(f"{attn}out_norm.", c, c.linear_value_head_dim, L))
     out.update(_linear(f"{attn}out_proj.", h, v, False, L))
+    return out
+
+
+def _mamba(c: ModelConfig, L: list[int]) -> dict[str, tuple[int, ...]]:
+    """Megatron-Core's MambaMixer (Mamba-2). torch_dist keys its fused input projection's five parts (z, x, B, C, dt)
+    and its depthwise convolution's three (x, B, C channels) apart, each split over TP on its own."""
+    m, h, heads = "decoder.layers.mixer.", c.hidden_size, c.mamba_heads
+    inner, bc = heads * c.mamba_head_dim, c.mamba_num_groups * c.mamba_state_dim
+    out = _norm(f"{m}in_proj.layer_norm_", c, h, L)
+    for part, rows in (("z", inner), ("x", inner), ("B", bc), ("C", bc), ("dt", heads)):
+        out[f"{m}in_proj.weight.{part}"] = (*L, rows, h)
+    for part, rows in (("x", inner), ("B", bc), ("C", bc)):
+        out[f"{m}conv1d.weight.{part}"] = (*L, rows, 1, MAMBA_CONV_KERNEL)
+        out[f"{m}conv1d.bias.{part}"] = (*L, rows)
+    for name in ("A_log", "D", "dt_bias"):
+        out[f"{m}{name}"] = (*L, heads)
+    out[f"{m}norm.weight"] = (*L, inner)
+    out.update(_linear(f"{m}out_proj.", h, inner, False, L))
     return out
 
 
@@ -197,6 +224,18 @@ _AXIS_FIELDS = (
     ("A_log", ("linear_num_value_heads",)),
     ("dt_bias", ("linear_num_value_heads",)),
 )
+_MAMBA_ROWS = "mamba_num_heads, mamba_head_dim, mamba_num_groups, mamba_state_dim"
+# A Mamba mixer's, which share fragments with Gated DeltaNet's (checked first for names under `mixer.`)
+_MAMBA_AXIS_FIELDS = (
+    ("in_proj.weight.", (_MAMBA_ROWS, "hidden_size")),
+    ("conv1d.weight.", (_MAMBA_ROWS, "1", "the convolution width 4")),
+    ("conv1d.bias.", (_MAMBA_ROWS,)),
+    ("out_proj.", ("hidden_size", "mamba_num_heads, mamba_head_dim")),
+    ("norm.", ("mamba_num_heads, mamba_head_dim",)),
+    ("A_log", ("mamba_num_heads",)),
+    ("dt_bias", ("mamba_num_heads",)),
+    (".D", ("mamba_num_heads",)),
+)
 
 
 def check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
@@ -211,7 +250,8 @@ def check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], where:
         if (tower := config.tower_of(name)) is not None:
             raise ReshardError(f"{where}: {name} has shape {list(shape)}, but the recorded architecture implies {list(expected)} "
                                f"(check the {tower.prefix.rstrip('.')} tower's config): the architecture contradicts the tensors")
-        linear = next((f for fragment, f in _AXIS_FIELDS if fragment in name and "layer_norm" not in name), None)
+        table = _MAMBA_AXIS_FIELDS + _AXIS_FIELDS if ".mixer." in name else _AXIS_FIELDS
+        linear = next((f for fragment, f in table if fragment in name and "layer_norm" not in name), None)
         core = len(linear) if linear and (".weight" in name or len(linear) == 1) else 1  # a matrix (a kernel), or a vector
         if len(shape) != len(expected):
             fields = "num_layers, num_experts"

@@ -44,7 +44,7 @@ _COUNTS = ("max_position_embeddings", "original_max_position_embeddings", "make_
            "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "padded_vocab_size", "num_query_groups",
            "kv_channels", "vocab_size", "num_experts", "moe_ffn_hidden_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
            "qk_pos_emb_head_dim", "v_head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-           "linear_num_key_heads", "linear_num_value_heads")
+           "linear_num_key_heads", "linear_num_value_heads", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
 
 
 # The sizes of megatron-core's Gated DeltaNet (TransformerConfig's names and defaults, which are transformers' Qwen3-Next's).
@@ -64,13 +64,20 @@ MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_
               "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
+# A hybrid (Mamba) model's layers by megatron-core's pattern symbols (hybrid_override_pattern): a Mamba-2 mixer,
+# self-attention or a dense MLP, each a layer of its own. Its MoE layers ("E") are not modelled yet (refused by name).
+HYBRID_SYMBOLS = {"M": ("mamba", False, False), "*": ("attention", False, False), "-": (None, False, True)}
+
+
 @dataclass(frozen=True)
 class LayerKind:
-    """What one decoder layer is: its token mixer ("attention": softmax self-attention, or "gated_delta_net":
-    linear attention) and its MLP (mixture of experts or dense). Layers of one kind have the same tensors."""
+    """What one decoder layer is: its token mixer ("attention": softmax self-attention, "gated_delta_net": linear
+    attention, "mamba": a Mamba-2 mixer; None: none) and its MLP (mixture of experts or dense; `mlp` False: none, as
+    a hybrid model's mixer layers have). Layers of one kind have the same tensors."""
 
-    mixer: str = "attention"
+    mixer: str | None = "attention"
     moe: bool = False
+    mlp: bool = True
 
 
 def _no_model(name: str, value: Any, want: str) -> ReshardError:
@@ -181,6 +188,16 @@ class ModelConfig:
     linear_value_head_dim: int = 128
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
+    # A hybrid (Mamba) model (megatron-core's MambaModel: Nemotron-H): one layer per symbol of the pattern
+    # (`HYBRID_SYMBOLS`; Megatron-LM >= 0.18 names the option hybrid_layer_pattern), its Mamba-2 mixers of
+    # mamba_num_heads heads of mamba_head_dim, mamba_num_groups groups of B/C of mamba_state_dim. Megatron's names and defaults.
+    hybrid_override_pattern: str | None = None
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: int | None = None  # None: hidden_size * 2 // mamba_head_dim (megatron-core's expand 2)
+    # Non-gated MLPs with squared ReLU (Megatron-LM's --squared-relu: Nemotron-H's relu2)
+    squared_relu: bool = False
     # Multi-token prediction (DeepSeek-V3): this many MTP layers (`mtp.layers.{i}.`) after the decoder, on its last stage.
     mtp_num_layers: int | None = None
     params_dtype: str = "float32"
@@ -207,8 +224,20 @@ class ModelConfig:
                 raise _no_model(name, value, "a whole number of at least 1")
         if not (_plain_number(self.rotary_percent) and 0 < self.rotary_percent <= 1):
             raise _no_model("rotary_percent", self.rotary_percent, "a fraction in (0, 1]")
+        self._check_hybrid()
         if self.params_dtype not in PRECISIONS.values():  # it becomes a torch dtype in the args Megatron unpickles
             raise _no_model("params_dtype", self.params_dtype, f"one of {', '.join(sorted(set(PRECISIONS.values())))}")
+
+    def _check_hybrid(self) -> None:
+        pattern = self.hybrid_override_pattern
+        if pattern is None:
+            return
+        if isinstance(pattern, str) and "E" in pattern:
+            raise ReshardError(f"hybrid_override_pattern={pattern!r}: the MoE layers (E) of hybrid models are not supported by reshard yet")
+        if not isinstance(pattern, str) or len(pattern) != self.num_layers or set(pattern) - set(HYBRID_SYMBOLS):
+            raise _no_model("hybrid_override_pattern", pattern, f"one of {''.join(HYBRID_SYMBOLS)} for each of the {self.num_layers} layers")
+        if "M" in pattern and self.mamba_heads % self.mamba_num_groups:
+            raise _no_model("mamba_num_heads", self.mamba_heads, f"a multiple of mamba_num_groups={self.mamba_num_groups}")
 
     def language_name(self, name: str) -> str:
         """A language-model tensor's name without the model's language_model_prefix (as a plain GPT model names it)."""
@@ -267,8 +296,14 @@ class ModelConfig:
     @property
     def layer_kinds(self) -> list[LayerKind]:
         """Each decoder layer's kind, in order."""
+        if self.hybrid_override_pattern is not None:
+            return [LayerKind(*HYBRID_SYMBOLS[symbol]) for symbol in self.hybrid_override_pattern]
         return [LayerKind("gated_delta_net" if linear else "attention", moe)
                 for linear, moe in zip(self.linear_attention_layers, self.moe_layers)]
+
+    @property
+    def mamba_heads(self) -> int:
+        return self.mamba_num_heads or self.hidden_size * 2 // self.mamba_head_dim
 
     @property
     def per_layer_names(self) -> bool:
@@ -277,7 +312,7 @@ class ModelConfig:
         mixed_mlp = self.is_moe and (isinstance(self.moe_layer_freq, tuple) or self.moe_layer_freq > 1)
         freq = self.linear_attention_freq
         mixed_mixer = self.experimental_attention_variant is not None and (isinstance(freq, tuple) or (freq or 1) > 1)
-        return mixed_mlp or mixed_mixer
+        return mixed_mlp or mixed_mixer or self.hybrid_override_pattern is not None  # MambaStack keys every layer apart
 
     @property
     def vocab_rows(self) -> int:
@@ -322,6 +357,11 @@ class ModelConfig:
             values["rope_scaling"] = bool(a["use_rope_scaling"])
         if a.get("apply_layernorm_1p"):  # the option's name; Megatron-LM 0.17's validate_args saves it renamed
             values["layernorm_zero_centered_gamma"] = True
+        if a.get("hybrid_layer_pattern") is not None:  # Megatron-LM >= 0.18's name for hybrid_override_pattern
+            values["hybrid_override_pattern"] = a["hybrid_layer_pattern"]
+        if "hybrid_override_pattern" not in values and (a.get("hybrid_attention_ratio") or a.get("hybrid_mlp_ratio")):
+            raise ReshardError("checkpoint args give hybrid_attention_ratio/hybrid_mlp_ratio without hybrid_override_pattern: "
+                               "megatron-core allocates such layers by its own rounding; save the pattern it printed in the args")
         if "norm_epsilon" not in values and a.get("layernorm_epsilon") is not None:  # Megatron-LM's (core_v0.17.1: TransformerConfig's)
             values["norm_epsilon"] = a["layernorm_epsilon"]
         values["unmodeled"] = tuple(k for k, default in _UNMODELED.items() if a.get(k, default) != default)
@@ -342,6 +382,8 @@ class ModelConfig:
         out["use_rope_scaling"] = self.rope_scaling
         out["layernorm_epsilon"] = self.norm_epsilon  # Megatron-LM's name (core_v0.17.1: TransformerConfig's)
         del out["unmodeled"]  # the source's own values of those options travel in its args
+        if self.hybrid_override_pattern is not None:  # both spellings: Megatron-LM >= 0.18 reads hybrid_layer_pattern
+            out.update(hybrid_layer_pattern=self.hybrid_override_pattern, is_hybrid_model=True)
         for name in _PATTERNS:
             if isinstance(out[name], tuple):
                 out[name] = list(out[name])

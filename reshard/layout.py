@@ -161,6 +161,9 @@ class Layout:
         if any(config.linear_attention_layers):  # Gated DeltaNet splits its key and value heads over TP
             checks.append((config.linear_num_key_heads, self.tp, "linear attention key heads (linear_num_key_heads)"))
             checks.append((config.linear_num_value_heads, self.tp, "linear attention value heads (linear_num_value_heads)"))
+        if any(kind.mixer == "mamba" for kind in config.layer_kinds):  # Mamba-2 splits its heads and B/C groups over TP
+            checks.append((config.mamba_heads, self.tp, "Mamba heads (mamba_num_heads)"))
+            checks.append((config.mamba_num_groups, self.tp, "Mamba groups (mamba_num_groups)"))
         if config.is_moe:
             if config.add_bias_linear and self.expert_tp > 1:  # megatron-core's TransformerConfig refuses it
                 raise ReshardError(f"ETP={self.expert_tp}: megatron-core gives experts their biases (add_bias_linear, gpt-oss) "

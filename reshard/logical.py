@@ -68,6 +68,8 @@ PARTITION_RULES: tuple[tuple[str, Rule], ...] = (
     # per-head norms (Qwen3, GLM: [head_dim]) of the same name are whole on every rank (the rule below)
     (r"self_attention\.(q|k)_layernorm\.(weight|bias)$", Rule(Split.COLUMN, when=_full_width_qk_norm)),
     (r"layer_norm_(weight|bias)$", Rule(Split.NONE)),
+    # Mamba-2: the gated output norm is grouped by B/C group and split with the heads (before the plain norms' rule)
+    (r"mixer\.norm\.weight$", Rule(Split.COLUMN)),
     (r"(layernorm|norm)\.(weight|bias)$", Rule(Split.NONE)),
     (r"router\.(weight|bias|expert_bias)$", Rule(Split.NONE)),
     # gpt-oss's attention sinks: one logit per head, split with the heads
@@ -79,6 +81,12 @@ PARTITION_RULES: tuple[tuple[str, Rule], ...] = (
     (r"self_attention\.conv1d\.(weight|bias)\.(query|key|value)$", Rule(Split.COLUMN)),
     (r"self_attention\.(A_log|dt_bias)$", Rule(Split.COLUMN)),
     (r"self_attention\.out_proj\.weight$", Rule(Split.ROW)),
+    # Mamba-2 (a hybrid model's mixer): torch_dist keys in_proj's z, x, B, C, dt and the convolution's x, B, C channels
+    # apart, each split by heads (B, C by group) over TP; so are the per-head decay, skip and time-step bias
+    (r"mixer\.in_proj\.weight\.(z|x|B|C|dt)$", Rule(Split.COLUMN)),
+    (r"mixer\.conv1d\.(weight|bias)\.(x|B|C)$", Rule(Split.COLUMN)),
+    (r"mixer\.(A_log|D|dt_bias)$", Rule(Split.COLUMN)),
+    (r"mixer\.out_proj\.weight$", Rule(Split.ROW)),
 )
 
 OPTIMIZER_PREFIX = re.compile(r"^optimizer\.state\.(?P<state>[A-Za-z0-9_]+)\.(?P<param>.+)$")

@@ -144,14 +144,20 @@ def is_layout_bound(key: str) -> bool:
     return key.startswith("rng_state")
 
 
-def attention_linears(config: ModelConfig, kind: LayerKind) -> list[str]:
-    """The linear modules of a layer's token mixer (self-attention or Gated DeltaNet)."""
+def mixer_linears(config: ModelConfig, kind: LayerKind) -> list[str]:
+    """The linear modules of a layer's token mixer (self-attention, Gated DeltaNet, a hybrid model's Mamba mixer; none)."""
+    if kind.mixer is None:
+        return []
+    if kind.mixer == "mamba":
+        return ["mixer.in_proj", "mixer.out_proj"]
     if kind.mixer == "gated_delta_net":
-        return ["in_proj", "out_proj"]
-    if not config.multi_latent_attention:
-        return ["linear_qkv", "linear_proj"]
-    queries = ["linear_q_down_proj", "linear_q_up_proj"] if config.q_lora_rank else ["linear_q_proj"]
-    return [*queries, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]
+        names = ["in_proj", "out_proj"]
+    elif not config.multi_latent_attention:
+        names = ["linear_qkv", "linear_proj"]
+    else:
+        queries = ["linear_q_down_proj", "linear_q_up_proj"] if config.q_lora_rank else ["linear_q_proj"]
+        names = [*queries, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]
+    return [f"self_attention.{name}" for name in names]
 
 
 def default_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
@@ -161,7 +167,9 @@ def default_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
     Megatron's loader refuses a checkpoint that lacks them, and `None` is what an unused one holds.
     """
     prefix = config.language_model_prefix  # a tower's modules (HF's, in Qwen2.5-VL's) keep none
-    return {prefix + key: None for key in {**_decoder_extra_state(config, te), **_mtp_extra_state(config, te)}}
+    # GPTModel drops its output layer's (old GPT checkpoints lack it); megatron-core's MambaModel keeps it
+    head = {str(ObjectKey("output_layer._extra_state", (0,), (1,))): None} if config.hybrid_override_pattern else {}
+    return {prefix + key: None for key in {**_decoder_extra_state(config, te), **_mtp_extra_state(config, te), **head}}
 
 
 def _decoder_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
@@ -173,7 +181,7 @@ def _decoder_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
 def _stacked_extra_state(config: ModelConfig, te: bool, kind: LayerKind) -> dict[str, None]:
     """The extra states of `config.num_layers` layers of `kind`, on a leading layer axis."""
     L = config.num_layers
-    modules = [f"self_attention.{name}" for name in attention_linears(config, kind)]
+    modules = mixer_linears(config, kind)
     if te and kind.mixer == "attention":
         modules.append("self_attention.core_attention")
     keys: list[ObjectKey] = []
@@ -184,7 +192,7 @@ def _stacked_extra_state(config: ModelConfig, te: bool, kind: LayerKind) -> dict
             keys += [ObjectKey(f"decoder.layers.{name}._extra_state", (i, e), (L, E)) for i in range(L) for e in range(E)]
         if config.moe_shared_expert_intermediate_size:
             modules += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
-    else:
+    elif kind.mlp:
         modules += ["mlp.linear_fc1", "mlp.linear_fc2"]
     keys += [ObjectKey(f"decoder.layers.{m}._extra_state", (i,), (L,)) for m in modules for i in range(L)]
     return {str(k): None for k in keys}
@@ -195,7 +203,8 @@ def _layer_extra_state(config: ModelConfig, te: bool, kind: LayerKind, module: s
     axis (Megatron-Core saves a dense layer's linear as `decoder.layers.{i}.mlp.linear_fc1._extra_state/shard_0_1`
     and an expert's as `decoder.layers.{i}.mlp.experts.experts.linear_fc1._extra_state/shard_{e}_{E}`)."""
     out: dict[str, None] = {}
-    for text in _stacked_extra_state(config.replace(num_layers=1), te, kind):
+    one = config.replace(num_layers=1, hybrid_override_pattern=None)  # `kind` says what the layer is
+    for text in _stacked_extra_state(one, te, kind):
         key = ObjectKey.parse(text)
         assert key is not None
         experts = key.offsets[1:], key.shape[1:]

@@ -70,6 +70,7 @@ _CUDA_MODULES = (
     "megatron.core.transformer.multi_token_prediction",
     "megatron.core.transformer.dot_product_attention",  # attention sinks' softmax_offset
     "megatron.core.ssm.gated_delta_net",  # Qwen3-Next's linear attention (its parameters made on the current device)
+    "megatron.core.ssm.mamba_mixer",  # Nemotron-H's Mamba mixer, alike (importable once `trainer.mamba` stubs its triton import)
 )
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand", "zeros_like", "empty_like", "ones_like")
 

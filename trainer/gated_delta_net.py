@@ -33,18 +33,19 @@ def use_torch_kernels() -> None:
     gated_delta_net.GatedDeltaNet._apply_gated_norm = getattr(method, "_torchdynamo_orig_callable", method)
 
 
-def norm_column_parallel_linear():
-    """ColumnParallelLinear with its input's zero-centred RMSNorm fused in, as a class built like megatron-core's linears."""
+def norm_column_parallel_linear(norm=zero_centred_rms_norm, init: float = 0.0):
+    """ColumnParallelLinear with its input's RMSNorm fused in (`norm(x, weight, eps)`, zero-centred unless said, its
+    weight first `init`), as a class built like megatron-core's linears."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     class NormColumnParallelLinear(ColumnParallelLinear):
         def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
             super().__init__(input_size, output_size, config=config, **kwargs)
             self.eps = config.layernorm_epsilon
-            self.layer_norm_weight = torch.nn.Parameter(torch.zeros(input_size, dtype=config.params_dtype))
+            self.layer_norm_weight = torch.nn.Parameter(torch.full((input_size,), init, dtype=config.params_dtype))
 
         def forward(self, x: torch.Tensor, *args, **kwargs):
-            return super().forward(zero_centred_rms_norm(x, self.layer_norm_weight, self.eps), *args, **kwargs)
+            return super().forward(norm(x, self.layer_norm_weight, self.eps), *args, **kwargs)
 
     return NormColumnParallelLinear
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from reshard.config import LINEAR_ATTENTION_FIELDS, MLA_FIELDS, ModelConfig
 from reshard.layout import Layout
-from reshard.trainer import cpu_compat, expert_bias, full_width_norm, gated_delta_net, zero_centred_norm
+from reshard.trainer import cpu_compat, expert_bias, full_width_norm, gated_delta_net, mamba, zero_centred_norm
 
 
 def parallel_sizes(layout: Layout) -> dict[str, int | None]:
@@ -56,6 +56,10 @@ def activation(config: ModelConfig):
     Megatron's `openai_gelu` is set."""
     if config.quick_geglu:
         return quick_gelu
+    if config.squared_relu:  # Nemotron-H's MLPs
+        from megatron.core.activations import squared_relu
+
+        return squared_relu
     if config.swiglu:
         return F.silu
     return partial(F.gelu, approximate="tanh") if config.openai_gelu else F.gelu
@@ -149,6 +153,9 @@ def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype =
         kwargs.update(experimental_attention_variant=config.experimental_attention_variant,
                       linear_attention_freq=list(freq) if isinstance(freq, tuple) else freq,
                       **{key: getattr(config, key) for key in LINEAR_ATTENTION_FIELDS})
+    if config.hybrid_override_pattern is not None:  # megatron-core's MambaModel (`mamba`: its mixer's CPU path)
+        kwargs.update(is_hybrid_model=True, mamba_state_dim=config.mamba_state_dim, mamba_head_dim=config.mamba_head_dim,
+                      mamba_num_groups=config.mamba_num_groups, mamba_num_heads=config.mamba_heads, use_mamba_mem_eff_path=False)
     if layout.first_stage_layers is not None:
         kwargs["num_layers_in_first_pipeline_stage"] = layout.first_stage_layers
     if layout.last_stage_layers is not None:
@@ -260,6 +267,9 @@ def build_model(config: ModelConfig, layout: Layout, dtype: torch.dtype = torch.
     models = []
     for vstage in range(layout.vpp):
         vp = vstage if layout.vpp > 1 else None
+        if config.hybrid_override_pattern is not None:
+            models.append(_hybrid_model(config, layout, tconfig, vp).to(device))
+            continue
         spec = layer_spec(config, tconfig, vp)
         # Multi-token prediction: Megatron-Core builds its layers (the decoder's last layer spec) on the last stage only
         mtp = get_gpt_mtp_block_spec(tconfig, spec, use_transformer_engine=False, vp_stage=vp) if config.mtp_num_layers else None
@@ -283,3 +293,23 @@ def build_model(config: ModelConfig, layout: Layout, dtype: torch.dtype = torch.
         # norms are created in fp32, which Megatron's mixed-precision optimizer cannot checkpoint).
         models.append(model.to(device=device, dtype=dtype) if dtype != torch.float32 else model.to(device))
     return models
+
+
+def _hybrid_model(config: ModelConfig, layout: Layout, tconfig, vp: int | None):
+    """megatron-core's MambaModel (a hybrid model: Nemotron-H) on the CPU stand-ins of `mamba`."""
+    from megatron.core import parallel_state
+    from megatron.core.models.mamba import MambaModel
+
+    if vp is not None:
+        raise NotImplementedError("megatron-core's MambaModel has no virtual pipeline stages")
+    return MambaModel(
+        config=tconfig,
+        mamba_stack_spec=mamba.hybrid_stack_spec(),
+        vocab_size=config.padded_vocab_for(layout.tp),
+        max_sequence_length=config.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False),
+        hybrid_override_pattern=config.hybrid_override_pattern,
+        share_embeddings_and_output_weights=config.tied_embeddings,
+        position_embedding_type=config.position_embedding_type,
+    )

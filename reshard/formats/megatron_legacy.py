@@ -115,13 +115,16 @@ def refuse_towers(config: ModelConfig) -> None:
 
 
 def refuse_gated_delta_net(config: ModelConfig) -> None:
-    """A rank's Gated DeltaNet holds its input projection fused, each rank's share of the six parts in turn, which
-    torch_dist keys apart and reshard does not cut per rank yet: refused rather than written as torch_dist keys it."""
+    """A rank's Gated DeltaNet (or Mamba mixer) holds its input projection fused, each rank's share of the parts in turn,
+    which torch_dist keys apart and reshard does not cut per rank yet: refused rather than written as torch_dist keys it."""
     if any(config.linear_attention_layers):
         raise ReshardError(
             f"the model has Gated DeltaNet layers (experimental_attention_variant={config.experimental_attention_variant}), "
             "which reshard does not carry in the legacy (per-rank) format yet; use torch_dist or zarr"
         )
+    if "M" in (config.hybrid_override_pattern or ""):  # a Mamba mixer's in_proj and conv1d are fused per rank alike
+        raise ReshardError(f"the model has Mamba layers (hybrid_override_pattern={config.hybrid_override_pattern}), which reshard "
+                           "does not carry in the legacy (per-rank) format yet; use torch_dist or zarr")
 
 
 def local_name(name: str, piece: Piece, te_names: bool, moe: bool, mla: bool = False) -> str:

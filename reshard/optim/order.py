@@ -181,7 +181,8 @@ class ParamOrder:
         for flag, what in (("use_te_op_fuser", "Transformer-Engine's fused-op MLP"), ("fp8_param_gather", "FP8 parameters"),
                            ("moe_use_legacy_grouped_gemm", "the legacy GroupedMLP experts"),
                            ("mla_down_proj_fusion", "multi-latent attention's fused q/kv down projection"),
-                           ("experimental_attention_variant", "Gated DeltaNet layers")):
+                           ("experimental_attention_variant", "Gated DeltaNet layers"),
+                           ("hybrid_override_pattern", "a hybrid (Mamba) layer pattern"), ("hybrid_layer_pattern", "a hybrid (Mamba) layer pattern")):
             if args.get(flag):
                 raise ReshardError(f"DistributedOptimizer state of a model with {what} ({flag}) is not decoded yet (convert with --no-optimizer)")
         if args.get("towers") or args.get("language_model_prefix"):  # Megatron-Bridge's VL models register their own order

@@ -124,6 +124,13 @@ def _configs():
                                         linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2,
                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                                          "mrope_section": [1, 1, 0], "mrope_interleaved": True}),
+        # Nemotron-H in small: Mamba-2, attention, Mamba-2, squared-ReLU MLP (pattern "M*M-"); 8 Mamba heads of 8 in 2
+        # groups of B/C of state 16 (TP2 splits both), attention with 2 KV groups, an MLP of 96
+        "nemotron_h": tf.NemotronHConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+                                         layers_block_type=["linear_attention", "full_attention", "linear_attention", "mlp"],
+                                         intermediate_size=96, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16,
+                                         chunk_size=8, layer_norm_epsilon=1e-5, max_position_embeddings=128, tie_word_embeddings=False,
+                                         bos_token_id=0, eos_token_id=1, pad_token_id=0),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
                               activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
@@ -136,7 +143,7 @@ MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed"
        "gpt_oss", "qwen3_next"}
 NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed",
          "deepseek_v3", "deepseek_v3_q",
-         "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2", "minimax_m2", "gpt_oss", "qwen3_next", "qwen3_5"]
+         "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2", "minimax_m2", "gpt_oss", "qwen3_next", "qwen3_5", "nemotron_h"]
 
 
 def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 from reshard.cli import main
-from reshard.converters import qwen3_5, qwen3_next
+from reshard.converters import nemotron_h, qwen3_5, qwen3_next
 from reshard.converters.base import GatedMLP, Rename
 from reshard.converters.deepseek_v3 import DeepseekV3
 from reshard.converters.glm4_moe import Glm4Moe
@@ -75,6 +75,11 @@ CASES = [
     ("qwen3_next", "torch_dist", dict(tp=2)),
     ("qwen3_next", "torch_dist", dict(pp=2)),
     ("qwen3_5", "torch_dist", dict(pp=2)),  # Qwen3.5's text model: dense MLPs, in_proj split four ways, multimodal RoPE on text
+    # Nemotron-H: megatron-core's MambaModel (mamba_ssm's scan and gated norm stood in by torch's: reshard.trainer.mamba)
+    # against transformers' torch_forward; in_proj's z/x/B/C/dt and conv1d's x/B/C split by TP, and a stage boundary
+    # between an attention layer (1) and a Mamba one (2)
+    ("nemotron_h", "torch_dist", dict(tp=2)),
+    ("nemotron_h", "torch_dist", dict(pp=2)),
 ]
 
 
@@ -373,7 +378,7 @@ def _flat(rows):
     return flat
 
 
-def _qwen3_next_with(wrong, hf_tensor):
+def _family_with(wrong, hf_tensor):
     return lambda right: lambda self, config: [wrong(m.megatron, m.hf[0]) if m.hf[0].endswith(hf_tensor) else m
                                                for m in right(self, config)]
 
@@ -382,8 +387,8 @@ QWEN3_NEXT_SABOTAGE = {  # what the family gets wrong: (object, attribute, its w
     "in_proj_groups_flat": (qwen3_next, "in_proj_rows", lambda right: lambda config: _flat(right(config))),
     "conv_q_k_channels_swapped": (qwen3_next, "conv_rows", lambda right: lambda config: {
         **right(config), "query": right(config)["key"], "key": right(config)["query"]}),
-    "a_log_negated": (qwen3_next.Qwen3Next, "mappings", _qwen3_next_with(Negated, "linear_attn.A_log")),
-    "shared_expert_gate_dropped": (qwen3_next.Qwen3Next, "mappings", _qwen3_next_with(Dropped, "shared_expert_gate.weight")),
+    "a_log_negated": (qwen3_next.Qwen3Next, "mappings", _family_with(Negated, "linear_attn.A_log")),
+    "shared_expert_gate_dropped": (qwen3_next.Qwen3Next, "mappings", _family_with(Dropped, "shared_expert_gate.weight")),
     # Qwen3.5's split in_proj: its b and a (one row per value head each) in each other's place
     "qwen3_5_beta_alpha_swapped": (qwen3_5, "split_in_proj", lambda right: lambda config: [
         Rename(m.megatron, m.hf[0].replace("in_proj_b.", "in_proj_@.").replace("in_proj_a.", "in_proj_b.").replace("in_proj_@.", "in_proj_a."))
@@ -399,3 +404,23 @@ def test_the_oracle_sees_a_wrong_qwen3_next_mapping(tmp_path, monkeypatch, sabot
     owner, attribute, wrap = QWEN3_NEXT_SABOTAGE[sabotage]
     monkeypatch.setattr(owner, attribute, wrap(getattr(owner, attribute)))
     assert max_logits_diff(tmp_path, "qwen3_5" if sabotage.startswith("qwen3_5") else "qwen3_next", "torch_dist", {}) > 1e-3
+
+
+NEMOTRON_H_SABOTAGE = {  # what the family gets wrong: (object, attribute, its wrong value from the right one)
+    "in_proj_z_x_swapped": (nemotron_h, "in_proj_rows", lambda right: lambda config: {
+        **right(config), "z": right(config)["x"], "x": right(config)["z"]}),
+    "conv_b_c_channels_swapped": (nemotron_h, "conv_rows", lambda right: lambda config: {
+        **right(config), "B": right(config)["C"], "C": right(config)["B"]}),
+    "a_log_negated": (nemotron_h.NemotronH, "mappings", _family_with(Negated, "mixer.A_log")),
+    "d_dropped": (nemotron_h.NemotronH, "mappings", _family_with(Dropped, "mixer.D")),
+}
+
+
+@pytest.mark.parametrize("sabotage", sorted(NEMOTRON_H_SABOTAGE))
+def test_the_oracle_sees_a_wrong_nemotron_h_mapping(tmp_path, monkeypatch, sabotage):
+    """Each Mamba-2 specific, got wrong in a way that still loads strictly, moves the logits far past the tolerance:
+    in_proj's z (the gate) and x in each other's place, the convolution's B and C channels swapped, A_log negated (a
+    growing state), the skip D lost."""
+    owner, attribute, wrap = NEMOTRON_H_SABOTAGE[sabotage]
+    monkeypatch.setattr(owner, attribute, wrap(getattr(owner, attribute)))
+    assert max_logits_diff(tmp_path, "nemotron_h", "torch_dist", {}) > 1e-3

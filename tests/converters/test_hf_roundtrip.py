@@ -26,6 +26,8 @@ LAYOUTS = {
     "gpt_oss": [dict(tp=1, pp=1, ep=2), dict(tp=2, pp=2, etp=1)],  # experts with biases: megatron-core has them at ETP1 only
     # Gated DeltaNet's heads split over TP; two stages cut between a full-attention layer and a Gated DeltaNet one
     "qwen3_next": [dict(tp=2, pp=1), dict(tp=1, pp=2, ep=2)],
+    # Mamba heads and B/C groups split over TP; two stages cut between an attention layer and a Mamba one ("M*|M-")
+    "nemotron_h": [dict(tp=2, pp=1), dict(tp=1, pp=2)],
 }
 
 
@@ -230,7 +232,7 @@ def test_deepseek_mla_and_yarn_settings_carried(models, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_moe", "deepseek_v3_mixed", "qwen2_moe_mixed", "qwen3_moe_mixed", "minimax_m2",
-                                  "qwen3_next", "qwen3_5"])
+                                  "qwen3_next", "qwen3_5", "nemotron_h"])
 def test_config_json_comes_back_as_it_was(models, tmp_path, name):
     """Through the layout-free store and back: every setting of config.json (MLA, YaRN, routing, which layers
     are dense) survives."""

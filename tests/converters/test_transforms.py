@@ -215,6 +215,9 @@ HF_CONFIGS = {
     "qwen3_5_text": dict(BASE, architectures=["Qwen3_5ForCausalLM"], head_dim=16, linear_num_key_heads=2,
                          linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
                          layer_types=["linear_attention", "full_attention"]),
+    # the Hub's spelling of the layer pattern (transformers 5 saves layers_block_type)
+    "nemotron_h": dict(BASE, architectures=["NemotronHForCausalLM"], hybrid_override_pattern="M*M-", num_hidden_layers=4,
+                       mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, layer_norm_epsilon=1e-5),
     "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 250},
     # the older Hub layout: the text fields at the top, MRoPE in rope_scaling
     "qwen2_5_vl": dict(BASE, architectures=["Qwen2_5_VLForConditionalGeneration"], rope_scaling=MROPE, vision_config=VISION),

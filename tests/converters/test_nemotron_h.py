@@ -1,0 +1,137 @@
+"""Nemotron-H's config translation and tables: in_proj's and conv1d's parts as transformers' own Mamba-2 mixer splits
+them, the layer pattern read from either spelling of config.json and of Megatron-LM's args into the same layer kinds,
+the tensors megatron-core's MambaStack keys, a Megatron hybrid model exported as Nemotron-H only, and what the mapping
+does not carry refused by name with nothing written. The round trip (TP2, PP2 across layer kinds) is
+test_hf_roundtrip.py's."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from reshard.architecture import model_tensors
+from reshard.cli import main
+from reshard.config import LayerKind, ModelConfig
+from reshard.converters import families_for_model, family_for_hf
+from reshard.converters.nemotron_h import conv_rows, in_proj_rows, pattern_from_hf
+from reshard.errors import ReshardError
+from reshard.layout import Layout
+from reshard.optim.order import ParamOrder
+from tests.cli import refused_config
+
+from hf_models import _configs, build
+
+M, A, P = "linear_attention", "full_attention", "mlp"
+
+
+@pytest.fixture(scope="module")
+def hf_config():
+    return _configs()["nemotron_h"]
+
+
+@pytest.fixture(scope="module")
+def config(hf_config) -> ModelConfig:
+    hf = hf_config.to_dict()
+    return family_for_hf(hf).config_from_hf(hf)[0]
+
+
+def test_in_proj_and_conv_parts_are_the_rows_transformers_mamba2_mixer_splits_them_into(hf_config, config):
+    """transformers' NemotronHMamba2Mixer, fed each row's index as its value through its own split sizes, says which
+    in_proj rows are z (its gate), x, B, C, dt and which conv1d channels x, B, C."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    mixer = NemotronHMamba2Mixer(hf_config, layer_idx=0)
+    rows = torch.arange(mixer.in_proj.out_features)
+    gate, xbc, dt = rows.split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads])
+    x, b, c = xbc.split([mixer.intermediate_size, mixer.n_groups * mixer.ssm_state_size, mixer.n_groups * mixer.ssm_state_size])
+    assert {part: list(r) for part, r in in_proj_rows(config).items()} == {
+        "z": gate.tolist(), "x": x.tolist(), "B": b.tolist(), "C": c.tolist(), "dt": dt.tolist()}
+    channels = {part: list(r) for part, r in conv_rows(config).items()}
+    assert [i for part in ("x", "B", "C") for i in channels[part]] == list(range(mixer.conv_dim))
+    assert len(channels["x"]) == mixer.intermediate_size == 64
+
+
+def test_the_pattern_is_one_layer_kind_per_symbol_under_either_spelling(config):
+    assert config.hybrid_override_pattern == "M*M-" and config.per_layer_names
+    assert config.layer_kinds == [LayerKind("mamba", mlp=False), LayerKind("attention", mlp=False), LayerKind("mamba", mlp=False),
+                                  LayerKind(None)]
+    assert pattern_from_hf({"hybrid_override_pattern": "M*M-", "num_hidden_layers": 4}) == "M*M-"  # the Hub's configs
+    tensors = model_tensors(config)
+    assert "decoder.final_norm.weight" in tensors and "decoder.final_layernorm.weight" not in tensors
+    assert tensors["decoder.layers.0.mixer.in_proj.weight.B"] == (32, 64)
+    assert tensors["decoder.layers.2.mixer.conv1d.bias.x"] == (64,)
+    assert not any(name.startswith(("decoder.layers.0.mlp", "decoder.layers.1.mlp", "decoder.layers.3.mixer")) for name in tensors)
+
+
+@pytest.mark.parametrize("key", ["hybrid_override_pattern", "hybrid_layer_pattern"])
+def test_megatron_lm_args_of_a_hybrid_model_read_into_the_same_layer_kinds(config, key):
+    """Megatron-LM's hybrid checkpoints name the pattern hybrid_override_pattern (>= 0.18: hybrid_layer_pattern)."""
+    args = {**config.megatron_args(), "hybrid_override_pattern": None, "hybrid_layer_pattern": None, key: "M*M-"}
+    read = ModelConfig.from_megatron_args(argparse.Namespace(**args))
+    assert read.layer_kinds == config.layer_kinds and read.mamba_heads == 8 and read.mamba_num_groups == 2
+    assert model_tensors(read) == model_tensors(config)
+    written = config.megatron_args()
+    assert written["hybrid_layer_pattern"] == written["hybrid_override_pattern"] == "M*M-" and written["is_hybrid_model"]
+
+
+def test_megatron_lm_args_it_cannot_read_a_pattern_from_are_refused_by_name(config):
+    args = {**config.megatron_args(), "hybrid_override_pattern": None, "hybrid_layer_pattern": None, "hybrid_attention_ratio": 0.25}
+    with pytest.raises(ReshardError, match="hybrid_attention_ratio"):
+        ModelConfig.from_megatron_args(args)
+    with pytest.raises(ReshardError, match="MoE layers"):
+        config.replace(hybrid_override_pattern="M*ME")
+    with pytest.raises(ReshardError, match="hybrid_override_pattern"):
+        config.replace(hybrid_override_pattern="M*M")
+
+
+def test_tensor_parallelism_must_split_mamba_heads_and_groups_whole(config):
+    Layout(tp=2).validate(config)
+    with pytest.raises(ReshardError, match="Mamba groups"):
+        Layout(tp=4).validate(config.replace(num_attention_heads=4, num_query_groups=4))
+
+
+def test_a_megatron_hybrid_model_exports_as_nemotron_h_and_no_other(config):
+    assert [family.model_type for family in families_for_model(config)] == ["nemotron_h"]
+    assert families_for_model(config.replace(squared_relu=False)) == []
+    gpt = config.replace(hybrid_override_pattern=None, position_embedding_type="rope", swiglu=True, squared_relu=False)
+    assert "nemotron_h" not in [family.model_type for family in families_for_model(gpt)]
+
+
+def test_the_hubs_pattern_spelling_is_written_back_as_it_came(config):
+    family = family_for_hf({"architectures": ["NemotronHForCausalLM"]})
+    saved = {"model_type": "nemotron_h", "hybrid_override_pattern": "M-M-", "num_hidden_layers": 4}
+    out = family.config_to_hf(config, saved)
+    assert out["hybrid_override_pattern"] == "M*M-" and out["num_hidden_layers"] == 4 and "layers_block_type" not in out
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return build("nemotron_h", tmp_path_factory.mktemp("nemotron_h") / "hf")
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"layers_block_type": [M, "moe", A, P]}, ("MoE layers", "latent MoE")),
+    ({"layers_block_type": [M, "sliding", A, P]}, ("layers_block_type",)),
+    ({"conv_kernel": 3}, ("conv_kernel=3",)),
+    ({"mlp_hidden_act": "silu"}, ("mlp_hidden_act='silu'",)),
+    ({"num_nextn_predict_layers": 1}, ("num_nextn_predict_layers=1",)),
+    ({"time_step_limit": [0.0, 2.0]}, ("time_step_limit",)),
+    ({"n_groups": 3}, ("mamba_num_heads=8", "n_groups=3")),
+    ({"layer_norm_epsilon": 1e-6}, ("layer_norm_epsilon=1e-06", "epsilon 1e-05")),
+])
+def test_what_the_mapping_does_not_carry_is_refused_by_name(source, tmp_path, monkeypatch, capsys, change, words):
+    refused_config(monkeypatch, capsys, source, tmp_path, change, *words)
+
+
+def test_formats_that_would_need_the_fused_per_rank_in_proj_are_refused_by_name(source, tmp_path):
+    """The legacy format keeps a rank's in_proj fused [z; x; B; C; dt], not cut per rank yet: refused, nothing written;
+    so is DistributedOptimizer state, whose parameter order of a MambaModel is not modelled."""
+    result = CliRunner().invoke(main, ["convert", str(source), str(tmp_path / "out"), "--to-format", "legacy", "--to-tp", "2", "-q"],
+                                standalone_mode=False)
+    assert isinstance(result.exception, ReshardError) and "Mamba layers" in str(result.exception)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ReshardError, match="hybrid"):
+        ParamOrder.of({"transformer_impl": "transformer_engine", "hybrid_override_pattern": "M*M-"})
