@@ -99,7 +99,15 @@ def vision_tower(vision: Any, text_hidden: int) -> Tower:
                  splits=tuple((name, split) for name, _, split in table if split), stacked=(_BLOCKS, _DEEPSTACK),
                  tp_units=(("vision attention heads (vision_config.num_heads)", s["num_heads"]),
                            ("vision FFN size (vision_config.intermediate_size)", inner),
-                           ("vision merger width (vision_config.hidden_size x spatial_merge_size^2)", merged)))
+                           ("vision merger width (vision_config.hidden_size x spatial_merge_size^2)", merged)),
+                 extra_state=_extra_state(bool(s["deepstack"])))
+
+
+def _extra_state(deepstack: bool) -> tuple[str, ...]:
+    """The vision model's modules whose (empty) extra state Bridge's Transformer Engine layers save."""
+    mergers = ((_DEEPSTACK,) if deepstack else ()) + (f"{VISION}merger.",)
+    return (*(f"{_BLOCKS}self_attention.{module}" for module in ("linear_qkv", "linear_proj", "core_attention")),
+            f"{_BLOCKS}mlp.linear_fc1", f"{_BLOCKS}mlp.linear_fc2", *(f"{merger}linear_fc{i}" for merger in mergers for i in (1, 2)))
 
 
 def vision_mappings(tower: Tower, hf: str) -> list[Mapping]:

@@ -94,12 +94,14 @@ class Tower:
     splits: tuple[tuple[str, str], ...] = ()  # full name -> "column" | "row" (`logical.Split`); others whole
     stacked: tuple[str, ...] = ()  # name prefixes whose tensors lead with an axis of blocks
     tp_units: tuple[tuple[str, int], ...] = ()  # (what, count): the counts TP must divide where `splits` cut (heads, widths)
+    extra_state: tuple[str, ...] = ()  # modules that keep an (empty) `_extra_state` megatron-core's loader asks for
 
     def __post_init__(self):  # JSON and Megatron's args give lists
         object.__setattr__(self, "tensors", tuple((str(name), tuple(int(d) for d in shape)) for name, shape in self.tensors))
         object.__setattr__(self, "splits", tuple((str(name), str(split)) for name, split in self.splits))
         object.__setattr__(self, "stacked", tuple(self.stacked))
         object.__setattr__(self, "tp_units", tuple((str(what), int(count)) for what, count in self.tp_units))
+        object.__setattr__(self, "extra_state", tuple(self.extra_state))
         names = dict(self.tensors)
         if any(not name.startswith(self.prefix) for name in names):
             raise ReshardError(f"tower {self.prefix!r}: a tensor of it is named outside its prefix")
@@ -108,6 +110,11 @@ class Tower:
 
     def is_stacked(self, name: str) -> bool:
         return name.startswith(self.stacked)
+
+    def blocks(self, name: str) -> int | None:
+        """How many blocks a stacked tensor or module `name` is one of (None: not stacked)."""
+        stack = next((prefix for prefix in self.stacked if name.startswith(prefix)), None)
+        return None if stack is None else next(shape[0] for tensor, shape in self.tensors if tensor.startswith(stack))
 
 
 @dataclass(frozen=True)
@@ -235,9 +242,8 @@ class ModelConfig:
     def tower_blocks(self, name: str) -> range | list[None]:
         """The blocks of tower tensor `name` stacked on its leading axis (`Tower.stacked`); [None] for any other."""
         tower = self.tower_of(name)
-        if tower is None or not tower.is_stacked(name):
-            return [None]
-        return range(dict(tower.tensors)[name][0])
+        blocks = tower.blocks(name) if tower is not None else None
+        return [None] if blocks is None else range(blocks)
 
     @property
     def groups(self) -> int:
@@ -367,7 +373,8 @@ class ModelConfig:
             if isinstance(out[name], tuple):
                 out[name] = list(out[name])
         out["towers"] = [{"prefix": t.prefix, "tensors": [[name, list(shape)] for name, shape in t.tensors], "hf_config": t.hf_config,
-                          **({"splits": [list(s) for s in t.splits], "stacked": list(t.stacked), "tp_units": [list(u) for u in t.tp_units]}
+                          **({"splits": [list(s) for s in t.splits], "stacked": list(t.stacked), "tp_units": [list(u) for u in t.tp_units],
+                              "extra_state": list(t.extra_state)}
                              if t.splits or t.stacked else {})}
                          for t in self.towers]
         for name in ("mrope_section", "language_model_prefix", "towers"):  # a plain GPT model's args stay as they were

@@ -160,8 +160,13 @@ def default_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
     Linear layers carry an (empty) extra state in both specs; Transformer Engine's attention too.
     Megatron's loader refuses a checkpoint that lacks them, and `None` is what an unused one holds.
     """
-    prefix = config.language_model_prefix  # a tower's modules (HF's, in Qwen2.5-VL's) keep none
-    return {prefix + key: None for key in {**_decoder_extra_state(config, te), **_mtp_extra_state(config, te)}}
+    prefix = config.language_model_prefix
+    out = {prefix + key: None for key in {**_decoder_extra_state(config, te), **_mtp_extra_state(config, te)}}
+    for tower in config.towers:  # a tower's in Megatron form (Qwen3-VL's), stacked as its blocks are; HF modules keep none
+        for module in tower.extra_state:
+            n = tower.blocks(module)
+            out.update({str(ObjectKey(f"{module}._extra_state", (i,), (n or 1,))): None for i in range(n or 1)})
+    return out
 
 
 def _decoder_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:

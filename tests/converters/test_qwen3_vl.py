@@ -12,8 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_hf_roundtrip import cli, hf_tensors
+from test_qwen2_5_vl import bridge, dist_tensors
 
+from reshard.converters.base import Rename
+from reshard.converters.qwen3_vl import Qwen3VL
 from reshard.formats import open_checkpoint
 from reshard.layout import Layout
 from reshard.sharding import pieces
@@ -98,3 +102,54 @@ def test_a_vision_config_that_contradicts_the_tensors_is_refused(source, tmp_pat
     (bad / "config.json").write_text(json.dumps(config))
     refused_cli(monkeypatch, capsys, ["convert", str(bad), str(tmp_path / "m"), "--to-format", "torch_dist", "--to-tp", "2"], words)
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.slow
+def test_reshards_checkpoint_is_bridges_own_import_and_bridge_exports_it_back(source, tmp_path):
+    """Megatron-Bridge's import of the same HF model equals reshard's tensor for tensor (names, shapes, values: the
+    vision model's q/k/v fused per head as Bridge fuses them, its blocks and DeepStack mergers stacked as Bridge saves
+    them); reshard reads Bridge's checkpoint (its run_config.yaml) and exports the original HF weights; Bridge loads
+    reshard's checkpoint with megatron-core's loader and exports the original HF weights bit for bit."""
+    cli("convert", source, tmp_path / "m", "--to-format", "torch_dist", "--for", "bridge", "-q")
+    bridge(source, tmp_path / "bridge", script="bridge_qwen3_vl.py")
+    ours, theirs = dist_tensors(tmp_path / "m" / "iter_0000000"), dist_tensors(tmp_path / "bridge" / "ckpt" / "iter_0000000")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert any(k.startswith("vision_model.decoder.deepstack_merger_list.") for k in ours)
+    cli("convert", tmp_path / "bridge" / "ckpt", tmp_path / "from_bridge", "--to-format", "hf", "-q")
+    original, back = hf_tensors(source), hf_tensors(tmp_path / "from_bridge")
+    assert back.keys() == original.keys() and all(torch.equal(original[k], back[k]) for k in original)
+    bridge(source, tmp_path / "export", "--load", tmp_path / "m" / "iter_0000000", script="bridge_qwen3_vl.py")
+    exported = load_file(tmp_path / "export" / "export.safetensors")
+    assert exported.keys() == original.keys() and all(torch.equal(original[k], exported[k]) for k in original)
+
+
+class DeepStackShifted(Rename):
+    """A DeepStack merger's tensor under the next merger's HF name (the stack read one place off)."""
+
+    def hf_names(self, layer=None, expert=None):
+        return [t.format(layer=(layer + 1) % 2, expert=expert) for t in self.hf]
+
+
+def in_megatron_order(m):
+    """The vision blocks' qkv written in Megatron's per-head order, as if HF's [q; k; v] were the same."""
+    return Rename(m.megatron, m.hf[0]) if m.megatron.startswith(QKV.removesuffix("weight")) else m
+
+
+def deepstack_shifted(m):
+    return DeepStackShifted(m.megatron, m.hf[0]) if m.megatron.startswith("vision_model.decoder.deepstack_merger_list.") else m
+
+
+@pytest.mark.slow
+def test_the_export_gives_the_originals_logits_on_an_image_and_text(source, tmp_path, monkeypatch):
+    """transformers on an image and text: the HF export of a TP2 checkpoint gives the original's logits exactly (the
+    image moves them: the check sees the vision model and its DeepStack mergers); exported with the vision qkv left in
+    Megatron's per-head order, or with the DeepStack mergers shifted by one, it does not."""
+    cli("convert", source, tmp_path / "m", "--to-format", "torch_dist", "--to-tp", "2", "-q")
+    cli("convert", tmp_path / "m", tmp_path / "back", "--to-format", "hf", "-q")
+    original = image_logits(source)
+    assert torch.equal(image_logits(tmp_path / "back"), original)
+    right = Qwen3VL.mappings
+    for wrong, sabotage in (("qkv", in_megatron_order), ("deepstack", deepstack_shifted)):
+        monkeypatch.setattr(Qwen3VL, "mappings", lambda self, config, f=sabotage: [f(m) for m in right(self, config)])
+        cli("convert", tmp_path / "m", tmp_path / wrong, "--to-format", "hf", "-q")
+        assert (image_logits(tmp_path / wrong) - original).abs().max() > 1e-3, wrong
