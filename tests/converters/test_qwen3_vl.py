@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_hf_roundtrip import cli, hf_tensors
-from test_qwen2_5_vl import bridge, dist_tensors
+from test_qwen2_5_vl import bridge, dist_tensors, megatron_logits_diff
 
 from reshard.converters.base import Rename
 from reshard.converters.qwen3_vl import Qwen3VL
@@ -153,3 +153,38 @@ def test_the_export_gives_the_originals_logits_on_an_image_and_text(source, tmp_
         monkeypatch.setattr(Qwen3VL, "mappings", lambda self, config, f=sabotage: [f(m) for m in right(self, config)])
         cli("convert", tmp_path / "m", tmp_path / wrong, "--to-format", "hf", "-q")
         assert (image_logits(tmp_path / wrong) - original).abs().max() > 1e-3, wrong
+
+
+def megatron_sections(section: tuple[int, ...]) -> tuple[int, ...]:
+    """Qwen3-VL's interleaved sections (t, h, w) as megatron-core's contiguous ones: transformers rotates frequency j by
+    the height position where j = 1 mod 3 below 3h, the width one where j = 2 mod 3 below 3w, the temporal one
+    elsewhere; megatron-core's i-th section by the position i mod 3 says (empty sections skip a position)."""
+    t, h, w = section
+    out: list[int] = []
+    for j in range(t + h + w):
+        axis = 1 if j % 3 == 1 and j < 3 * h else 2 if j % 3 == 2 and j < 3 * w else 0
+        if out and (len(out) - 1) % 3 == axis:
+            out[-1] += 1
+        else:
+            out += [0] * ((axis - len(out)) % 3) + [1]
+    return tuple(out + [0] * (-len(out) % 3))  # megatron-core counts on over the rotary's second half: whole triples
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sections", ["interleaved", "contiguous"])
+def test_megatron_cores_mrope_gives_transformers_text_logits_with_the_sections_interleaved(source, tmp_path, monkeypatch, sections):
+    """megatron-core 0.16.1's GPTModel (MRoPE) on the converted language model at TP2 gives transformers' logits at the
+    3-D positions of the image prompt when its sections spell the interleaving out (one frequency each); with
+    Qwen3-VL's own sections read contiguously, as megatron-core reads them, it does not."""
+    right = Qwen3VL.config_from_hf
+
+    def expanded(self, hf):
+        config, extras = right(self, hf)
+        return config.replace(mrope_section=megatron_sections(config.mrope_section)), extras
+
+    if sections == "interleaved":
+        monkeypatch.setattr(Qwen3VL, "config_from_hf", expanded)
+        monkeypatch.setattr(Qwen3VL, "check_megatron", lambda self, config: None)
+        assert megatron_logits_diff(source, tmp_path, dict(tp=2)) <= 1e-4
+    else:
+        assert megatron_logits_diff(source, tmp_path, dict(tp=2)) > 1e-3
