@@ -179,25 +179,33 @@ class QKV(Mapping):
 
 @dataclass(frozen=True)
 class FusedQKV(Mapping):
-    """One HF tensor holding [all q; all k; all v] (GPT-2 c_attn, a Conv1D when `conv1d`) <-> grouped linear_qkv."""
+    """One HF tensor holding [all q; all k; all v] (GPT-2 c_attn, a Conv1D when `conv1d`) <-> grouped linear_qkv.
+    `heads` of `head_dim` (multi-head: one group per head) for a tower's attention, the language model's otherwise."""
 
     conv1d: bool = True
+    heads: tuple[int, int] | None = None  # (heads, head_dim)
 
-    def __init__(self, megatron: str, hf: str, conv1d: bool = True):
+    def __init__(self, megatron: str, hf: str, conv1d: bool = True, heads: tuple[int, int] | None = None):
         object.__setattr__(self, "megatron", megatron)
         object.__setattr__(self, "hf", (hf,))
         object.__setattr__(self, "conv1d", conv1d)
+        object.__setattr__(self, "heads", heads)
+
+    def _sizes(self, config: ModelConfig) -> tuple[int, int, int]:
+        if self.heads is not None:
+            return self.heads[0], self.heads[0], self.heads[1]
+        return config.num_attention_heads, config.groups, config.head_dim
 
     def to_megatron(self, tensors, config):
         t = conv1d_to_linear(tensors[0]) if self.conv1d else tensors[0]
-        q_rows = config.num_attention_heads * config.head_dim
-        kv_rows = config.groups * config.head_dim
+        heads, groups, head_dim = self._sizes(config)
+        q_rows, kv_rows = heads * head_dim, groups * head_dim
         _expect(t, q_rows + 2 * kv_rows, "fused qkv")
         q, k, v = np.split(t, [q_rows, q_rows + kv_rows], axis=0)
-        return group_qkv(q, k, v, config.num_attention_heads, config.groups, config.head_dim)
+        return group_qkv(q, k, v, heads, groups, head_dim)
 
     def to_hf(self, tensor, config):
-        fused = np.concatenate(split_qkv(tensor, config.num_attention_heads, config.groups, config.head_dim), axis=0)
+        fused = np.concatenate(split_qkv(tensor, *self._sizes(config)), axis=0)
         return [linear_to_conv1d(fused) if self.conv1d else fused]
 
 

@@ -30,7 +30,7 @@ _TOP = ("architectures", "model_type", "tie_word_embeddings", "dtype", "torch_dt
         "video_token_id", "vision_start_token_id", "vision_end_token_id", "vision_token_id", "text_config", "vision_config")
 # The fields of Megatron-Bridge's provider (its run_config.yaml) this family reads beyond a GPT provider's (Bridge keeps
 # the HF vision config object whole: its own fields are kept, PretrainedConfig's not)
-_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "vision_token_id")
+TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "vision_token_id")
 _VISION_CLASS = "transformers.models.qwen2_5_vl.configuration_qwen2_5_vl.Qwen2_5_VLVisionConfig"
 _VISION_KEYS = ("depth", "hidden_act", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size", "spatial_merge_size",
                 "temporal_patch_size", "tokens_per_second", "window_size", "fullatt_block_indexes", "out_hidden_size",
@@ -98,7 +98,7 @@ def from_bridge(model: dict[str, Any]) -> dict[str, Any]:
         raise bad_value("run_config.yaml model.vision_config", vision, "Qwen2.5-VL's vision config")
     vision = {key: vision[key] for key in _VISION_KEYS if key in vision}
     tower = Tower(VISUAL, vision_tensors(vision, model["hidden_size"]), json.dumps(vision, sort_keys=True))
-    hf = {"model_type": "qwen2_5_vl", **{key: model[key] for key in _TOKENS if type(model.get(key)) is int}, "vision_config": vision}
+    hf = {"model_type": "qwen2_5_vl", **{key: model[key] for key in TOKEN_FIELDS if type(model.get(key)) is int}, "vision_config": vision}
     return {"language_model_prefix": LANGUAGE, "towers": [tower], "hf_model_type": "qwen2_5_vl", "hf_config": hf}
 
 
@@ -106,7 +106,7 @@ def to_bridge(config: ModelConfig, hf: dict[str, Any] | None) -> dict[str, Any]:
     """The fields of a Bridge Qwen25VLModelProvider beyond a GPT provider's, for the model and the HF config `hf` it was
     imported from (its token ids): what `from_bridge` reads back."""
     vision = json.loads(next(t for t in config.towers if t.prefix == VISUAL).hf_config)
-    tokens = {key: value for key, value in text_config(hf or {}).items() if key in _TOKENS}
+    tokens = {key: value for key, value in text_config(hf or {}).items() if key in TOKEN_FIELDS}
     return {"mrope_section": list(config.mrope_section or ()), "vision_config": {"_target_": _VISION_CLASS, **vision}, **tokens}
 
 
@@ -152,11 +152,18 @@ class Qwen2_5_VL(Qwen2):
     def config_to_hf(self, config, saved=None, extras=None):
         saved = copy.deepcopy(saved) if saved and saved.get("model_type") == self.model_type else {}
         flat = super().config_to_hf(config, {**text_config(saved), "model_type": self.model_type}, extras)
-        text = {k: v for k, v in flat.items() if k not in _TOP and k not in ("rope_scaling", "rope_theta")}
-        if "head_dim" not in text_config(saved) and config.head_dim == config.hidden_size // config.num_attention_heads:
-            del text["head_dim"]  # transformers' Qwen2.5-VL derives it, and does not save it
-        text.update(model_type="qwen2_5_vl_text", rope_parameters={
-            "mrope_section": list(config.mrope_section), "rope_theta": config.rotary_base, "rope_type": "default", "type": "mrope"})
-        top = {k: v for k, v in flat.items() if k in _TOP}
-        vision = json.loads(next(t for t in config.towers if t.prefix == VISUAL).hf_config)
-        return {**top, "text_config": text, "vision_config": vision}
+        return nested_hf_config(flat, config, saved, "qwen2_5_vl_text", {"mrope_section": list(config.mrope_section), "type": "mrope"})
+
+
+def nested_hf_config(flat: dict[str, Any], config: ModelConfig, saved: dict[str, Any], text_type: str, mrope: dict[str, Any]) -> dict[str, Any]:
+    """A VL model's config.json: `flat` (its language model's, as the text family writes it from `saved`, the imported
+    config) nested as `text_config` with the MRoPE fields `mrope` in its rope_parameters, beside its one tower's
+    vision_config."""
+    text = {k: v for k, v in flat.items() if k not in _TOP and k not in ("rope_scaling", "rope_theta")}
+    if "head_dim" not in text_config(saved) and config.head_dim == config.hidden_size // config.num_attention_heads:
+        del text["head_dim"]  # transformers derives it, and does not save it
+    if "tie_word_embeddings" in (saved.get("text_config") or {}):  # transformers >= 5.24's Qwen3-VL saves it in both
+        text["tie_word_embeddings"] = flat["tie_word_embeddings"]
+    text.update(model_type=text_type, rope_parameters={**mrope, "rope_theta": config.rotary_base, "rope_type": "default"})
+    top = {k: v for k, v in flat.items() if k in _TOP}
+    return {**top, "text_config": text, "vision_config": json.loads(config.towers[0].hf_config)}

@@ -88,19 +88,40 @@ def _no_model(name: str, value: Any, want: str) -> ReshardError:
 @dataclass(frozen=True)
 class Tower:
     """A model beside the language model (a vision encoder and its merger), carried as its own tensors under its
-    own names: every tensor whole on every tensor-parallel rank and on the first pipeline stage, where the
-    language model's embedding is (as Megatron-Bridge keeps Qwen2.5-VL's HF vision modules). A family declares
-    its towers (`converters.qwen2_5_vl`); the shapes travel with the model's args, so a Megatron checkpoint
-    describes them without its HF config."""
+    own names, on the first pipeline stage where the language model's embedding is. A tensor is whole on every
+    tensor-parallel rank (as Megatron-Bridge keeps Qwen2.5-VL's HF vision modules) unless `splits` names it: a
+    tower in Megatron form (Bridge's Qwen3-VL vision model) splits its linear layers over TP as megatron-core does.
+    Tensors under a prefix in `stacked` carry a leading axis of blocks (megatron-core stacks a homogeneous block's
+    layers so), one HF tensor each. A family declares its towers (`converters.qwen2_5_vl`, `converters.qwen3_vl`);
+    they travel with the model's args, so a Megatron checkpoint describes them without its HF config."""
 
     prefix: str  # e.g. "visual."
     tensors: tuple[tuple[str, tuple[int, ...]], ...]  # full name -> global shape
     hf_config: str = "{}"  # the tower's own HF config (JSON), which an HF export writes back
+    splits: tuple[tuple[str, str], ...] = ()  # full name -> "column" | "row" (`logical.Split`); others whole
+    stacked: tuple[str, ...] = ()  # name prefixes whose tensors lead with an axis of blocks
+    tp_units: tuple[tuple[str, int], ...] = ()  # (what, count): the counts TP must divide where `splits` cut (heads, widths)
+    extra_state: tuple[str, ...] = ()  # modules that keep an (empty) `_extra_state` megatron-core's loader asks for
 
     def __post_init__(self):  # JSON and Megatron's args give lists
         object.__setattr__(self, "tensors", tuple((str(name), tuple(int(d) for d in shape)) for name, shape in self.tensors))
-        if any(not name.startswith(self.prefix) for name, _ in self.tensors):
+        object.__setattr__(self, "splits", tuple((str(name), str(split)) for name, split in self.splits))
+        object.__setattr__(self, "stacked", tuple(self.stacked))
+        object.__setattr__(self, "tp_units", tuple((str(what), int(count)) for what, count in self.tp_units))
+        object.__setattr__(self, "extra_state", tuple(self.extra_state))
+        names = dict(self.tensors)
+        if any(not name.startswith(self.prefix) for name in names):
             raise ReshardError(f"tower {self.prefix!r}: a tensor of it is named outside its prefix")
+        if any(name not in names or split not in ("column", "row") for name, split in self.splits):
+            raise ReshardError(f"tower {self.prefix!r}: a split names no tensor of it, or is neither 'column' nor 'row'")
+
+    def is_stacked(self, name: str) -> bool:
+        return name.startswith(self.stacked)
+
+    def blocks(self, name: str) -> int | None:
+        """How many blocks a stacked tensor or module `name` is one of (None: not stacked)."""
+        stack = next((prefix for prefix in self.stacked if name.startswith(prefix)), None)
+        return None if stack is None else next(shape[0] for tensor, shape in self.tensors if tensor.startswith(stack))
 
 
 @dataclass(frozen=True)
@@ -247,6 +268,12 @@ class ModelConfig:
         """The tower (other than the language model) whose tensor `name` is."""
         return next((t for t in self.towers if name.startswith(t.prefix)), None)
 
+    def tower_blocks(self, name: str) -> range | list[None]:
+        """The blocks of tower tensor `name` stacked on its leading axis (`Tower.stacked`); [None] for any other."""
+        tower = self.tower_of(name)
+        blocks = tower.blocks(name) if tower is not None else None
+        return [None] if blocks is None else range(blocks)
+
     @property
     def groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
@@ -387,7 +414,10 @@ class ModelConfig:
         for name in _PATTERNS:
             if isinstance(out[name], tuple):
                 out[name] = list(out[name])
-        out["towers"] = [{"prefix": t.prefix, "tensors": [[name, list(shape)] for name, shape in t.tensors], "hf_config": t.hf_config}
+        out["towers"] = [{"prefix": t.prefix, "tensors": [[name, list(shape)] for name, shape in t.tensors], "hf_config": t.hf_config,
+                          **({"splits": [list(s) for s in t.splits], "stacked": list(t.stacked), "tp_units": [list(u) for u in t.tp_units],
+                              "extra_state": list(t.extra_state)}
+                             if t.splits or t.stacked else {})}
                          for t in self.towers]
         for name in ("mrope_section", "language_model_prefix", "towers"):  # a plain GPT model's args stay as they were
             if not out[name]:

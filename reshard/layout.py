@@ -174,6 +174,7 @@ class Layout:
                 checks.append((config.moe_shared_expert_intermediate_size, self.tp, "shared-expert FFN size"))
         elif self.ep > 1:
             raise ReshardError(f"EP={self.ep} needs a mixture-of-experts model; this one is dense: use --to-ep 1")
+        checks += [(count, self.tp, what) for tower in config.towers for what, count in tower.tp_units]  # where a tower splits
         for total, degree, what in checks:
             if total % degree:
                 raise ReshardError(

@@ -155,13 +155,14 @@ def describe(name: str, shape: tuple[int, ...], dtype: str, config: ModelConfig 
             stacked = True
     experts = bool(_EXPERT.search(param)) and ".router." not in param
     tower = config.tower_of(param) if config is not None else None
+    if tower is not None and param in dict(tower.tensors):  # a tower says how its tensors split (`config.Tower`)
+        return TensorSpec(name=name, shape=tuple(int(d) for d in shape), dtype=dtype, split=Split(dict(tower.splits).get(param, "replicated")),
+                          stacked=tower.is_stacked(param), param=param)
     bare = config.language_name(param) if config is not None else param
     for pattern, rule in () if tower else PARTITION_RULES:  # noqa: B007 (the rule that matched is used below)
         if re.search(pattern, bare) and (rule.when is None or (config is not None and rule.when(config))):
             break
     else:
-        if tower is not None and param in dict(tower.tensors):  # a tower's tensors are whole on every rank (`Tower`)
-            return TensorSpec(name=name, shape=tuple(int(d) for d in shape), dtype=dtype, split=Split.NONE, param=param)
         raise ReshardError(
             f"tensor {name!r} is not in reshard's partition table, so it cannot be resharded safely; "
             "please report it (or convert with --no-optimizer if it is optimizer state)"

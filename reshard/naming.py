@@ -166,10 +166,15 @@ def default_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
     Linear layers carry an (empty) extra state in both specs; Transformer Engine's attention too.
     Megatron's loader refuses a checkpoint that lacks them, and `None` is what an unused one holds.
     """
-    prefix = config.language_model_prefix  # a tower's modules (HF's, in Qwen2.5-VL's) keep none
+    prefix = config.language_model_prefix
     # GPTModel drops its output layer's (old GPT checkpoints lack it); megatron-core's MambaModel keeps it
     head = {str(ObjectKey("output_layer._extra_state", (0,), (1,))): None} if config.hybrid_override_pattern else {}
-    return {prefix + key: None for key in {**_decoder_extra_state(config, te), **_mtp_extra_state(config, te), **head}}
+    out = {prefix + key: None for key in {**_decoder_extra_state(config, te), **_mtp_extra_state(config, te), **head}}
+    for tower in config.towers:  # a tower's in Megatron form (Qwen3-VL's), stacked as its blocks are; HF modules keep none
+        for module in tower.extra_state:
+            n = tower.blocks(module)
+            out.update({str(ObjectKey(f"{module}._extra_state", (i,), (n or 1,))): None for i in range(n or 1)})
+    return out
 
 
 def _decoder_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:

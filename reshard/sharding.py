@@ -55,6 +55,8 @@ def _owning_chunks(spec: TensorSpec, config: ModelConfig | None, layout: Layout)
     if config is None:
         assert layout.pp * layout.vpp == 1, "a layout of several stages without an architecture"
         return [(0, 0, layer, layer) for layer in (range(spec.shape[0]) if spec.stacked else [spec.layer])]
+    if config.tower_of(spec.param) is not None:  # a tower is on the first stage, its blocks (if stacked) all there (`config.Tower`)
+        return [(0, 0, layer, layer) for layer in (range(spec.shape[0]) if spec.stacked else [None])]
     stages = layout.stage_layers(config.num_layers)
     last = len(stages) - 1
     if spec.stacked:
@@ -66,7 +68,7 @@ def _owning_chunks(spec: TensorSpec, config: ModelConfig | None, layout: Layout)
     if spec.layer is not None:
         pp, vstage, local = layout.chunk_of_layer(config.num_layers, spec.layer)
         return [(pp, vstage, spec.layer, local)]
-    param = config.language_name(spec.param)  # a tower's tensors are on the first stage (`config.Tower`)
+    param = config.language_name(spec.param)
     if param.startswith("embedding."):
         return [(0, 0, None, None)]
     # Multi-token-prediction layers live on the last stage, beside the output layer (Megatron-Core's default placement)

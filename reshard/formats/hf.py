@@ -470,7 +470,7 @@ class HFReader(CheckpointReader):
         used: set[str] = set()
         dtypes: dict[str, str] = {}
         for name, mapping in self._mappings.items():
-            layers = range(config.num_layers) if config.language_name(name).startswith("decoder.layers.") else [None]
+            layers = range(config.num_layers) if config.language_name(name).startswith("decoder.layers.") else config.tower_blocks(name)
             experts = range(config.num_experts or 0) if ".experts.experts." in name else [None]
             kinds = set()
             for layer in layers:

@@ -106,6 +106,18 @@ def _configs():
             vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
                                temporal_patch_size=2, spatial_merge_size=2, in_channels=3, window_size=16, fullatt_block_indexes=[1]),
             image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243, tie_word_embeddings=False),
+        # Qwen3-VL in small: Qwen3's language model (q/k norms, no biases) with interleaved MRoPE sections 2, 3, 3 of the 8
+        # rotary frequencies, beside a three-block vision tower in Megatron form at Bridge (widths 24, 40, merged 96: none
+        # square, none twice another) whose blocks 0 and 1 feed DeepStack mergers; a 4 x 4 grid of position embeddings
+        "qwen3_vl": tf.Qwen3VLConfig(
+            text_config=dict(COMMON, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
+                             max_position_embeddings=128, tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
+                                              "mrope_section": [2, 3, 3]}),
+            vision_config=dict(depth=3, hidden_size=24, intermediate_size=40, num_heads=2, out_hidden_size=64, patch_size=4,
+                               temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16,
+                               deepstack_visual_indexes=[0, 1]),
+            image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243, tie_word_embeddings=False),
         # Qwen3-Next in small: Gated DeltaNet on layers 0 and 2 (2 key heads of 16, 4 value heads of 8: two value heads per
         # key head), gated attention with per-head q/k norms on 1 and 3, a quarter of the head dims rotated, zero-centred
         # norms, layer 0's MLP dense and the others MoE with a gated shared expert (widths 96, 48, 40: none square, none

@@ -216,11 +216,11 @@ def dist_tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def bridge(*args) -> None:
-    """fixtures/bridge_qwen2_5_vl.py under Megatron-Bridge 0.6.2's venv."""
+def bridge(*args, script: str = "bridge_qwen2_5_vl.py") -> None:
+    """fixtures/`script` under Megatron-Bridge 0.6.2's venv."""
     if not BRIDGE_PYTHON.is_file():
         pytest.skip(f"Megatron-Bridge's venv is not here ({BRIDGE_PYTHON}; BRIDGE_VENV, ../shared/peers/setup_bridge.sh)")
-    proc = subprocess.run([str(BRIDGE_PYTHON), str(REPO / "fixtures" / "bridge_qwen2_5_vl.py"), *map(str, args)],
+    proc = subprocess.run([str(BRIDGE_PYTHON), str(REPO / "fixtures" / script), *map(str, args)],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -138,6 +138,11 @@ BASE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "nu
 MROPE = {"type": "mrope", "mrope_section": [2, 3, 3]}  # 8 rotary frequencies of BASE's head_dim 16
 VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64, "patch_size": 4,
           "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3, "fullatt_block_indexes": [1]}
+# Qwen3-VL's: interleaved MRoPE, a vision model of three blocks two of which feed DeepStack mergers
+MROPE_INTERLEAVED = {"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True, "mrope_section": [2, 3, 3]}
+VISION3 = {"depth": 3, "hidden_size": 24, "intermediate_size": 40, "num_heads": 2, "out_hidden_size": 64, "patch_size": 4,
+           "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3, "num_position_embeddings": 16,
+           "deepstack_visual_indexes": [0, 1]}
 YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0}
 DEEPSEEK = {"num_key_value_heads": 4, "first_k_dense_replace": 2, "q_lora_rank": 24, "kv_lora_rank": 32,
@@ -180,6 +185,12 @@ DEEPSEEK_MOE = dict(DEEPSEEK, first_k_dense_replace=0, n_routed_experts=4, num_e
      "vision_config.out_hidden_size=32 is not the language model's hidden_size 64"),
     ("Qwen2_5_VLForConditionalGeneration", {"vision_config": dict(VISION, num_heads=3), "rope_scaling": MROPE}, "vision_config.num_heads"),
     ("Qwen2_5_VLForConditionalGeneration", {"vision_config": dict(VISION, depth=0), "rope_scaling": MROPE}, "vision_config.depth"),
+    ("Qwen3VLForConditionalGeneration", {"vision_config": dict(VISION3, deepstack_visual_indexes=[3]), "rope_parameters": MROPE_INTERLEAVED},
+     "vision_config.deepstack_visual_indexes"),
+    ("Qwen3VLForConditionalGeneration", {"vision_config": dict(VISION3, hidden_act="silu"), "rope_parameters": MROPE_INTERLEAVED},
+     "vision_config.hidden_act"),
+    ("Qwen3VLForConditionalGeneration", {"vision_config": VISION3, "rope_parameters": dict(MROPE_INTERLEAVED, mrope_interleaved=False)},
+     "mrope_interleaved"),
 ])
 def test_unmapped_hf_features_are_refused(arch, extra, match):
     hf = dict(BASE, architectures=[arch], **extra)
@@ -221,6 +232,7 @@ HF_CONFIGS = {
     "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 250},
     # the older Hub layout: the text fields at the top, MRoPE in rope_scaling
     "qwen2_5_vl": dict(BASE, architectures=["Qwen2_5_VLForConditionalGeneration"], rope_scaling=MROPE, vision_config=VISION),
+    "qwen3_vl": dict(BASE, architectures=["Qwen3VLForConditionalGeneration"], rope_parameters=MROPE_INTERLEAVED, vision_config=VISION3),
 }
 
 
