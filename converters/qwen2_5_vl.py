@@ -25,6 +25,16 @@ from reshard.errors import ReshardError
 
 LANGUAGE = "language_model."  # Bridge's Megatron prefix of the language model
 VISUAL = "visual."  # the vision tower's, Megatron's (Bridge's) and the saved HF files' alike
+
+
+def check_bridge_vl(config: ModelConfig, family: str, tower: str, prefix: str) -> None:
+    """Refuse a Megatron model that is not Bridge's VL model of `family`: its language model under LANGUAGE, one
+    `tower` under `prefix`, MRoPE sections that cut the rotary frequencies."""
+    if config.language_model_prefix != LANGUAGE or [t.prefix for t in config.towers] != [prefix]:
+        raise ReshardError(f"the model is not Megatron-Bridge's {family} (the language model under {LANGUAGE!r}, "
+                           f"{tower} under {prefix!r}): keep it in a Megatron format")
+    if not config.mrope_section or sum(config.mrope_section) != config.head_dim // 2:
+        raise ReshardError(f"mrope_section={config.mrope_section} does not cut the {config.head_dim // 2} rotary frequencies")
 # config.json's own keys beside the nested text and vision configs
 _TOP = ("architectures", "model_type", "tie_word_embeddings", "dtype", "torch_dtype", "transformers_version", "image_token_id",
         "video_token_id", "vision_start_token_id", "vision_end_token_id", "vision_token_id", "text_config", "vision_config")
@@ -137,11 +147,7 @@ class Qwen2_5_VL(Qwen2):
 
     def check_megatron(self, config: ModelConfig) -> None:
         super().check_megatron(config)
-        if config.language_model_prefix != LANGUAGE or [t.prefix for t in config.towers] != [VISUAL]:
-            raise ReshardError(f"the model is not Megatron-Bridge's Qwen2.5-VL (the language model under {LANGUAGE!r}, "
-                               f"a vision tower under {VISUAL!r}): keep it in a Megatron format")
-        if not config.mrope_section or sum(config.mrope_section) != config.head_dim // 2:
-            raise ReshardError(f"mrope_section={config.mrope_section} does not cut the {config.head_dim // 2} rotary frequencies")
+        check_bridge_vl(config, "Qwen2.5-VL", "a vision tower", VISUAL)
 
     def mappings(self, config):
         text = [*embeddings_and_head(config, self.text), *llama_attention(config, self.text, qkv_bias=True), *llama_dense_mlp(self.text)]

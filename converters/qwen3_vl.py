@@ -35,9 +35,8 @@ from reshard.converters.base import (
     llama_dense_mlp,
     under,
 )
-from reshard.converters.qwen2_5_vl import LANGUAGE, TOKEN_FIELDS, nested_hf_config, split_mrope, text_config
+from reshard.converters.qwen2_5_vl import LANGUAGE, TOKEN_FIELDS, check_bridge_vl, nested_hf_config, split_mrope, text_config
 from reshard.converters.qwen3 import Qwen3
-from reshard.errors import ReshardError
 
 VISION = "vision_model."  # Bridge's Megatron prefix of the vision model
 _BLOCKS, _DEEPSTACK = f"{VISION}decoder.layers.", f"{VISION}decoder.deepstack_merger_list."
@@ -175,11 +174,7 @@ class Qwen3VL(Qwen3):
 
     def check_megatron(self, config: ModelConfig) -> None:
         super().check_megatron(config)
-        if config.language_model_prefix != LANGUAGE or [t.prefix for t in config.towers] != [VISION]:
-            raise ReshardError(f"the model is not Megatron-Bridge's Qwen3-VL (the language model under {LANGUAGE!r}, "
-                               f"a vision model under {VISION!r}): keep it in a Megatron format")
-        if not config.mrope_section or sum(config.mrope_section) != config.head_dim // 2:
-            raise ReshardError(f"mrope_section={config.mrope_section} does not cut the {config.head_dim // 2} rotary frequencies")
+        check_bridge_vl(config, "Qwen3-VL", "a vision model", VISION)
 
     def mappings(self, config):
         text = [*embeddings_and_head(config, self.text_prefix), *llama_attention(config, self.text_prefix),
