@@ -23,7 +23,7 @@ from reshard.converters.base import QKV, Rename
 from reshard.converters.qwen2_5_vl import Qwen2_5_VL
 from reshard.formats import open_checkpoint
 from tests.cli import refused_cli, refused_config
-from tests.launch import run
+from tests.launch import free_port, run
 
 from hf_models import build, load
 
@@ -221,7 +221,8 @@ def bridge(*args, script: str = "bridge_qwen2_5_vl.py") -> None:
     if not BRIDGE_PYTHON.is_file():
         pytest.skip(f"Megatron-Bridge's venv is not here ({BRIDGE_PYTHON}; BRIDGE_VENV, ../shared/peers/setup_bridge.sh)")
     proc = subprocess.run([str(BRIDGE_PYTHON), str(REPO / "fixtures" / script), *map(str, args)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": "", "MASTER_PORT": str(free_port())})  # two may run at once (xdist)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
