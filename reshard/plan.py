@@ -336,8 +336,8 @@ def _refuse_what_needs_an_architecture(reader: CheckpointReader, format_name: st
         # --config completes a torch_dist checkpoint only; a zarr copy of one goes back to torch_dist first
         where = "" if reader.format_name == "torch_dist" else "convert it to torch_dist (no --config needed) and there "
         raise ReshardError(
-            f"{reader.path} records no architecture, which {needs[0]} needs (head counts, gating, vocabulary): {where}pass "
-            "--config with the model's HF config.json or a YAML of its Megatron arguments"
+            f"{reader.path} records no architecture, which {needs[0]} needs (head counts, gating, vocabulary): {where}"
+            f"{reader.architecture_hint}"
         )
 
 

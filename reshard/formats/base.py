@@ -185,6 +185,8 @@ class CheckpointReader(abc.ABC):
     unsupported_optimizer: list[str] = []  # stored keys of optimizer state it does not read (a form that cannot be resharded)
     optimizer_refusal: OptimizerRefusal | None = None  # why a decoder refused the optimizer state it found
     default_dtype: str | None = None  # what a conversion told no dtype writes (None: each tensor's own)
+    # what to do where it records no architecture and a conversion needs one (`plan`)
+    architecture_hint: str = "pass --config with the model's HF config.json or a YAML of its Megatron arguments"
     # where the tokenizer files (`hf.TOKENIZER_FILES`) it was trained with lie, if anywhere: the trainer saves
     # tokenizer.json beside its iterations, and a run resumed without it would train another (other token ids)
     tokenizer_dir: Path | None = None

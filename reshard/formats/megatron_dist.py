@@ -28,7 +28,7 @@ from reshard.config import ModelConfig
 from reshard.direct_io import DirectFile, round_up
 from reshard.dtypes import itemsize, numpy_dtype
 from reshard.errors import ReshardError
-from reshard.formats import integrity
+from reshard.formats import integrity, ms_swift
 from reshard.formats.base import (
     CheckpointReader,
     CheckpointWriter,
@@ -276,7 +276,12 @@ class TorchDistReader(CheckpointReader):
 
     def _architecture(self, args: Any, config_file: Path | None, needed: bool) -> dict[str, Any] | None:
         """Megatron-LM's args where it saved them, else Megatron-Bridge's run_config.yaml (beside the
-        iteration or the save directory), else `--config`, else (when not `needed`) None."""
+        iteration or the save directory), else `--config`, else (when not `needed`) None. ms-swift's args
+        (`formats.ms_swift`) give the layout; its architecture is an HF config.json beside them or `--config`."""
+        swift = args_dict(args) if args is not None and ms_swift.saved_by_swift(args_dict(args)) else None
+        if swift is not None:
+            args, config_file = None, ms_swift.architecture_file(swift, self.tree.root, config_file, self.path)
+            self.architecture_hint = ms_swift.architecture_hint(swift)
         if config_file is not None and args is not None:
             raise ReshardError(f"{self.path} records its architecture in its args; drop --config")
         if args is not None:
@@ -286,16 +291,13 @@ class TorchDistReader(CheckpointReader):
             embedding = self.metadata.tensors.get(args.get("language_model_prefix", "") + "embedding.word_embeddings.weight")
             if embedding is not None:  # its padding is the saving run's choice, not the architecture's
                 args["padded_vocab_size"] = embedding.size[0]
-            return args
+            return {**args, **ms_swift.layout_args(swift)} if swift is not None else args
         for directory in (self.tree.iteration_dir, self.tree.root):
             if (directory / RUN_CONFIG).is_file():
                 return bridge_args(directory / RUN_CONFIG)
         if not needed:
             return None
-        raise ReshardError(
-            f"{self.path} records no architecture (no Megatron-LM args, no {RUN_CONFIG}): pass --config with the "
-            "model's HF config.json or a YAML of its Megatron arguments"
-        )
+        raise ReshardError(f"{self.path} records no architecture (no Megatron-LM args, no {RUN_CONFIG}): {self.architecture_hint}")
 
     def _object(self, info: Storage, key: str) -> object:
         file, values = self._decode(info, "an object", RecordFile.unpickle)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import ReshardError
-from reshard.formats import nemo_rl
+from reshard.formats import ms_swift, nemo_rl
 from reshard.paths import confined
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -39,7 +39,7 @@ def iteration_dirname(iteration: int | str) -> str:
 
 
 def locate(path: Path) -> MegatronTree | None:
-    """Find the checkpoint in a save directory (via its tracker file) or an iteration directory, or a NeMo-RL run's."""
+    """Find the checkpoint in a save directory (via its tracker file) or an iteration directory, or a NeMo-RL or ms-swift run's."""
     tracker = path / TRACKER
     if tracker.is_file():
         text = tracker.read_text().strip()
@@ -59,8 +59,9 @@ def locate(path: Path) -> MegatronTree | None:
         return MegatronTree(path, newest, int(newest.name[5:]))
     if (path / ".metadata").is_file():  # a bare dist_checkpointing.save directory: no tracker, no iteration
         return MegatronTree(path, path, 0)
-    weights = nemo_rl.weights_dir(path)  # last: it lists the directory, which an iteration's holds thousands of files
-    return locate(weights) if weights != path else None
+    # last: they list the directory, which an iteration's holds thousands of files
+    inside = next((found for found in (nemo_rl.weights_dir(path), ms_swift.checkpoint_dir(path)) if found != path), None)
+    return locate(inside) if inside is not None else None
 
 
 def stored_iteration(iteration: int | str) -> int:
