@@ -45,17 +45,12 @@ STEPS = {  # name -> convert flags
 }
 
 
-def build_main(path: Path, size_gb: float) -> None:
-    """The synthetic source: model tensors and DistributedOptimizer state streamed into dp_reshardable buckets."""
+def optimizer_reader(config, layout):
+    """A deterministic synthetic bf16 model of `config` at `layout`, with DistributedOptimizer state (fp32 master
+    weights, exp_avg, exp_avg_sq), as a reader a conversion streams from."""
     from fixtures.synthetic import SyntheticReader
-    from reshard.layout import Layout
     from reshard.logical import describe
-    from reshard.plan import make_plan
-    from reshard.request import Target
-    from reshard.streaming import stream
 
-    config = dense_config(size_gb)
-    layout = Layout(tp=SOURCE["tp"])
     reader = SyntheticReader(config, layout, "bfloat16", seed=0)
     for name, spec in list(reader.specs.items()):
         for state in ("param", "exp_avg", "exp_avg_sq"):
@@ -67,6 +62,18 @@ def build_main(path: Path, size_gb: float) -> None:
         "optimizer": {"param_groups": [{**group, "wd_mult": 1.0}, {**group, "wd_mult": 0.0}]},
         "param_state_sharding_type": "fully_reshardable",
     }
+    return reader
+
+
+def build_main(path: Path, size_gb: float) -> None:
+    """The synthetic source: model tensors and DistributedOptimizer state streamed into dp_reshardable buckets."""
+    from reshard.layout import Layout
+    from reshard.plan import make_plan
+    from reshard.request import Target
+    from reshard.streaming import stream
+
+    layout = Layout(tp=SOURCE["tp"])
+    reader = optimizer_reader(dense_config(size_gb), layout)
     target = Target(format="torch_dist", layout=layout, naming="local", optimizer_form="dp_reshardable", dp=SOURCE["dp"])
     stream(reader, make_plan(reader, path, target))
 
