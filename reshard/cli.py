@@ -76,6 +76,9 @@ def inspect(path: Path, as_json: bool, config_file: Path | None) -> None:
 @click.option("--vocab-size", type=int, help="The true vocabulary size, when the checkpoint does not record it.")
 @click.option("--config", "config_file", type=click.Path(path_type=Path),
               help="The architecture of a torch_dist checkpoint that records none: an HF config.json or a YAML of Megatron arguments.")
+@click.option("--base", type=click.Path(path_type=Path),
+              help="SOURCE is a LoRA adapter save (Megatron-Bridge's or NeMo-RL's PEFT, adapter weights only): the model it "
+              "adapts (HF or Megatron); the output is that model with the adapter merged.")
 @click.option(
     "--naming",
     type=click.Choice(["te", "local"]),
@@ -157,7 +160,8 @@ def convert(source: str, destination: Path, **opts: Any) -> None:
             source,
             destination,
             target,
-            hints=SourceHints(tp=opts["tp"], pp=opts["pp"], ep=opts["ep"], vocab_size=opts["vocab_size"], config=opts["config_file"]),
+            hints=SourceHints(tp=opts["tp"], pp=opts["pp"], ep=opts["ep"], vocab_size=opts["vocab_size"], config=opts["config_file"],
+                              base=opts["base"]),
             run=_run(opts),
             overwrite=opts["overwrite"],
             dry_run=opts["dry_run"],

@@ -54,6 +54,13 @@ PARTITION_RULES: tuple[tuple[str, Rule], ...] = (
     (r"embedding\.word_embeddings\.weight$", Rule(Split.COLUMN, vocab=True)),
     (r"^output_layer\.weight$", Rule(Split.COLUMN, vocab=True)),
     (r"embedding\.position_embeddings\.weight$", Rule(Split.NONE)),
+    # Megatron-Bridge's LoRA adapters (a PEFT save, `reshard.lora`): linear_in is a column-parallel layer over the rank
+    # under a column-parallel base and a row-parallel one over the base's input under a row-parallel base; linear_out
+    # is column-parallel over the base's outputs, split per gate/up half under a gated fc1 as the base is
+    (r"(linear_qkv|linear_fc1)\.adapter\.linear_in\.weight$", Rule(Split.COLUMN)),
+    (r"(linear_proj|linear_fc2)\.adapter\.linear_in\.weight$", Rule(Split.ROW)),
+    (r"linear_fc1\.adapter\.linear_out\.weight$", Rule(Split.COLUMN, gated=True)),
+    (r"(linear_qkv|linear_proj|linear_fc2)\.adapter\.linear_out\.weight$", Rule(Split.COLUMN)),
     (r"linear_qkv\.(weight|bias)$", Rule(Split.COLUMN)),
     # Multi-latent attention: the up projections split by heads. The down projections are column-parallel in
     # the local spec (their outputs gathered before the latent norms); Transformer Engine's spec keeps them

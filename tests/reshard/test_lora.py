@@ -1,0 +1,71 @@
+"""A LoRA adapter save as Megatron-Bridge writes it (fixtures/golden/lora/: Bridge 0.6.2's own save_checkpoint with
+`cfg.peft`, adapter weights only) is a source together with the model it adapts (`--base`, HF or Megatron). The oracle
+is Bridge's own merged export of the same model (`export_hf_weights(merge_adapter_weights=True)`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from reshard import lora
+from reshard.convert import convert
+from reshard.request import LayoutChange, SourceHints, Target
+from tests.cli import refused_cli
+from tests.reshard.formats.test_golden import GOLDEN, HF
+
+LORA = GOLDEN / "lora"
+ADAPTER = LORA / "adapter"
+
+
+def _same_as_bridge_merged(hf_dir: Path) -> None:
+    ours, bridge = load_file(str(hf_dir / "model.safetensors")), load_file(str(LORA / "merged.safetensors"))
+    assert sorted(ours) == sorted(bridge)
+    for name, tensor in bridge.items():
+        assert ours[name].dtype == tensor.dtype and np.array_equal(ours[name], tensor), name
+
+
+def test_merged_into_an_hf_base_is_bridges_merged_export(tmp_path):
+    convert(ADAPTER, tmp_path / "hf", Target(format="hf"), hints=SourceHints(base=HF))
+    _same_as_bridge_merged(tmp_path / "hf")
+    base = load_file(str(HF / "model.safetensors"))["model.layers.0.self_attn.k_proj.weight"]
+    assert not np.array_equal(load_file(str(tmp_path / "hf" / "model.safetensors"))["model.layers.0.self_attn.k_proj.weight"], base)
+
+
+def test_merged_into_a_megatron_base_at_tp2_is_the_same(tmp_path):
+    """The base as a Megatron checkpoint at TP2: the adapter (saved at TP1) merges per shard of the base's layout."""
+    convert(HF, tmp_path / "mcore", Target(format="torch_dist", layout=LayoutChange(tp=2)))
+    convert(ADAPTER, tmp_path / "hf", Target(format="hf"), hints=SourceHints(base=tmp_path / "mcore"))
+    _same_as_bridge_merged(tmp_path / "hf")
+
+
+def test_a_wrong_merge_fails_the_oracle(tmp_path, monkeypatch):
+    """The comparison can fail: linear_qkv's B with its rows of the two GQA groups swapped (q/k/v of one group taken for
+    the other's) is caught."""
+    read = lora.MergedReader.read
+
+    def swapped(self, name, region):
+        out = read(self, name, region)
+        return np.concatenate([out[:, 64:], out[:, :64]], axis=1) if name.endswith("linear_qkv.weight") else out
+
+    monkeypatch.setattr(lora.MergedReader, "read", swapped)
+    convert(ADAPTER, tmp_path / "hf", Target(format="hf"), hints=SourceHints(base=HF))
+    with pytest.raises(AssertionError, match="q_proj|k_proj|v_proj"):
+        _same_as_bridge_merged(tmp_path / "hf")
+
+
+def test_the_peft_section_is_read():
+    assert lora.lora_config(ADAPTER) == lora.LoraConfig(dim=4, alpha=8.0, targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
+    assert lora.lora_config(ADAPTER).scale == 2.0
+    assert lora.lora_config(GOLDEN / "bridge-torch_dist-tp1") is None
+
+
+def test_bad_input_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    refused_cli(monkeypatch, capsys, ["convert", ADAPTER, out, "--to-format", "hf", "-q"], "LoRA adapter save", "--base")
+    refused_cli(monkeypatch, capsys, ["convert", HF, out, "--to-format", "torch_dist", "--base", HF, "-q"], "--base is for a LoRA")
+    other = GOLDEN / "families" / "minimax_m2" / "hf"  # a base of other shapes than the one trained on
+    refused_cli(monkeypatch, capsys, ["convert", ADAPTER, out, "--to-format", "hf", "--base", other, "-q"], "give the base model")
+    assert not out.exists()
