@@ -35,7 +35,7 @@ from reshard.worklog import Done, Recorder, Resumed, WorkLog, fingerprint
 
 @dataclass
 class ConversionResult:
-    plan: ConversionPlan
+    plan: ConversionPlan | None  # None for a PEFT adapter, which moves no model tensors (`lora.write_peft`)
     manifest: Manifest | None  # None for a dry run
     seconds: float
 
@@ -333,6 +333,8 @@ def convert(
     if dst.is_relative_to(src):
         raise ReshardError(f"{destination} is inside the source {source}; choose a destination outside it")
     with _open_source(source, hints, dry_run) as reader:
+        if target.format == "peft":
+            return _peft(reader, destination, hints, overwrite, dry_run, start)
         for key in ("tp", "pp", "ep"):
             expected, actual = getattr(hints, key), getattr(reader.layout, key)
             if expected is not None and actual != expected:
@@ -365,6 +367,16 @@ def _open_source(source: Path, hints: SourceHints, dry_run: bool) -> CheckpointR
     if hints.config is not None:
         raise ReshardError(f"{source} is the model's config.json already: drop --config")
     return ConfigOnlyReader(source)
+
+
+def _peft(reader: CheckpointReader, destination: Path, hints: SourceHints, overwrite: bool, dry_run: bool, start: float) -> ConversionResult:
+    """A LoRA adapter save written as a PEFT adapter for its base's HF model (`lora.write_peft`)."""
+    if not isinstance(reader, lora.MergedReader):
+        raise ReshardError(f"--to-format peft writes a LoRA adapter: {reader.path} is a whole model, not an adapter save with --base")
+    if dry_run:
+        raise ReshardError("--dry-run plans a conversion of tensors; a PEFT adapter export has none to plan: drop --dry-run")
+    lora.write_peft(reader, destination, hints.base, overwrite)
+    return ConversionResult(None, None, time.perf_counter() - start)
 
 
 def _merged(source: Path, hints: SourceHints, adapter: lora.LoraConfig) -> CheckpointReader:

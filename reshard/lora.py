@@ -130,3 +130,57 @@ class MergedReader(CheckpointReader):
     def close(self) -> None:
         self.base.close()
         self.adapter.close()
+
+
+def peft_tensors(merged: MergedReader) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The adapter in PEFT's names for the base's HF model, and the HF modules it adapts. Each HF projection a fused
+    Megatron one holds (q/k/v of linear_qkv, gate/up of linear_fc1) gets the whole A and its rows of B, split by the
+    family's own mapping of the base weight's rows."""
+    from reshard.converters import family_for_model
+    from reshard.converters.base import QKV, GatedMLP, Rename
+
+    config = merged.config
+    family = getattr(merged.base, "family", None) or family_for_model(config, merged.common.args)
+    mappings = {m.megatron: m for m in family.mappings(config)}
+    tensors: dict[str, np.ndarray] = {}
+    for name, stem in merged.targets.items():
+        mapping, spec = mappings.get(name), merged.specs[name]
+        if not isinstance(mapping, (Rename, QKV, GatedMLP)):
+            raise ReshardError(f"{name} maps to HF {family.model_type} as {type(mapping).__name__}, which a PEFT adapter cannot "
+                               "hold; export the merged model instead (--to-format hf)")
+        a_all, b_all = (merged.adapter.read(n, [(0, d) for d in merged.adapter.specs[n].shape]) for n in (stem + IN, stem + OUT))
+        for layer in range(spec.shape[0]) if spec.stacked else [spec.layer]:
+            a, b = (a_all[layer], b_all[layer]) if spec.stacked else (a_all, b_all)
+            for hf_name, rows in zip(mapping.hf_names(layer=layer), mapping.to_hf(b, config), strict=True):
+                module = "base_model.model." + hf_name.removesuffix(".weight")
+                tensors[module + ".lora_A.weight"] = np.ascontiguousarray(a)
+                tensors[module + ".lora_B.weight"] = np.ascontiguousarray(rows)
+    modules = sorted({key.split(".")[-3] for key in tensors})
+    return tensors, modules
+
+
+def peft_config(lora_config: LoraConfig, modules: list[str], base: Path) -> dict:
+    """PEFT's adapter_config.json: r and lora_alpha as Bridge's dim and alpha, so that peft's lora_alpha / r is
+    Bridge's scale (the fields Bridge's own `save_hf_adapter` writes)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base), "r": lora_config.dim,
+            "lora_alpha": lora_config.alpha, "lora_dropout": 0.0, "target_modules": modules, "bias": "none",
+            "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
+            "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False, "use_rslora": False}
+
+
+def write_peft(merged: MergedReader, destination: Path, base: Path, overwrite: bool) -> None:
+    """`adapter_config.json` + `adapter_model.safetensors` at `destination`, written aside and renamed into place."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from reshard.atomic import replace_dir
+
+    if destination.exists() and any(destination.iterdir()) and not overwrite:
+        raise ReshardError(f"{destination} exists and is not empty; choose another destination or pass --overwrite")
+    tensors, modules = peft_tensors(merged)
+    tmp = destination.parent / f".{destination.name}.peft-partial"
+    tmp.mkdir(parents=True, exist_ok=False)
+    save_file(tensors, str(tmp / "adapter_model.safetensors"))
+    (tmp / "adapter_config.json").write_text(json.dumps(peft_config(merged.lora, modules, base), indent=2) + "\n")
+    replace_dir(tmp, destination)

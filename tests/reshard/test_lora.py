@@ -4,11 +4,12 @@ is Bridge's own merged export of the same model (`export_hf_weights(merge_adapte
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from reshard import lora
 from reshard.convert import convert
@@ -66,6 +67,60 @@ def test_bad_input_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     refused_cli(monkeypatch, capsys, ["convert", ADAPTER, out, "--to-format", "hf", "-q"], "LoRA adapter save", "--base")
     refused_cli(monkeypatch, capsys, ["convert", HF, out, "--to-format", "torch_dist", "--base", HF, "-q"], "--base is for a LoRA")
+    refused_cli(monkeypatch, capsys, ["convert", HF, out, "--to-format", "peft", "-q"], "--to-format peft writes a LoRA adapter")
     other = GOLDEN / "families" / "minimax_m2" / "hf"  # a base of other shapes than the one trained on
-    refused_cli(monkeypatch, capsys, ["convert", ADAPTER, out, "--to-format", "hf", "--base", other, "-q"], "give the base model")
+    for to in ("hf", "peft"):
+        refused_cli(monkeypatch, capsys, ["convert", ADAPTER, out, "--to-format", to, "--base", other, "-q"], "give the base model")
     assert not out.exists()
+
+
+def test_the_peft_adapter_is_bridges_own(tmp_path):
+    """`--to-format peft` writes the tensors Bridge's own `save_hf_adapter` wrote, bit for bit, and its r and alpha."""
+    convert(ADAPTER, tmp_path / "peft", Target(format="peft"), hints=SourceHints(base=HF))
+    ours, bridge = load_file(str(tmp_path / "peft" / "adapter_model.safetensors")), load_file(str(LORA / "peft" / "adapter_model.safetensors"))
+    assert sorted(ours) == sorted(bridge) and all(np.array_equal(ours[name], bridge[name]) for name in bridge)
+    config, theirs = (json.loads((d / "adapter_config.json").read_text()) for d in (tmp_path / "peft", LORA / "peft"))
+    assert {k: v for k, v in config.items() if k != "base_model_name_or_path"} == {k: v for k, v in theirs.items()
+                                                                                    if k in config and k != "base_model_name_or_path"}
+
+
+def _logits(model, tokens) -> np.ndarray:
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+
+
+def _peft_logits(adapter: Path, tokens) -> np.ndarray:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(HF, dtype="float32")
+    return _logits(PeftModel.from_pretrained(base, adapter), tokens)
+
+
+@pytest.mark.parametrize("sabotage", [None, "k/v rows of lora_B swapped", "lora_alpha doubled"])
+def test_peft_loads_the_adapter_onto_the_hf_base_with_the_merged_models_logits(tmp_path, sabotage):
+    """The issue's proof: `peft` (with transformers' Llama) loads the exported adapter onto the HF base and gives the
+    logits of transformers' model of reshard's merged export; a deliberate error in the adapter fails it."""
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    convert(ADAPTER, tmp_path / "peft", Target(format="peft"), hints=SourceHints(base=HF))
+    convert(ADAPTER, tmp_path / "merged", Target(format="hf"), hints=SourceHints(base=HF))
+    adapter = tmp_path / "peft"
+    if sabotage == "k/v rows of lora_B swapped":
+        tensors = load_file(str(adapter / "adapter_model.safetensors"))
+        k, v = (f"base_model.model.model.layers.1.self_attn.{p}_proj.lora_B.weight" for p in "kv")
+        tensors[k], tensors[v] = tensors[v], tensors[k]
+        save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    elif sabotage == "lora_alpha doubled":
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        (adapter / "adapter_config.json").write_text(json.dumps(config | {"lora_alpha": 2 * config["lora_alpha"]}))
+    tokens = np.random.default_rng(0).integers(0, 250, size=(2, 12))
+    merged = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype="float32"), tokens)
+    base = _logits(AutoModelForCausalLM.from_pretrained(HF, dtype="float32"), tokens)
+    diff, moved = np.abs(_peft_logits(adapter, tokens) - merged).max(), np.abs(base - merged).max()
+    assert moved > 0.1  # the adapter changes the model's logits well beyond the tolerance
+    assert (diff < 1e-4) == (sabotage is None), (diff, moved)
