@@ -1,10 +1,13 @@
 """A LoRA adapter save as Megatron-Bridge writes it (fixtures/golden/lora/: Bridge 0.6.2's own save_checkpoint with
 `cfg.peft`, adapter weights only) is a source together with the model it adapts (`--base`, HF or Megatron). The oracle
-is Bridge's own merged export of the same model (`export_hf_weights(merge_adapter_weights=True)`)."""
+is Bridge's own merged export of the same model (`export_hf_weights(merge_adapter_weights=True)`) and its own PEFT
+adapter (`save_hf_adapter`), from saves at TP1 and TP2; and `peft`, loading the adapter onto the HF base."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -13,24 +16,27 @@ from safetensors.numpy import load_file, save_file
 
 from reshard import lora
 from reshard.convert import convert
+from reshard.errors import ReshardError
 from reshard.request import LayoutChange, SourceHints, Target
 from tests.cli import refused_cli
 from tests.reshard.formats.test_golden import GOLDEN, HF
 
-LORA = GOLDEN / "lora"
+LORA = GOLDEN / "lora" / "tp1"
 ADAPTER = LORA / "adapter"
+SAVES = ["tp1", "tp2"]
 
 
-def _same_as_bridge_merged(hf_dir: Path) -> None:
-    ours, bridge = load_file(str(hf_dir / "model.safetensors")), load_file(str(LORA / "merged.safetensors"))
+def _same_as_bridge_merged(hf_dir: Path, save: str = "tp1") -> None:
+    ours, bridge = load_file(str(hf_dir / "model.safetensors")), load_file(str(GOLDEN / "lora" / save / "merged.safetensors"))
     assert sorted(ours) == sorted(bridge)
     for name, tensor in bridge.items():
         assert ours[name].dtype == tensor.dtype and np.array_equal(ours[name], tensor), name
 
 
-def test_merged_into_an_hf_base_is_bridges_merged_export(tmp_path):
-    convert(ADAPTER, tmp_path / "hf", Target(format="hf"), hints=SourceHints(base=HF))
-    _same_as_bridge_merged(tmp_path / "hf")
+@pytest.mark.parametrize("save", SAVES)
+def test_merged_into_an_hf_base_is_bridges_merged_export(tmp_path, save):
+    convert(GOLDEN / "lora" / save / "adapter", tmp_path / "hf", Target(format="hf"), hints=SourceHints(base=HF))
+    _same_as_bridge_merged(tmp_path / "hf", save)
     base = load_file(str(HF / "model.safetensors"))["model.layers.0.self_attn.k_proj.weight"]
     assert not np.array_equal(load_file(str(tmp_path / "hf" / "model.safetensors"))["model.layers.0.self_attn.k_proj.weight"], base)
 
@@ -74,12 +80,14 @@ def test_bad_input_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
     assert not out.exists()
 
 
-def test_the_peft_adapter_is_bridges_own(tmp_path):
+@pytest.mark.parametrize("save", SAVES)
+def test_the_peft_adapter_is_bridges_own(tmp_path, save):
     """`--to-format peft` writes the tensors Bridge's own `save_hf_adapter` wrote, bit for bit, and its r and alpha."""
-    convert(ADAPTER, tmp_path / "peft", Target(format="peft"), hints=SourceHints(base=HF))
-    ours, bridge = load_file(str(tmp_path / "peft" / "adapter_model.safetensors")), load_file(str(LORA / "peft" / "adapter_model.safetensors"))
+    bridge_dir = GOLDEN / "lora" / save
+    convert(bridge_dir / "adapter", tmp_path / "peft", Target(format="peft"), hints=SourceHints(base=HF))
+    ours, bridge = (load_file(str(d / "peft" / "adapter_model.safetensors")) for d in (tmp_path, bridge_dir))
     assert sorted(ours) == sorted(bridge) and all(np.array_equal(ours[name], bridge[name]) for name in bridge)
-    config, theirs = (json.loads((d / "adapter_config.json").read_text()) for d in (tmp_path / "peft", LORA / "peft"))
+    config, theirs = (json.loads((d / "peft" / "adapter_config.json").read_text()) for d in (tmp_path, bridge_dir))
     assert {k: v for k, v in config.items() if k != "base_model_name_or_path"} == {k: v for k, v in theirs.items()
                                                                                     if k in config and k != "base_model_name_or_path"}
 
@@ -100,7 +108,10 @@ def _peft_logits(adapter: Path, tokens) -> np.ndarray:
     return _logits(PeftModel.from_pretrained(base, adapter), tokens)
 
 
-@pytest.mark.parametrize("sabotage", [None, "k/v rows of lora_B swapped", "lora_alpha doubled"])
+# the fast tier keeps the proof itself (its ~5 s are transformers' and peft's imports); the sabotaged cases are the full tier's
+@pytest.mark.parametrize("sabotage", [pytest.param(None, marks=pytest.mark.fast),
+                                      pytest.param("k/v rows of lora_B swapped", marks=pytest.mark.slow),
+                                      pytest.param("lora_alpha doubled", marks=pytest.mark.slow)])
 def test_peft_loads_the_adapter_onto_the_hf_base_with_the_merged_models_logits(tmp_path, sabotage):
     """The issue's proof: `peft` (with transformers' Llama) loads the exported adapter onto the HF base and gives the
     logits of transformers' model of reshard's merged export; a deliberate error in the adapter fails it."""
@@ -124,3 +135,35 @@ def test_peft_loads_the_adapter_onto_the_hf_base_with_the_merged_models_logits(t
     diff, moved = np.abs(_peft_logits(adapter, tokens) - merged).max(), np.abs(base - merged).max()
     assert moved > 0.1  # the adapter changes the model's logits well beyond the tolerance
     assert (diff < 1e-4) == (sabotage is None), (diff, moved)
+
+
+def test_a_nemo_rl_step_of_a_lora_run_is_an_adapter_save(tmp_path):
+    """NeMo-RL's Megatron policy with `megatron_cfg.peft.enabled` saves through Bridge's save_checkpoint with `cfg.peft` set
+    (nemo_rl/models/megatron/setup.py), into `step_N/policy/weights/`: the step is the adapter save."""
+    step = tmp_path / "run" / "step_3"
+    shutil.copytree(ADAPTER, step / "policy" / "weights")
+    (step / "training_info.json").write_text(json.dumps({"step": 3}))
+    convert(tmp_path / "run", tmp_path / "hf", Target(format="hf"), hints=SourceHints(base=HF))
+    _same_as_bridge_merged(tmp_path / "hf")
+
+
+@dataclass
+class _Adapter:  # an adapter save's tensor names, as `lora.adapted` reads them
+    names: list[str]
+    path: Path = Path("ADAPTER")
+
+    @property
+    def specs(self) -> dict[str, None]:
+        return dict.fromkeys(self.names)
+
+
+@pytest.mark.parametrize("module, words", [
+    ("decoder.layers.mlp.experts.linear_fc1", ("experts' LoRA", "merge_adapter_weights")),
+    ("decoder.layers.self_attention.linear_q_proj", ("'linear_q_proj'", "is not one reshard maps")),
+])
+def test_what_reshard_does_not_merge_is_refused_by_name(module, words):
+    with pytest.raises(ReshardError) as refused:
+        lora.adapted(_Adapter([module + lora.IN, module + lora.OUT]))
+    assert all(word in str(refused.value) for word in words), refused.value
+    with pytest.raises(ReshardError, match="no linear_out beside it"):
+        lora.adapted(_Adapter(["decoder.layers.mlp.linear_fc2" + lora.IN]))
