@@ -42,10 +42,14 @@ def test_merged_into_an_hf_base_is_bridges_merged_export(tmp_path, save):
 
 
 def test_merged_into_a_megatron_base_at_tp2_is_the_same(tmp_path):
-    """The base as a Megatron checkpoint at TP2: the adapter (saved at TP1) merges per shard of the base's layout."""
+    """The base as a Megatron checkpoint at TP2: the adapter (saved at TP1) merges per shard of the base's layout; the
+    merged model written as torch_dist at TP1 holds the same weights."""
     convert(HF, tmp_path / "mcore", Target(format="torch_dist", layout=LayoutChange(tp=2)))
     convert(ADAPTER, tmp_path / "hf", Target(format="hf"), hints=SourceHints(base=tmp_path / "mcore"))
     _same_as_bridge_merged(tmp_path / "hf")
+    convert(ADAPTER, tmp_path / "merged", Target(format="torch_dist", layout=LayoutChange(tp=1)), hints=SourceHints(base=tmp_path / "mcore"))
+    convert(tmp_path / "merged", tmp_path / "hf1", Target(format="hf"))
+    _same_as_bridge_merged(tmp_path / "hf1")
 
 
 def test_a_wrong_merge_fails_the_oracle(tmp_path, monkeypatch):
