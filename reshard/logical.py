@@ -170,6 +170,9 @@ def describe(name: str, shape: tuple[int, ...], dtype: str, config: ModelConfig 
         if re.search(pattern, bare) and (rule.when is None or (config is not None and rule.when(config))):
             break
     else:
+        if ".adapter." in bare:  # the rules above name every LoRA target reshard merges (`reshard.lora`)
+            raise ReshardError(f"LoRA adapter tensor {name!r} adapts a module reshard does not merge (it merges linear_qkv, linear_proj, "
+                               "linear_fc1, linear_fc2); merge it with Megatron-Bridge")
         raise ReshardError(
             f"tensor {name!r} is not in reshard's partition table, so it cannot be resharded safely; "
             "please report it (or convert with --no-optimizer if it is optimizer state)"

@@ -10,7 +10,6 @@ HF splits it. `MergedReader` is the base model so merged, any source format and 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +24,6 @@ from reshard.formats.model_args import RUN_CONFIG
 from reshard.sharding import Region
 
 IN, OUT = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
-_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # what reshard's families map (and Bridge's default)
-_EXPERT = re.compile(r"(?<!shared_)experts\.")
 
 
 @dataclass(frozen=True)
@@ -75,13 +72,10 @@ def adapted(adapter: CheckpointReader) -> list[str]:
         elif not name.endswith(OUT):
             raise ReshardError(f"{adapter.path}: tensor {name!r} of the adapter save is no LoRA linear_in/linear_out; "
                                "reshard merges Megatron-Bridge's LoRA only")
-    for name in names:
-        module = name.rsplit(".", 2)[-2]
-        if _EXPERT.search(name):
+    for name in names:  # the partition table has refused targets other than reshard's families' linears (`logical`)
+        if adapter.specs[name[: -len(".weight")] + IN].experts:
             raise ReshardError(f"{adapter.path}: {name[: -len('.weight')]} is an experts' LoRA, which reshard does not merge yet; "
                                "merge it with Megatron-Bridge (export_hf_weights with merge_adapter_weights)")
-        if module not in _TARGETS:
-            raise ReshardError(f"{adapter.path}: LoRA target {module!r} ({name}) is not one reshard maps ({', '.join(_TARGETS)})")
         if name[: -len(".weight")] + OUT not in adapter.specs:
             raise ReshardError(f"{adapter.path}: {name[: -len('.weight')] + IN} has no linear_out beside it: the save is incomplete")
     return names
@@ -162,8 +156,9 @@ def peft_tensors(merged: MergedReader) -> tuple[dict[str, np.ndarray], list[str]
 def peft_config(lora_config: LoraConfig, modules: list[str], base: Path) -> dict:
     """PEFT's adapter_config.json: r and lora_alpha as Bridge's dim and alpha, so that peft's lora_alpha / r is
     Bridge's scale (the fields Bridge's own `save_hf_adapter` writes)."""
+    alpha = int(lora_config.alpha) if lora_config.alpha.is_integer() else lora_config.alpha  # as Bridge's int field reads
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base), "r": lora_config.dim,
-            "lora_alpha": lora_config.alpha, "lora_dropout": 0.0, "target_modules": modules, "bias": "none",
+            "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": modules, "bias": "none",
             "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
             "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False, "use_rslora": False}
 

@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 from reshard import lora
 from reshard.convert import convert
 from reshard.errors import ReshardError
+from reshard.logical import TensorSpec, describe
 from reshard.request import LayoutChange, SourceHints, Target
 from tests.cli import refused_cli
 from tests.reshard.formats.test_golden import GOLDEN, HF
@@ -157,13 +158,13 @@ class _Adapter:  # an adapter save's tensor names, as `lora.adapted` reads them
     path: Path = Path("ADAPTER")
 
     @property
-    def specs(self) -> dict[str, None]:
-        return dict.fromkeys(self.names)
+    def specs(self) -> dict[str, TensorSpec]:
+        return {name: describe(name, (2, 4, 8, 8), "float32", None) for name in self.names}
 
 
 @pytest.mark.parametrize("module, words", [
     ("decoder.layers.mlp.experts.linear_fc1", ("experts' LoRA", "merge_adapter_weights")),
-    ("decoder.layers.self_attention.linear_q_proj", ("'linear_q_proj'", "is not one reshard maps")),
+    ("decoder.layers.self_attention.linear_q_proj", ("linear_q_proj.adapter", "does not merge")),  # MLA's
 ])
 def test_what_reshard_does_not_merge_is_refused_by_name(module, words):
     with pytest.raises(ReshardError) as refused:
