@@ -28,11 +28,11 @@ IN, OUT = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """The `peft:` section of a Bridge save: what it adapts and by how much."""
+    """The `peft:` section of a Bridge save: the rank and scale of its adapters (which modules it adapts, its tensors
+    say)."""
 
     dim: int
     alpha: float
-    targets: tuple[str, ...]
 
     @property
     def scale(self) -> float:
@@ -59,7 +59,7 @@ def lora_config(path: Path) -> LoraConfig | None:
         raise ReshardError(f"{run_config}: peft.dim and peft.alpha must be numbers ({err})") from None
     if dim <= 0:
         raise ReshardError(f"{run_config}: peft.dim is {dim}; a LoRA rank is positive")
-    return LoraConfig(dim, alpha, tuple(str(t) for t in peft.get("target_modules") or ()))
+    return LoraConfig(dim, alpha)
 
 
 def adapted(adapter: CheckpointReader) -> list[str]:
@@ -166,6 +166,7 @@ def peft_config(lora_config: LoraConfig, modules: list[str], base: Path) -> dict
 def write_peft(merged: MergedReader, destination: Path, base: Path, overwrite: bool) -> None:
     """`adapter_config.json` + `adapter_model.safetensors` at `destination`, written aside and renamed into place."""
     import json
+    import shutil
 
     from safetensors.numpy import save_file
 
@@ -174,8 +175,13 @@ def write_peft(merged: MergedReader, destination: Path, base: Path, overwrite: b
     if destination.exists() and any(destination.iterdir()) and not overwrite:
         raise ReshardError(f"{destination} exists and is not empty; choose another destination or pass --overwrite")
     tensors, modules = peft_tensors(merged)
-    tmp = destination.parent / f".{destination.name}.peft-partial"
-    tmp.mkdir(parents=True, exist_ok=False)
-    save_file(tensors, str(tmp / "adapter_model.safetensors"))
-    (tmp / "adapter_config.json").write_text(json.dumps(peft_config(merged.lora, modules, base), indent=2) + "\n")
-    replace_dir(tmp, destination)
+    tmp = destination.parent / f".{destination.name}.peft-partial"  # ours by name: a stopped run's is started over
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file(tensors, str(tmp / "adapter_model.safetensors"))
+        (tmp / "adapter_config.json").write_text(json.dumps(peft_config(merged.lora, modules, base), indent=2) + "\n")
+        replace_dir(tmp, destination)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -44,13 +44,17 @@ def test_merged_into_an_hf_base_is_bridges_merged_export(tmp_path, save):
 
 def test_merged_into_a_megatron_base_at_tp2_is_the_same(tmp_path):
     """The base as a Megatron checkpoint at TP2: the adapter (saved at TP1) merges per shard of the base's layout; the
-    merged model written as torch_dist at TP1 holds the same weights."""
+    merged model written as torch_dist at TP1 holds the same weights; the PEFT adapter names the family it was imported
+    from."""
     convert(HF, tmp_path / "mcore", Target(format="torch_dist", layout=LayoutChange(tp=2)))
     convert(ADAPTER, tmp_path / "hf", Target(format="hf"), hints=SourceHints(base=tmp_path / "mcore"))
     _same_as_bridge_merged(tmp_path / "hf")
     convert(ADAPTER, tmp_path / "merged", Target(format="torch_dist", layout=LayoutChange(tp=1)), hints=SourceHints(base=tmp_path / "mcore"))
     convert(tmp_path / "merged", tmp_path / "hf1", Target(format="hf"))
     _same_as_bridge_merged(tmp_path / "hf1")
+    convert(ADAPTER, tmp_path / "peft", Target(format="peft"), hints=SourceHints(base=tmp_path / "mcore"))
+    ours, bridge = (load_file(str(d / "peft" / "adapter_model.safetensors")) for d in (tmp_path, LORA))
+    assert sorted(ours) == sorted(bridge) and all(np.array_equal(ours[name], bridge[name]) for name in bridge)
 
 
 def test_a_wrong_merge_fails_the_oracle(tmp_path, monkeypatch):
@@ -69,7 +73,7 @@ def test_a_wrong_merge_fails_the_oracle(tmp_path, monkeypatch):
 
 
 def test_the_peft_section_is_read():
-    assert lora.lora_config(ADAPTER) == lora.LoraConfig(dim=4, alpha=8.0, targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
+    assert lora.lora_config(ADAPTER) == lora.LoraConfig(dim=4, alpha=8.0)
     assert lora.lora_config(ADAPTER).scale == 2.0
     assert lora.lora_config(GOLDEN / "bridge-torch_dist-tp1") is None
 
@@ -83,6 +87,10 @@ def test_bad_input_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
     for to in ("hf", "peft"):
         refused_cli(monkeypatch, capsys, ["convert", ADAPTER, out, "--to-format", to, "--base", other, "-q"], "give the base model")
     assert not out.exists()
+    out.mkdir()
+    (out / "mine.txt").write_text("a user's file")
+    refused_cli(monkeypatch, capsys, ["convert", ADAPTER, out, "--to-format", "peft", "--base", HF, "-q"], "not empty", "--overwrite",
+                untouched=(out,))
 
 
 @pytest.mark.parametrize("save", SAVES)
