@@ -19,6 +19,7 @@ from reshard.convert import convert
 from reshard.errors import ReshardError
 from reshard.logical import TensorSpec, describe
 from reshard.request import LayoutChange, SourceHints, Target
+from tests.bridge import bridge
 from tests.cli import refused_cli
 from tests.reshard.formats.test_golden import GOLDEN, HF
 
@@ -180,3 +181,12 @@ def test_what_reshard_does_not_merge_is_refused_by_name(module, words):
     assert all(word in str(refused.value) for word in words), refused.value
     with pytest.raises(ReshardError, match="no linear_out beside it"):
         lora.adapted(_Adapter(["decoder.layers.mlp.linear_fc2" + lora.IN]))
+
+
+@pytest.mark.slow
+def test_the_golden_is_what_bridge_saves(tmp_path):
+    """fixtures/bridge_lora.py under Megatron-Bridge's venv writes the committed TP1 golden again: the same adapter
+    tensors, merged export and PEFT adapter, byte for byte (skipped, visibly, where that venv is absent, as in CI)."""
+    bridge(HF, tmp_path, script="bridge_lora.py")
+    for path in ("adapter/iter_0000000/__0_0.distcp", "merged.safetensors", "peft/adapter_model.safetensors"):
+        assert (tmp_path / path).read_bytes() == (LORA / path).read_bytes(), path
