@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +17,10 @@ from safetensors.numpy import load_file, save_file
 from reshard import lora
 from reshard.convert import convert
 from reshard.errors import ReshardError
-from reshard.logical import TensorSpec, describe
+from reshard.formats import open_checkpoint
+from reshard.logical import Split, TensorSpec, describe
 from reshard.request import LayoutChange, SourceHints, Target
+from reshard.sharding import pieces
 from tests.bridge import bridge
 from tests.cli import refused_cli
 from tests.reshard.formats.test_golden import GOLDEN, HF
@@ -190,3 +192,21 @@ def test_the_golden_is_what_bridge_saves(tmp_path):
     bridge(HF, tmp_path, script="bridge_lora.py")
     for path in ("adapter/iter_0000000/__0_0.distcp", "merged.safetensors", "peft/adapter_model.safetensors"):
         assert (tmp_path / path).read_bytes() == (LORA / path).read_bytes(), path
+
+
+def test_the_adapters_partition_rules_are_how_bridge_splits_them_at_tp2():
+    """Bridge's TP2 save holds each adapter tensor in the chunks its ranks own: reshard's rules (`logical`) cut each
+    where Bridge did (linear_in over the rank or the input, linear_out over the outputs, per gate/up half), and the other
+    split would not."""
+    reader = open_checkpoint(GOLDEN / "lora" / "tp2" / "adapter")
+
+    def cut(spec):
+        return sorted({piece.region for piece in pieces(spec, reader.config, reader.layout) if piece.primary})
+
+    assert len(reader.specs) == 8
+    for name, spec in reader.specs.items():
+        assert cut(spec) == sorted(reader.stored_regions(name)), name
+        other = Split.ROW if spec.split is Split.COLUMN else Split.COLUMN
+        assert cut(replace(spec, split=other, gated=False)) != sorted(reader.stored_regions(name)), name
+        if spec.gated:  # fc1's linear_out: each rank holds its rows of the gate and of the up half, not one run of rows
+            assert cut(replace(spec, gated=False)) != sorted(reader.stored_regions(name)), name
