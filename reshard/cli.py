@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from reshard.convert import ConversionResult
     from reshard.request import Run, Target
 
-FORMATS = ["torch_dist", "legacy", "zarr", "hf", "verl"]
+FORMATS = ["torch_dist", "legacy", "zarr", "hf", "verl", "peft"]  # peft: a LoRA adapter save's adapter alone (`reshard.lora`)
 
 # Each thread waits on the disk about half the time (a read, then a write, of every unit), so two per core
 # keep the cores busier (benchmarks/README.md, "Measurements behind defaults").
@@ -76,6 +76,9 @@ def inspect(path: Path, as_json: bool, config_file: Path | None) -> None:
 @click.option("--vocab-size", type=int, help="The true vocabulary size, when the checkpoint does not record it.")
 @click.option("--config", "config_file", type=click.Path(path_type=Path),
               help="The architecture of a torch_dist checkpoint that records none: an HF config.json or a YAML of Megatron arguments.")
+@click.option("--base", type=click.Path(path_type=Path),
+              help="SOURCE is a LoRA adapter save (Megatron-Bridge's or NeMo-RL's PEFT, adapter weights only): the model it "
+              "adapts (HF or Megatron); the output is that model with the adapter merged.")
 @click.option(
     "--naming",
     type=click.Choice(["te", "local"]),
@@ -157,7 +160,8 @@ def convert(source: str, destination: Path, **opts: Any) -> None:
             source,
             destination,
             target,
-            hints=SourceHints(tp=opts["tp"], pp=opts["pp"], ep=opts["ep"], vocab_size=opts["vocab_size"], config=opts["config_file"]),
+            hints=SourceHints(tp=opts["tp"], pp=opts["pp"], ep=opts["ep"], vocab_size=opts["vocab_size"], config=opts["config_file"],
+                              base=opts["base"]),
             run=_run(opts),
             overwrite=opts["overwrite"],
             dry_run=opts["dry_run"],
@@ -195,6 +199,10 @@ def _tell_converted(result: ConversionResult, destination: Path, target: Target,
     lossy = ("fp8_blocks", "linear weights re-quantized to fp8 blocks", fp8_blocks.BOUND) if target.fp8_blocks else \
         ("mxfp4", "experts' weights re-quantized to MXFP4", mxfp4.BOUND) if target.mxfp4 else None
     plan = result.plan
+    if plan is None:
+        click.echo(json.dumps({"peft": str(destination), "seconds": round(result.seconds, 3)}) if opts["as_json"]
+                   else f"wrote {destination} (PEFT adapter: adapter_config.json, adapter_model.safetensors)")
+        return
     if opts["as_json"]:
         out = plan.to_json(copy_speed) | {"seconds": round(result.seconds, 3), "dry_run": opts["dry_run"]}
         if lossy:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from reshard import lora
 from reshard.atomic import aside, foreign, link_inside, put_back, replace_dir, unlike_ours
 from reshard.buffers import Pool
 from reshard.checksum import Checksum
@@ -34,7 +35,7 @@ from reshard.worklog import Done, Recorder, Resumed, WorkLog, fingerprint
 
 @dataclass
 class ConversionResult:
-    plan: ConversionPlan
+    plan: ConversionPlan | None  # None for a PEFT adapter, which moves no model tensors (`lora.write_peft`)
     manifest: Manifest | None  # None for a dry run
     seconds: float
 
@@ -332,6 +333,8 @@ def convert(
     if dst.is_relative_to(src):
         raise ReshardError(f"{destination} is inside the source {source}; choose a destination outside it")
     with _open_source(source, hints, dry_run) as reader:
+        if target.format == "peft":
+            return _peft(reader, destination, hints, overwrite, dry_run, start)
         for key in ("tp", "pp", "ep"):
             expected, actual = getattr(hints, key), getattr(reader.layout, key)
             if expected is not None and actual != expected:
@@ -352,6 +355,11 @@ def convert(
 def _open_source(source: Path, hints: SourceHints, dry_run: bool) -> CheckpointReader:
     """The source checkpoint; a config.json alone for a dry run, which plans from it (`formats.config_only`)."""
     if not is_config_file(source):
+        adapter = lora.lora_config(source) if source.is_dir() else None
+        if adapter is not None:
+            return _merged(source, hints, adapter)
+        if hints.base is not None:
+            raise ReshardError(f"--base is for a LoRA adapter save; {source} is none (no peft section in its run_config.yaml): drop it")
         # a checkpoint that records no architecture still converts as global tensors (`plan` refuses the rest)
         return open_checkpoint(source, config_file=hints.config, need_architecture=False)
     if not dry_run:
@@ -359,6 +367,28 @@ def _open_source(source: Path, hints: SourceHints, dry_run: bool) -> CheckpointR
     if hints.config is not None:
         raise ReshardError(f"{source} is the model's config.json already: drop --config")
     return ConfigOnlyReader(source)
+
+
+def _peft(reader: CheckpointReader, destination: Path, hints: SourceHints, overwrite: bool, dry_run: bool, start: float) -> ConversionResult:
+    """A LoRA adapter save written as a PEFT adapter for its base's HF model (`lora.write_peft`)."""
+    if not isinstance(reader, lora.MergedReader):
+        raise ReshardError(f"--to-format peft writes a LoRA adapter: {reader.path} is a whole model, not an adapter save with --base")
+    if dry_run:
+        raise ReshardError("--dry-run plans a conversion of tensors; a PEFT adapter export has none to plan: drop --dry-run")
+    lora.write_peft(reader, destination, hints.base, overwrite)
+    return ConversionResult(None, None, time.perf_counter() - start)
+
+
+def _merged(source: Path, hints: SourceHints, adapter: lora.LoraConfig) -> CheckpointReader:
+    """A LoRA adapter save merged into the base model `hints.base` names."""
+    if hints.base is None:
+        raise ReshardError(f"{source} is a LoRA adapter save (adapter weights only): give the model it adapts with --base (HF or Megatron)")
+    base = open_checkpoint(hints.base, config_file=hints.config)
+    try:
+        return lora.MergedReader(base, open_checkpoint(source), adapter)
+    except BaseException:
+        base.close()
+        raise
 
 
 def _set_vocab_size(reader: CheckpointReader, vocab_size: int) -> None:

@@ -54,6 +54,13 @@ PARTITION_RULES: tuple[tuple[str, Rule], ...] = (
     (r"embedding\.word_embeddings\.weight$", Rule(Split.COLUMN, vocab=True)),
     (r"^output_layer\.weight$", Rule(Split.COLUMN, vocab=True)),
     (r"embedding\.position_embeddings\.weight$", Rule(Split.NONE)),
+    # Megatron-Bridge's LoRA adapters (a PEFT save, `reshard.lora`): linear_in is a column-parallel layer over the rank
+    # under a column-parallel base and a row-parallel one over the base's input under a row-parallel base; linear_out
+    # is column-parallel over the base's outputs, split per gate/up half under a gated fc1 as the base is
+    (r"(linear_qkv|linear_fc1)\.adapter\.linear_in\.weight$", Rule(Split.COLUMN)),
+    (r"(linear_proj|linear_fc2)\.adapter\.linear_in\.weight$", Rule(Split.ROW)),
+    (r"linear_fc1\.adapter\.linear_out\.weight$", Rule(Split.COLUMN, gated=True)),
+    (r"(linear_qkv|linear_proj|linear_fc2)\.adapter\.linear_out\.weight$", Rule(Split.COLUMN)),
     (r"linear_qkv\.(weight|bias)$", Rule(Split.COLUMN)),
     # Multi-latent attention: the up projections split by heads. The down projections are column-parallel in
     # the local spec (their outputs gathered before the latent norms); Transformer Engine's spec keeps them
@@ -163,6 +170,9 @@ def describe(name: str, shape: tuple[int, ...], dtype: str, config: ModelConfig 
         if re.search(pattern, bare) and (rule.when is None or (config is not None and rule.when(config))):
             break
     else:
+        if ".adapter." in bare:  # the rules above name every LoRA target reshard merges (`reshard.lora`)
+            raise ReshardError(f"LoRA adapter tensor {name!r} adapts a module reshard does not merge (it merges linear_qkv, linear_proj, "
+                               "linear_fc1, linear_fc2); merge it with Megatron-Bridge")
         raise ReshardError(
             f"tensor {name!r} is not in reshard's partition table, so it cannot be resharded safely; "
             "please report it (or convert with --no-optimizer if it is optimizer state)"

@@ -80,6 +80,7 @@ class SourceHints:
     ep: int | None = None
     vocab_size: int | None = None
     config: Path | None = None  # the architecture of a checkpoint that records none (HF config.json or Megatron args YAML)
+    base: Path | None = None  # the base model (HF or Megatron) of a LoRA adapter save (`reshard.lora`)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,187 @@
+"""LoRA adapters as Megatron-Bridge saves them (its `LoRA` PEFT, also what NeMo-RL's Megatron policy saves): a torch_dist
+checkpoint of the adapter weights only, its `run_config.yaml` recording the `peft:` section (dim, alpha, targets).
+
+Each adapted linear `X.weight` has `X.adapter.linear_in.weight` (A: [dim, in]) and `X.adapter.linear_out.weight`
+(B: [out, dim]) beside it, and computes `X(x) + alpha/dim * B(A(x))` (dropout aside). Read as global tensors, A and B
+are in the base weight's own Megatron layout (B's rows as linear_qkv's: per GQA group q heads, k, v; as linear_fc1's:
+[gate; up]), so the merged weight is `W + alpha/dim * B @ A` computed there, per TP shard alike, before any mapping to
+HF splits it. `MergedReader` is the base model so merged, any source format and any target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from reshard.documents import read_yaml
+from reshard.dtypes import numpy_dtype
+from reshard.errors import ReshardError
+from reshard.formats.base import CheckpointReader
+from reshard.formats.megatron_tree import locate
+from reshard.formats.model_args import RUN_CONFIG
+from reshard.sharding import Region
+
+IN, OUT = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The `peft:` section of a Bridge save: the rank and scale of its adapters (which modules it adapts, its tensors
+    say)."""
+
+    dim: int
+    alpha: float
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.dim  # ParallelLinearAdapter's `alpha / dim`
+
+
+def lora_config(path: Path) -> LoraConfig | None:
+    """The LoRA settings of the Bridge save at `path` (a save, an iteration or a NeMo-RL step), None if it is no
+    PEFT save."""
+    tree = locate(path) if path.is_dir() else None
+    run_config = tree.iteration_dir / RUN_CONFIG if tree is not None else None
+    if run_config is None or not run_config.is_file():
+        return None
+    peft = (read_yaml(run_config) or {}).get("peft")
+    if not peft:
+        return None
+    target = str(peft.get("_target_", ""))
+    if not target.endswith(".LoRA"):
+        raise ReshardError(f"{run_config}: peft._target_ {target!r} is not Megatron-Bridge's LoRA (DoRA, canonical LoRA and "
+                           "VLM LoRA are not read); merge it with Bridge")
+    try:
+        dim, alpha = int(peft["dim"]), float(peft["alpha"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ReshardError(f"{run_config}: peft.dim and peft.alpha must be numbers ({err})") from None
+    if dim <= 0:
+        raise ReshardError(f"{run_config}: peft.dim is {dim}; a LoRA rank is positive")
+    return LoraConfig(dim, alpha)
+
+
+def adapted(adapter: CheckpointReader) -> list[str]:
+    """The base weights `adapter` adapts (`X.weight` for each `X.adapter.linear_in.weight`), refusing what reshard does
+    not merge by name."""
+    names = []
+    for name in adapter.specs:
+        if name.endswith(IN):
+            names.append(name[: -len(IN)] + ".weight")
+        elif not name.endswith(OUT):
+            raise ReshardError(f"{adapter.path}: tensor {name!r} of the adapter save is no LoRA linear_in/linear_out; "
+                               "reshard merges Megatron-Bridge's LoRA only")
+    for name in names:  # the partition table has refused targets other than reshard's families' linears (`logical`)
+        if adapter.specs[name[: -len(".weight")] + IN].experts:
+            raise ReshardError(f"{adapter.path}: {name[: -len('.weight')]} is an experts' LoRA, which reshard does not merge yet; "
+                               "merge it with Megatron-Bridge (export_hf_weights with merge_adapter_weights)")
+        if name[: -len(".weight")] + OUT not in adapter.specs:
+            raise ReshardError(f"{adapter.path}: {name[: -len('.weight')] + IN} has no linear_out beside it: the save is incomplete")
+    return names
+
+
+class MergedReader(CheckpointReader):
+    """The base model with a LoRA adapter merged into it: every adapted weight reads as `W + alpha/dim * B @ A`."""
+
+    format_name = "lora"
+
+    def __init__(self, base: CheckpointReader, adapter: CheckpointReader, config: LoraConfig):
+        self.base, self.adapter, self.lora = base, adapter, config
+        self.path, self.config, self.layout = base.path, base.config, base.layout
+        # the model only (a base's optimizer state is not the adapted model's); merged, the base's checksums do not hold
+        self.specs = {name: spec for name, spec in base.specs.items() if not spec.is_optimizer}
+        self.common, self.manifest = base.common, None
+        self.tokenizer_dir, self.tokenizer_in_iteration = base.tokenizer_dir, base.tokenizer_in_iteration
+        self.default_dtype = base.default_dtype
+        self.targets = {name: name[: -len(".weight")] for name in adapted(adapter)}
+        for name, stem in self.targets.items():
+            self._check(name, stem)
+
+    def _check(self, name: str, stem: str) -> None:
+        spec = self.specs.get(name)
+        if spec is None:
+            raise ReshardError(f"the adapter {self.adapter.path} adapts {name}, which the base {self.base.path} does not have: "
+                               "give the base model it was trained on")
+        a, b = self.adapter.specs[stem + IN].shape, self.adapter.specs[stem + OUT].shape
+        lead, (out, inp) = spec.shape[:-2], spec.shape[-2:]
+        if a != (*lead, self.lora.dim, inp) or b != (*lead, out, self.lora.dim):
+            raise ReshardError(f"the adapter's {stem} (linear_in {a}, linear_out {b}) does not fit the base's {name} {spec.shape} "
+                               f"at rank {self.lora.dim}: give the base model it was trained on")
+
+    def read(self, name: str, region: Region) -> np.ndarray:
+        out = self.base.read(name, region)
+        stem = self.targets.get(name)
+        if stem is None:
+            return out
+        *lead, rows, cols = region
+        full = (0, self.lora.dim)
+        a = self.adapter.read(stem + IN, (*lead, full, cols)).astype(np.float32)
+        b = self.adapter.read(stem + OUT, (*lead, rows, full)).astype(np.float32)
+        merged = out.astype(np.float32) + np.float32(self.lora.scale) * np.matmul(b, a)
+        return merged.astype(numpy_dtype(self.specs[name].dtype))
+
+    def close(self) -> None:
+        self.base.close()
+        self.adapter.close()
+
+
+def peft_tensors(merged: MergedReader) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The adapter in PEFT's names for the base's HF model, and the HF modules it adapts. Each HF projection a fused
+    Megatron one holds (q/k/v of linear_qkv, gate/up of linear_fc1) gets the whole A and its rows of B, split by the
+    family's own mapping of the base weight's rows."""
+    from reshard.converters import family_for_model
+    from reshard.converters.base import QKV, GatedMLP, Rename
+
+    config = merged.config
+    family = getattr(merged.base, "family", None) or family_for_model(config, merged.common.args)
+    mappings = {m.megatron: m for m in family.mappings(config)}
+    tensors: dict[str, np.ndarray] = {}
+    for name, stem in merged.targets.items():
+        mapping, spec = mappings.get(name), merged.specs[name]
+        if not isinstance(mapping, (Rename, QKV, GatedMLP)):
+            raise ReshardError(f"{name} maps to HF {family.model_type} as {type(mapping).__name__}, which a PEFT adapter cannot "
+                               "hold; export the merged model instead (--to-format hf)")
+        a_all, b_all = (merged.adapter.read(n, [(0, d) for d in merged.adapter.specs[n].shape]) for n in (stem + IN, stem + OUT))
+        for layer in range(spec.shape[0]) if spec.stacked else [spec.layer]:
+            a, b = (a_all[layer], b_all[layer]) if spec.stacked else (a_all, b_all)
+            for hf_name, rows in zip(mapping.hf_names(layer=layer), mapping.to_hf(b, config), strict=True):
+                module = "base_model.model." + hf_name.removesuffix(".weight")
+                tensors[module + ".lora_A.weight"] = np.ascontiguousarray(a)
+                tensors[module + ".lora_B.weight"] = np.ascontiguousarray(rows)
+    modules = sorted({key.split(".")[-3] for key in tensors})
+    return tensors, modules
+
+
+def peft_config(lora_config: LoraConfig, modules: list[str], base: Path) -> dict:
+    """PEFT's adapter_config.json: r and lora_alpha as Bridge's dim and alpha, so that peft's lora_alpha / r is
+    Bridge's scale (the fields Bridge's own `save_hf_adapter` writes)."""
+    alpha = int(lora_config.alpha) if lora_config.alpha.is_integer() else lora_config.alpha  # as Bridge's int field reads
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base), "r": lora_config.dim,
+            "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": modules, "bias": "none",
+            "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
+            "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False, "use_rslora": False}
+
+
+def write_peft(merged: MergedReader, destination: Path, base: Path, overwrite: bool) -> None:
+    """`adapter_config.json` + `adapter_model.safetensors` at `destination`, written aside and renamed into place."""
+    import json
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from reshard.atomic import replace_dir
+
+    if destination.exists() and any(destination.iterdir()) and not overwrite:
+        raise ReshardError(f"{destination} exists and is not empty; choose another destination or pass --overwrite")
+    tensors, modules = peft_tensors(merged)
+    tmp = destination.parent / f".{destination.name}.peft-partial"  # ours by name: a stopped run's is started over
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file(tensors, str(tmp / "adapter_model.safetensors"))
+        (tmp / "adapter_config.json").write_text(json.dumps(peft_config(merged.lora, modules, base), indent=2) + "\n")
+        replace_dir(tmp, destination)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
