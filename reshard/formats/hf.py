@@ -359,7 +359,7 @@ def hf_tensors(
                     yield name, spec, layer, hf_name, tuple(shape)
 
 
-def _whole_tensors(tensors: Iterator[tuple[str, TensorSpec, int | None, str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...]]]:
+def whole_tensors(tensors: Iterator[tuple[str, TensorSpec, int | None, str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of each whole HF tensor of `hf_tensors`: a tensor named by its slices (`HFAddress`) once,
     as [slices, *slice shape], its slices numbered from 0 without a gap, each of one shape."""
     whole: dict[str, tuple[int, ...]] = {}
@@ -425,7 +425,7 @@ class HFReader(CheckpointReader):
         self.config = config
         self.specs: dict[str, TensorSpec] = {name: describe(name, shape, dtypes[name], config) for name, shape in shapes.items()}
         # Every tensor at the shape config.json implies: values are read at offsets computed from it.
-        for hf_name, shape in _whole_tensors(hf_tensors(self.specs, self._mappings, config)):
+        for hf_name, shape in whole_tensors(hf_tensors(self.specs, self._mappings, config)):
             if (stored := self._shape(hf_name)) != shape:
                 from reshard.converters.base import hf_axis_fields
 
@@ -750,6 +750,7 @@ class HFWriter(CheckpointWriter):
         self._slices: dict[str, dict[str, int]] = {}  # fused HF tensor -> its slices' addresses -> their index
         self._scratch = PerThread()  # stages the tensors that cannot be written from where they are
         self._plan_files(options.max_shard_bytes or DEFAULT_SHARD_BYTES)
+        self._unwritten = {fused: len(parts) for fused, parts in self._slices.items()}  # slices not yet written (`_mark`)
 
     def _mxfp4_tensors(self, saved: dict[str, Any] | None) -> set[str]:
         """The Megatron tensors the family's MXFP4 release quantizes (refused for a family not released so), and
@@ -923,12 +924,18 @@ class HFWriter(CheckpointWriter):
         self._facts.extend(names)
 
     def _mark(self, names: list[str]) -> None:
-        """Note HF tensors (or slices of one) as written; a fused tensor is written once every slice is."""
+        """Note HF tensors (or slices of one) as written; a fused tensor is written once every slice is (counted
+        down: a tensor of thousands of row slices, as Gated DeltaNet's in_proj, must not rescan them per slice)."""
         for name in names:
-            self._entries[name].written = True
+            entry = self._entries[name]
+            if entry.written:  # a resumed run's facts, or another rank's, may name it again
+                continue
+            entry.written = True
             fused = HFAddress.parse(name).name
-            if fused != name and all(self._entries[part].written for part in self._slices[fused]):
-                self._entries[fused].written = True
+            if fused != name:
+                self._unwritten[fused] -= 1
+                if not self._unwritten[fused]:
+                    self._entries[fused].written = True
 
     # Every tensor has its place from the start, so a tensor is done once its bytes are durable: the state
     # to resume from, or to hand to rank 0, is the names of the tensors written.

@@ -137,6 +137,7 @@ class TorchDistReader(CheckpointReader):
                 by_offset[fqn].append((offsets, info))
         self.specs: dict[str, TensorSpec] = {}
         self._files: dict[Path, RecordFile] = {}
+        self._checked: dict[str, tuple[Path, int]] = {}  # a file .metadata names -> its confined path and size
         self._records: dict[tuple[str, int], tuple[RecordFile, TensorRecord]] = {}
         self._chunks: dict[str, list[tuple[Region, Storage]]] = {}
         self._index: dict[str, RegionIndex[Storage]] = {}
@@ -375,15 +376,21 @@ class TorchDistReader(CheckpointReader):
     def _parse(self, info: Storage) -> tuple[RecordFile, TensorRecord]:
         return self._decode(info, "a chunk", RecordFile.record)
 
+    def _checked_file(self, relative_path: str) -> tuple[Path, int]:
+        """A file .metadata names (untrusted: confined to the iteration directory) and its size, checked once per
+        file, not once per chunk (an MoE checkpoint's files hold thousands)."""
+        path = confined(self.tree.iteration_dir, relative_path)
+        if not path.is_file():
+            raise ReshardError(f"{path} is missing: the checkpoint is incomplete")
+        return path, path.stat().st_size
+
     def _decode(self, info: Storage, what: str, how: Callable[[RecordFile, int, int], T]) -> tuple[RecordFile, T]:
         """`how` applied to the blob `info` places in its file (each file opened once); a missing, truncated
         or undecodable blob is refused in a line."""
         if info.transformed:
             raise ReshardError(f"{info.relative_path}: DCP stream transforms (compression) are not supported")
-        path = confined(self.tree.iteration_dir, info.relative_path)  # .metadata names it: untrusted
-        if not path.is_file():
-            raise ReshardError(f"{path} is missing: the checkpoint is incomplete")
-        if path.stat().st_size < info.offset + info.length:
+        path, size = cached(self._checked, info.relative_path, lambda: self._checked_file(info.relative_path))
+        if size < info.offset + info.length:
             raise ReshardError(f"{path} is truncated: the checkpoint is damaged")
         file = cached(self._files, path, lambda: RecordFile(path))
         try:
