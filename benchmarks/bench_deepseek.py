@@ -197,9 +197,13 @@ class Steps:
         return self.made[-1]
 
     def copy(self, source: Path) -> None:
+        """`cp -r` of `source`, and the parallel copy of the same bytes (benchmarks/parallel_copy.py, 8 threads)."""
         dst = self.path("copy")
-        rmtree(dst)
-        self.record(measure(f"cp -r {source.name}", ["cp", "-r", str(source), str(dst)], drop=self.drop, timeout=self.timeout), "cp", source, dst)
+        for kind, command in (("cp", ["cp", "-r", str(source), str(dst)]),
+                              ("parallel_copy", [sys.executable, str(REPO / "benchmarks" / "parallel_copy.py"), str(source), str(dst)])):
+            rmtree(dst)
+            self.record(measure(f"{kind.replace('_', ' ')} {source.name}", command, drop=self.drop, timeout=self.timeout, env=self.env),
+                        kind, source, dst)
         rmtree(dst)
 
     def convert(self, label: str, source: Path, out: Path, *flags: str) -> dict:
@@ -250,7 +254,7 @@ def run_release(argv: list[str] | None, release: Release) -> int:
     t0 = time.perf_counter()
     try:
         rmtree(run.source)
-        build = [sys.executable, release.script, "--_build", str(run.source), str(args.size)]
+        build = [sys.executable, release.script, "--_build", str(run.source), str(args.size), release.tag]
         if not record(measure("build HF release", build, drop=False, timeout=timeout * 2, env=env), "build", None, run.source)["ok"]:
             raise SystemExit(f"{release.script}: could not build the source:\n{results['steps'][-1]['output_tail']}")
         release.steps(run)
@@ -295,20 +299,23 @@ def main(argv: list[str] | None = None) -> int:
 def summarize(results: dict) -> None:
     """Each conversion against the median `cp -r` of its own source: cp seconds per byte of that source x its
     bytes / the step's seconds (1.0: as fast as copying the bytes it reads); RSS against the target."""
-    cp_speed: dict[str, list[float]] = {}
+    speed: dict[str, dict[str, list[float]]] = {"cp": {}, "parallel_copy": {}}
     for s in results["steps"]:
-        if s["kind"] == "cp" and s.get("ok"):
-            cp_speed.setdefault(s["source"], []).append(s["source_dir_bytes"] / s["seconds"])
-    results["cp_mb_per_s"] = {
-        k: {"median": round(statistics.median(v) / 1e6, 1), "runs": [round(x / 1e6, 1) for x in v]} for k, v in cp_speed.items()
-    }
+        if s["kind"] in speed and s.get("ok"):
+            speed[s["kind"]].setdefault(s["source"], []).append(s["source_dir_bytes"] / s["seconds"])
+    for kind, by_source in speed.items():
+        results[f"{kind}_mb_per_s"] = {
+            k: {"median": round(statistics.median(v) / 1e6, 1), "runs": [round(x / 1e6, 1) for x in v]} for k, v in by_source.items()
+        }
     target = results["model"]["memory_target_bytes"]
     for s in results["steps"]:
         if s["kind"] != "reshard" or not s.get("ok"):
             continue
-        if s["source"] in cp_speed:
-            s["cp_seconds_same_bytes"] = round(s["source_dir_bytes"] / statistics.median(cp_speed[s["source"]]), 2)
+        if s["source"] in speed["cp"]:
+            s["cp_seconds_same_bytes"] = round(s["source_dir_bytes"] / statistics.median(speed["cp"][s["source"]]), 2)
             s["vs_cp"] = round(s["cp_seconds_same_bytes"] / s["seconds"], 3)
+        if s["source"] in speed["parallel_copy"]:
+            s["vs_parallel_copy"] = round(s["source_dir_bytes"] / statistics.median(speed["parallel_copy"][s["source"]]) / s["seconds"], 3)
         s["meets_memory_target"] = s["peak_rss_bytes"] <= target
         s["rss_over_largest_tensor"] = round(s["peak_rss_bytes"] / results["model"]["largest_tensor_bytes"], 2)
 
@@ -319,24 +326,25 @@ def render(results: dict) -> str:
         f"\n### {results['title']}, {m['params'] / 1e9:.2f} B params ({m['logical_bytes'] / 1e9:.2f} GB bf16), "
         f"{machine['cpu_affinity']} cores, {machine['ram_gib']} GiB RAM ({machine['date']})\n",
         f"largest tensor {m['largest_tensor_bytes'] / MIB:.0f} MiB, memory target {m['memory_target_bytes'] / MIB:.0f} MiB\n",
-        "| step | cache | source GB | s | cp of the same bytes, s | × cp | peak RSS MiB | ≤ target |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | :---: |",
+        "| step | cache | source GB | s | cp of the same bytes, s | × cp | × parallel copy | peak RSS MiB | ≤ target |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
     ]
     for s in results["steps"]:
         if s["kind"] == "build":
             continue
         if not s.get("ok"):
-            lines.append(f"| {s['name']} | | | | | | | {'timeout' if s.get('timed_out') else 'failed'} |")
+            lines.append(f"| {s['name']} | | | | | | | | {'timeout' if s.get('timed_out') else 'failed'} |")
             continue
         checks = [v for k, v in s.items() if k.startswith("verified_")]
         flag = " (output DIFFERS)" if False in checks else " (verify error)" if None in checks else " (verified)" if checks else ""
         lines.append(
             f"| {s['name']}{flag} | {'cold' if s['cache'].get('cold') else 'warm'} | {s['source_dir_bytes'] / 1e9:.2f} | "
-            f"{s['seconds']:.1f} | {s.get('cp_seconds_same_bytes', '')} | {s.get('vs_cp', '')} | {s['peak_rss_bytes'] / MIB:.0f} | "
-            f"{'' if s['kind'] == 'cp' else 'yes' if s['meets_memory_target'] else 'NO'} |"
+            f"{s['seconds']:.1f} | {s.get('cp_seconds_same_bytes', '')} | {s.get('vs_cp', '')} | {s.get('vs_parallel_copy', '')} | "
+            f"{s['peak_rss_bytes'] / MIB:.0f} | {'' if s['kind'] != 'reshard' else 'yes' if s['meets_memory_target'] else 'NO'} |"
         )
-    for k, v in results.get("cp_mb_per_s", {}).items():
-        lines.append(f"\n`cp -r` of {k}: {v['runs']} MB/s (median {v['median']})")
+    for kind, what in (("cp", "`cp -r`"), ("parallel_copy", "the parallel copy")):
+        for k, v in results.get(f"{kind}_mb_per_s", {}).items():
+            lines.append(f"\n{what} of {k}: {v['runs']} MB/s (median {v['median']})")
     return "\n".join(lines)
 
 
