@@ -29,6 +29,7 @@ from reshard.converters.qwen3_5 import Qwen3_5
 from reshard.converters.qwen3_moe import Qwen3Moe
 from reshard.converters.qwen3_next import Qwen3Next
 from reshard.converters.qwen3_vl import Qwen3VL
+from reshard.converters.qwen3_vl_moe import Qwen3VLMoe
 from reshard.errors import ReshardError
 
 FAMILIES: dict[str, Family] = {}  # model_type -> family
@@ -44,7 +45,8 @@ def register(family: Family) -> Family:
 
 # Order matters for `family_for_model`: the first family whose signature matches is the default export.
 _BUILTIN = (Llama(), Mistral(), Qwen2(), Qwen3(), Mixtral(), Qwen3Moe(), Qwen2Moe(), DeepseekV3(), GPT2(),
-            MiniMaxM2(), Glm4Moe(), GptOss(), Glm4MoeLite(), Qwen2_5_VL(), Qwen3VL(), Qwen3Next(), Qwen3_5(), NemotronH())
+            MiniMaxM2(), Glm4Moe(), GptOss(), Glm4MoeLite(), Qwen2_5_VL(), Qwen3VL(),
+            Qwen3VLMoe(), Qwen3Next(), Qwen3_5(), NemotronH())
 for _family in _BUILTIN:
     register(_family)
 

@@ -155,6 +155,7 @@ class Qwen3VL(Qwen3):
     architectures = ("Qwen3VLForConditionalGeneration",)
     signature = {**Qwen3.signature, "position_embedding_type": "mrope"}
     text_prefix, visual_prefix = "model.language_model.", "model.visual."
+    text_type = "qwen3_vl_text"  # text_config's model_type
 
     def config_from_hf(self, hf):
         text = text_config(hf)
@@ -176,10 +177,13 @@ class Qwen3VL(Qwen3):
         super().check_megatron(config)
         check_bridge_vl(config, "Qwen3-VL", "a vision model", VISION)
 
-    def mappings(self, config):
-        text = [*embeddings_and_head(config, self.text_prefix), *llama_attention(config, self.text_prefix),
+    def text_mappings(self, config: ModelConfig) -> list[Mapping]:
+        """The language model's mappings, HF names under `text_prefix` (Qwen3-VL-MoE's differ: `converters.qwen3_vl_moe`)."""
+        return [*embeddings_and_head(config, self.text_prefix), *llama_attention(config, self.text_prefix),
                 *llama_dense_mlp(self.text_prefix)]
-        return [*(under(LANGUAGE, m) for m in text), *vision_mappings(config.towers[0], self.visual_prefix)]
+
+    def mappings(self, config):
+        return [*(under(LANGUAGE, m) for m in self.text_mappings(config)), *vision_mappings(config.towers[0], self.visual_prefix)]
 
     def adjust_to_hf(self, out, config):
         out["attention_bias"] = False  # Qwen3VLTextConfig has no sliding window to switch off
@@ -187,4 +191,4 @@ class Qwen3VL(Qwen3):
     def config_to_hf(self, config, saved=None, extras=None):
         saved = copy.deepcopy(saved) if saved and saved.get("model_type") == self.model_type else {}
         flat = super().config_to_hf(config, {**text_config(saved), "model_type": self.model_type}, extras)
-        return nested_hf_config(flat, config, saved, "qwen3_vl_text", {"mrope_interleaved": True, "mrope_section": list(config.mrope_section)})
+        return nested_hf_config(flat, config, saved, self.text_type, {"mrope_interleaved": True, "mrope_section": list(config.mrope_section)})

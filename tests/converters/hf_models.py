@@ -118,6 +118,18 @@ def _configs():
                                temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16,
                                deepstack_visual_indexes=[0, 1]),
             image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243, tie_word_embeddings=False),
+        # Qwen3-VL-MoE in small: Qwen3-VL's vision tower and MRoPE beside Qwen3-MoE's language model, layer 0 MoE and
+        # layer 1 dense (mlp_only_layers), 4 experts of 48 (top-2), the dense MLP 96; experts stored fused as the release
+        # stores them (`RELEASE_FORMS`)
+        "qwen3_vl_moe": tf.Qwen3VLMoeConfig(
+            text_config=dict(COMMON, intermediate_size=96, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                             num_hidden_layers=2, num_key_value_heads=2, head_dim=16, mlp_only_layers=[1], max_position_embeddings=128,
+                             tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                         "mrope_interleaved": True, "mrope_section": [2, 3, 3]}),
+            vision_config=dict(depth=3, hidden_size=24, intermediate_size=40, num_heads=2, out_hidden_size=64, patch_size=4,
+                               temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16,
+                               deepstack_visual_indexes=[0, 1]),
+            image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243, tie_word_embeddings=False),
         # Qwen3-Next in small: Gated DeltaNet on layers 0 and 2 (2 key heads of 16, 4 value heads of 8: two value heads per
         # key head), gated attention with per-head q/k norms on 1 and 3, a quarter of the head dims rotated, zero-centred
         # norms, layer 0's MLP dense and the others MoE with a gated shared expert (widths 96, 48, 40: none square, none
@@ -150,6 +162,9 @@ def _configs():
 
 # config.json fields a family's release writes where transformers writes others
 SAVED_AS = {"kimi_k2": {"model_type": "kimi_k2"}}
+# fused expert tensors a family's release stores transposed against transformers' in-memory form (which it saves):
+# Qwen3-VL-MoE's gate_up_proj [E, H, 2I] and down_proj [E, I, H]; transformers reads either (Transpose(check_dims))
+RELEASE_FORMS = {"qwen3_vl_moe": (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")}
 
 MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed", "deepseek_v3_moe", "deepseek_v3_mixed", "minimax_m2",
        "gpt_oss", "qwen3_next"}
@@ -183,6 +198,8 @@ def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
         _add_mtp_heads(directory, layers, mtp, copies=config.model_type in ("deepseek_v3", "glm4_moe_lite"))
     if name in SAVED_AS:
         _edit_config(directory, **SAVED_AS[name])
+    if name in RELEASE_FORMS:
+        _transpose_fused(directory, RELEASE_FORMS[name])
     (directory / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')  # stands in for tokenizer files
     if hasattr(config, "vision_config"):  # and for a multimodal model's processor files
         (directory / "preprocessor_config.json").write_text('{"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2}\n')
@@ -212,6 +229,16 @@ def _add_mtp_heads(directory: Path, layers: int, mtp: int, copies: bool) -> None
     config = json.loads((directory / "config.json").read_text())
     kinds = {"mlp_layer_types": config["mlp_layer_types"][:layers]} if "mlp_layer_types" in config else {}
     _edit_config(directory, num_hidden_layers=layers, **kinds)
+
+
+def _transpose_fused(directory: Path, endings: tuple[str, ...]) -> None:
+    """Store the fused expert tensors ending so as their release does: each expert's matrix transposed."""
+    from safetensors.torch import load_file, save_file
+
+    file = directory / "model.safetensors"
+    tensors = load_file(file)
+    tensors.update({k: t.transpose(1, 2).contiguous() for k, t in tensors.items() if k.endswith(endings)})
+    save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 def _edit_config(directory: Path, **fields) -> None:
