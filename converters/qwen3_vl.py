@@ -131,23 +131,25 @@ def vision_mappings(tower: Tower, hf: str) -> list[Mapping]:
     return [mapping for mapping in out if mapping.megatron in names]  # no DeepStack mergers: none of theirs
 
 
-def from_bridge(model: dict[str, Any]) -> dict[str, Any]:
+def from_bridge(model: dict[str, Any], model_type: str = "qwen3_vl") -> dict[str, Any]:
     """The Megatron args of a Bridge Qwen3VLModelProvider (its run_config.yaml's model section) beyond a GPT provider's:
-    the language model's prefix, the vision model, and the HF config fields an export writes back."""
+    the language model's prefix, the vision model, and the HF config fields an export writes back (HF `model_type`'s:
+    Qwen3-VL-MoE's provider is read alike)."""
     vision = model.get("vision_config")
     if not isinstance(vision, dict):
         raise bad_value("run_config.yaml model.vision_config", vision, "Qwen3-VL's vision config")
     vision = {key: vision[key] for key in _VISION_KEYS if key in vision}
-    hf = {"model_type": "qwen3_vl", **{key: model[key] for key in TOKEN_FIELDS if type(model.get(key)) is int}, "vision_config": vision}
-    return {"language_model_prefix": LANGUAGE, "towers": [vision_tower(vision, model["hidden_size"])], "hf_model_type": "qwen3_vl",
+    hf = {"model_type": model_type, **{key: model[key] for key in TOKEN_FIELDS if type(model.get(key)) is int}, "vision_config": vision}
+    return {"language_model_prefix": LANGUAGE, "towers": [vision_tower(vision, model["hidden_size"])], "hf_model_type": model_type,
             "hf_config": hf}
 
 
-def to_bridge(config: ModelConfig, hf: dict[str, Any] | None) -> dict[str, Any]:
-    """The fields of a Bridge Qwen3VLModelProvider beyond a GPT provider's (what `from_bridge` reads back)."""
+def to_bridge(config: ModelConfig, hf: dict[str, Any] | None, vision_class: str = _VISION_CLASS) -> dict[str, Any]:
+    """The fields of a Bridge Qwen3VLModelProvider beyond a GPT provider's (what `from_bridge` reads back); its vision
+    config's class `vision_class`."""
     vision = json.loads(config.towers[0].hf_config)
     tokens = {key: value for key, value in text_config(hf or {}).items() if key in TOKEN_FIELDS}
-    return {"mrope_section": list(config.mrope_section or ()), "vision_config": {"_target_": _VISION_CLASS, **vision}, **tokens}
+    return {"mrope_section": list(config.mrope_section or ()), "vision_config": {"_target_": vision_class, **vision}, **tokens}
 
 
 class Qwen3VL(Qwen3):

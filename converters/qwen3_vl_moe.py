@@ -14,6 +14,10 @@ layers dense).
 
 from __future__ import annotations
 
+from typing import Any
+
+from reshard.config import ModelConfig
+from reshard.converters import qwen3_vl
 from reshard.converters.base import (
     E,
     L,
@@ -32,6 +36,8 @@ from reshard.converters.base import (
 )
 from reshard.converters.qwen3_vl import Qwen3VL
 
+_VISION_CLASS = "transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe.Qwen3VLMoeVisionConfig"  # Bridge's provider's
+
 
 def fused_experts(prefix: str) -> list[Mapping]:
     """An MoE layer's MLP with the experts fused and transposed as Qwen3-VL-MoE's release stores them."""
@@ -43,6 +49,15 @@ def fused_experts(prefix: str) -> list[Mapping]:
         Transposed(f"{m}experts.experts.linear_fc1.weight", at_index(f"{fused}gate_up_proj", E)),
         Transposed(f"{m}experts.experts.linear_fc2.weight", at_index(f"{fused}down_proj", E)),
     ]
+
+
+def from_bridge(model: dict[str, Any]) -> dict[str, Any]:
+    """The Megatron args of a Bridge Qwen3VLMoEModelProvider beyond a GPT provider's: Qwen3-VL's (`qwen3_vl.from_bridge`)."""
+    return qwen3_vl.from_bridge(model, Qwen3VLMoe.model_type)
+
+
+def to_bridge(config: ModelConfig, hf: dict[str, Any] | None) -> dict[str, Any]:
+    return qwen3_vl.to_bridge(config, hf, _VISION_CLASS)
 
 
 class Qwen3VLMoe(Qwen3VL):

@@ -31,6 +31,17 @@ def _configs():
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
     lite = dict(rms_norm_eps=1e-5, num_nextn_predict_layers=1)
+
+    def qwen3_vl_moe(**text):
+        return tf.Qwen3VLMoeConfig(
+            text_config=dict(COMMON, intermediate_size=96, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                             num_hidden_layers=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                             tie_word_embeddings=False, **text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                                 "mrope_interleaved": True, "mrope_section": [2, 3, 3]}),
+            vision_config=dict(depth=3, hidden_size=24, intermediate_size=40, num_heads=2, out_hidden_size=64, patch_size=4,
+                               temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16,
+                               deepstack_visual_indexes=[0, 1]),
+            image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243, tie_word_embeddings=False)
     return {
         "llama": tf.LlamaConfig(**COMMON, intermediate_size=128, num_hidden_layers=4, num_key_value_heads=2,
                                 max_position_embeddings=16384, rope_theta=500000.0, rope_scaling=llama3),
@@ -121,15 +132,9 @@ def _configs():
         # Qwen3-VL-MoE in small: Qwen3-VL's vision tower and MRoPE beside Qwen3-MoE's language model, layer 0 MoE and
         # layer 1 dense (mlp_only_layers), 4 experts of 48 (top-2), the dense MLP 96; experts stored fused as the release
         # stores them (`RELEASE_FORMS`)
-        "qwen3_vl_moe": tf.Qwen3VLMoeConfig(
-            text_config=dict(COMMON, intermediate_size=96, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
-                             num_hidden_layers=2, num_key_value_heads=2, head_dim=16, mlp_only_layers=[1], max_position_embeddings=128,
-                             tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                                         "mrope_interleaved": True, "mrope_section": [2, 3, 3]}),
-            vision_config=dict(depth=3, hidden_size=24, intermediate_size=40, num_heads=2, out_hidden_size=64, patch_size=4,
-                               temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16,
-                               deepstack_visual_indexes=[0, 1]),
-            image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243, tie_word_embeddings=False),
+        "qwen3_vl_moe": qwen3_vl_moe(mlp_only_layers=[1]),
+        # every layer MoE, as released (Megatron-Bridge 0.6.2's Qwen3-VL-MoE builds every layer so whatever config.json says)
+        "qwen3_vl_moe_all": qwen3_vl_moe(mlp_only_layers=[]),
         # Qwen3-Next in small: Gated DeltaNet on layers 0 and 2 (2 key heads of 16, 4 value heads of 8: two value heads per
         # key head), gated attention with per-head q/k norms on 1 and 3, a quarter of the head dims rotated, zero-centred
         # norms, layer 0's MLP dense and the others MoE with a gated shared expert (widths 96, 48, 40: none square, none
@@ -164,7 +169,7 @@ def _configs():
 SAVED_AS = {"kimi_k2": {"model_type": "kimi_k2"}}
 # fused expert tensors a family's release stores transposed against transformers' in-memory form (which it saves):
 # Qwen3-VL-MoE's gate_up_proj [E, H, 2I] and down_proj [E, I, H]; transformers reads either (Transpose(check_dims))
-RELEASE_FORMS = {"qwen3_vl_moe": (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")}
+RELEASE_FORMS = {name: (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj") for name in ("qwen3_vl_moe", "qwen3_vl_moe_all")}
 
 MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed", "deepseek_v3_moe", "deepseek_v3_mixed", "minimax_m2",
        "gpt_oss", "qwen3_next"}
