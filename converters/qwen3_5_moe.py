@@ -52,8 +52,8 @@ class Qwen3_5Moe(Qwen3_5):
         return self.in_form(FUSED if any(name.endswith(".mlp.experts.gate_up_proj") for name in stored) else None), config, []
 
     def config_from_hf(self, hf):
-        # no dense MLP, so no intermediate_size: Megatron's ffn_hidden_size is the experts' width
-        return super().config_from_hf({"intermediate_size": hf.get("moe_intermediate_size", 0), **hf})
+        # no dense MLP, so no intermediate_size (transformers' config has none): Megatron's ffn_hidden_size is the experts' width
+        return super().config_from_hf({**hf, "intermediate_size": hf.get("moe_intermediate_size", 0)})
 
     def check_mlp(self, hf):
         for field in ("mlp_only_layers", "decoder_sparse_step"):
