@@ -7,9 +7,9 @@ layers dense).
   transpose of Megatron's linear_fc1 [gate; up]: gate in the first I columns, up in the last, not interleaved) and
   `down_proj [E, I, H]` (linear_fc2 transposed). Each expert is one slice (`at_index`), read and written alone, and
   written back in the same form. transformers 5.24 builds them as [E, 2I, H] / [E, H, I] in memory and reads either
-  orientation (its conversion's `Transpose(check_dims=True)`); a file in that other orientation is refused by shape.
-- Megatron side: Bridge's Qwen3VLModel as for Qwen3-VL, its language model a GPTModel with MoE layers (SequentialMLP's
-  `mlp.experts.local_experts.N` or TEGroupedMLP's names, as reshard spells any MoE model).
+  orientation (its conversion's `Transpose(check_dims=True)`); a file in that other orientation is refused by shape, and
+  a model whose hidden_size is twice moe_intermediate_size (the two orientations alike) is refused by name.
+- Megatron side: Bridge's Qwen3VLModel as for Qwen3-VL, its language model a GPTModel with MoE layers.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from reshard.converters.base import (
     llama_dense_mlp,
     qwen_moe_layer_freq,
     qwen_moe_layers_to_hf,
+    refuse,
 )
 from reshard.converters.qwen3_vl import Qwen3VL
 
@@ -69,6 +70,9 @@ class Qwen3VLMoe(Qwen3VL):
     def check_hf(self, hf):
         super().check_hf(hf)
         qwen_moe_layer_freq(hf)
+        if int(hf["hidden_size"]) == 2 * int(hf["moe_intermediate_size"]):  # [E, H, 2I] square per expert: either way round
+            raise refuse(f"hidden_size={hf['hidden_size']}, twice moe_intermediate_size", "the fused gate_up_proj's orientation "
+                         "cannot be told from its shape (transformers reads it untransposed then, the release stores it transposed)")
         if hf.get("norm_topk_prob", True) is not True:  # transformers' router renormalises whatever config.json says
             raise bad_value("text_config.norm_topk_prob", hf["norm_topk_prob"], "true (Qwen3-VL-MoE's router renormalises its top-k)")
 

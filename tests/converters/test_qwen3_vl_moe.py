@@ -69,17 +69,17 @@ def fused_in_transformers_orientation(source, directory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["norm_topk_prob", "orientation"])
+@pytest.mark.parametrize("case", ["norm_topk_prob", "moe_intermediate_size", "orientation"])
 def test_what_it_cannot_read_as_released_is_refused(source, tmp_path, monkeypatch, capsys, case):
-    """A router told not to renormalise (transformers' always does) and experts in the other orientation: one line
-    naming the field or tensor, nothing written."""
-    if case == "norm_topk_prob":
+    """A router told not to renormalise (transformers' always does), experts whose two orientations look alike, and
+    experts in the other orientation: one line naming the field or tensor, nothing written."""
+    if case != "orientation":
         bad = tmp_path / "bad"
         shutil.copytree(source, bad)
         config = json.loads((source / "config.json").read_text())
-        config["text_config"]["norm_topk_prob"] = False
+        config["text_config"][case] = {"norm_topk_prob": False, "moe_intermediate_size": 32}[case]
         (bad / "config.json").write_text(json.dumps(config))
-        words = ("text_config.norm_topk_prob",)
+        words = {"norm_topk_prob": ("text_config.norm_topk_prob",), "moe_intermediate_size": ("twice moe_intermediate_size",)}[case]
     else:
         bad = fused_in_transformers_orientation(source, tmp_path / "bad")
         words = ("model.language_model.layers.0.mlp.experts.", "has shape")
