@@ -415,7 +415,7 @@ def test_the_oracle_sees_a_wrong_qwen3_next_mapping(tmp_path, monkeypatch, sabot
     two of Qwen3.5-MoE's fused experts swapped."""
     owner, attribute, wrap = QWEN3_NEXT_SABOTAGE[sabotage]
     monkeypatch.setattr(owner, attribute, wrap(getattr(owner, attribute)))
-    name = next(name for name in ("qwen3_5_moe_fused", "qwen3_5", "qwen3_next") if sabotage.startswith(name))
+    name = next((name for name in ("qwen3_5_moe_fused", "qwen3_5") if sabotage.startswith(name)), "qwen3_next")
     assert max_logits_diff(tmp_path, name, "torch_dist", {}) > 1e-3
 
 
