@@ -26,9 +26,11 @@ from reshard.converters.qwen2_5_vl import Qwen2_5_VL
 from reshard.converters.qwen2_moe import Qwen2Moe
 from reshard.converters.qwen3 import Qwen3
 from reshard.converters.qwen3_5 import Qwen3_5
+from reshard.converters.qwen3_5_moe import Qwen3_5Moe
 from reshard.converters.qwen3_moe import Qwen3Moe
 from reshard.converters.qwen3_next import Qwen3Next
 from reshard.converters.qwen3_vl import Qwen3VL
+from reshard.converters.qwen3_vl_moe import Qwen3VLMoe
 from reshard.errors import ReshardError
 
 FAMILIES: dict[str, Family] = {}  # model_type -> family
@@ -44,7 +46,8 @@ def register(family: Family) -> Family:
 
 # Order matters for `family_for_model`: the first family whose signature matches is the default export.
 _BUILTIN = (Llama(), Mistral(), Qwen2(), Qwen3(), Mixtral(), Qwen3Moe(), Qwen2Moe(), DeepseekV3(), GPT2(),
-            MiniMaxM2(), Glm4Moe(), GptOss(), Glm4MoeLite(), Qwen2_5_VL(), Qwen3VL(), Qwen3Next(), Qwen3_5(), NemotronH())
+            MiniMaxM2(), Glm4Moe(), GptOss(), Glm4MoeLite(), Qwen2_5_VL(), Qwen3VL(),
+            Qwen3VLMoe(), Qwen3Next(), Qwen3_5(), Qwen3_5Moe(), NemotronH())
 for _family in _BUILTIN:
     register(_family)
 
@@ -93,7 +96,7 @@ def family_for_model(config: ModelConfig, args: dict[str, Any]) -> Family:
                 "its args were changed since; keep it in a Megatron format"
                 + (f", or delete hf_model_type from its args to export it as HF {fits[0].model_type}" if fits else "")
             )
-        return FAMILIES[saved]
+        return FAMILIES[saved].in_form(args.get("hf_form"))
     if fits:
         return fits[0]
     closest = min(FAMILIES.values(), key=lambda family: len(family.mismatches(config)))

@@ -607,6 +607,15 @@ class Family:
         by design (transformers' saved MTP layers); refusing what they hold part of."""
         return self, config, []
 
+    def files_form(self) -> str | None:
+        """Which of the family's HF forms this instance reads and writes (None: its one or default form). Recorded in
+        the args (`hf_form`) so that an export writes the form imported (`in_form`)."""
+        return None
+
+    def in_form(self, form: str | None) -> Family:
+        """The family writing HF form `form` (`files_form`)."""
+        return self
+
     # ---- ModelConfig -> HF config ----------------------------------------------------------------
     def check_megatron(self, config: ModelConfig) -> None:
         """Refuse a Megatron model this family's HF classes cannot represent."""

@@ -131,23 +131,25 @@ def vision_mappings(tower: Tower, hf: str) -> list[Mapping]:
     return [mapping for mapping in out if mapping.megatron in names]  # no DeepStack mergers: none of theirs
 
 
-def from_bridge(model: dict[str, Any]) -> dict[str, Any]:
+def from_bridge(model: dict[str, Any], model_type: str = "qwen3_vl") -> dict[str, Any]:
     """The Megatron args of a Bridge Qwen3VLModelProvider (its run_config.yaml's model section) beyond a GPT provider's:
-    the language model's prefix, the vision model, and the HF config fields an export writes back."""
+    the language model's prefix, the vision model, and the HF config fields an export writes back (HF `model_type`'s:
+    Qwen3-VL-MoE's provider is read alike)."""
     vision = model.get("vision_config")
     if not isinstance(vision, dict):
         raise bad_value("run_config.yaml model.vision_config", vision, "Qwen3-VL's vision config")
     vision = {key: vision[key] for key in _VISION_KEYS if key in vision}
-    hf = {"model_type": "qwen3_vl", **{key: model[key] for key in TOKEN_FIELDS if type(model.get(key)) is int}, "vision_config": vision}
-    return {"language_model_prefix": LANGUAGE, "towers": [vision_tower(vision, model["hidden_size"])], "hf_model_type": "qwen3_vl",
+    hf = {"model_type": model_type, **{key: model[key] for key in TOKEN_FIELDS if type(model.get(key)) is int}, "vision_config": vision}
+    return {"language_model_prefix": LANGUAGE, "towers": [vision_tower(vision, model["hidden_size"])], "hf_model_type": model_type,
             "hf_config": hf}
 
 
-def to_bridge(config: ModelConfig, hf: dict[str, Any] | None) -> dict[str, Any]:
-    """The fields of a Bridge Qwen3VLModelProvider beyond a GPT provider's (what `from_bridge` reads back)."""
+def to_bridge(config: ModelConfig, hf: dict[str, Any] | None, vision_class: str = _VISION_CLASS) -> dict[str, Any]:
+    """The fields of a Bridge Qwen3VLModelProvider beyond a GPT provider's (what `from_bridge` reads back); its vision
+    config's class `vision_class`."""
     vision = json.loads(config.towers[0].hf_config)
     tokens = {key: value for key, value in text_config(hf or {}).items() if key in TOKEN_FIELDS}
-    return {"mrope_section": list(config.mrope_section or ()), "vision_config": {"_target_": _VISION_CLASS, **vision}, **tokens}
+    return {"mrope_section": list(config.mrope_section or ()), "vision_config": {"_target_": vision_class, **vision}, **tokens}
 
 
 class Qwen3VL(Qwen3):
@@ -155,6 +157,7 @@ class Qwen3VL(Qwen3):
     architectures = ("Qwen3VLForConditionalGeneration",)
     signature = {**Qwen3.signature, "position_embedding_type": "mrope"}
     text_prefix, visual_prefix = "model.language_model.", "model.visual."
+    text_type = "qwen3_vl_text"  # text_config's model_type
 
     def config_from_hf(self, hf):
         text = text_config(hf)
@@ -176,10 +179,13 @@ class Qwen3VL(Qwen3):
         super().check_megatron(config)
         check_bridge_vl(config, "Qwen3-VL", "a vision model", VISION)
 
-    def mappings(self, config):
-        text = [*embeddings_and_head(config, self.text_prefix), *llama_attention(config, self.text_prefix),
+    def text_mappings(self, config: ModelConfig) -> list[Mapping]:
+        """The language model's mappings, HF names under `text_prefix` (Qwen3-VL-MoE's differ: `converters.qwen3_vl_moe`)."""
+        return [*embeddings_and_head(config, self.text_prefix), *llama_attention(config, self.text_prefix),
                 *llama_dense_mlp(self.text_prefix)]
-        return [*(under(LANGUAGE, m) for m in text), *vision_mappings(config.towers[0], self.visual_prefix)]
+
+    def mappings(self, config):
+        return [*(under(LANGUAGE, m) for m in self.text_mappings(config)), *vision_mappings(config.towers[0], self.visual_prefix)]
 
     def adjust_to_hf(self, out, config):
         out["attention_bias"] = False  # Qwen3VLTextConfig has no sliding window to switch off
@@ -187,4 +193,4 @@ class Qwen3VL(Qwen3):
     def config_to_hf(self, config, saved=None, extras=None):
         saved = copy.deepcopy(saved) if saved and saved.get("model_type") == self.model_type else {}
         flat = super().config_to_hf(config, {**text_config(saved), "model_type": self.model_type}, extras)
-        return nested_hf_config(flat, config, saved, "qwen3_vl_text", {"mrope_interleaved": True, "mrope_section": list(config.mrope_section)})
+        return nested_hf_config(flat, config, saved, self.text_type, {"mrope_interleaved": True, "mrope_section": list(config.mrope_section)})

@@ -507,6 +507,7 @@ class HFReader(CheckpointReader):
             tokenizer_type="HuggingFaceTokenizer",
             tokenizer_model=str(self.path.resolve()),
             hf_model_type=self.family.model_type,
+            **({"hf_form": form} if (form := self.family.files_form()) else {}),
             hf_architecture=self.family.architectures[0],
             hf_config=self.hf_config,
             hf_source=str(self.path.resolve()),

@@ -47,13 +47,15 @@ _LISTS = ("moe_layer_freq", "window_size", "window_attn_skip_freq", "mrope_secti
 MINIMAX_M2_SPEC = "megatron.bridge.models.minimax_m2.minimax_m2_provider.minimax_m2_layer_spec"
 QWEN2_5_VL_PROVIDER = "megatron.bridge.models.qwen_vl.qwen25_vl_provider.Qwen25VLModelProvider"
 QWEN3_VL_PROVIDER = "megatron.bridge.models.qwen_vl.qwen3_vl_provider.Qwen3VLModelProvider"
+QWEN3_VL_MOE_PROVIDER = "megatron.bridge.models.qwen_vl.qwen3_vl_provider.Qwen3VLMoEModelProvider"
+VL_PROVIDERS = (QWEN2_5_VL_PROVIDER, QWEN3_VL_PROVIDER, QWEN3_VL_MOE_PROVIDER)
 
 
 def _vl_family(target: str) -> Any:
     """The family module (its from_bridge / to_bridge) of a Bridge vision-language provider."""
-    from reshard.converters import qwen2_5_vl, qwen3_vl
+    from reshard.converters import qwen2_5_vl, qwen3_vl, qwen3_vl_moe
 
-    return {QWEN2_5_VL_PROVIDER: qwen2_5_vl, QWEN3_VL_PROVIDER: qwen3_vl}[target]
+    return {QWEN2_5_VL_PROVIDER: qwen2_5_vl, QWEN3_VL_PROVIDER: qwen3_vl, QWEN3_VL_MOE_PROVIDER: qwen3_vl_moe}[target]
 
 
 def _plain(value: Any) -> bool:
@@ -113,7 +115,7 @@ def bridge_args(path: Path) -> dict[str, Any]:
         args["params_dtype"] = _DTYPES[_named(path, model, "params_dtype", set(_DTYPES), "")]
     if model.get("max_position_embeddings") is None and model.get("seq_length") is not None:
         args["max_position_embeddings"] = model["seq_length"]
-    if model.get("_target_") in (QWEN2_5_VL_PROVIDER, QWEN3_VL_PROVIDER):  # a vision-language model: its tower and token ids
+    if model.get("_target_") in VL_PROVIDERS:  # a vision-language model: its tower and token ids
         args.update(_vl_family(model["_target_"]).from_bridge(model))
     if model.get("vocab_size") is not None:
         if model.get("should_pad_vocab"):  # padded as Megatron-LM pads it, at the saved TP
@@ -191,7 +193,8 @@ def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, 
         model.update({key: getattr(config, key) for key in MLA_FIELDS}, rope_type=config.mla_rope_type, kv_channels=config.v_head_dim,
                      _target_="megatron.bridge.models.mla_provider.MLAModelProvider")
     if config.towers:  # a vision-language model: Bridge's provider of its family (named by its tower), with its vision config
-        target = QWEN3_VL_PROVIDER if config.towers[0].prefix == "vision_model." else QWEN2_5_VL_PROVIDER
+        qwen3 = QWEN3_VL_MOE_PROVIDER if config.is_moe else QWEN3_VL_PROVIDER
+        target = qwen3 if config.towers[0].prefix == "vision_model." else QWEN2_5_VL_PROVIDER
         model.update(_target_=target, **_vl_family(target).to_bridge(config, args.get("hf_config")))
     chosen = {key: args.get(key, default) for key, default in _UNMODELED.items()} | layout.megatron_args()
     model.update({_BRIDGE_NAMES.get(key, key): value for key, value in chosen.items()})

@@ -31,6 +31,25 @@ def _configs():
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
     lite = dict(rms_norm_eps=1e-5, num_nextn_predict_layers=1)
+
+    qwen3_5_moe = tf.Qwen3_5MoeTextConfig(**COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=48,
+                                          shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2,
+                                          max_position_embeddings=128, tie_word_embeddings=False, linear_num_key_heads=2,
+                                          linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                                          layer_types=["linear_attention", "full_attention"] * 2,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                                           "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+
+    def qwen3_vl_moe(**text):
+        return tf.Qwen3VLMoeConfig(
+            text_config=dict(COMMON, intermediate_size=96, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                             num_hidden_layers=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                             tie_word_embeddings=False, **text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                                 "mrope_interleaved": True, "mrope_section": [2, 3, 3]}),
+            vision_config=dict(depth=3, hidden_size=24, intermediate_size=40, num_heads=2, out_hidden_size=64, patch_size=4,
+                               temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16,
+                               deepstack_visual_indexes=[0, 1]),
+            image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243, tie_word_embeddings=False)
     return {
         "llama": tf.LlamaConfig(**COMMON, intermediate_size=128, num_hidden_layers=4, num_key_value_heads=2,
                                 max_position_embeddings=16384, rope_theta=500000.0, rope_scaling=llama3),
@@ -118,6 +137,12 @@ def _configs():
                                temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16,
                                deepstack_visual_indexes=[0, 1]),
             image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243, tie_word_embeddings=False),
+        # Qwen3-VL-MoE in small: Qwen3-VL's vision tower and MRoPE beside Qwen3-MoE's language model, layer 0 MoE and
+        # layer 1 dense (mlp_only_layers), 4 experts of 48 (top-2), the dense MLP 96; experts stored fused as the release
+        # stores them (`RELEASE_FORMS`)
+        "qwen3_vl_moe": qwen3_vl_moe(mlp_only_layers=[1]),
+        # every layer MoE, as released (Megatron-Bridge 0.6.2's Qwen3-VL-MoE builds every layer so whatever config.json says)
+        "qwen3_vl_moe_all": qwen3_vl_moe(mlp_only_layers=[]),
         # Qwen3-Next in small: Gated DeltaNet on layers 0 and 2 (2 key heads of 16, 4 value heads of 8: two value heads per
         # key head), gated attention with per-head q/k norms on 1 and 3, a quarter of the head dims rotated, zero-centred
         # norms, layer 0's MLP dense and the others MoE with a gated shared expert (widths 96, 48, 40: none square, none
@@ -136,6 +161,11 @@ def _configs():
                                         linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2,
                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                                          "mrope_section": [1, 1, 0], "mrope_interleaved": True}),
+        # Qwen3.5-MoE's text model in small: Qwen3.5's layers (as above) with Qwen3-Next's MoE block on every one, 4 experts of
+        # 48 (top-2) and a gated shared expert of 40; experts per expert as transformers saves them, or (`_fused`) fused as
+        # the Hub's release stores them (`FUSED_FORMS`)
+        "qwen3_5_moe": qwen3_5_moe,
+        "qwen3_5_moe_fused": qwen3_5_moe,
         # Nemotron-H in small: Mamba-2, attention, Mamba-2, squared-ReLU MLP (pattern "M*M-"); 8 Mamba heads of 8 in 2
         # groups of B/C of state 16 (TP2 splits both), attention with 2 KV groups, an MLP of 96
         "nemotron_h": tf.NemotronHConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
@@ -150,12 +180,17 @@ def _configs():
 
 # config.json fields a family's release writes where transformers writes others
 SAVED_AS = {"kimi_k2": {"model_type": "kimi_k2"}}
+# fused expert tensors a family's release stores transposed against transformers' in-memory form (which it saves):
+# Qwen3-VL-MoE's gate_up_proj [E, H, 2I] and down_proj [E, I, H]; transformers reads either (Transpose(check_dims))
+FUSED_FORMS = {"qwen3_5_moe_fused"}  # per-expert tensors a family's release stores fused in transformers' in-memory form
+RELEASE_FORMS = {name: (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj") for name in ("qwen3_vl_moe", "qwen3_vl_moe_all")}
 
 MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed", "deepseek_v3_moe", "deepseek_v3_mixed", "minimax_m2",
-       "gpt_oss", "qwen3_next"}
+       "gpt_oss", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_fused"}
 NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed",
          "deepseek_v3", "deepseek_v3_q",
-         "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2", "minimax_m2", "gpt_oss", "qwen3_next", "qwen3_5", "nemotron_h"]
+         "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2", "minimax_m2", "gpt_oss", "qwen3_next", "qwen3_5", "qwen3_5_moe",
+         "qwen3_5_moe_fused", "nemotron_h"]
 
 
 def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
@@ -183,6 +218,10 @@ def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
         _add_mtp_heads(directory, layers, mtp, copies=config.model_type in ("deepseek_v3", "glm4_moe_lite"))
     if name in SAVED_AS:
         _edit_config(directory, **SAVED_AS[name])
+    if name in RELEASE_FORMS:
+        _transpose_fused(directory, RELEASE_FORMS[name])
+    if name in FUSED_FORMS:
+        _fuse_experts(directory)
     (directory / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')  # stands in for tokenizer files
     if hasattr(config, "vision_config"):  # and for a multimodal model's processor files
         (directory / "preprocessor_config.json").write_text('{"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2}\n')
@@ -212,6 +251,36 @@ def _add_mtp_heads(directory: Path, layers: int, mtp: int, copies: bool) -> None
     config = json.loads((directory / "config.json").read_text())
     kinds = {"mlp_layer_types": config["mlp_layer_types"][:layers]} if "mlp_layer_types" in config else {}
     _edit_config(directory, num_hidden_layers=layers, **kinds)
+
+
+def _transpose_fused(directory: Path, endings: tuple[str, ...]) -> None:
+    """Store the fused expert tensors ending so as their release does: each expert's matrix transposed."""
+    from safetensors.torch import load_file, save_file
+
+    file = directory / "model.safetensors"
+    tensors = load_file(file)
+    tensors.update({k: t.transpose(1, 2).contiguous() for k, t in tensors.items() if k.endswith(endings)})
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def _fuse_experts(directory: Path) -> None:
+    """Store the per-expert tensors transformers saved fused, as transformers' own qwen2_moe conversion fuses them on
+    loading: gate_up_proj [E, 2I, H] (each expert's gate rows, then its up rows), down_proj [E, H, I]."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    file = directory / "model.safetensors"
+    tensors, per_expert = load_file(file), re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name in [n for n in tensors if per_expert.match(n)]:
+        module, index, kind = per_expert.match(name).groups()
+        experts.setdefault(module, {}).setdefault(kind, {})[int(index)] = tensors.pop(name)
+    for module, kinds in experts.items():
+        stack = {kind: torch.stack([by_index[i] for i in sorted(by_index)]) for kind, by_index in kinds.items()}
+        tensors[f"{module}.gate_up_proj"] = torch.cat([stack["gate"], stack["up"]], dim=1)
+        tensors[f"{module}.down_proj"] = stack["down"]
+    save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 def _edit_config(directory: Path, **fields) -> None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 from reshard.cli import main
-from reshard.converters import nemotron_h, qwen3_5, qwen3_next
+from reshard.converters import nemotron_h, qwen3_5, qwen3_5_moe, qwen3_next
 from reshard.converters.base import GatedMLP, Rename
 from reshard.converters.deepseek_v3 import DeepseekV3
 from reshard.converters.glm4_moe import Glm4Moe
@@ -75,6 +75,9 @@ CASES = [
     ("qwen3_next", "torch_dist", dict(tp=2)),
     ("qwen3_next", "torch_dist", dict(pp=2)),
     ("qwen3_5", "torch_dist", dict(pp=2)),  # Qwen3.5's text model: dense MLPs, in_proj split four ways, multimodal RoPE on text
+    # Qwen3.5-MoE's: Qwen3-Next's MoE block on Qwen3.5's layers, its experts per expert (transformers' save) and fused (the release)
+    ("qwen3_5_moe", "torch_dist", dict(ep=2)),
+    ("qwen3_5_moe_fused", "torch_dist", dict(tp=2)),
     # Nemotron-H: megatron-core's MambaModel (mamba_ssm's scan and gated norm stood in by torch's: reshard.trainer.mamba)
     # against transformers' torch_forward; in_proj's z/x/B/C/dt and conv1d's x/B/C split by TP, and a stage boundary
     # between an attention layer (1) and a Mamba one (2)
@@ -393,17 +396,27 @@ QWEN3_NEXT_SABOTAGE = {  # what the family gets wrong: (object, attribute, its w
     "qwen3_5_beta_alpha_swapped": (qwen3_5, "split_in_proj", lambda right: lambda config: [
         Rename(m.megatron, m.hf[0].replace("in_proj_b.", "in_proj_@.").replace("in_proj_a.", "in_proj_b.").replace("in_proj_@.", "in_proj_a."))
         if m.megatron.endswith((".beta", ".alpha")) else m for m in right(config)]),
+    # Qwen3.5-MoE's fused experts: experts 0 and 1 reading each other's slice of gate_up_proj and down_proj
+    "qwen3_5_moe_fused_experts_swapped": (qwen3_5_moe, "fused_experts", lambda right: lambda config: [
+        ExpertsSwapped(m.megatron, m.hf[0]) if ".experts.experts." in m.megatron else m for m in right(config)]),
 }
+
+
+class ExpertsSwapped(Rename):
+    def hf_names(self, layer=None, expert=None):
+        return [t.format(layer=layer, expert={0: 1, 1: 0}.get(expert, expert)) for t in self.hf]
 
 
 @pytest.mark.parametrize("sabotage", sorted(QWEN3_NEXT_SABOTAGE))
 def test_the_oracle_sees_a_wrong_qwen3_next_mapping(tmp_path, monkeypatch, sabotage):
     """Each Qwen3-Next specific, got wrong in a way that still loads strictly, moves the logits far past the tolerance:
     in_proj's q/k/v/z (and b/a) read as flat blocks instead of grouped by key head, the convolution's q and k channels
-    in each other's place, the decay's A_log negated, the shared expert's sigmoid gate lost; Qwen3.5's b and a swapped."""
+    in each other's place, the decay's A_log negated, the shared expert's sigmoid gate lost; Qwen3.5's b and a swapped;
+    two of Qwen3.5-MoE's fused experts swapped."""
     owner, attribute, wrap = QWEN3_NEXT_SABOTAGE[sabotage]
     monkeypatch.setattr(owner, attribute, wrap(getattr(owner, attribute)))
-    assert max_logits_diff(tmp_path, "qwen3_5" if sabotage.startswith("qwen3_5") else "qwen3_next", "torch_dist", {}) > 1e-3
+    name = next((name for name in ("qwen3_5_moe_fused", "qwen3_5") if sabotage.startswith(name)), "qwen3_next")
+    assert max_logits_diff(tmp_path, name, "torch_dist", {}) > 1e-3
 
 
 NEMOTRON_H_SABOTAGE = {  # what the family gets wrong: (object, attribute, its wrong value from the right one)

@@ -164,7 +164,8 @@ def megatron_logits_diff(source: Path, tmp_path: Path, layout: dict) -> float:
     out = tmp_path / "oracle.pt"
     args = ["--load", target, "--out", out, "--tokens", tmp_path / "tokens.pt", "--positions", tmp_path / "positions.pt",
             *[a for k, v in layout.items() for a in (f"--{k}", v)]]
-    run("fixtures.megatron_oracle", args, nproc=layout.get("tp", 1) * layout.get("pp", 1), timeout=300)
+    nproc = layout.get("tp", 1) * layout.get("pp", 1) * max(1, layout.get("ep", 1) // layout.get("tp", 1))  # as test_hf_logits
+    run("fixtures.megatron_oracle", args, nproc=nproc, timeout=300)
     got = torch.load(out, weights_only=False)["logits"]
     assert got.shape == expected.shape == (2, 16, 250)
     return (got - expected).abs().max().item()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from reshard.config import ModelConfig
-from reshard.converters import families_for_model, family_for_hf
+from reshard.converters import families_for_model, family_for_hf, family_for_model
 from reshard.converters.qwen3_next import (
     conv_rows,
     group_gated_qkv,
@@ -92,7 +92,8 @@ def test_layer_types_are_megatron_cores_linear_attention_freq_and_back(config, k
 
 
 def test_a_megatron_model_of_its_kind_exports_as_qwen3_next_and_no_other(config):
-    assert [family.model_type for family in families_for_model(config)] == ["qwen3_next"]
+    # Qwen3.5-MoE's Megatron model is Qwen3-Next's (they differ in HF names only): the default export stays Qwen3-Next
+    assert [family.model_type for family in families_for_model(config)] == ["qwen3_next", "qwen3_5_moe_text"]
     for differs in ({"attention_output_gate": False}, {"layernorm_zero_centered_gamma": False}, {"moe_shared_expert_gate": False}):
         assert families_for_model(config.replace(**differs)) == [], differs
     qwen2_moe_like = config.replace(experimental_attention_variant=None, linear_attention_freq=None, attention_output_gate=False,
@@ -132,3 +133,29 @@ def test_qwen3_5s_split_in_proj_is_the_convolutions_channel_order_and_its_z_b_a_
     assert [family.model_type for family in families_for_model(config)] == ["qwen3_5_text"]
     with pytest.raises(ReshardError, match="num_experts=4 in a Qwen3.5 text model"):
         family_for_hf(hf).config_from_hf(dict(hf, num_experts=4))
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_moe(tmp_path_factory):
+    return build("qwen3_5_moe", tmp_path_factory.mktemp("qwen3_5_moe") / "hf")
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"mlp_only_layers": [1]}, ("mlp_only_layers in a Qwen3.5-MoE config", "every layer MoE")),
+    ({"norm_topk_prob": False}, ("norm_topk_prob", "renormalises")),
+    ({"mtp_num_hidden_layers": 1}, ("mtp_num_hidden_layers=1", "Qwen3.5-MoE's MTP layers")),
+])
+def test_qwen3_5_moe_refuses_what_transformers_would_not_compute(qwen3_5_moe, tmp_path, monkeypatch, capsys, change, words):
+    """Qwen3.5-MoE (converters/qwen3_5_moe.py): settings its transformers model ignores, and the MTP layers, by name."""
+    refused_config(monkeypatch, capsys, qwen3_5_moe, tmp_path, change, *words)
+
+
+def test_a_megatron_model_of_qwen3_5_moes_kind_exports_as_it_where_imported_from_it():
+    """Qwen3.5-MoE holds its model, as Qwen3-Next does (the same Megatron model: the one imported is exported, by
+    hf_model_type); with a dense layer, HF Qwen3.5-MoE cannot hold it: refused."""
+    hf = dict(_configs()["qwen3_5_moe"].to_dict())
+    config = family_for_hf(hf).config_from_hf(hf)[0]
+    assert [family.model_type for family in families_for_model(config)] == ["qwen3_next", "qwen3_5_moe_text"]
+    assert family_for_model(config, {"hf_model_type": "qwen3_5_moe_text"}).model_type == "qwen3_5_moe_text"
+    with pytest.raises(ReshardError, match=r"layers \[1\] have dense MLPs"):
+        family_for_hf(hf).config_to_hf(config.replace(moe_layer_freq=(1, 0, 1, 1)))

@@ -233,6 +233,14 @@ HF_CONFIGS = {
     # the older Hub layout: the text fields at the top, MRoPE in rope_scaling
     "qwen2_5_vl": dict(BASE, architectures=["Qwen2_5_VLForConditionalGeneration"], rope_scaling=MROPE, vision_config=VISION),
     "qwen3_vl": dict(BASE, architectures=["Qwen3VLForConditionalGeneration"], rope_parameters=MROPE_INTERLEAVED, vision_config=VISION3),
+    "qwen3_vl_moe": dict(BASE, architectures=["Qwen3VLMoeForConditionalGeneration"], rope_parameters=MROPE_INTERLEAVED,
+                         vision_config=VISION3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48),
+    # no intermediate_size: transformers' Qwen3.5-MoE config has none (no dense MLP)
+    "qwen3_5_moe_text": dict({k: v for k, v in BASE.items() if k != "intermediate_size"}, architectures=["Qwen3_5MoeForCausalLM"],
+                             head_dim=16, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=48, linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                             layer_types=["linear_attention", "full_attention"]),
 }
 
 
