@@ -91,9 +91,10 @@ def dequantize(
     row of `q` in float32 is made besides `out`."""
     out = np.empty(q.shape, np.float32) if out is None else out
     columns = np.arange(origin[1], origin[1] + q.shape[1]) // block[1]
-    for rows in block_rows(q.shape[0], block, origin[0]):
-        # indexing by the uint8 bits as they are (np.take would copy them as int64 first)
-        np.multiply(_VALUES[q[rows].view(np.uint8)], scale[(origin[0] + rows.start) // block[0], columns], out=out[rows])
+    with np.errstate(over="ignore"):  # a product past float32 is refused by name (`check_finite`), not warned about
+        for rows in block_rows(q.shape[0], block, origin[0]):
+            # indexing by the uint8 bits as they are (np.take would copy them as int64 first)
+            np.multiply(_VALUES[q[rows].view(np.uint8)], scale[(origin[0] + rows.start) // block[0], columns], out=out[rows])
     return out
 
 
