@@ -8,9 +8,7 @@ tensor; it loads reshard's checkpoint and exports the original HF weights bit fo
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +20,12 @@ from test_hf_roundtrip import cli, hf_tensors
 from reshard.converters.base import QKV, Rename
 from reshard.converters.qwen2_5_vl import Qwen2_5_VL
 from reshard.formats import open_checkpoint
+from tests.bridge import bridge
 from tests.cli import refused_cli, refused_config
-from tests.launch import free_port, run
+from tests.launch import run
 
 from hf_models import build, load
 
-REPO = Path(__file__).resolve().parents[2]
-BRIDGE_PYTHON = Path(os.environ.get("BRIDGE_VENV", "/work/peers/bridge")) / "bin" / "python"
 IMAGE = 240  # the tiny model's image token (hf_models)
 # a prompt of 16 tokens around one image of 4 x 4 patches, merged 2 x 2 into 4 image tokens
 PROMPT = [5, 6, 242, IMAGE, IMAGE, IMAGE, IMAGE, 243, 7, 8, 9, 10, 11, 12, 13, 14]
@@ -214,16 +211,6 @@ def dist_tensors(directory: Path) -> dict[str, torch.Tensor]:
     out = {key: torch.empty(m.size, dtype=m.properties.dtype) for key, m in entries if isinstance(m, TensorStorageMetadata)}
     dcp.load(out, storage_reader=reader, no_dist=True)
     return out
-
-
-def bridge(*args, script: str = "bridge_qwen2_5_vl.py") -> None:
-    """fixtures/`script` under Megatron-Bridge 0.6.2's venv."""
-    if not BRIDGE_PYTHON.is_file():
-        pytest.skip(f"Megatron-Bridge's venv is not here ({BRIDGE_PYTHON}; BRIDGE_VENV, ../shared/peers/setup_bridge.sh)")
-    proc = subprocess.run([str(BRIDGE_PYTHON), str(REPO / "fixtures" / script), *map(str, args)],
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": "", "MASTER_PORT": str(free_port())})  # two may run at once (xdist)
-    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.slow

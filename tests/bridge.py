@@ -1,0 +1,25 @@
+"""Megatron-Bridge 0.6.2's own runs (fixtures/bridge_*.py) under its venv, which CI lacks: a test that needs one is
+skipped, saying so."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.launch import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+BRIDGE_PYTHON = Path(os.environ.get("BRIDGE_VENV", "/work/peers/bridge")) / "bin" / "python"
+
+
+def bridge(*args, script: str = "bridge_qwen2_5_vl.py") -> None:
+    """fixtures/`script` under Megatron-Bridge 0.6.2's venv."""
+    if not BRIDGE_PYTHON.is_file():
+        pytest.skip(f"Megatron-Bridge's venv is not here ({BRIDGE_PYTHON}; BRIDGE_VENV, ../shared/peers/setup_bridge.sh)")
+    proc = subprocess.run([str(BRIDGE_PYTHON), str(REPO / "fixtures" / script), *map(str, args)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": "", "MASTER_PORT": str(free_port())})  # two may run at once (xdist)
+    assert proc.returncode == 0, proc.stderr[-3000:]
