@@ -96,7 +96,8 @@ class Tower:
     they travel with the model's args, so a Megatron checkpoint describes them without its HF config."""
 
     prefix: str  # e.g. "visual."
-    tensors: tuple[tuple[str, tuple[int, ...]], ...]  # full name -> global shape
+    # full name -> global shape, in the order the tower registers them (the DistributedOptimizer's buffers are laid out by it)
+    tensors: tuple[tuple[str, tuple[int, ...]], ...]
     hf_config: str = "{}"  # the tower's own HF config (JSON), which an HF export writes back
     splits: tuple[tuple[str, str], ...] = ()  # full name -> "column" | "row" (`logical.Split`); others whole
     stacked: tuple[str, ...] = ()  # name prefixes whose tensors lead with an axis of blocks

@@ -135,7 +135,7 @@ class BufferLayout:
     def __init__(self, model_specs: dict[str, TensorSpec], config: ModelConfig, layout: Layout, args: dict[str, Any]):
         self.config, self.layout, self.args = config, layout, args
         self._refuse_unsupported(args)
-        self.order = ParamOrder.of(args, attention_of(config))
+        self.order = ParamOrder.of(args, attention_of(config), config)
         if self.order.transformer_engine and self.order.attention == MULTI_LATENT and layout.tp > 1:
             raise ReshardError(
                 "DistributedOptimizer state of multi-latent attention with the Transformer-Engine spec at TP > 1 is not decoded "
