@@ -22,7 +22,7 @@ from tests.converters.hf_models import build
 from tests.reshard.optim.test_dp_reshardable import assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
 from tests.reshard.test_cli import reshard
 
-pytestmark = pytest.mark.slow  # each reads a run trained by Megatron-Bridge's model on 2 ranks (about 70 s, once per test run)
+pytestmark = pytest.mark.slow  # each reads a run trained by Megatron-Bridge's model on 2 ranks (about 90 s, once per test run)
 
 PARAMS = 40  # Qwen2.5-VL's tiny model: 21 vision-tower tensors and 19 of the language model, every one trained
 
@@ -33,7 +33,7 @@ def trained(out):
     hf = build("qwen2_5_vl", out / "hf")
     assert reshard("convert", hf, out / "args", "--to-format", "torch_dist", "--for", "bridge", "-q").returncode == 0
     bridge(hf, out / "args" / "iter_0000000", out, script="bridge_vl_distrib_optim.py")
-    return {"dp": out / "dp", "full": out / "full"}
+    return {"hf": hf, "dp": out / "dp", "full": out / "full"}
 
 
 @pytest.fixture(scope="session")
@@ -65,6 +65,21 @@ def test_vl_state_converted_to_tp2_is_what_megatrons_own_save_converts_to(vl_opt
         out = reshard("convert", vl_optim[source], tmp_path / source, "--to-tp", "2", *form)
         assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
     assert len(assert_converted_alike(tmp_path / "dp", tmp_path / "full")) == 3 * PARAMS
+
+
+def test_megatron_loads_reshards_tp2_buffers_as_the_state_it_saved(vl_optim, tmp_path):
+    """reshard's dp_reshardable output at TP2 DP1 (from the TP1 DP2 buckets; the vocabulary unpadded, as Bridge keeps it)
+    is loaded by megatron-core 0.19.2 into Bridge's model and DistributedOptimizer at TP2 DP1; what it loaded, saved
+    again as fully_reshardable, is its original fully_reshardable save, every tensor bit for bit."""
+    out = reshard("convert", vl_optim["dp"], tmp_path / "tp2", "--to-tp", "2", "--to-dp", "1", "--optimizer-form", "dp_reshardable",
+                  "--for", "bridge")
+    assert out.returncode == 0, out.stderr
+    bridge(vl_optim["hf"], tmp_path / "tp2" / "iter_0000002", tmp_path / "loaded", "--load", "dp_reshardable", "--tp", "2",
+           script="bridge_vl_distrib_optim.py")
+    loaded, loaded_common = optimizer_tensors(tmp_path / "loaded" / "resaved")
+    full, full_common = optimizer_tensors(vl_optim["full"])
+    assert_same(loaded, full)
+    assert loaded_common == full_common
 
 
 def test_the_tower_after_the_language_model_is_caught(vl_optim, tmp_path, monkeypatch):
