@@ -167,6 +167,26 @@ def attention_of(config: ModelConfig) -> str:
     return MULTI_LATENT if config.multi_latent_attention else MULTI_HEAD
 
 
+def _frozen(args: dict[str, Any], config: ModelConfig | None) -> tuple[str, ...]:
+    """The name prefixes of the parameters a run with `args` froze: Megatron-Bridge's VL providers' `freeze_<part>` (in
+    run_config.yaml's model section) sets requires_grad=False on a part's parameters, and megatron-core's DDP gives
+    those no place in its buffers (distributed_data_parallel.py: `if not param.requires_grad: continue`). The language
+    model is under the model's prefix; the other parts are the towers' (`Tower.parts`)."""
+    frozen: list[str] = []
+    for part in FREEZABLE:
+        if not args.get(f"freeze_{part}"):
+            continue
+        if part == "language_model" and config is not None and config.language_model_prefix:
+            frozen.append(config.language_model_prefix)
+            continue
+        named = [prefixes for tower in (config.towers if config is not None else ()) for name, prefixes in tower.parts if name == part]
+        if not named:
+            raise ReshardError(f"freeze_{part}: the run froze a part the model does not name; its DistributedOptimizer state "
+                               "cannot be placed (convert with --no-optimizer)")
+        frozen += [prefix for prefixes in named for prefix in prefixes]
+    return tuple(frozen)
+
+
 @dataclass(frozen=True)
 class ParamOrder:
     """The order of a rank's parameters in `named_parameters()`, as the saving run's modules register them."""
@@ -176,6 +196,7 @@ class ParamOrder:
     grouped_experts: bool = False  # TEGroupedMLP experts (moe_grouped_gemm with TE), not SequentialMLP
     language_model_prefix: str = ""  # a vision-language model's (`ModelConfig.language_model_prefix`)
     towers: tuple[tuple[str, ...], ...] = ()  # each other tower's parameters in its registration order (`Tower.tensors`)
+    frozen: tuple[str, ...] = ()  # name prefixes of the parameters the run froze (`_frozen`): in no buffer
 
     @classmethod
     def of(cls, args: dict[str, Any], attention: str = MULTI_HEAD, config: ModelConfig | None = None) -> ParamOrder:
@@ -191,9 +212,7 @@ class ParamOrder:
                            ("moe_use_legacy_grouped_gemm", "the legacy GroupedMLP experts"),
                            ("mla_down_proj_fusion", "multi-latent attention's fused q/kv down projection"),
                            ("experimental_attention_variant", "Gated DeltaNet layers"),
-                           ("hybrid_override_pattern", "a hybrid (Mamba) layer pattern"), ("hybrid_layer_pattern", "a hybrid (Mamba) layer pattern"),
-                           # Bridge's VL providers: a frozen parameter has no gradient, so no place in the buffers
-                           *((f"freeze_{part}", f"a frozen {part.replace('_', ' ')}") for part in FREEZABLE)):
+                           ("hybrid_override_pattern", "a hybrid (Mamba) layer pattern"), ("hybrid_layer_pattern", "a hybrid (Mamba) layer pattern")):
             if args.get(flag):
                 raise ReshardError(f"DistributedOptimizer state of a model with {what} ({flag}) is not decoded yet (convert with --no-optimizer)")
         stacked = next((tower.prefix for tower in config.towers if tower.stacked), None) if config is not None else None
@@ -203,7 +222,12 @@ class ParamOrder:
         towers = tuple(tuple(name for name, _ in tower.tensors) for tower in config.towers) if config is not None else ()
         prefix = config.language_model_prefix if config is not None else ""
         # the local spec builds SequentialMLP whatever moe_grouped_gemm says (backends.py, LocalSpecProvider)
-        return cls(impl, attention, impl == "transformer_engine" and bool(args.get("moe_grouped_gemm")), prefix, towers)
+        return cls(impl, attention, impl == "transformer_engine" and bool(args.get("moe_grouped_gemm")), prefix, towers,
+                   _frozen(args, config))
+
+    def trains(self, name: str) -> bool:
+        """Whether model tensor `name` is a trained parameter: one with optimizer state (a place in the buffers)."""
+        return is_parameter(name) and not name.startswith(self.frozen)
 
     @property
     def transformer_engine(self) -> bool:

@@ -42,11 +42,23 @@ def test_a_parameter_no_table_places_is_refused_by_name():
 
 @pytest.mark.parametrize("args,words", [
     ({"experimental_attention_variant": "gated_delta_net"}, "Gated DeltaNet layers"),
-    ({"freeze_vision_model": True}, "a frozen vision model"),
 ])
 def test_a_model_whose_order_is_not_derived_is_refused_by_name(args, words):
     with pytest.raises(ReshardError, match=f"DistributedOptimizer state of a model with {words}"):
         ParamOrder.of({"transformer_impl": "local", **args})
+
+
+def test_a_frozen_part_has_no_optimizer_state(tmp_path):
+    """Bridge's freeze_vision_model freezes Qwen2.5-VL's patch embedding and blocks, not its merger (the vision
+    projection) nor the language model; a part no tower names is refused by name (megatron-core's own save of a frozen
+    run: test_vl_order.py)."""
+    config = _vl_config("qwen2_5_vl", tmp_path / "hf")
+    order = ParamOrder.of({"transformer_impl": "local", "freeze_vision_model": True}, MULTI_HEAD, config)
+    assert [order.trains(n) for n in ("visual.patch_embed.proj.weight", "visual.blocks.1.attn.qkv.bias", "visual.merger.mlp.0.weight",
+                                      "language_model.output_layer.weight")] == [False, False, True, True]
+    assert not ParamOrder.of({"freeze_language_model": True}, MULTI_HEAD, config).trains("language_model.output_layer.weight")
+    with pytest.raises(ReshardError, match="freeze_vision_model: the run froze a part the model does not name"):
+        ParamOrder.of({"freeze_vision_model": True})
 
 
 def _vl_config(family: str, hf_dir: Path):

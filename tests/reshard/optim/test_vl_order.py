@@ -14,6 +14,7 @@ import pytest
 
 from reshard.convert import convert
 from reshard.errors import ReshardError
+from reshard.formats import open_checkpoint
 from reshard.optim import order
 from reshard.request import LayoutChange, Target
 from tests.bridge import BRIDGE_PYTHON, bridge
@@ -24,23 +25,33 @@ from tests.reshard.test_cli import reshard
 
 pytestmark = pytest.mark.slow  # each reads a run trained by Megatron-Bridge's model on 2 ranks (about 90 s, once per test run)
 
-PARAMS = 40  # Qwen2.5-VL's tiny model: 21 vision-tower tensors and 19 of the language model, every one trained
+PARAMS = 40  # Qwen2.5-VL's tiny model: 30 vision-tower tensors and 10 of the language model (stacked), every one trained
+MERGER = 5  # the vision projection's tensors: with freeze_vision_model, the tower's only trained ones
 
 
-def trained(out):
-    """The fixture's run on the tiny Qwen2.5-VL, saved under `out` ('dp', 'full'); its args from reshard's own
-    torch_dist of the same HF model (Bridge records no data-parallel size)."""
+def trained(out, *freeze):
+    """The fixture's run on the tiny Qwen2.5-VL (Bridge's `freeze` parts frozen), saved under `out` ('dp', 'full'); its
+    args from reshard's own torch_dist of the same HF model (Bridge records no data-parallel size)."""
     hf = build("qwen2_5_vl", out / "hf")
     assert reshard("convert", hf, out / "args", "--to-format", "torch_dist", "--for", "bridge", "-q").returncode == 0
-    bridge(hf, out / "args" / "iter_0000000", out, script="bridge_vl_distrib_optim.py")
+    bridge(hf, out / "args" / "iter_0000000", out, *(["--freeze", *freeze] if freeze else []), script="bridge_vl_distrib_optim.py")
     return {"hf": hf, "dp": out / "dp", "full": out / "full"}
+
+
+def _run(tmp_path_factory, *freeze):
+    if not BRIDGE_PYTHON.is_file():
+        pytest.skip(f"Megatron-Bridge's venv is not here ({BRIDGE_PYTHON}; BRIDGE_VENV, ../shared/peers/setup_bridge.sh)")
+    return built(tmp_path_factory, trained, *freeze)
 
 
 @pytest.fixture(scope="session")
 def vl_optim(tmp_path_factory):
-    if not BRIDGE_PYTHON.is_file():
-        pytest.skip(f"Megatron-Bridge's venv is not here ({BRIDGE_PYTHON}; BRIDGE_VENV, ../shared/peers/setup_bridge.sh)")
-    return built(tmp_path_factory, trained)
+    return _run(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def frozen_vl_optim(tmp_path_factory):
+    return _run(tmp_path_factory, "vision_model")
 
 
 def test_vl_buffers_read_bit_for_bit_as_megatrons_fully_reshardable(vl_optim, tmp_path):
@@ -92,3 +103,23 @@ def test_the_tower_after_the_language_model_is_caught(vl_optim, tmp_path, monkey
     with pytest.raises(ReshardError, match="parameter\\(s\\) disagree"):
         convert(vl_optim["dp"], tmp_path / "out", Target(layout=LayoutChange(tp=2)))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_frozen_vision_model_has_no_state_and_the_rest_reads_as_megatrons_own(frozen_vl_optim, tmp_path, monkeypatch):
+    """Bridge's freeze_vision_model (the patch embedding and blocks without gradients, so in no buffer): the buffers
+    decode to megatron-core's fully_reshardable save, the merger's and the language model's state only, and convert to
+    TP2 alike; placing the frozen part in the buffers anyway is refused naming the bucket that disagrees."""
+    dp, _ = optimizer_tensors(frozen_vl_optim["dp"])
+    full, _ = optimizer_tensors(frozen_vl_optim["full"])
+    trained = PARAMS - (30 - MERGER)
+    assert len(dp) == 3 * trained and not any(".visual.blocks." in name or ".visual.patch_embed." in name for name in dp)
+    assert_same(dp, full)
+    trains = order.ParamOrder.of({"freeze_vision_model": True}, order.MULTI_HEAD, open_checkpoint(frozen_vl_optim["dp"]).config).trains
+    assert master_weights_are_the_model(frozen_vl_optim["dp"], dp, trains) == []
+    for source in ("dp", "full"):
+        out = reshard("convert", frozen_vl_optim[source], tmp_path / source, "--to-tp", "2", "--optimizer-form", "dp_reshardable")
+        assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
+    assert len(assert_converted_alike(tmp_path / "dp", tmp_path / "full")) == 3 * trained
+    monkeypatch.setattr(order, "_frozen", lambda args, config: ())
+    with pytest.raises(ReshardError, match="the DistributedOptimizer layout derived from the model puts bucket 0"):
+        optimizer_tensors(frozen_vl_optim["dp"])
