@@ -1,5 +1,5 @@
-"""Megatron-Bridge 0.6.2's own runs (fixtures/bridge_*.py) under its venv, which CI lacks: a test that needs one is
-skipped, saying so."""
+"""Megatron-Bridge 0.6.2 run from its own venv (`../shared/peers/setup_bridge.sh`; BRIDGE_VENV), as the oracle some
+tests run: skipped, visibly, where that venv is absent (as in CI)."""
 
 from __future__ import annotations
 

@@ -14,14 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_hf_roundtrip import cli, hf_tensors
-from test_qwen2_5_vl import dist_tensors, megatron_logits_diff
+from test_qwen2_5_vl import bridge, dist_tensors, megatron_logits_diff
 
 from reshard.converters.base import Rename
 from reshard.converters.qwen3_vl import Qwen3VL
 from reshard.formats import open_checkpoint
 from reshard.layout import Layout
 from reshard.sharding import pieces
-from tests.bridge import bridge
 from tests.cli import refused_cli
 
 from hf_models import build, load
