@@ -100,6 +100,13 @@ def vision_tensors(vision: dict[str, Any], text_hidden: int) -> tuple[tuple[str,
     return tuple((VISUAL + name, shape) for name, shape in shapes.items())
 
 
+def vision_tower(vision: dict[str, Any], text_hidden: int) -> Tower:
+    """The vision tower of `vision` (its HF config), with the parts Bridge's Qwen25VLModel.freeze names: the vision model
+    (patch embedding and blocks) and the vision projection (the merger)."""
+    parts = (("vision_model", (VISUAL + "patch_embed.", VISUAL + "blocks.")), ("vision_projection", (VISUAL + "merger.",)))
+    return Tower(VISUAL, vision_tensors(vision, text_hidden), json.dumps(vision, sort_keys=True), parts=parts)
+
+
 def from_bridge(model: dict[str, Any]) -> dict[str, Any]:
     """The Megatron args of a Bridge Qwen25VLModelProvider (its run_config.yaml's model section) beyond a GPT
     provider's: the language model's prefix, the vision tower, and the HF config fields an export writes back."""
@@ -107,7 +114,7 @@ def from_bridge(model: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(vision, dict):
         raise bad_value("run_config.yaml model.vision_config", vision, "Qwen2.5-VL's vision config")
     vision = {key: vision[key] for key in _VISION_KEYS if key in vision}
-    tower = Tower(VISUAL, vision_tensors(vision, model["hidden_size"]), json.dumps(vision, sort_keys=True))
+    tower = vision_tower(vision, model["hidden_size"])
     hf = {"model_type": "qwen2_5_vl", **{key: model[key] for key in TOKEN_FIELDS if type(model.get(key)) is int}, "vision_config": vision}
     return {"language_model_prefix": LANGUAGE, "towers": [tower], "hf_model_type": "qwen2_5_vl", "hf_config": hf}
 
@@ -136,7 +143,7 @@ class Qwen2_5_VL(Qwen2):
             raise bad_value("text_config.rope_parameters.mrope_section", list(section),
                             f"sections of the {config.head_dim // 2} rotary frequencies (head_dim / 2) in all")
         vision = hf.get("vision_config")
-        tower = Tower(VISUAL, vision_tensors(vision, config.hidden_size), json.dumps(vision, sort_keys=True))
+        tower = vision_tower(vision, config.hidden_size)
         return config.replace(position_embedding_type="mrope", mrope_section=section, language_model_prefix=LANGUAGE,
                               towers=(tower,)), extras
 

@@ -96,12 +96,15 @@ class Tower:
     they travel with the model's args, so a Megatron checkpoint describes them without its HF config."""
 
     prefix: str  # e.g. "visual."
-    tensors: tuple[tuple[str, tuple[int, ...]], ...]  # full name -> global shape
+    # full name -> global shape, in the order the tower registers them (the DistributedOptimizer's buffers are laid out by it)
+    tensors: tuple[tuple[str, tuple[int, ...]], ...]
     hf_config: str = "{}"  # the tower's own HF config (JSON), which an HF export writes back
     splits: tuple[tuple[str, str], ...] = ()  # full name -> "column" | "row" (`logical.Split`); others whole
     stacked: tuple[str, ...] = ()  # name prefixes whose tensors lead with an axis of blocks
     tp_units: tuple[tuple[str, int], ...] = ()  # (what, count): the counts TP must divide where `splits` cut (heads, widths)
     extra_state: tuple[str, ...] = ()  # modules that keep an (empty) `_extra_state` megatron-core's loader asks for
+    # (part, name prefixes): the tensors a Megatron-Bridge `freeze_<part>` flag freezes (no gradient, so no optimizer state)
+    parts: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self):  # JSON and Megatron's args give lists
         object.__setattr__(self, "tensors", tuple((str(name), tuple(int(d) for d in shape)) for name, shape in self.tensors))
@@ -109,6 +112,7 @@ class Tower:
         object.__setattr__(self, "stacked", tuple(self.stacked))
         object.__setattr__(self, "tp_units", tuple((str(what), int(count)) for what, count in self.tp_units))
         object.__setattr__(self, "extra_state", tuple(self.extra_state))
+        object.__setattr__(self, "parts", tuple((str(part), tuple(prefixes)) for part, prefixes in self.parts))
         names = dict(self.tensors)
         if any(not name.startswith(self.prefix) for name in names):
             raise ReshardError(f"tower {self.prefix!r}: a tensor of it is named outside its prefix")
@@ -417,7 +421,8 @@ class ModelConfig:
         out["towers"] = [{"prefix": t.prefix, "tensors": [[name, list(shape)] for name, shape in t.tensors], "hf_config": t.hf_config,
                           **({"splits": [list(s) for s in t.splits], "stacked": list(t.stacked), "tp_units": [list(u) for u in t.tp_units],
                               "extra_state": list(t.extra_state)}
-                             if t.splits or t.stacked else {})}
+                             if t.splits or t.stacked else {}),
+                          **({"parts": [[part, list(prefixes)] for part, prefixes in t.parts]} if t.parts else {})}
                          for t in self.towers]
         for name in ("mrope_section", "language_model_prefix", "towers"):  # a plain GPT model's args stay as they were
             if not out[name]:

@@ -45,7 +45,7 @@ from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.layout import Layout, RankCoord
 from reshard.logical import TensorSpec, describe
-from reshard.optim.order import MULTI_LATENT, ParamOrder, attention_of, is_parameter
+from reshard.optim.order import MULTI_LATENT, ParamOrder, attention_of
 from reshard.sharding import Piece, Region, intersect, pieces, region_size, shift, to_slices
 
 PREFIX = "optimizer.distributed."
@@ -135,7 +135,7 @@ class BufferLayout:
     def __init__(self, model_specs: dict[str, TensorSpec], config: ModelConfig, layout: Layout, args: dict[str, Any]):
         self.config, self.layout, self.args = config, layout, args
         self._refuse_unsupported(args)
-        self.order = ParamOrder.of(args, attention_of(config))
+        self.order = ParamOrder.of(args, attention_of(config), config)
         if self.order.transformer_engine and self.order.attention == MULTI_LATENT and layout.tp > 1:
             raise ReshardError(
                 "DistributedOptimizer state of multi-latent attention with the Transformer-Engine spec at TP > 1 is not decoded "
@@ -151,7 +151,7 @@ class BufferLayout:
                 "the checkpoint's args are inconsistent; its DistributedOptimizer state cannot be decoded"
             )
         self.expert_dp = self.dp * layout.tp // expert_ranks
-        self.model_specs = {n: s for n, s in model_specs.items() if not s.is_optimizer and is_parameter(n)}
+        self.model_specs = {n: s for n, s in model_specs.items() if not s.is_optimizer and self.order.trains(n)}
         self.buffers: dict[Gbuf, Buffer] = {}
         # (name, layer, expert, tp, ep, pp) of a primary piece -> its buffer and place
         self.placed: dict[tuple[str, int | None, int | None, int, int, int], tuple[Gbuf, Placed]] = {}

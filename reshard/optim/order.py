@@ -120,6 +120,12 @@ _TOP_ORDER = (
     "mtp",  # the multi-token-prediction layers, each in `_MTP_ORDER`
     "output_layer.weight",
 )
+# Megatron-Bridge 0.6.2's vision-language models register their vision tower before the language model: Qwen25VLModel
+# builds `visual` (the HF Qwen2_5_VisionTransformerPretrainedModel) then `language_model` (modeling_qwen25_vl.py:
+# 107-110), Qwen3VLModel `vision_model` then `language_model` (modelling_qwen3_vl/model.py:319,340; both set to None
+# first, which registers nothing). So the towers' parameters come first (0), the language model's after them (1).
+TOWERS_AT = 0
+FREEZABLE = ("language_model", "vision_model", "vision_projection")  # the parts Bridge's VL providers can freeze (freeze_<part>)
 # An MTP layer (megatron-core 0.16.1 multi_token_prediction.py: MultiTokenPredictionLayer registers enorm, hnorm,
 # eh_proj, then its transformer layer (a decoder layer's parameters in the layer order), then final_layernorm).
 _MTP_ORDER = ("enorm.weight", "enorm.bias", "hnorm.weight", "hnorm.bias", "eh_proj.weight", "transformer_layer",
@@ -161,6 +167,26 @@ def attention_of(config: ModelConfig) -> str:
     return MULTI_LATENT if config.multi_latent_attention else MULTI_HEAD
 
 
+def _frozen(args: dict[str, Any], config: ModelConfig | None) -> tuple[str, ...]:
+    """The name prefixes of the parameters a run with `args` froze: Megatron-Bridge's VL providers' `freeze_<part>` (in
+    run_config.yaml's model section) sets requires_grad=False on a part's parameters, and megatron-core's DDP gives
+    those no place in its buffers (distributed_data_parallel.py: `if not param.requires_grad: continue`). The language
+    model is under the model's prefix; the other parts are the towers' (`Tower.parts`)."""
+    frozen: list[str] = []
+    for part in FREEZABLE:
+        if not args.get(f"freeze_{part}"):
+            continue
+        if part == "language_model" and config is not None and config.language_model_prefix:
+            frozen.append(config.language_model_prefix)
+            continue
+        named = [prefixes for tower in (config.towers if config is not None else ()) for name, prefixes in tower.parts if name == part]
+        if not named:
+            raise ReshardError(f"freeze_{part}: the run froze a part the model does not name; its DistributedOptimizer state "
+                               "cannot be placed (convert with --no-optimizer)")
+        frozen += [prefix for prefixes in named for prefix in prefixes]
+    return tuple(frozen)
+
+
 @dataclass(frozen=True)
 class ParamOrder:
     """The order of a rank's parameters in `named_parameters()`, as the saving run's modules register them."""
@@ -168,10 +194,14 @@ class ParamOrder:
     spec: str  # the module spec: "transformer_engine" (Megatron-LM's default transformer_impl) or "local"
     attention: str = MULTI_HEAD
     grouped_experts: bool = False  # TEGroupedMLP experts (moe_grouped_gemm with TE), not SequentialMLP
+    language_model_prefix: str = ""  # a vision-language model's (`ModelConfig.language_model_prefix`)
+    towers: tuple[tuple[str, ...], ...] = ()  # each other tower's parameters in its registration order (`Tower.tensors`)
+    frozen: tuple[str, ...] = ()  # name prefixes of the parameters the run froze (`_frozen`): in no buffer
 
     @classmethod
-    def of(cls, args: dict[str, Any], attention: str = MULTI_HEAD) -> ParamOrder:
-        """The order of a run with saved `args`, of a model whose layers have `attention`."""
+    def of(cls, args: dict[str, Any], attention: str = MULTI_HEAD, config: ModelConfig | None = None) -> ParamOrder:
+        """The order of a run with saved `args`, of a model whose layers have `attention` (and, beside its language
+        model, the towers of `config`)."""
         impl = args.get("transformer_impl", "transformer_engine")
         if (impl, attention) not in LAYER_ORDERS:
             raise ReshardError(
@@ -185,11 +215,19 @@ class ParamOrder:
                            ("hybrid_override_pattern", "a hybrid (Mamba) layer pattern"), ("hybrid_layer_pattern", "a hybrid (Mamba) layer pattern")):
             if args.get(flag):
                 raise ReshardError(f"DistributedOptimizer state of a model with {what} ({flag}) is not decoded yet (convert with --no-optimizer)")
-        if args.get("towers") or args.get("language_model_prefix"):  # Megatron-Bridge's VL models register their own order
-            raise ReshardError("DistributedOptimizer state of a vision-language model (its language model beside other towers) is not "
-                               "decoded yet (convert with --no-optimizer)")
+        stacked = next((tower.prefix for tower in config.towers if tower.stacked), None) if config is not None else None
+        if stacked is not None:
+            raise ReshardError(f"DistributedOptimizer state of a model whose {stacked.rstrip('.')} tower stacks its blocks (Megatron-Bridge's "
+                               "Qwen3-VL vision model) is not decoded yet (convert with --no-optimizer)")
+        towers = tuple(tuple(name for name, _ in tower.tensors) for tower in config.towers) if config is not None else ()
+        prefix = config.language_model_prefix if config is not None else ""
         # the local spec builds SequentialMLP whatever moe_grouped_gemm says (backends.py, LocalSpecProvider)
-        return cls(impl, attention, impl == "transformer_engine" and bool(args.get("moe_grouped_gemm")))
+        return cls(impl, attention, impl == "transformer_engine" and bool(args.get("moe_grouped_gemm")), prefix, towers,
+                   _frozen(args, config))
+
+    def trains(self, name: str) -> bool:
+        """Whether model tensor `name` is a trained parameter: one with optimizer state (a place in the buffers)."""
+        return is_parameter(name) and not name.startswith(self.frozen)
 
     @property
     def transformer_engine(self) -> bool:
@@ -201,8 +239,18 @@ class ParamOrder:
         return LAYER_ORDERS[(self.spec, self.attention)]
 
     def key(self, spec: TensorSpec, layer: int | None, expert: int | None) -> tuple[int, ...]:
-        """Where parameter `spec` (at global `layer` and `expert`) comes in the rank's named_parameters()."""
-        param = spec.param
+        """Where parameter `spec` (at global `layer` and `expert`, or tower block `layer`) comes in the rank's
+        named_parameters()."""
+        for index, names in enumerate(self.towers):
+            if spec.param in names:
+                return (TOWERS_AT, index, names.index(spec.param), layer or 0)
+        if not spec.param.startswith(self.language_model_prefix):
+            raise _unknown_place(spec.param)
+        return (1 - TOWERS_AT, *self._in_language_model(spec, layer, expert))
+
+    def _in_language_model(self, spec: TensorSpec, layer: int | None, expert: int | None) -> tuple[int, ...]:
+        """Where a parameter of the language model (a GPTModel's) comes in its named_parameters()."""
+        param = spec.param.removeprefix(self.language_model_prefix)
         if mtp := re.match(r"mtp\.layers\.(\d+)\.(transformer_layer\.)?(.+)$", param):
             index, in_layer, tail = mtp.groups()
             if in_layer:

@@ -86,12 +86,13 @@ CASES = [
 ]
 
 
-def master_weights_are_the_model(path: Path, optimizer: dict[str, np.ndarray]) -> list[str]:
-    """The model tensors whose fp32 master weights (`optimizer.state.param.*`) differ from the saved weights."""
+def master_weights_are_the_model(path: Path, optimizer: dict[str, np.ndarray], trains=is_parameter) -> list[str]:
+    """The model tensors (those `trains` says have optimizer state) whose fp32 master weights (`optimizer.state.param.*`)
+    differ from the saved weights."""
     with TorchDistReader(path) as reader:
         differ = []
         for name, spec in reader.specs.items():
-            if not spec.is_optimizer and not name.startswith("optimizer.") and is_parameter(name):
+            if not spec.is_optimizer and not name.startswith("optimizer.") and trains(name):
                 weights = np.empty(spec.shape, numpy_dtype(spec.dtype))
                 reader.read_into(name, full_region(spec.shape), weights)
                 if optimizer[f"optimizer.state.param.{name}"].tobytes() != weights.tobytes():

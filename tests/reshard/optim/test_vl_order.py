@@ -1,0 +1,125 @@
+"""DistributedOptimizer state of Megatron-Bridge's Qwen2.5-VL (its HF vision tower `visual.*` beside the language
+model under `language_model.`), decoded and written by reshard/optim/order.py's tower order, against megatron-core's
+own fully_reshardable save of the same state: fixtures/bridge_vl_distrib_optim.py trains Bridge 0.6.2's model two
+steps with megatron-core 0.19.2's DistributedOptimizer on 2 CPU ranks (TP1 DP2) and saves it in both forms.
+
+Bridge registers the vision tower before the language model, so the buffers (laid out in reverse) hold the language
+model first and the tower last. The proof needs Bridge's venv (not in CI): without it these tests are skipped, and
+what CI runs of this order is the unit test of test_order.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from reshard.convert import convert
+from reshard.errors import ReshardError
+from reshard.formats import open_checkpoint
+from reshard.optim import order
+from reshard.request import LayoutChange, Target
+from tests.bridge import BRIDGE_PYTHON, bridge
+from tests.cache import built
+from tests.converters.hf_models import build
+from tests.reshard.optim.test_dp_reshardable import assert_converted_alike, assert_same, master_weights_are_the_model, optimizer_tensors
+from tests.reshard.test_cli import reshard
+
+pytestmark = pytest.mark.slow  # each reads a run trained by Megatron-Bridge's model on 2 ranks (about 90 s, once per test run)
+
+PARAMS = 40  # Qwen2.5-VL's tiny model: 30 vision-tower tensors and 10 of the language model (stacked), every one trained
+MERGER = 5  # the vision projection's tensors: with freeze_vision_model, the tower's only trained ones
+
+
+def trained(out, *freeze):
+    """The fixture's run on the tiny Qwen2.5-VL (Bridge's `freeze` parts frozen), saved under `out` ('dp', 'full'); its
+    args from reshard's own torch_dist of the same HF model (Bridge records no data-parallel size)."""
+    hf = build("qwen2_5_vl", out / "hf")
+    assert reshard("convert", hf, out / "args", "--to-format", "torch_dist", "--for", "bridge", "-q").returncode == 0
+    bridge(hf, out / "args" / "iter_0000000", out, *(["--freeze", *freeze] if freeze else []), script="bridge_vl_distrib_optim.py")
+    return {"hf": hf, "dp": out / "dp", "full": out / "full"}
+
+
+def _run(tmp_path_factory, *freeze):
+    if not BRIDGE_PYTHON.is_file():
+        pytest.skip(f"Megatron-Bridge's venv is not here ({BRIDGE_PYTHON}; BRIDGE_VENV, ../shared/peers/setup_bridge.sh)")
+    return built(tmp_path_factory, trained, *freeze)
+
+
+@pytest.fixture(scope="session")
+def vl_optim(tmp_path_factory):
+    return _run(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def frozen_vl_optim(tmp_path_factory):
+    return _run(tmp_path_factory, "vision_model")
+
+
+def test_vl_buffers_read_bit_for_bit_as_megatrons_fully_reshardable(vl_optim, tmp_path):
+    """dp_reshardable decodes to every optimizer tensor of megatron-core's own fully_reshardable save, bit for bit, the
+    vision tower's included; the decoded master weights are the saved weights; every moment was trained (non-zero)."""
+    dp, dp_common = optimizer_tensors(vl_optim["dp"])
+    full, full_common = optimizer_tensors(vl_optim["full"])
+    assert len(dp) == 3 * PARAMS
+    assert {"optimizer.state.exp_avg.visual.patch_embed.proj.weight", "optimizer.state.exp_avg_sq.visual.merger.mlp.2.bias",
+            "optimizer.state.param.language_model.decoder.layers.self_attention.linear_qkv.bias"} <= dp.keys()
+    assert_same(dp, full)
+    assert dp_common == full_common
+    assert master_weights_are_the_model(vl_optim["dp"], dp) == []
+    assert all(np.any(t != 0) for name, t in dp.items() if ".exp_avg" in name)
+
+
+@pytest.mark.parametrize("form", [[], ["--optimizer-form", "dp_reshardable"]], ids=["fully_reshardable", "dp_reshardable"])
+def test_vl_state_converted_to_tp2_is_what_megatrons_own_save_converts_to(vl_optim, tmp_path, form):
+    """TP1 DP2 -> TP2 (DP2), written in either form: the dp_reshardable source gives what converting megatron-core's
+    fully_reshardable save gives, every tensor bit for bit, and the output verifies."""
+    for source in ("dp", "full"):
+        out = reshard("convert", vl_optim[source], tmp_path / source, "--to-tp", "2", *form)
+        assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
+    assert len(assert_converted_alike(tmp_path / "dp", tmp_path / "full")) == 3 * PARAMS
+
+
+def test_megatron_loads_reshards_tp2_buffers_as_the_state_it_saved(vl_optim, tmp_path):
+    """reshard's dp_reshardable output at TP2 DP1 (from the TP1 DP2 buckets; the vocabulary unpadded, as Bridge keeps it)
+    is loaded by megatron-core 0.19.2 into Bridge's model and DistributedOptimizer at TP2 DP1; what it loaded, saved
+    again as fully_reshardable, is its original fully_reshardable save, every tensor bit for bit."""
+    out = reshard("convert", vl_optim["dp"], tmp_path / "tp2", "--to-tp", "2", "--to-dp", "1", "--optimizer-form", "dp_reshardable",
+                  "--for", "bridge")
+    assert out.returncode == 0, out.stderr
+    bridge(vl_optim["hf"], tmp_path / "tp2" / "iter_0000002", tmp_path / "loaded", "--load", "dp_reshardable", "--tp", "2",
+           script="bridge_vl_distrib_optim.py")
+    loaded, loaded_common = optimizer_tensors(tmp_path / "loaded" / "resaved")
+    full, full_common = optimizer_tensors(vl_optim["full"])
+    assert_same(loaded, full)
+    assert loaded_common == full_common
+
+
+def test_the_tower_after_the_language_model_is_caught(vl_optim, tmp_path, monkeypatch):
+    """The vision tower placed after the language model (the buffer's bucket length unchanged): the decode differs from
+    megatron-core's fully_reshardable save, and the master-weight check refuses the conversion, writing nothing."""
+    monkeypatch.setattr(order, "TOWERS_AT", 1)
+    dp, _ = optimizer_tensors(vl_optim["dp"])
+    full, _ = optimizer_tensors(vl_optim["full"])
+    assert any(dp[name].tobytes() != full[name].tobytes() for name in dp)
+    with pytest.raises(ReshardError, match="parameter\\(s\\) disagree"):
+        convert(vl_optim["dp"], tmp_path / "out", Target(layout=LayoutChange(tp=2)))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_frozen_vision_model_has_no_state_and_the_rest_reads_as_megatrons_own(frozen_vl_optim, tmp_path, monkeypatch):
+    """Bridge's freeze_vision_model (the patch embedding and blocks without gradients, so in no buffer): the buffers
+    decode to megatron-core's fully_reshardable save, the merger's and the language model's state only, and convert to
+    TP2 alike; placing the frozen part in the buffers anyway is refused naming the bucket that disagrees."""
+    dp, _ = optimizer_tensors(frozen_vl_optim["dp"])
+    full, _ = optimizer_tensors(frozen_vl_optim["full"])
+    trained = PARAMS - (30 - MERGER)
+    assert len(dp) == 3 * trained and not any(".visual.blocks." in name or ".visual.patch_embed." in name for name in dp)
+    assert_same(dp, full)
+    trains = order.ParamOrder.of({"freeze_vision_model": True}, order.MULTI_HEAD, open_checkpoint(frozen_vl_optim["dp"]).config).trains
+    assert master_weights_are_the_model(frozen_vl_optim["dp"], dp, trains) == []
+    for source in ("dp", "full"):
+        out = reshard("convert", frozen_vl_optim[source], tmp_path / source, "--to-tp", "2", "--optimizer-form", "dp_reshardable")
+        assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
+    assert len(assert_converted_alike(tmp_path / "dp", tmp_path / "full")) == 3 * trained
+    monkeypatch.setattr(order, "_frozen", lambda args, config: ())
+    with pytest.raises(ReshardError, match="the DistributedOptimizer layout derived from the model puts bucket 0"):
+        optimizer_tensors(frozen_vl_optim["dp"])
