@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from test_hf_roundtrip import cli, hf_tensors
-from test_qwen2_5_vl import megatron_logits_diff
+from test_qwen2_5_vl import bridge, dist_tensors, megatron_logits_diff
 from test_qwen3_vl import QKV, image_logits, in_megatron_order, megatron_sections
 
 from reshard.config import ModelConfig
@@ -134,3 +134,17 @@ def test_megatron_cores_language_model_gives_transformers_text_logits(models, tm
         assert megatron_logits_diff(models("qwen3_5_vl"), tmp_path, dict(tp=2)) <= 1e-4
     else:
         assert megatron_logits_diff(models("qwen3_5_vl"), tmp_path, dict(tp=2)) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3_5_vl", "qwen3_5_vl_moe"])
+def test_reshards_checkpoint_is_bridges_own_import(models, tmp_path, name):
+    """Megatron-Bridge 0.6.2's own import of the same HF model (`fixtures/bridge_qwen3_5_vl.py`) equals reshard's
+    torch_dist (`--for bridge`) tensor for tensor: names, shapes and values of the hybrid language model (in_proj and conv1d parts,
+    zero-centred output norm, gated q/k/v, experts) and of the vision model."""
+    source = models(name)
+    cli("convert", source, tmp_path / "m", "--to-format", "torch_dist", "--for", "bridge", "-q")  # the vocabulary unpadded
+    bridge(source, tmp_path / "bridge", script="bridge_qwen3_5_vl.py")
+    ours, theirs = dist_tensors(tmp_path / "m" / "iter_0000000"), dist_tensors(tmp_path / "bridge" / "ckpt" / "iter_0000000")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert any(".in_proj.weight.beta" in k for k in ours) and any(k.startswith("vision_model.") for k in ours)
