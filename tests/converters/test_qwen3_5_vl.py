@@ -7,13 +7,11 @@ language model gives transformers' logits at the image prompt's 3-D positions.""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from test_hf_roundtrip import cli, hf_tensors
+from test_hf_roundtrip import cli
 from test_qwen2_5_vl import bridge, dist_tensors, megatron_logits_diff
-from test_qwen3_vl import QKV, image_logits, in_megatron_order, megatron_sections
+from test_qwen3_vl import QKV, export_is_the_source, image_logits, in_megatron_order, spell_sections_out
 
 from reshard.config import ModelConfig
 from reshard.converters import families_for_model
@@ -48,11 +46,7 @@ def assert_round_trip(source, tmp_path, *layout) -> None:
     assert {name.split(".")[0] for name in specs} == {"language_model", "vision_model"}
     assert specs[BETA].shape == (4, 64) and specs[QKV].shape == (3, 72, 24)
     assert not any("deepstack" in name for name in specs)
-    cli("convert", tmp_path / "m", tmp_path / "back", "--to-format", "hf", "-q")
-    original, back = hf_tensors(source), hf_tensors(tmp_path / "back")
-    assert original.keys() == back.keys() and all(torch.equal(original[k], back[k]) for k in original)
-    for name in ("config.json", "preprocessor_config.json", "chat_template.json"):
-        assert json.loads((tmp_path / "back" / name).read_text()) == json.loads((source / name).read_text()), name
+    export_is_the_source(source, tmp_path)
 
 
 @pytest.mark.fast
@@ -123,14 +117,7 @@ def test_megatron_cores_language_model_gives_transformers_text_logits(models, tm
     when its sections spell the interleaving out (as for Qwen3-VL, `megatron_sections`); with Qwen3.5's own sections
     read contiguously, as megatron-core reads them, it does not."""
     if sections == "interleaved":
-        right = Qwen3_5VL.config_from_hf
-
-        def expanded(self, hf):
-            config, extras = right(self, hf)
-            return config.replace(mrope_section=megatron_sections(config.mrope_section)), extras
-
-        monkeypatch.setattr(Qwen3_5VL, "config_from_hf", expanded)
-        monkeypatch.setattr(Qwen3_5VL, "check_megatron", lambda self, config: None)
+        spell_sections_out(monkeypatch, Qwen3_5VL)
         assert megatron_logits_diff(models("qwen3_5_vl"), tmp_path, dict(tp=2)) <= 1e-4
     else:
         assert megatron_logits_diff(models("qwen3_5_vl"), tmp_path, dict(tp=2)) > 1e-3
