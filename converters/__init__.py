@@ -27,6 +27,7 @@ from reshard.converters.qwen2_moe import Qwen2Moe
 from reshard.converters.qwen3 import Qwen3
 from reshard.converters.qwen3_5 import Qwen3_5
 from reshard.converters.qwen3_5_moe import Qwen3_5Moe
+from reshard.converters.qwen3_5_vl import Qwen3_5VL, Qwen3_5VLMoe
 from reshard.converters.qwen3_moe import Qwen3Moe
 from reshard.converters.qwen3_next import Qwen3Next
 from reshard.converters.qwen3_vl import Qwen3VL
@@ -47,7 +48,7 @@ def register(family: Family) -> Family:
 # Order matters for `family_for_model`: the first family whose signature matches is the default export.
 _BUILTIN = (Llama(), Mistral(), Qwen2(), Qwen3(), Mixtral(), Qwen3Moe(), Qwen2Moe(), DeepseekV3(), GPT2(),
             MiniMaxM2(), Glm4Moe(), GptOss(), Glm4MoeLite(), Qwen2_5_VL(), Qwen3VL(),
-            Qwen3VLMoe(), Qwen3Next(), Qwen3_5(), Qwen3_5Moe(), NemotronH())
+            Qwen3VLMoe(), Qwen3Next(), Qwen3_5(), Qwen3_5Moe(), Qwen3_5VL(), Qwen3_5VLMoe(), NemotronH())
 for _family in _BUILTIN:
     register(_family)
 

@@ -33,8 +33,13 @@ def check_bridge_vl(config: ModelConfig, family: str, tower: str, prefix: str) -
     if config.language_model_prefix != LANGUAGE or [t.prefix for t in config.towers] != [prefix]:
         raise ReshardError(f"the model is not Megatron-Bridge's {family} (the language model under {LANGUAGE!r}, "
                            f"{tower} under {prefix!r}): keep it in a Megatron format")
-    if not config.mrope_section or sum(config.mrope_section) != config.head_dim // 2:
-        raise ReshardError(f"mrope_section={config.mrope_section} does not cut the {config.head_dim // 2} rotary frequencies")
+    if not config.mrope_section or sum(config.mrope_section) != rotary_frequencies(config):
+        raise ReshardError(f"mrope_section={config.mrope_section} does not cut the {rotary_frequencies(config)} rotary frequencies")
+
+
+def rotary_frequencies(config: ModelConfig) -> int:
+    """How many frequencies a head's rotary embedding has: half its rotating dims (partial rotary: a fraction of them)."""
+    return round(config.head_dim * config.rotary_percent) // 2
 # config.json's own keys beside the nested text and vision configs
 _TOP = ("architectures", "model_type", "tie_word_embeddings", "dtype", "torch_dtype", "transformers_version", "image_token_id",
         "video_token_id", "vision_start_token_id", "vision_end_token_id", "vision_token_id", "text_config", "vision_config")

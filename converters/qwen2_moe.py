@@ -43,10 +43,10 @@ def moe_from_hf(hf: dict[str, Any], topk: int, norm_topk_prob: bool) -> dict[str
     )
 
 
-def moe_block(config: ModelConfig) -> list[Mapping]:
-    """The MoE layer's MLP: router, experts, and the shared expert with its gate."""
-    return [*moe_mlp(config, "mlp", "gate", "gate_proj", "up_proj", "down_proj"),
-            *shared_expert_mlp(config, "mlp.shared_expert", "mlp.shared_expert_gate")]
+def moe_block(config: ModelConfig, prefix: str = "model.") -> list[Mapping]:
+    """The MoE layer's MLP: router, experts, and the shared expert with its gate; HF names under `prefix`."""
+    return [*moe_mlp(config, "mlp", "gate", "gate_proj", "up_proj", "down_proj", prefix),
+            *shared_expert_mlp(config, "mlp.shared_expert", "mlp.shared_expert_gate", prefix)]
 
 
 def moe_to_hf(out: dict[str, Any], config: ModelConfig) -> None:

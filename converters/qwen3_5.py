@@ -7,8 +7,8 @@ projection split in four HF tensors instead of two fused ones.
 - RoPE: Qwen3.5's multimodal RoPE (`mrope_section`, `mrope_interleaved`) gives every section a text token's one
   position, so on text it is the plain partial RoPE megatron-core computes; the fields are kept for the export.
 
-Not mapped: Qwen3.5's MoE (Qwen3_5MoeForCausalLM) and vision tower (Qwen3_5ForConditionalGeneration); the MTP layers,
-refused by name as Qwen3-Next's are.
+Its MoE is `converters/qwen3_5_moe.py`, the model with its vision tower (Qwen3_5ForConditionalGeneration)
+`converters/qwen3_5_vl.py`. Not mapped: the MTP layers, refused by name as Qwen3-Next's are.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from reshard.converters.base import LLAMA_SIGNATURE, L, Mapping, Rename, at_inde
 from reshard.converters.qwen3_next import Qwen3Next, Rows, conv_rows
 
 
-def split_in_proj(config: ModelConfig) -> list[Mapping]:
+def split_in_proj(config: ModelConfig, prefix: str = "model.") -> list[Mapping]:
     """Qwen3.5's in_proj_qkv (the convolution's channels in order: `conv_rows`), in_proj_z, in_proj_b, in_proj_a."""
-    a, p = "decoder.layers.self_attention.in_proj.weight.", f"model.layers.{L}.linear_attn."
+    a, p = "decoder.layers.self_attention.in_proj.weight.", f"{prefix}layers.{L}.linear_attn."
     qkv = [Rows(f"{a}{part}", [at_index(f"{p}in_proj_qkv.weight", str(row)) for row in rows]) for part, rows in conv_rows(config).items()]
     return [*qkv, Rename(f"{a}z", f"{p}in_proj_z.weight"), Rename(f"{a}beta", f"{p}in_proj_b.weight"),
             Rename(f"{a}alpha", f"{p}in_proj_a.weight")]
@@ -41,10 +41,10 @@ class Qwen3_5(Qwen3Next):
         return {}
 
     def in_proj(self, config):
-        return split_in_proj(config)
+        return split_in_proj(config, self.text_prefix)
 
     def mlp(self, config: ModelConfig, kind: LayerKind) -> list[Mapping]:
-        return llama_dense_mlp()
+        return llama_dense_mlp(self.text_prefix)
 
     def mlp_to_hf(self, out, config):
         return None

@@ -24,11 +24,11 @@ from reshard.errors import ReshardError
 FUSED = "fused experts"  # the release's form (`files_form`)
 
 
-def fused_experts(config: ModelConfig) -> list[Mapping]:
+def fused_experts(config: ModelConfig, prefix: str = "model.") -> list[Mapping]:
     """Qwen3.5-MoE's MoE block with the routed experts fused as released: Qwen2-MoE's block, its experts' tensors
-    slices of the fused ones."""
-    x, fused = "decoder.layers.mlp.experts.experts.", f"model.layers.{L}.mlp.experts."
-    per_expert = [m for m in moe_block(config) if not m.megatron.startswith(x)]
+    slices of the fused ones; HF names under `prefix`."""
+    x, fused = "decoder.layers.mlp.experts.experts.", f"{prefix}layers.{L}.mlp.experts."
+    per_expert = [m for m in moe_block(config, prefix) if not m.megatron.startswith(x)]
     return [*per_expert, Rename(f"{x}linear_fc1.weight", at_index(f"{fused}gate_up_proj", E)),
             Rename(f"{x}linear_fc2.weight", at_index(f"{fused}down_proj", E))]
 
@@ -46,7 +46,7 @@ class Qwen3_5Moe(Qwen3_5):
         return FUSED if self.fused else None
 
     def in_form(self, form):
-        return Qwen3_5Moe(fused=form == FUSED)
+        return type(self)(fused=form == FUSED)  # a subclass (Qwen3.5-VL-MoE) keeps its class
 
     def for_files(self, config, stored):
         return self.in_form(FUSED if any(name.endswith(".mlp.experts.gate_up_proj") for name in stored) else None), config, []
@@ -73,7 +73,7 @@ class Qwen3_5Moe(Qwen3_5):
                                "has none of (every layer MoE)")
 
     def mlp(self, config: ModelConfig, kind: LayerKind) -> list[Mapping]:
-        return fused_experts(config) if self.fused else Qwen3Next.mlp(self, config, kind)
+        return fused_experts(config, self.text_prefix) if self.fused else Qwen3Next.mlp(self, config, kind)
 
     def mlp_to_hf(self, out, config):
         del out["intermediate_size"]  # config_from_hf's

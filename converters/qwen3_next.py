@@ -163,25 +163,26 @@ class ZeroCentredNorm(Rename):
         return [tensor + np.ones((), tensor.dtype)]
 
 
-def gated_delta_net(config: ModelConfig, in_proj: list[Mapping]) -> list[Mapping]:
-    """A Gated DeltaNet layer's mappings; `in_proj`: those of its input projection's parts (the family's HF form)."""
-    a, p = "decoder.layers.self_attention.", f"model.layers.{L}.linear_attn."
-    out: list[Mapping] = [Rename(f"{a}in_proj.layer_norm_weight", f"model.layers.{L}.input_layernorm.weight"), *in_proj]
+def gated_delta_net(config: ModelConfig, in_proj: list[Mapping], prefix: str = "model.") -> list[Mapping]:
+    """A Gated DeltaNet layer's mappings, HF names under `prefix`; `in_proj`: those of its input projection's parts
+    (the family's HF form)."""
+    a, p = "decoder.layers.self_attention.", f"{prefix}layers.{L}.linear_attn."
+    out: list[Mapping] = [Rename(f"{a}in_proj.layer_norm_weight", f"{prefix}layers.{L}.input_layernorm.weight"), *in_proj]
     for part, rows in conv_rows(config).items():
         out.append(Rows(f"{a}conv1d.weight.{part}", [at_index(f"{p}conv1d.weight", str(row)) for row in rows]))
     return [*out, Rename(f"{a}A_log", f"{p}A_log"), Rename(f"{a}dt_bias", f"{p}dt_bias"),
             ZeroCentredNorm(f"{a}out_norm.weight", f"{p}norm.weight"), Rename(f"{a}out_proj.weight", f"{p}out_proj.weight")]
 
 
-def fused_in_proj(config: ModelConfig) -> list[Mapping]:
+def fused_in_proj(config: ModelConfig, prefix: str = "model.") -> list[Mapping]:
     """Qwen3-Next's in_proj_qkvz and in_proj_ba, grouped by key head (`in_proj_rows`)."""
-    a, p = "decoder.layers.self_attention.", f"model.layers.{L}.linear_attn."
+    a, p = "decoder.layers.self_attention.", f"{prefix}layers.{L}.linear_attn."
     return [Rows(f"{a}in_proj.weight.{part}", [at_index(f"{p}{hf}.weight", str(row)) for row in rows])
             for part, (hf, rows) in in_proj_rows(config).items()]
 
 
-def gated_attention() -> list[Mapping]:
-    a, p = "decoder.layers.self_attention.", f"model.layers.{L}."
+def gated_attention(prefix: str = "model.") -> list[Mapping]:
+    a, p = "decoder.layers.self_attention.", f"{prefix}layers.{L}."
     return [
         Rename(f"{a}linear_qkv.layer_norm_weight", f"{p}input_layernorm.weight"),
         GatedQKV(f"{a}linear_qkv.weight", f"{p}self_attn.q_proj.weight", f"{p}self_attn.k_proj.weight", f"{p}self_attn.v_proj.weight"),
@@ -231,6 +232,7 @@ class Qwen3Next(Family):
     model_type = "qwen3_next"
     architectures = ("Qwen3NextForCausalLM",)
     name = "Qwen3-Next"
+    text_prefix = "model."  # where HF keeps the language model (a VL model's: `converters.qwen3_5_vl`)
     signature = {**{k: v for k, v in LLAMA_SIGNATURE.items() if k != "experimental_attention_variant"},
                  "qk_layernorm": True, "layernorm_zero_centered_gamma": True, "attention_output_gate": True, "moe": True,
                  "shared_experts": True, "shared_expert_gate": True}
@@ -263,14 +265,15 @@ class Qwen3Next(Family):
         check_rotary_dims(config, self.name)
 
     def in_proj(self, config: ModelConfig) -> list[Mapping]:
-        return fused_in_proj(config)
+        return fused_in_proj(config, self.text_prefix)
 
     def mlp(self, config: ModelConfig, kind: LayerKind) -> list[Mapping]:
-        return moe_block(config) if kind.moe else llama_dense_mlp()
+        return moe_block(config, self.text_prefix) if kind.moe else llama_dense_mlp(self.text_prefix)
 
     def mappings(self, config):
-        mixers = {"attention": gated_attention(), "gated_delta_net": gated_delta_net(config, self.in_proj(config))}
-        return [*embeddings_and_head(config), *by_layer(config, lambda kind: [*mixers[kind.mixer], *self.mlp(config, kind)])]
+        mixers = {"attention": gated_attention(self.text_prefix),
+                  "gated_delta_net": gated_delta_net(config, self.in_proj(config), self.text_prefix)}
+        return [*embeddings_and_head(config, self.text_prefix), *by_layer(config, lambda kind: [*mixers[kind.mixer], *self.mlp(config, kind)])]
 
     def adjust_to_hf(self, out, config):
         out["layer_types"] = ["linear_attention" if linear else "full_attention" for linear in config.linear_attention_layers]

@@ -35,7 +35,15 @@ from reshard.converters.base import (
     llama_dense_mlp,
     under,
 )
-from reshard.converters.qwen2_5_vl import LANGUAGE, TOKEN_FIELDS, check_bridge_vl, nested_hf_config, split_mrope, text_config
+from reshard.converters.qwen2_5_vl import (
+    LANGUAGE,
+    TOKEN_FIELDS,
+    check_bridge_vl,
+    nested_hf_config,
+    rotary_frequencies,
+    split_mrope,
+    text_config,
+)
 from reshard.converters.qwen3 import Qwen3
 
 VISION = "vision_model."  # Bridge's Megatron prefix of the vision model
@@ -152,45 +160,63 @@ def to_bridge(config: ModelConfig, hf: dict[str, Any] | None, vision_class: str 
     return {"mrope_section": list(config.mrope_section or ()), "vision_config": {"_target_": vision_class, **vision}, **tokens}
 
 
-class Qwen3VL(Qwen3):
-    model_type = "qwen3_vl"
-    architectures = ("Qwen3VLForConditionalGeneration",)
-    signature = {**Qwen3.signature, "position_embedding_type": "mrope"}
+class BridgeVL:
+    """Megatron-Bridge's Qwen3VLModel around a text family's language model (the class after this one in a family's
+    bases: Qwen3's here, Qwen3.5's in `converters.qwen3_5_vl`): its config nested in `text_config`, its HF names under
+    `text_prefix` and Megatron's under `language_model.`, interleaved MRoPE, Qwen3-VL's vision model under
+    `vision_model.`."""
+
+    model_type: str
+    name: str
     text_prefix, visual_prefix = "model.language_model.", "model.visual."
-    text_type = "qwen3_vl_text"  # text_config's model_type
+    text_type: str  # text_config's model_type
 
     def config_from_hf(self, hf):
         text = text_config(hf)
         rope = text.get("rope_parameters")
         if isinstance(rope, dict) and rope.get("mrope_interleaved", True) is not True:
             raise bad_value("text_config.rope_parameters.mrope_interleaved", rope["mrope_interleaved"],
-                            "true (Qwen3-VL's rotary interleaves its sections)")
+                            f"true ({self.name}'s rotary interleaves its sections)")
         if isinstance(rope, dict):
             text = {**text, "rope_parameters": {k: v for k, v in rope.items() if k != "mrope_interleaved"}}
         text, section = split_mrope(text)
         config, extras = super().config_from_hf(text)
-        if sum(section) != config.head_dim // 2:
+        if sum(section) != rotary_frequencies(config):
             raise bad_value("text_config.rope_parameters.mrope_section", list(section),
-                            f"sections of the {config.head_dim // 2} rotary frequencies (head_dim / 2) in all")
+                            f"sections of the {rotary_frequencies(config)} rotary frequencies in all")
         return config.replace(position_embedding_type="mrope", mrope_section=section, language_model_prefix=LANGUAGE,
                               towers=(vision_tower(hf.get("vision_config"), config.hidden_size),)), extras
 
     def check_megatron(self, config: ModelConfig) -> None:
         super().check_megatron(config)
-        check_bridge_vl(config, "Qwen3-VL", "a vision model", VISION)
+        check_bridge_vl(config, self.name, "a vision model", VISION)
 
     def text_mappings(self, config: ModelConfig) -> list[Mapping]:
-        """The language model's mappings, HF names under `text_prefix` (Qwen3-VL-MoE's differ: `converters.qwen3_vl_moe`)."""
-        return [*embeddings_and_head(config, self.text_prefix), *llama_attention(config, self.text_prefix),
-                *llama_dense_mlp(self.text_prefix)]
+        """The language model's mappings, HF names under `text_prefix`: the text family's."""
+        return super().mappings(config)
 
     def mappings(self, config):
         return [*(under(LANGUAGE, m) for m in self.text_mappings(config)), *vision_mappings(config.towers[0], self.visual_prefix)]
 
-    def adjust_to_hf(self, out, config):
-        out["attention_bias"] = False  # Qwen3VLTextConfig has no sliding window to switch off
-
     def config_to_hf(self, config, saved=None, extras=None):
         saved = copy.deepcopy(saved) if saved and saved.get("model_type") == self.model_type else {}
         flat = super().config_to_hf(config, {**text_config(saved), "model_type": self.model_type}, extras)
-        return nested_hf_config(flat, config, saved, self.text_type, {"mrope_interleaved": True, "mrope_section": list(config.mrope_section)})
+        rope = {k: v for k, v in (flat.get("rope_parameters") or {}).items() if k not in ("rope_theta", "rope_type")}
+        return nested_hf_config(flat, config, saved, self.text_type,
+                                {**rope, "mrope_interleaved": True, "mrope_section": list(config.mrope_section)})
+
+
+class Qwen3VL(BridgeVL, Qwen3):
+    model_type = "qwen3_vl"
+    architectures = ("Qwen3VLForConditionalGeneration",)
+    name = "Qwen3-VL"
+    signature = {**Qwen3.signature, "position_embedding_type": "mrope"}
+    text_type = "qwen3_vl_text"
+
+    def text_mappings(self, config: ModelConfig) -> list[Mapping]:
+        """Qwen3's mappings under `text_prefix` (Qwen3-VL-MoE's differ: `converters.qwen3_vl_moe`)."""
+        return [*embeddings_and_head(config, self.text_prefix), *llama_attention(config, self.text_prefix),
+                *llama_dense_mlp(self.text_prefix)]
+
+    def adjust_to_hf(self, out, config):
+        out["attention_bias"] = False  # Qwen3VLTextConfig has no sliding window to switch off

@@ -40,6 +40,22 @@ def _configs():
                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                                            "mrope_section": [1, 1, 0], "mrope_interleaved": True})
 
+    # Qwen3.5-VL in small: Qwen3.5's text model as below with heads of 32 (a quarter rotating: 4 frequencies, cut 2, 1, 1
+    # by the interleaved MRoPE) beside Qwen3-VL's tiny vision model without DeepStack mergers; `moe`: Qwen3.5-MoE's layers
+    def qwen3_5_vl(moe: bool):
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True}
+        text = dict(COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128, tie_word_embeddings=False,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                    linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2, rope_parameters=rope)
+        text.update(dict(moe_intermediate_size=48, shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2)
+                    if moe else dict(intermediate_size=96))
+        return (tf.Qwen3_5MoeConfig if moe else tf.Qwen3_5Config)(
+            text_config=text, vision_config=dict(depth=3, hidden_size=24, intermediate_size=40, num_heads=2, out_hidden_size=64,
+                                                  patch_size=4, temporal_patch_size=2, spatial_merge_size=2, in_channels=3,
+                                                  num_position_embeddings=16),
+            image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243, tie_word_embeddings=False)
+
     def qwen3_vl_moe(**text):
         return tf.Qwen3VLMoeConfig(
             text_config=dict(COMMON, intermediate_size=96, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
@@ -166,6 +182,9 @@ def _configs():
         # the Hub's release stores them (`FUSED_FORMS`)
         "qwen3_5_moe": qwen3_5_moe,
         "qwen3_5_moe_fused": qwen3_5_moe,
+        "qwen3_5_vl": qwen3_5_vl(moe=False),
+        "qwen3_5_vl_moe": qwen3_5_vl(moe=True),
+        "qwen3_5_vl_moe_fused": qwen3_5_vl(moe=True),
         # Nemotron-H in small: Mamba-2, attention, Mamba-2, squared-ReLU MLP (pattern "M*M-"); 8 Mamba heads of 8 in 2
         # groups of B/C of state 16 (TP2 splits both), attention with 2 KV groups, an MLP of 96
         "nemotron_h": tf.NemotronHConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
@@ -182,7 +201,7 @@ def _configs():
 SAVED_AS = {"kimi_k2": {"model_type": "kimi_k2"}}
 # fused expert tensors a family's release stores transposed against transformers' in-memory form (which it saves):
 # Qwen3-VL-MoE's gate_up_proj [E, H, 2I] and down_proj [E, I, H]; transformers reads either (Transpose(check_dims))
-FUSED_FORMS = {"qwen3_5_moe_fused"}  # per-expert tensors a family's release stores fused in transformers' in-memory form
+FUSED_FORMS = {"qwen3_5_moe_fused", "qwen3_5_vl_moe_fused"}  # per-expert tensors a family's release stores fused in transformers' in-memory form
 RELEASE_FORMS = {name: (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj") for name in ("qwen3_vl_moe", "qwen3_vl_moe_all")}
 
 MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed", "deepseek_v3_moe", "deepseek_v3_mixed", "minimax_m2",

@@ -55,6 +55,11 @@ def test_round_trip_is_bit_identical(source, tmp_path, layout):
     assert {name.split(".")[0] for name in specs} == {"language_model", "vision_model"}
     assert specs[QKV].stacked and specs[QKV].shape == (3, 72, 24) and specs[QKV].tp_axis == 1
     assert specs["vision_model.decoder.deepstack_merger_list.linear_fc2.weight"].shape == (2, 64, 96)
+    export_is_the_source(source, tmp_path)
+
+
+def export_is_the_source(source: Path, tmp_path: Path) -> None:
+    """The HF export of tmp_path/m is `source` bit for bit: every tensor, config.json and the processor files."""
     cli("convert", tmp_path / "m", tmp_path / "back", "--to-format", "hf", "-q")
     original, back = hf_tensors(source), hf_tensors(tmp_path / "back")
     assert original.keys() == back.keys() and all(torch.equal(original[k], back[k]) for k in original)
@@ -177,21 +182,27 @@ def megatron_sections(section: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(out + [0] * (-len(out) % 3))  # megatron-core counts on over the rotary's second half: whole triples
 
 
+def spell_sections_out(monkeypatch, family) -> None:
+    """`family` imports with its MRoPE sections spelled out as megatron-core reads them (`megatron_sections`), which
+    its own check of them refuses (switched off)."""
+    right = family.config_from_hf
+
+    def expanded(self, hf):
+        config, extras = right(self, hf)
+        return config.replace(mrope_section=megatron_sections(config.mrope_section)), extras
+
+    monkeypatch.setattr(family, "config_from_hf", expanded)
+    monkeypatch.setattr(family, "check_megatron", lambda self, config: None)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sections", ["interleaved", "contiguous"])
 def test_megatron_cores_mrope_gives_transformers_text_logits_with_the_sections_interleaved(source, tmp_path, monkeypatch, sections):
     """megatron-core 0.16.1's GPTModel (MRoPE) on the converted language model at TP2 gives transformers' logits at the
     3-D positions of the image prompt when its sections spell the interleaving out (one frequency each); with
     Qwen3-VL's own sections read contiguously, as megatron-core reads them, it does not."""
-    right = Qwen3VL.config_from_hf
-
-    def expanded(self, hf):
-        config, extras = right(self, hf)
-        return config.replace(mrope_section=megatron_sections(config.mrope_section)), extras
-
     if sections == "interleaved":
-        monkeypatch.setattr(Qwen3VL, "config_from_hf", expanded)
-        monkeypatch.setattr(Qwen3VL, "check_megatron", lambda self, config: None)
+        spell_sections_out(monkeypatch, Qwen3VL)
         assert megatron_logits_diff(source, tmp_path, dict(tp=2)) <= 1e-4
     else:
         assert megatron_logits_diff(source, tmp_path, dict(tp=2)) > 1e-3

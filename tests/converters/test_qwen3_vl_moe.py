@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_hf_roundtrip import cli, hf_tensors
 from test_qwen2_5_vl import megatron_logits_diff
-from test_qwen3_vl import bridge_both_ways, image_logits, megatron_sections
+from test_qwen3_vl import bridge_both_ways, image_logits, spell_sections_out
 
 from reshard.converters.base import Transposed
 from reshard.converters.qwen3_vl_moe import Qwen3VLMoe
@@ -132,14 +132,7 @@ def test_megatron_cores_language_model_at_ep2_gives_transformers_logits(source, 
     """megatron-core 0.16.1's GPTModel (MRoPE, its sections spelling Qwen3-VL's interleaving out as test_qwen3_vl does)
     on the language model converted at EP2 gives transformers' logits at the image prompt's 3-D positions; with two
     experts' fused slices swapped on import it does not."""
-    right = Qwen3VLMoe.config_from_hf
-
-    def expanded(self, hf):
-        config, extras = right(self, hf)
-        return config.replace(mrope_section=megatron_sections(config.mrope_section)), extras
-
-    monkeypatch.setattr(Qwen3VLMoe, "config_from_hf", expanded)
-    monkeypatch.setattr(Qwen3VLMoe, "check_megatron", lambda self, config: None)
+    spell_sections_out(monkeypatch, Qwen3VLMoe)
     if experts == "swapped":
         monkeypatch.setattr(Qwen3VLMoe, "mappings", sabotaged(ExpertsSwapped))
         assert megatron_logits_diff(source, tmp_path, dict(ep=2)) > 1e-3

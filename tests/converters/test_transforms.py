@@ -198,6 +198,10 @@ def test_unmapped_hf_features_are_refused(arch, extra, match):
         family_for_hf(hf).config_from_hf(hf)
 
 
+QWEN3_5_VL_TEXT = dict(BASE, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                       layer_types=["linear_attention", "full_attention"],
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                        "mrope_interleaved": True, "mrope_section": [2, 1, 1]})
 HF_CONFIGS = {
     "llama": dict(BASE, architectures=["LlamaForCausalLM"], tie_word_embeddings=True),
     "mistral": dict(BASE, architectures=["MistralForCausalLM"]),
@@ -241,6 +245,14 @@ HF_CONFIGS = {
                              moe_intermediate_size=32, shared_expert_intermediate_size=48, linear_num_key_heads=2,
                              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
                              layer_types=["linear_attention", "full_attention"]),
+    # Qwen3.5-VL: Qwen3.5's text model nested, MRoPE over the rotating quarter of heads of 32, Qwen3-VL's vision model
+    # without DeepStack mergers
+    "qwen3_5": dict(architectures=["Qwen3_5ForConditionalGeneration"], text_config=QWEN3_5_VL_TEXT,
+                    vision_config={k: v for k, v in VISION3.items() if k != "deepstack_visual_indexes"}),
+    "qwen3_5_moe": dict(architectures=["Qwen3_5MoeForConditionalGeneration"],
+                        text_config=dict({k: v for k, v in QWEN3_5_VL_TEXT.items() if k != "intermediate_size"}, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=40),
+                        vision_config={k: v for k, v in VISION3.items() if k != "deepstack_visual_indexes"}),
 }
 
 

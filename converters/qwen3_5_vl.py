@@ -1,0 +1,38 @@
+"""Qwen3.5-VL (Qwen3_5ForConditionalGeneration, and its MoE, Qwen3_5MoeForConditionalGeneration): Qwen3.5's hybrid
+language model (`converters/qwen3_5.py`, `converters/qwen3_5_moe.py`: Gated DeltaNet and gated attention layers,
+zero-centred norms, partial rotary) beside Qwen3-VL's vision model without DeepStack mergers, as Megatron-Bridge 0.6.2
+trains it (`Qwen35VLBridge` / `Qwen35VLMoEBridge`: its Qwen3VLModel, the language model under `language_model.`, the
+vision model under `vision_model.` in Qwen3-VL's Megatron form, `converters/qwen3_vl.py`).
+
+- HF side (transformers 5.24): `model.language_model.*` (the text family's tensors), `model.visual.*`, `lm_head`;
+  config.json nests `text_config` (model_type qwen3_5_text / qwen3_5_moe_text) and `vision_config`.
+- MRoPE: interleaved as Qwen3-VL's (transformers' Qwen3.5 interleaves always), its sections cutting the rotating
+  frequencies only: a quarter of each head's dims rotate (partial_rotary_factor), so the released [11, 11, 10] cut 32
+  of a 256-dim head's.
+- MoE: experts per expert (as transformers saves them) or fused as released, each read and written back as it came
+  (`Qwen3_5Moe.files_form`).
+
+Not mapped, refused by name: the release's MTP layers (as the text families refuse them).
+"""
+
+from __future__ import annotations
+
+from reshard.converters.qwen3_5 import Qwen3_5
+from reshard.converters.qwen3_5_moe import Qwen3_5Moe
+from reshard.converters.qwen3_vl import BridgeVL
+
+
+class Qwen3_5VL(BridgeVL, Qwen3_5):
+    model_type = "qwen3_5"
+    architectures = ("Qwen3_5ForConditionalGeneration",)
+    name = "Qwen3.5-VL"
+    signature = {**Qwen3_5.signature, "position_embedding_type": "mrope"}
+    text_type = "qwen3_5_text"
+
+
+class Qwen3_5VLMoe(BridgeVL, Qwen3_5Moe):
+    model_type = "qwen3_5_moe"
+    architectures = ("Qwen3_5MoeForConditionalGeneration",)
+    name = "Qwen3.5-VL-MoE"
+    signature = {**Qwen3_5Moe.signature, "position_embedding_type": "mrope"}
+    text_type = "qwen3_5_moe_text"
