@@ -136,6 +136,10 @@ def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, 
     Bridge's `load_megatron_model` instantiates it) describes this model at this layout: what `bridge_args` reads back."""
     import yaml
 
+    if any(kind.mixer not in ("attention", None) for kind in config.layer_kinds):
+        # Bridge's GPT and VL providers describe softmax attention only: a run_config.yaml naming one would have Bridge
+        # build another model than these tensors' (Gated DeltaNet, Mamba); without one, its loader stops naming the file
+        return
     activation = "torch.nn.functional." + ("silu" if config.swiglu else "gelu")
     padded = config.vocab_size is not None and config.padded_vocab_for(layout.tp) == config.padded_vocab_size
     model = {

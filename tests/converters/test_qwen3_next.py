@@ -21,6 +21,8 @@ from reshard.converters.qwen3_next import (
     zero_centred,
 )
 from reshard.errors import ReshardError
+from reshard.formats.model_args import RUN_CONFIG, save_run_config
+from reshard.layout import Layout
 from tests.cli import refused_config
 
 from hf_models import _configs, build
@@ -89,6 +91,16 @@ def test_layer_types_are_megatron_cores_linear_attention_freq_and_back(config, k
     assert ["linear_attention" if linear else "full_attention" for linear in model.linear_attention_layers] == kinds
     release = {"num_hidden_layers": 8, "full_attention_interval": 4}  # the release's spelling, without layer_types
     assert linear_attention_from_hf(release)["linear_attention_freq"] == 4
+
+
+def test_no_bridge_run_config_is_written_for_its_layers(config, tmp_path):
+    """Bridge's providers describe softmax attention only: one in run_config.yaml would build another model than these
+    tensors', so a hybrid's torch_dist output has none (an attention-only model of the same widths gets one)."""
+    save_run_config(tmp_path, {}, config, Layout(), te_names=True)
+    assert not (tmp_path / RUN_CONFIG).exists()
+    attention_only = config.replace(experimental_attention_variant=None, linear_attention_freq=None)
+    save_run_config(tmp_path, {}, attention_only, Layout(), te_names=True)
+    assert (tmp_path / RUN_CONFIG).is_file()
 
 
 def test_a_megatron_model_of_its_kind_exports_as_qwen3_next_and_no_other(config):
