@@ -107,19 +107,21 @@ def test_vl_state_converted_to_tp2_is_what_megatrons_own_save_converts_to(vl_opt
     assert len(assert_converted_alike(tmp_path / "dp", tmp_path / "full")) == 3 * PARAMS
 
 
-def test_megatron_loads_reshards_tp2_buffers_as_the_state_it_saved(vl_optim, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_megatron_loads_reshards_tp2_buffers_as_the_state_it_saved(family, request, tmp_path):
     """reshard's dp_reshardable output at TP2 DP1 (from the TP1 DP2 buckets; the vocabulary unpadded, as Bridge keeps it)
     is loaded by megatron-core 0.19.2 into Bridge's model and DistributedOptimizer at TP2 DP1; what it loaded, saved
     again as fully_reshardable, is its original fully_reshardable save, every tensor bit for bit."""
-    if "hf" not in vl_optim:
+    run = request.getfixturevalue({"qwen2_5_vl": "vl_optim", "qwen3_vl": "qwen3_vl_optim"}[family])
+    if "hf" not in run:
         pytest.skip(NO_BRIDGE)
-    out = reshard("convert", vl_optim["dp"], tmp_path / "tp2", "--to-tp", "2", "--to-dp", "1", "--optimizer-form", "dp_reshardable",
+    out = reshard("convert", run["dp"], tmp_path / "tp2", "--to-tp", "2", "--to-dp", "1", "--optimizer-form", "dp_reshardable",
                   "--for", "bridge")
     assert out.returncode == 0, out.stderr
-    bridge(vl_optim["hf"], tmp_path / "tp2" / "iter_0000002", tmp_path / "loaded", "--load", "dp_reshardable", "--tp", "2",
-           script="bridge_vl_distrib_optim.py")
+    bridge(run["hf"], tmp_path / "tp2" / "iter_0000002", tmp_path / "loaded", "--family", family, "--load", "dp_reshardable",
+           "--tp", "2", script="bridge_vl_distrib_optim.py")
     loaded, loaded_common = optimizer_tensors(tmp_path / "loaded" / "resaved")
-    full, full_common = optimizer_tensors(vl_optim["full"])
+    full, full_common = optimizer_tensors(run["full"])
     assert_same(loaded, full)
     assert loaded_common == full_common
 
@@ -189,3 +191,19 @@ def test_qwen3_vl_state_converted_to_tp2_is_what_megatrons_own_save_converts_to(
         out = reshard("convert", qwen3_vl_optim[source], tmp_path / source, "--to-tp", "2", "--optimizer-form", "dp_reshardable")
         assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
     assert len(assert_converted_alike(tmp_path / "dp", tmp_path / "full")) == 3 * QWEN3_VL_PARAMS
+
+
+def test_a_frozen_qwen3_vl_vision_model_keeps_its_mergers_state(tmp_path_factory):
+    """Qwen3VLModel.freeze's freeze_vision_model freezes the patch and position embeddings and the blocks, then gives
+    the DeepStack mergers and the merger their gradients back: the buffers decode to megatron-core's fully_reshardable
+    save, holding those mergers' state and the language model's only."""
+    run = _run(tmp_path_factory, "qwen3_vl", "vision_model")
+    dp, _ = optimizer_tensors(run["dp"])
+    full, _ = optimizer_tensors(run["full"])
+    frozen = (".vision_model.patch_embed.", ".vision_model.pos_embed.", ".vision_model.decoder.layers.")
+    assert len(dp) == 3 * (QWEN3_VL_PARAMS - 15) and not any(part in name for name in dp for part in frozen)
+    assert any(".vision_model.decoder.deepstack_merger_list." in name for name in dp)
+    assert_same(dp, full)
+    trains = order.ParamOrder.of({"transformer_impl": "transformer_engine", "freeze_vision_model": True}, order.MULTI_HEAD,
+                                 open_checkpoint(run["dp"]).config).trains
+    assert master_weights_are_the_model(run["dp"], dp, trains) == []
