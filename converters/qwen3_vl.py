@@ -107,7 +107,11 @@ def vision_tower(vision: Any, text_hidden: int) -> Tower:
                  tp_units=(("vision attention heads (vision_config.num_heads)", s["num_heads"]),
                            ("vision FFN size (vision_config.intermediate_size)", inner),
                            ("vision merger width (vision_config.hidden_size x spatial_merge_size^2)", merged)),
-                 extra_state=_extra_state(bool(s["deepstack"])))
+                 extra_state=_extra_state(bool(s["deepstack"])),
+                 # Qwen3VLModel.freeze: freeze_vision_model freezes the whole vision model but gives the mergers back
+                 # their gradients unless freeze_vision_projection froze them (model.py:482-497)
+                 parts=(("vision_model", (f"{VISION}patch_embed.", f"{VISION}pos_embed.", _BLOCKS)),
+                        ("vision_projection", (_DEEPSTACK, f"{VISION}merger."))))
 
 
 def _extra_state(deepstack: bool) -> tuple[str, ...]:

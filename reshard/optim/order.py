@@ -124,6 +124,11 @@ _TOP_ORDER = (
 # builds `visual` (the HF Qwen2_5_VisionTransformerPretrainedModel) then `language_model` (modeling_qwen25_vl.py:
 # 107-110), Qwen3VLModel `vision_model` then `language_model` (modelling_qwen3_vl/model.py:319,340; both set to None
 # first, which registers nothing). So the towers' parameters come first (0), the language model's after them (1).
+# Within Qwen3VLVisionModel: patch_embed, pos_embed, then its decoder (vision_model.py:144,145,156), a TransformerBlock
+# whose layers (each a Transformer-Engine layer, get_vit_layer_with_transformer_engine_spec: `_TE_LAYER_ORDER`) come in
+# turn before its deepstack_merger_list (transformer_block.py:90, after TransformerBlock.__init__), then the merger
+# (vision_model.py:168); a merger registers patch_norm, linear_fc1, linear_fc2 (utils.py:133,140). `Tower.tensors`
+# lists them so, a stacked tensor once for all its blocks.
 TOWERS_AT = 0
 FREEZABLE = ("language_model", "vision_model", "vision_projection")  # the parts Bridge's VL providers can freeze (freeze_<part>)
 # An MTP layer (megatron-core 0.16.1 multi_token_prediction.py: MultiTokenPredictionLayer registers enorm, hnorm,
@@ -187,6 +192,17 @@ def _frozen(args: dict[str, Any], config: ModelConfig | None) -> tuple[str, ...]
     return tuple(frozen)
 
 
+def _in_tower(names: tuple[str, ...], stacks: tuple[str, ...], param: str, block: int | None) -> tuple[int, int, int]:
+    """Where a tower's parameter comes in its named_parameters(): in `names`' order, but a stacked tensor's `block` with
+    that block's other parameters (the blocks in turn), a transformer layer's in Transformer Engine's layer order."""
+    stack = next((prefix for prefix in stacks if param.startswith(prefix)), None)
+    if stack is None:
+        return (names.index(param), 0, 0)
+    tail = param.removeprefix(stack)
+    within = _TE_LAYER_ORDER.index(tail) if tail in _TE_LAYER_ORDER else names.index(param)
+    return (next(i for i, name in enumerate(names) if name.startswith(stack)), block or 0, within)
+
+
 @dataclass(frozen=True)
 class ParamOrder:
     """The order of a rank's parameters in `named_parameters()`, as the saving run's modules register them."""
@@ -196,6 +212,7 @@ class ParamOrder:
     grouped_experts: bool = False  # TEGroupedMLP experts (moe_grouped_gemm with TE), not SequentialMLP
     language_model_prefix: str = ""  # a vision-language model's (`ModelConfig.language_model_prefix`)
     towers: tuple[tuple[str, ...], ...] = ()  # each other tower's parameters in its registration order (`Tower.tensors`)
+    stacks: tuple[tuple[str, ...], ...] = ()  # each tower's name prefixes of stacked blocks (`Tower.stacked`)
     frozen: tuple[str, ...] = ()  # name prefixes of the parameters the run froze (`_frozen`): in no buffer
 
     @classmethod
@@ -215,14 +232,11 @@ class ParamOrder:
                            ("hybrid_override_pattern", "a hybrid (Mamba) layer pattern"), ("hybrid_layer_pattern", "a hybrid (Mamba) layer pattern")):
             if args.get(flag):
                 raise ReshardError(f"DistributedOptimizer state of a model with {what} ({flag}) is not decoded yet (convert with --no-optimizer)")
-        stacked = next((tower.prefix for tower in config.towers if tower.stacked), None) if config is not None else None
-        if stacked is not None:
-            raise ReshardError(f"DistributedOptimizer state of a model whose {stacked.rstrip('.')} tower stacks its blocks (Megatron-Bridge's "
-                               "Qwen3-VL vision model) is not decoded yet (convert with --no-optimizer)")
-        towers = tuple(tuple(name for name, _ in tower.tensors) for tower in config.towers) if config is not None else ()
+        towers = config.towers if config is not None else ()
         prefix = config.language_model_prefix if config is not None else ""
         # the local spec builds SequentialMLP whatever moe_grouped_gemm says (backends.py, LocalSpecProvider)
-        return cls(impl, attention, impl == "transformer_engine" and bool(args.get("moe_grouped_gemm")), prefix, towers,
+        return cls(impl, attention, impl == "transformer_engine" and bool(args.get("moe_grouped_gemm")), prefix,
+                   tuple(tuple(name for name, _ in tower.tensors) for tower in towers), tuple(tower.stacked for tower in towers),
                    _frozen(args, config))
 
     def trains(self, name: str) -> bool:
@@ -243,7 +257,7 @@ class ParamOrder:
         named_parameters()."""
         for index, names in enumerate(self.towers):
             if spec.param in names:
-                return (TOWERS_AT, index, names.index(spec.param), layer or 0)
+                return (TOWERS_AT, index, *_in_tower(names, self.stacks[index] if self.stacks else (), spec.param, layer))
         if not spec.param.startswith(self.language_model_prefix):
             raise _unknown_place(spec.param)
         return (1 - TOWERS_AT, *self._in_language_model(spec, layer, expert))

@@ -80,10 +80,19 @@ def test_a_vl_models_tower_comes_before_its_language_model(tmp_path):
                       "language_model.embedding.word_embeddings.weight", "language_model.decoder.layers.self_attention.linear_qkv.weight"]
 
 
-def test_a_tower_of_stacked_blocks_is_refused_by_name(tmp_path):
-    """Qwen3-VL's vision model (Megatron form, its blocks stacked and split over TP): its order is not proven yet."""
-    with pytest.raises(ReshardError, match="whose vision_model tower stacks its blocks .* not decoded yet"):
-        ParamOrder.of({"transformer_impl": "transformer_engine"}, MULTI_HEAD, _vl_config("qwen3_vl", tmp_path / "hf"))
+def test_a_tower_of_stacked_blocks_goes_block_by_block(tmp_path):
+    """Qwen3-VL's vision model (Megatron form): a stacked block's parameters come together, in Transformer Engine's
+    layer order (linear_proj before the fused norm), the blocks in turn, between the position embedding and the
+    DeepStack mergers (megatron-core's own save of it: test_vl_order.py, with Bridge's venv)."""
+    order = ParamOrder.of({"transformer_impl": "transformer_engine"}, MULTI_HEAD, _vl_config("qwen3_vl", tmp_path / "hf"))
+    blocks, deepstack = "vision_model.decoder.layers.", "vision_model.decoder.deepstack_merger_list."
+    placed = [("vision_model.merger.patch_norm.weight", None), (f"{deepstack}patch_norm.weight", 0),
+              (f"{blocks}self_attention.linear_qkv.layer_norm_weight", 1), (f"{blocks}self_attention.linear_proj.weight", 1),
+              (f"{blocks}mlp.linear_fc2.bias", 0), (f"{blocks}self_attention.linear_qkv.layer_norm_weight", 0),
+              ("vision_model.pos_embed.weight", None), ("language_model.embedding.word_embeddings.weight", None)]
+    ranked = sorted(placed, key=lambda p: order.key(TensorSpec(p[0], (2,), "float32", Split.NONE, stacked=p[1] is not None, param=p[0]),
+                                                    p[1], None))
+    assert ranked == [placed[6], placed[5], placed[4], placed[3], placed[2], placed[1], placed[0], placed[7]]
 
 
 def test_the_sinks_have_their_entry():

@@ -1,9 +1,11 @@
 """DistributedOptimizer state of Megatron-Bridge's Qwen2.5-VL (its HF vision tower `visual.*` beside the language
-model under `language_model.`), decoded and written by reshard/optim/order.py's tower order, against megatron-core's
-own fully_reshardable save of the same state: fixtures/bridge_vl_distrib_optim.py trains Bridge 0.6.2's model two
-steps with megatron-core 0.19.2's DistributedOptimizer on 2 CPU ranks (TP1 DP2) and saves it in both forms. Where
-Bridge's venv is, the run is made afresh (and must hold the committed golden's state); elsewhere (CI) the golden
-fixtures/golden/bridge-qwen2_5_vl-distopt/, that run's saves as the fixture wrote them, is read instead.
+model under `language_model.`) and Qwen3-VL (its vision model in Megatron form, blocks and DeepStack mergers stacked),
+decoded and written by reshard/optim/order.py's tower order, against megatron-core's own fully_reshardable save of the
+same state: fixtures/bridge_vl_distrib_optim.py trains Bridge 0.6.2's model two steps with megatron-core 0.19.2's
+DistributedOptimizer on 2 CPU ranks (TP1 DP2) and saves it in both forms. Where Bridge's venv is, the run is made
+afresh (and Qwen2.5-VL's must hold the committed golden's state); elsewhere (CI) Qwen2.5-VL's golden
+fixtures/golden/bridge-qwen2_5_vl-distopt/, that run's saves as the fixture wrote them, is read instead; Qwen3-VL's
+saves (6.4 MB) have no golden, so its tests need Bridge's venv.
 
 Bridge registers the vision tower before the language model, so the buffers (laid out in reverse) hold the language
 model first and the tower last. Loading reshard's output into Bridge's model, and the frozen run, need Bridge's venv:
@@ -33,12 +35,13 @@ PARAMS = 40  # Qwen2.5-VL's tiny model: 30 vision-tower tensors and 10 of the la
 MERGER = 5  # the vision projection's tensors: with freeze_vision_model, the tower's only trained ones
 
 
-def trained(out, *freeze):
-    """The fixture's run on the tiny Qwen2.5-VL (Bridge's `freeze` parts frozen), saved under `out` ('dp', 'full'); its
-    args from reshard's own torch_dist of the same HF model (Bridge records no data-parallel size)."""
-    hf = build("qwen2_5_vl", out / "hf")
+def trained(out, family, *freeze):
+    """The fixture's run on the tiny `family` model (Bridge's `freeze` parts frozen), saved under `out` ('dp', 'full');
+    its args from reshard's own torch_dist of the same HF model (Bridge records no data-parallel size)."""
+    hf = build(family, out / "hf")
     assert reshard("convert", hf, out / "args", "--to-format", "torch_dist", "--for", "bridge", "-q").returncode == 0
-    bridge(hf, out / "args" / "iter_0000000", out, *(["--freeze", *freeze] if freeze else []), script="bridge_vl_distrib_optim.py")
+    bridge(hf, out / "args" / "iter_0000000", out, "--family", family, *(["--freeze", *freeze] if freeze else []),
+           script="bridge_vl_distrib_optim.py")
     return {"hf": hf, "dp": out / "dp", "full": out / "full"}
 
 
@@ -46,10 +49,10 @@ GOLDEN = Path(__file__).resolve().parents[3] / "fixtures" / "golden" / "bridge-q
 NO_BRIDGE = f"Megatron-Bridge's venv is not here ({BRIDGE_PYTHON}; BRIDGE_VENV, ../shared/peers/setup_bridge.sh)"
 
 
-def _run(tmp_path_factory, *freeze):
+def _run(tmp_path_factory, family, *freeze):
     if not BRIDGE_PYTHON.is_file():
         pytest.skip(NO_BRIDGE)
-    return built(tmp_path_factory, trained, *freeze)
+    return built(tmp_path_factory, trained, family, *freeze)
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +60,18 @@ def vl_optim(tmp_path_factory):
     """Bridge's run made here, or its committed saves where Bridge's venv is absent (no HF model then)."""
     if not BRIDGE_PYTHON.is_file():
         return {"dp": GOLDEN / "dp", "full": GOLDEN / "full"}
-    return _run(tmp_path_factory)
+    return _run(tmp_path_factory, "qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def frozen_vl_optim(tmp_path_factory):
+    return _run(tmp_path_factory, "qwen2_5_vl", "vision_model")
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_optim(tmp_path_factory):
+    """Bridge's Qwen3-VL run (no golden: its saves are 6.4 MB)."""
+    return _run(tmp_path_factory, "qwen3_vl")
 
 
 def test_the_golden_holds_what_the_fixture_writes(vl_optim):
@@ -93,19 +107,21 @@ def test_vl_state_converted_to_tp2_is_what_megatrons_own_save_converts_to(vl_opt
     assert len(assert_converted_alike(tmp_path / "dp", tmp_path / "full")) == 3 * PARAMS
 
 
-def test_megatron_loads_reshards_tp2_buffers_as_the_state_it_saved(vl_optim, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_megatron_loads_reshards_tp2_buffers_as_the_state_it_saved(family, request, tmp_path):
     """reshard's dp_reshardable output at TP2 DP1 (from the TP1 DP2 buckets; the vocabulary unpadded, as Bridge keeps it)
     is loaded by megatron-core 0.19.2 into Bridge's model and DistributedOptimizer at TP2 DP1; what it loaded, saved
     again as fully_reshardable, is its original fully_reshardable save, every tensor bit for bit."""
-    if "hf" not in vl_optim:
+    run = request.getfixturevalue({"qwen2_5_vl": "vl_optim", "qwen3_vl": "qwen3_vl_optim"}[family])
+    if "hf" not in run:
         pytest.skip(NO_BRIDGE)
-    out = reshard("convert", vl_optim["dp"], tmp_path / "tp2", "--to-tp", "2", "--to-dp", "1", "--optimizer-form", "dp_reshardable",
+    out = reshard("convert", run["dp"], tmp_path / "tp2", "--to-tp", "2", "--to-dp", "1", "--optimizer-form", "dp_reshardable",
                   "--for", "bridge")
     assert out.returncode == 0, out.stderr
-    bridge(vl_optim["hf"], tmp_path / "tp2" / "iter_0000002", tmp_path / "loaded", "--load", "dp_reshardable", "--tp", "2",
-           script="bridge_vl_distrib_optim.py")
+    bridge(run["hf"], tmp_path / "tp2" / "iter_0000002", tmp_path / "loaded", "--family", family, "--load", "dp_reshardable",
+           "--tp", "2", script="bridge_vl_distrib_optim.py")
     loaded, loaded_common = optimizer_tensors(tmp_path / "loaded" / "resaved")
-    full, full_common = optimizer_tensors(vl_optim["full"])
+    full, full_common = optimizer_tensors(run["full"])
     assert_same(loaded, full)
     assert loaded_common == full_common
 
@@ -140,3 +156,54 @@ def test_a_frozen_vision_model_has_no_state_and_the_rest_reads_as_megatrons_own(
     monkeypatch.setattr(order, "_frozen", lambda args, config: ())
     with pytest.raises(ReshardError, match="the DistributedOptimizer layout derived from the model puts bucket 0"):
         optimizer_tensors(frozen_vl_optim["dp"])
+
+
+QWEN3_VL_PARAMS = 38  # Qwen3-VL's tiny model: 27 vision-model tensors (blocks and DeepStack mergers stacked) and 11 of the language model
+
+
+def test_qwen3_vl_buffers_read_bit_for_bit_as_megatrons_fully_reshardable(qwen3_vl_optim, tmp_path, monkeypatch):
+    """Qwen3-VL's vision model in Megatron form: each stacked block's parameters lie in the buffers block by block, in
+    Transformer Engine's layer order, between the position embedding and the DeepStack mergers. The dp_reshardable save
+    decodes to megatron-core's fully_reshardable save bit for bit, every moment trained; the blocks' tensors placed in
+    the family's table order instead (the fused norm before linear_proj) differ, and the conversion is refused."""
+    dp, dp_common = optimizer_tensors(qwen3_vl_optim["dp"])
+    full, full_common = optimizer_tensors(qwen3_vl_optim["full"])
+    assert len(dp) == 3 * QWEN3_VL_PARAMS
+    assert {"optimizer.state.exp_avg.vision_model.decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+            "optimizer.state.exp_avg_sq.vision_model.decoder.deepstack_merger_list.linear_fc2.bias",
+            "optimizer.state.param.vision_model.pos_embed.weight"} <= dp.keys()
+    assert_same(dp, full)
+    assert dp_common == full_common
+    assert master_weights_are_the_model(qwen3_vl_optim["dp"], dp) == []
+    assert all(np.any(t != 0) for name, t in dp.items() if ".exp_avg" in name)
+    monkeypatch.setattr(order, "_TE_LAYER_ORDER", ())
+    wrong, _ = optimizer_tensors(qwen3_vl_optim["dp"])
+    assert any(wrong[name].tobytes() != full[name].tobytes() for name in wrong)
+    with pytest.raises(ReshardError, match="parameter\\(s\\) disagree"):
+        convert(qwen3_vl_optim["dp"], tmp_path / "out", Target(layout=LayoutChange(tp=2)))
+    assert not (tmp_path / "out").exists()
+
+
+def test_qwen3_vl_state_converted_to_tp2_is_what_megatrons_own_save_converts_to(qwen3_vl_optim, tmp_path):
+    """TP1 DP2 -> TP2 (the vision model's linear layers split over TP as megatron-core splits them), written as
+    dp_reshardable: the dp_reshardable source gives what megatron-core's fully_reshardable save gives, bit for bit."""
+    for source in ("dp", "full"):
+        out = reshard("convert", qwen3_vl_optim[source], tmp_path / source, "--to-tp", "2", "--optimizer-form", "dp_reshardable")
+        assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
+    assert len(assert_converted_alike(tmp_path / "dp", tmp_path / "full")) == 3 * QWEN3_VL_PARAMS
+
+
+def test_a_frozen_qwen3_vl_vision_model_keeps_its_mergers_state(tmp_path_factory):
+    """Qwen3VLModel.freeze's freeze_vision_model freezes the patch and position embeddings and the blocks, then gives
+    the DeepStack mergers and the merger their gradients back: the buffers decode to megatron-core's fully_reshardable
+    save, holding those mergers' state and the language model's only."""
+    run = _run(tmp_path_factory, "qwen3_vl", "vision_model")
+    dp, _ = optimizer_tensors(run["dp"])
+    full, _ = optimizer_tensors(run["full"])
+    frozen = (".vision_model.patch_embed.", ".vision_model.pos_embed.", ".vision_model.decoder.layers.")
+    assert len(dp) == 3 * (QWEN3_VL_PARAMS - 15) and not any(part in name for name in dp for part in frozen)
+    assert any(".vision_model.decoder.deepstack_merger_list." in name for name in dp)
+    assert_same(dp, full)
+    trains = order.ParamOrder.of({"transformer_impl": "transformer_engine", "freeze_vision_model": True}, order.MULTI_HEAD,
+                                 open_checkpoint(run["dp"]).config).trains
+    assert master_weights_are_the_model(run["dp"], dp, trains) == []
