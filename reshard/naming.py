@@ -53,9 +53,9 @@ _EXPERT_MODULE = re.compile(r"(?<!shared_)experts\.experts\.")
 # A decoder layer's tensors, or a multi-token-prediction layer's transformer layer's (spelled as a decoder layer's).
 _LAYER_NAME = re.compile(r"^(?P<head>(?:.*\.)?(?:decoder\.layers\.|mtp\.layers\.\d+\.transformer_layer\.))(?P<index>\d+\.)?(?P<tail>.+)$")
 _MTP = re.compile(r"^(?:.*\.)?mtp\.layers\.")
-# The language model's layers (Bridge's VL models keep it under `language_model.`), whose spellings differ by spec; a
-# tower's blocks (`vision_model.decoder.layers.*`) keep their names whatever the language model's MLP is
-_LANGUAGE_LAYER = re.compile(r"^(?:language_model\.)?(?:decoder\.layers\.|mtp\.layers\.)")
+# A tower's blocks (Bridge's Qwen3-VL `vision_model.decoder.layers.*`, as optimizer state too) keep their names whatever
+# the language model's MLP is: only the language model's layers are spelled by spec
+_TOWER_LAYER = re.compile(r"(?:^|\.)vision_model\.decoder\.layers\.")
 
 
 def _spelling(family: str, te: bool, moe: bool, mla: bool) -> dict[str, str]:
@@ -67,7 +67,7 @@ def _spelling(family: str, te: bool, moe: bool, mla: bool) -> dict[str, str]:
 def spell(name: str, family: str, te: bool, moe: bool, mla: bool = False) -> str:
     """Canonical name -> the name a `family` ("dist"/"legacy") checkpoint of that spec uses."""
     match = _LAYER_NAME.match(name)
-    if not match or not _LANGUAGE_LAYER.match(name):
+    if not match or _TOWER_LAYER.search(name):
         return name
     tail = match.group("tail")
     tail = _spelling(family, te, moe, mla).get(tail, tail)
@@ -77,7 +77,7 @@ def spell(name: str, family: str, te: bool, moe: bool, mla: bool = False) -> str
 def canonical(name: str, family: str, moe: bool, mla: bool = False) -> str:
     """A name as stored (either spec) -> canonical. The two specs never spell different things alike."""
     match = _LAYER_NAME.match(name)
-    if not match or not _LANGUAGE_LAYER.match(name):
+    if not match or _TOWER_LAYER.search(name):
         return name
     tail = match.group("tail")
     for te in (False, True):
