@@ -393,12 +393,12 @@ QWEN3_NEXT_SABOTAGE = {  # what the family gets wrong: (object, attribute, its w
     "a_log_negated": (qwen3_next.Qwen3Next, "mappings", _family_with(Negated, "linear_attn.A_log")),
     "shared_expert_gate_dropped": (qwen3_next.Qwen3Next, "mappings", _family_with(Dropped, "shared_expert_gate.weight")),
     # Qwen3.5's split in_proj: its b and a (one row per value head each) in each other's place
-    "qwen3_5_beta_alpha_swapped": (qwen3_5, "split_in_proj", lambda right: lambda config: [
+    "qwen3_5_beta_alpha_swapped": (qwen3_5, "split_in_proj", lambda right: lambda config, *prefix: [
         Rename(m.megatron, m.hf[0].replace("in_proj_b.", "in_proj_@.").replace("in_proj_a.", "in_proj_b.").replace("in_proj_@.", "in_proj_a."))
-        if m.megatron.endswith((".beta", ".alpha")) else m for m in right(config)]),
+        if m.megatron.endswith((".beta", ".alpha")) else m for m in right(config, *prefix)]),
     # Qwen3.5-MoE's fused experts: experts 0 and 1 reading each other's slice of gate_up_proj and down_proj
-    "qwen3_5_moe_fused_experts_swapped": (qwen3_5_moe, "fused_experts", lambda right: lambda config: [
-        ExpertsSwapped(m.megatron, m.hf[0]) if ".experts.experts." in m.megatron else m for m in right(config)]),
+    "qwen3_5_moe_fused_experts_swapped": (qwen3_5_moe, "fused_experts", lambda right: lambda config, *prefix: [
+        ExpertsSwapped(m.megatron, m.hf[0]) if ".experts.experts." in m.megatron else m for m in right(config, *prefix)]),
 }
 
 
