@@ -21,7 +21,7 @@ from reshard.buffers import Pool
 from reshard.checksum import Checksum
 from reshard.collective import Collective, joined, shares
 from reshard.errors import KeepsPartial, ReshardError
-from reshard.formats import open_checkpoint
+from reshard.formats import detect, open_checkpoint
 from reshard.formats.base import CheckpointReader, CheckpointWriter, Manifest
 from reshard.formats.config_only import ConfigOnlyReader, is_config_file
 from reshard.formats.hf import copy_tokenizer
@@ -355,7 +355,8 @@ def convert(
 def _open_source(source: Path, hints: SourceHints, dry_run: bool) -> CheckpointReader:
     """The source checkpoint; a config.json alone for a dry run, which plans from it (`formats.config_only`)."""
     if not is_config_file(source):
-        adapter = lora.lora_config(source) if source.is_dir() else None
+        # a LoRA save is Bridge's torch_dist (asked of that format only: another's tracker need not name an iter_*)
+        adapter = lora.lora_config(source) if source.is_dir() and detect(source) == "torch_dist" else None
         if adapter is not None:
             return _merged(source, hints, adapter)
         if hints.base is not None:
