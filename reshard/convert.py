@@ -385,10 +385,13 @@ def _merged(source: Path, hints: SourceHints, adapter: lora.LoraConfig) -> Check
     if hints.base is None:
         raise ReshardError(f"{source} is a LoRA adapter save (adapter weights only): give the model it adapts with --base (HF or Megatron)")
     base = open_checkpoint(hints.base, config_file=hints.config)
+    opened = [base]
     try:
-        return lora.MergedReader(base, open_checkpoint(source), adapter)
-    except BaseException:
-        base.close()
+        opened.append(open_checkpoint(source))
+        return lora.MergedReader(base, opened[1], adapter)
+    except BaseException:  # a refused adapter leaves no file open (a library caller goes on)
+        for reader in opened:
+            reader.close()
         raise
 
 
