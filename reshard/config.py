@@ -65,8 +65,8 @@ MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_
 
 
 # A hybrid (Mamba) model's layers by megatron-core's pattern symbols (hybrid_override_pattern): a Mamba-2 mixer,
-# self-attention or a dense MLP, each a layer of its own. Its MoE layers ("E") are not modelled yet (refused by name).
-HYBRID_SYMBOLS = {"M": ("mamba", False, False), "*": ("attention", False, False), "-": (None, False, True)}
+# self-attention, a dense MLP or a mixture of experts, each a layer of its own.
+HYBRID_SYMBOLS = {"M": ("mamba", False, False), "*": ("attention", False, False), "-": (None, False, True), "E": (None, True, True)}
 
 
 @dataclass(frozen=True)
@@ -257,10 +257,10 @@ class ModelConfig:
         pattern = self.hybrid_override_pattern
         if pattern is None:
             return
-        if isinstance(pattern, str) and "E" in pattern:
-            raise ReshardError(f"hybrid_override_pattern={pattern!r}: the MoE layers (E) of hybrid models are not supported by reshard yet")
         if not isinstance(pattern, str) or len(pattern) != self.num_layers or set(pattern) - set(HYBRID_SYMBOLS):
             raise _no_model("hybrid_override_pattern", pattern, f"one of {''.join(HYBRID_SYMBOLS)} for each of the {self.num_layers} layers")
+        if "E" in pattern and not self.is_moe:
+            raise _no_model("num_experts", self.num_experts, f"a number of experts for the MoE layers (E) of {pattern!r}")
         if "M" in pattern and self.mamba_heads % self.mamba_num_groups:
             raise _no_model("mamba_num_heads", self.mamba_heads, f"a multiple of mamba_num_groups={self.mamba_num_groups}")
 
@@ -303,6 +303,8 @@ class ModelConfig:
         """Which layers are mixture-of-experts layers (Megatron's reading of moe_layer_freq)."""
         if not self.is_moe:
             return [False] * self.num_layers
+        if self.hybrid_override_pattern is not None:  # a hybrid model's MoE layers are its pattern's, moe_layer_freq unread
+            return [kind.moe for kind in self.layer_kinds]
         if isinstance(self.moe_layer_freq, int):
             return [i % self.moe_layer_freq == 0 for i in range(self.num_layers)]
         if len(self.moe_layer_freq) != self.num_layers or set(self.moe_layer_freq) - {0, 1}:

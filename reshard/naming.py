@@ -90,7 +90,10 @@ def canonical(name: str, family: str, moe: bool, mla: bool = False) -> str:
 
 def layer_is_moe(config: ModelConfig, name: str) -> bool:
     """Whether `name` (a tensor or object key) belongs to an MoE layer: the model's kind, or its layer's where
-    MoE and dense layers mix (the spellings of the pre-MLP norm differ between the two)."""
+    MoE and dense layers mix (the spellings of the pre-MLP norm differ between the two). A hybrid model's MoE layer
+    keeps `pre_mlp_layernorm` in either spec (megatron-core's hybrid stack maps no names): spelled as a dense layer."""
+    if config.hybrid_override_pattern is not None:
+        return False
     match = _INDEXED.match(name)
     if _MTP.match(name):  # an MTP layer's transformer layer is of the decoder's last layer's kind
         return config.moe_layers[-1]

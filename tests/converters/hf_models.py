@@ -192,6 +192,16 @@ def _configs():
                                          intermediate_size=96, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16,
                                          chunk_size=8, layer_norm_epsilon=1e-5, max_position_embeddings=128, tie_word_embeddings=False,
                                          bos_token_id=0, eos_token_id=1, pad_token_id=0),
+        # Nemotron-H's MoE layers in small: Mamba-2, MoE, attention, MoE (pattern "ME*E"; two stages cut between an MoE layer
+        # and the attention layer); 4 squared-ReLU experts of 48 in 2 routing groups (1 chosen), top-2 renormalised and
+        # scaled by 2.5, the router's correction bias, a shared expert of 40 (none square, none twice the hidden size 64)
+        "nemotron_h_moe": tf.NemotronHConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+                                             layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
+                                             intermediate_size=96, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16,
+                                             chunk_size=8, layer_norm_epsilon=1e-5, max_position_embeddings=128, tie_word_embeddings=False,
+                                             n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=48,
+                                             moe_shared_expert_intermediate_size=40, routed_scaling_factor=2.5,
+                                             bos_token_id=0, eos_token_id=1, pad_token_id=0),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
                               activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
@@ -205,11 +215,11 @@ FUSED_FORMS = {"qwen3_5_moe_fused", "qwen3_5_vl_moe_fused"}  # per-expert tensor
 RELEASE_FORMS = {name: (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj") for name in ("qwen3_vl_moe", "qwen3_vl_moe_all")}
 
 MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed", "deepseek_v3_moe", "deepseek_v3_mixed", "minimax_m2",
-       "gpt_oss", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_fused"}
+       "gpt_oss", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_fused", "nemotron_h_moe"}
 NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed",
          "deepseek_v3", "deepseek_v3_q",
          "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2", "minimax_m2", "gpt_oss", "qwen3_next", "qwen3_5", "qwen3_5_moe",
-         "qwen3_5_moe_fused", "nemotron_h"]
+         "qwen3_5_moe_fused", "nemotron_h", "nemotron_h_moe"]
 
 
 def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
