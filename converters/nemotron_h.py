@@ -12,11 +12,14 @@ the layer in megatron-core's TE spec; an MoE layer's is its `pre_mlp_layernorm`)
   the router's expert_bias buffer, n_group/topk_group, routed_scaling_factor), routed experts of one up and one down
   projection (not gated: each `up_proj` is its expert's linear_fc1 as it is), and one shared expert of
   moe_shared_expert_intermediate_size that every token also passes through (transformers ignores n_shared_experts).
+  Nemotron 3's latent MoE (moe_latent_size): the routed experts compute in the latent, between `fc1_latent_proj`
+  (hidden -> latent, before dispatch) and `fc2_latent_proj` (back, after combine), megatron-core's same-named
+  projections, whole on every TP rank; the router and the shared expert see the hidden state.
 - The layer pattern is config.json's `layers_block_type` (transformers 5: "linear_attention" is Mamba) or the Hub's
   `hybrid_override_pattern` string, megatron-core's `hybrid_override_pattern` (Megatron-LM >= 0.18:
   `hybrid_layer_pattern`); an export writes it back in the spelling it came in.
 
-Refused by name: Nemotron 3's latent MoE (moe_latent_size), MTP layers (num_nextn_predict_layers),
+Refused by name: MTP layers (num_nextn_predict_layers),
 biases, a convolution width other than megatron-core's 4, a norm epsilon other than its Mamba norm's 1e-5, a time-step
 limit, fp32 residuals, other activations.
 """
@@ -107,8 +110,9 @@ def attention() -> list[Mapping]:
             Rename(f"{a}linear_proj.weight", f"{p}mixer.o_proj.weight")]
 
 
-def moe() -> list[Mapping]:
-    """An MoE layer: its norm, the router and its correction bias, the routed experts (up, down) and the shared expert."""
+def moe(latent: bool = False) -> list[Mapping]:
+    """An MoE layer: its norm, the router and its correction bias, the routed experts (up, down), the shared expert, and
+    (`latent`) the projections into and out of the experts' latent."""
     m, p = "decoder.layers.mlp.", f"backbone.layers.{L}."
     x, ex = f"{p}mixer.", f"{p}mixer.experts.{E}."
     return [Rename("decoder.layers.pre_mlp_layernorm.weight", f"{p}norm.weight"), Rename(f"{m}router.weight", f"{x}gate.weight"),
@@ -116,7 +120,8 @@ def moe() -> list[Mapping]:
             Rename(f"{m}experts.experts.linear_fc1.weight", f"{ex}up_proj.weight"),
             Rename(f"{m}experts.experts.linear_fc2.weight", f"{ex}down_proj.weight"),
             Rename(f"{m}shared_experts.linear_fc1.weight", f"{x}shared_experts.up_proj.weight"),
-            Rename(f"{m}shared_experts.linear_fc2.weight", f"{x}shared_experts.down_proj.weight")]
+            Rename(f"{m}shared_experts.linear_fc2.weight", f"{x}shared_experts.down_proj.weight"),
+            *(Rename(f"{m}{proj}.weight", f"{x}{proj}.weight") for proj in ("fc1_latent_proj", "fc2_latent_proj") if latent)]
 
 
 def squared_relu_mlp() -> list[Mapping]:
@@ -199,7 +204,8 @@ class NemotronH(Family):
         if config.is_moe:
             routing_to_hf(out, config)
             out.update(moe_intermediate_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
-                       moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size)
+                       moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+                       moe_latent_size=config.moe_latent_size)
         return out
 
     def check_megatron(self, config):
@@ -212,7 +218,7 @@ class NemotronH(Family):
                 raise refuse("MoE layers without a shared expert", "HF Nemotron-H's MoE layers always pass every token through one")
 
     def mappings(self, config):
-        tables = {"mamba": mamba_mixer(config), "attention": attention(), None: squared_relu_mlp(), "moe": moe()}
+        tables = {"mamba": mamba_mixer(config), "attention": attention(), None: squared_relu_mlp(), "moe": moe(bool(config.moe_latent_size))}
         head: list[Mapping] = [Rename("embedding.word_embeddings.weight", "backbone.embeddings.weight"),
                                Rename("decoder.final_norm.weight", "backbone.norm_f.weight")]
         if not config.tied_embeddings:
@@ -223,15 +229,14 @@ class NemotronH(Family):
 def _check_hf_moe(hf: dict[str, Any]) -> None:
     """Refuse the MoE fields of a config with MoE layers that megatron-core cannot compute alike."""
     check_hf_routing(hf)
-    if hf.get("moe_latent_size") is not None:
-        raise refuse(f"moe_latent_size={hf['moe_latent_size']} (Nemotron 3's latent MoE)",
-                     "the MoE layers' latent projections are not mapped yet")
     for field in ("moe_intermediate_size", "moe_shared_expert_intermediate_size"):
         if type(hf.get(field)) is not int or hf[field] < 1:
             raise bad_value(field, hf.get(field), "a whole number from 1")
+    if hf.get("moe_latent_size") is not None and (type(hf["moe_latent_size"]) is not int or hf["moe_latent_size"] < 1):
+        raise bad_value("moe_latent_size", hf["moe_latent_size"], "null or a whole number from 1")
 
 
 def _moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """The ModelConfig fields of the MoE layers (transformers' NemotronHConfig's routed_scaling_factor default 1)."""
     return dict(routing_from_hf(hf, default_scaling=1.0), moe_ffn_hidden_size=hf["moe_intermediate_size"],
-                moe_shared_expert_intermediate_size=hf["moe_shared_expert_intermediate_size"])
+                moe_shared_expert_intermediate_size=hf["moe_shared_expert_intermediate_size"], moe_latent_size=hf.get("moe_latent_size"))

@@ -44,7 +44,8 @@ _COUNTS = ("max_position_embeddings", "original_max_position_embeddings", "make_
            "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "padded_vocab_size", "num_query_groups",
            "kv_channels", "vocab_size", "num_experts", "moe_ffn_hidden_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
            "qk_pos_emb_head_dim", "v_head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-           "linear_num_key_heads", "linear_num_value_heads", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
+           "linear_num_key_heads", "linear_num_value_heads", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads",
+           "moe_latent_size")
 
 
 # The sizes of megatron-core's Gated DeltaNet (TransformerConfig's names and defaults, which are transformers' Qwen3-Next's).
@@ -168,6 +169,9 @@ class ModelConfig:
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_gate: bool = False  # the shared experts' output scaled by sigmoid(gate_weight . x)
+    # the routed experts compute in a latent of this width: the MoE layer projects its input down to it before dispatch
+    # and the experts' combined output back up (mlp.fc1_latent_proj / fc2_latent_proj; Nemotron 3's latent MoE)
+    moe_latent_size: int | None = None
     moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (no renormalising)
     moe_layer_freq: int | tuple[int, ...] = 1  # an MoE layer every N layers, or a 0/1 (dense/MoE) per layer
     # Routing (DeepSeek-V3's): sigmoid scores, a per-expert bias added for the choice only, group-limited top-k,

@@ -203,6 +203,8 @@ def _stacked_extra_state(config: ModelConfig, te: bool, kind: LayerKind) -> dict
             keys += [ObjectKey(f"decoder.layers.{name}._extra_state", (i, e), (L, E)) for i in range(L) for e in range(E)]
         if config.moe_shared_expert_intermediate_size:
             modules += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
+        if config.moe_latent_size:  # Transformer Engine's linears in either spec (megatron-core has no other)
+            modules += ["mlp.fc1_latent_proj", "mlp.fc2_latent_proj"]
     elif kind.mlp:
         modules += ["mlp.linear_fc1", "mlp.linear_fc2"]
     keys += [ObjectKey(f"decoder.layers.{m}._extra_state", (i,), (L,)) for m in modules for i in range(L)]

@@ -13,6 +13,8 @@ conversions):
   (mamba_ssm's RMSNormGated with norm_before_gate off, as megatron-core builds it);
 - the final norm (megatron-core's MambaStack builds Transformer Engine's TENorm) and an MoE layer's pre-MLP norm
   (TENorm in its stack spec) a plain RMSNorm;
+- latent MoE's projections (Transformer Engine's TELinear in "duplicated" mode, which megatron-core's MoE layer
+  requires): `DuplicatedLinear`, a plain linear under the same checkpoint keys, whole on every rank;
 - the triton-only dynamic-inference helpers the mixer imports: stubs that refuse to run.
 Every parameter, its name and its torch_dist key are megatron-core's own; the layers' input norms are fused into
 their first linear (`norm_column_parallel_linear` with a plain RMSNorm), as Transformer Engine names them.
@@ -114,17 +116,48 @@ class FinalNorm(torch.nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class DuplicatedLinear(torch.nn.Module):
+    """TELinear in "duplicated" mode (no bias): a linear whose weight every rank holds whole, its checkpoint keys the
+    weight and the (empty) extra state Transformer Engine keeps."""
+
+    def __init__(self, input_size: int, output_size: int, *, parallel_mode, config, init_method, bias, **unused):
+        super().__init__()
+        if parallel_mode != "duplicated" or bias:
+            raise NotImplementedError("the CPU stand-in is TELinear duplicated, without a bias (latent MoE's)")
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        init_method(self.weight)
+
+    def forward(self, x: torch.Tensor):
+        return F.linear(x, self.weight), None
+
+    def get_extra_state(self):
+        return None
+
+    def set_extra_state(self, state):
+        pass
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron.core import parallel_state
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, None, sharded_offsets,
+                                                   tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                                   dp_cp_group=metadata["dp_cp_group"])
+
+
 def use_torch_kernels() -> None:
     """Point megatron-core's Mamba modules at the torch stand-ins above (idempotent)."""
     _stub_inference_kernels()
     cpu_compat.apply()  # the mixer's parameters made on the current device
     from megatron.core.ssm import mamba_block, mamba_mixer
+    from megatron.core.transformer.moe import moe_layer
 
     mamba_mixer.HAVE_MAMBA_SSM = True
     mamba_mixer.causal_conv1d_fn = None
     mamba_mixer.mamba_chunk_scan_combined = ssd_scan
     mamba_mixer.ExtendedRMSNorm = GatedRMSNorm
     mamba_block.TENorm = FinalNorm
+    moe_layer.HAVE_TE, moe_layer.TELinear = True, DuplicatedLinear
 
 
 def hybrid_stack_spec():

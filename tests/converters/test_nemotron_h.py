@@ -113,7 +113,7 @@ def source(tmp_path_factory):
 
 
 @pytest.mark.parametrize("change,words", [
-    ({"layers_block_type": [M, "moe", A, P], "moe_latent_size": 32}, ("moe_latent_size=32", "latent MoE")),
+    ({"layers_block_type": [M, "moe", A, P], "moe_latent_size": 0}, ("moe_latent_size", "null or a whole number")),
     ({"layers_block_type": [M, "moe", A, P], "n_group": 2, "topk_group": 2}, ("num_experts_per_tok=2 with topk_group=2",)),
     ({"layers_block_type": [M, "moe", A, P], "norm_topk_prob": False}, ("norm_topk_prob=False",)),
     ({"layers_block_type": [M, "moe", A, P], "moe_shared_expert_intermediate_size": None}, ("moe_shared_expert_intermediate_size",)),
@@ -160,6 +160,23 @@ def test_moe_layers_are_megatron_cores_moe_layers_with_deepseeks_routing(moe_con
                        "decoder.layers.1.mlp.experts.experts.linear_fc2.weight": (4, 64, 48),
                        "decoder.layers.1.mlp.shared_experts.linear_fc1.weight": (40, 64),
                        "decoder.layers.1.mlp.shared_experts.linear_fc2.weight": (64, 40)}
+
+
+def test_latent_moe_projects_into_the_experts_latent_and_back(moe_config):
+    """Nemotron 3's latent MoE: megatron-core's fc1_latent_proj / fc2_latent_proj around routed experts of the latent's
+    width; the router and the shared expert keep the hidden width."""
+    hf = _configs()["nemotron_h_latent"].to_dict()
+    latent = family_for_hf(hf).config_from_hf(hf)[0]
+    assert latent == moe_config.replace(moe_latent_size=32)
+    tensors, plain = model_tensors(latent), model_tensors(moe_config)
+    assert {name: shape for name, shape in tensors.items() if plain.get(name) != shape} == {
+        "decoder.layers.1.mlp.fc1_latent_proj.weight": (32, 64), "decoder.layers.1.mlp.fc2_latent_proj.weight": (64, 32),
+        "decoder.layers.1.mlp.experts.experts.linear_fc1.weight": (4, 48, 32),
+        "decoder.layers.1.mlp.experts.experts.linear_fc2.weight": (4, 32, 48),
+        "decoder.layers.3.mlp.fc1_latent_proj.weight": (32, 64), "decoder.layers.3.mlp.fc2_latent_proj.weight": (64, 32),
+        "decoder.layers.3.mlp.experts.experts.linear_fc1.weight": (4, 48, 32),
+        "decoder.layers.3.mlp.experts.experts.linear_fc2.weight": (4, 32, 48)}
+    assert family_for_hf(hf).config_to_hf(latent)["moe_latent_size"] == 32
 
 
 @pytest.mark.parametrize("change,words", [
