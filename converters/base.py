@@ -499,6 +499,7 @@ LLAMA_SIGNATURE: dict[str, Any] = {
     "moe_router_enable_expert_bias": False,
     "moe_router_num_groups": None,
     "moe_router_topk_scaling_factor": None,
+    "moe_latent_size": None,
     # gpt-oss's (`converters.gpt_oss`): attention sinks, sliding windows, the clamped SwiGLU
     "softmax_type": "vanilla",
     "window_size": None,
@@ -665,6 +666,7 @@ class Family:
             "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
             "moe_router_num_groups": config.moe_router_num_groups,
             "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor,
+            "moe_latent_size": config.moe_latent_size,
             "softmax_type": config.softmax_type,
             "window_size": config.window_size,
             "quick_geglu": config.quick_geglu,

@@ -45,8 +45,16 @@ def check_hf_moe(hf: dict[str, Any]) -> int:
         raise bad_value("first_k_dense_replace", dense, "a whole number of leading dense layers")
     if dense >= layers:
         return dense
+    check_hf_routing(hf)
+    if type(hf.get("n_shared_experts")) is not int or not 0 < hf["n_shared_experts"] < 1 << 31:
+        raise bad_value("n_shared_experts", hf.get("n_shared_experts"), "a whole number from 1")
+    return dense
+
+
+def check_hf_routing(hf: dict[str, Any]) -> None:
+    """Refuse DeepSeek-style routing fields (sigmoid scores, n_group/topk_group) Megatron-Core cannot route alike."""
     experts, topk = hf.get("n_routed_experts"), hf.get("num_experts_per_tok")
-    for field in ("n_routed_experts", "num_experts_per_tok", "n_shared_experts", "n_group", "topk_group"):
+    for field in ("n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"):
         if type(hf.get(field)) is not int or not 0 < hf[field] < 1 << 31:
             raise bad_value(field, hf.get(field), "a whole number from 1")
     if topk > experts:
@@ -65,7 +73,6 @@ def check_hf_moe(hf: dict[str, Any]) -> int:
             f"norm_topk_prob={hf.get('norm_topk_prob')} with num_experts_per_tok={topk}",
             "Megatron-Core renormalises the chosen sigmoid weights exactly when top-k > 1",
         )
-    return dense
 
 
 def moe_from_hf(hf: dict[str, Any], default_scaling: float) -> dict[str, Any]:
@@ -76,12 +83,19 @@ def moe_from_hf(hf: dict[str, Any], default_scaling: float) -> dict[str, Any]:
         return {}
     ffn = int(hf["moe_intermediate_size"])
     return dict(
-        MOE_ROUTER,
+        routing_from_hf(hf, default_scaling),
         moe_layer_freq=(0,) * dense + (1,) * (layers - dense) if dense else 1,
-        num_experts=hf["n_routed_experts"],
-        moe_router_topk=hf["num_experts_per_tok"],
         moe_ffn_hidden_size=ffn,
         moe_shared_expert_intermediate_size=ffn * hf["n_shared_experts"],
+    )
+
+
+def routing_from_hf(hf: dict[str, Any], default_scaling: float) -> dict[str, Any]:
+    """The ModelConfig fields of DeepSeek-style routing (`check_hf_routing`)."""
+    return dict(
+        MOE_ROUTER,
+        num_experts=hf["n_routed_experts"],
+        moe_router_topk=hf["num_experts_per_tok"],
         moe_router_num_groups=hf["n_group"] if hf["n_group"] > 1 else None,
         moe_router_group_topk=hf["topk_group"] if hf["n_group"] > 1 else None,
         moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", default_scaling)),
@@ -90,14 +104,20 @@ def moe_from_hf(hf: dict[str, Any], default_scaling: float) -> dict[str, Any]:
 
 def check_megatron_moe(config: ModelConfig, family: str) -> None:
     """Refuse a Megatron MoE model HF `family` (DeepSeek-style routing) cannot hold."""
-    routing = {key: getattr(config, key) for key in MOE_ROUTER}
     shared, ffn = config.moe_shared_expert_intermediate_size, config.moe_ffn_hidden_size or config.ffn_hidden_size
-    if routing != MOE_ROUTER or dense_layers(config) is None or not shared or shared % ffn:
+    if dense_layers(config) is None or not shared or shared % ffn:
         raise refuse(
-            f"a MoE model with {routing}, moe_layer_freq={config.moe_layer_freq}, shared experts of {shared}",
-            f"HF {family} routes by sigmoid with an expert bias on every layer, with shared experts of a multiple of "
-            "moe_ffn_hidden_size",
+            f"a MoE model with moe_layer_freq={config.moe_layer_freq}, shared experts of {shared}",
+            f"HF {family} has its MoE layers after its dense ones, with shared experts of a multiple of moe_ffn_hidden_size",
         )
+    check_megatron_routing(config, family)
+
+
+def check_megatron_routing(config: ModelConfig, family: str) -> None:
+    """Refuse Megatron routing HF `family` (DeepSeek-style: sigmoid with an expert bias, groups) cannot hold."""
+    routing = {key: getattr(config, key) for key in MOE_ROUTER}
+    if routing != MOE_ROUTER:
+        raise refuse(f"a MoE model with {routing}", f"HF {family} routes by sigmoid with an expert bias on every MoE layer")
     groups, group_topk = config.moe_router_num_groups or 1, config.moe_router_group_topk or 1
     if groups > 1 and config.moe_router_topk != 2 * group_topk:
         raise refuse(f"moe_router_topk={config.moe_router_topk} with moe_router_group_topk={group_topk}",
@@ -110,11 +130,15 @@ def moe_to_hf(out: dict[str, Any], config: ModelConfig) -> None:
     if not config.is_moe:
         return
     ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
+    routing_to_hf(out, config)
+    out.update(moe_intermediate_size=ffn, n_shared_experts=config.moe_shared_expert_intermediate_size // ffn)
+
+
+def routing_to_hf(out: dict[str, Any], config: ModelConfig) -> None:
+    """The routing fields of a DeepSeek-style config.json (`routing_from_hf`'s inverse)."""
     out.update(
         n_routed_experts=config.num_experts,
         num_experts_per_tok=config.moe_router_topk,
-        moe_intermediate_size=ffn,
-        n_shared_experts=config.moe_shared_expert_intermediate_size // ffn,
         n_group=config.moe_router_num_groups or 1,
         topk_group=config.moe_router_group_topk or 1,
         routed_scaling_factor=config.moe_router_topk_scaling_factor or 1.0,

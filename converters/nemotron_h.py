@@ -1,17 +1,25 @@
 """Nemotron-H (NemotronHForCausalLM) <-> megatron-core's hybrid (Mamba) model: one layer per symbol of a pattern,
-a Mamba-2 mixer ("M"), self-attention without positional embeddings ("*") or a squared-ReLU MLP ("-"), each after
-its own RMSNorm (`backbone.layers.{i}.norm`, fused into the first linear of the layer in megatron-core's TE spec).
+a Mamba-2 mixer ("M"), self-attention without positional embeddings ("*"), a squared-ReLU MLP ("-") or a mixture of
+squared-ReLU experts ("E"), each after its own RMSNorm (`backbone.layers.{i}.norm`, fused into the first linear of
+the layer in megatron-core's TE spec; an MoE layer's is its `pre_mlp_layernorm`).
 
 - Mamba-2 (`mixer`): HF's `in_proj` rows are [z; x; B; C; dt] over all heads (groups for B, C) in order; megatron-core
   keeps per TP rank that rank's z, x, B, C, dt and torch_dist keys the five apart (`in_proj.weight.z`, ...), each
   column-split, so each whole part is one run of HF rows (`in_proj_rows`). `conv1d` (weight and bias) alike over the
   x, B, C channels (`conv_rows`). `A_log`, `D`, `dt_bias` (per head), the gated RMSNorm `norm` (grouped by B/C
   group, split with the heads) and `out_proj` as they are.
+- MoE layers (`mixer`): DeepSeek-V3's routing (`deepseek_moe`: sigmoid scores, `gate.e_score_correction_bias` as
+  the router's expert_bias buffer, n_group/topk_group, routed_scaling_factor), routed experts of one up and one down
+  projection (not gated: each `up_proj` is its expert's linear_fc1 as it is), and one shared expert of
+  moe_shared_expert_intermediate_size that every token also passes through (transformers ignores n_shared_experts).
+  Nemotron 3's latent MoE (moe_latent_size): the routed experts compute in the latent, between `fc1_latent_proj`
+  (hidden -> latent, before dispatch) and `fc2_latent_proj` (back, after combine), megatron-core's same-named
+  projections, whole on every TP rank; the router and the shared expert see the hidden state.
 - The layer pattern is config.json's `layers_block_type` (transformers 5: "linear_attention" is Mamba) or the Hub's
   `hybrid_override_pattern` string, megatron-core's `hybrid_override_pattern` (Megatron-LM >= 0.18:
   `hybrid_layer_pattern`); an export writes it back in the spelling it came in.
 
-Refused by name: MoE layers ("moe"/"E", Nemotron 3's latent MoE among them), MTP layers (num_nextn_predict_layers),
+Refused by name: MTP layers (num_nextn_predict_layers),
 biases, a convolution width other than megatron-core's 4, a norm epsilon other than its Mamba norm's 1e-5, a time-step
 limit, fp32 residuals, other activations.
 """
@@ -23,7 +31,8 @@ from typing import Any
 
 from reshard.architecture import MAMBA_CONV_KERNEL
 from reshard.config import ModelConfig, pad_vocab
-from reshard.converters.base import QKV, Family, L, Mapping, Rename, at_index, bad_value, by_layer, check_values, hf_dtype, refuse
+from reshard.converters.base import QKV, E, Family, L, Mapping, Rename, at_index, bad_value, by_layer, check_values, hf_dtype, refuse
+from reshard.converters.deepseek_moe import check_hf_routing, check_megatron_routing, routing_from_hf, routing_to_hf
 from reshard.converters.qwen3_next import Rows
 
 # transformers 5's layers_block_type names <-> megatron-core's pattern symbols
@@ -73,9 +82,6 @@ def pattern_from_hf(hf: dict[str, Any]) -> str:
         kinds = [_NAMES[symbol] for symbol in pattern]
     if not isinstance(kinds, list) or not kinds or any(kind not in _SYMBOLS for kind in kinds):
         raise bad_value("layers_block_type", kinds, f"a list of {', '.join(_SYMBOLS)}, one per layer")
-    if "moe" in kinds:
-        raise refuse("MoE layers (layers_block_type 'moe', pattern 'E'; Nemotron 3's latent MoE)",
-                     "Nemotron-H's Mamba, attention and MLP layers are mapped; its MoE layers are not yet")
     layers = hf.get("num_hidden_layers")
     if layers is not None and layers != len(kinds):
         raise bad_value("num_hidden_layers", layers, f"the {len(kinds)} layers the layer pattern lists")
@@ -104,6 +110,20 @@ def attention() -> list[Mapping]:
             Rename(f"{a}linear_proj.weight", f"{p}mixer.o_proj.weight")]
 
 
+def moe(latent: bool = False) -> list[Mapping]:
+    """An MoE layer: its norm, the router and its correction bias, the routed experts (up, down), the shared expert, and
+    (`latent`) the projections into and out of the experts' latent."""
+    m, p = "decoder.layers.mlp.", f"backbone.layers.{L}."
+    x, ex = f"{p}mixer.", f"{p}mixer.experts.{E}."
+    return [Rename("decoder.layers.pre_mlp_layernorm.weight", f"{p}norm.weight"), Rename(f"{m}router.weight", f"{x}gate.weight"),
+            Rename(f"{m}router.expert_bias", f"{x}gate.e_score_correction_bias"),
+            Rename(f"{m}experts.experts.linear_fc1.weight", f"{ex}up_proj.weight"),
+            Rename(f"{m}experts.experts.linear_fc2.weight", f"{ex}down_proj.weight"),
+            Rename(f"{m}shared_experts.linear_fc1.weight", f"{x}shared_experts.up_proj.weight"),
+            Rename(f"{m}shared_experts.linear_fc2.weight", f"{x}shared_experts.down_proj.weight"),
+            *(Rename(f"{m}{proj}.weight", f"{x}{proj}.weight") for proj in ("fc1_latent_proj", "fc2_latent_proj") if latent)]
+
+
 def squared_relu_mlp() -> list[Mapping]:
     m, p = "decoder.layers.mlp.", f"backbone.layers.{L}."
     return [Rename(f"{m}linear_fc1.layer_norm_weight", f"{p}norm.weight"), Rename(f"{m}linear_fc1.weight", f"{p}mixer.up_proj.weight"),
@@ -121,7 +141,8 @@ class NemotronH(Family):
     name = "Nemotron-H"
     prefix = "backbone."
     signature = {"normalization": "RMSNorm", "swiglu": False, "squared_relu": True, "add_bias_linear": False, "add_qkv_bias": False,
-                 "qk_layernorm": False, "position_embedding_type": "none", "moe": False, "hybrid": True}
+                 "qk_layernorm": False, "position_embedding_type": "none", "hybrid": True, "shared_expert_gate": False,
+                 "router_pre_softmax": False}
 
     def check_hf(self, hf):
         if hf.get("quantization_config"):
@@ -139,9 +160,12 @@ class NemotronH(Family):
                 raise bad_value(field, hf.get(field), "a whole number from 1")
         if hf["mamba_num_heads"] % hf["n_groups"]:
             raise bad_value("mamba_num_heads", hf["mamba_num_heads"], f"a multiple of n_groups={hf['n_groups']}")
-        if "M" in pattern_from_hf(hf) and hf.get("layer_norm_epsilon", MAMBA_NORM_EPSILON) != MAMBA_NORM_EPSILON:
+        pattern = pattern_from_hf(hf)
+        if "M" in pattern and hf.get("layer_norm_epsilon", MAMBA_NORM_EPSILON) != MAMBA_NORM_EPSILON:
             raise refuse(f"layer_norm_epsilon={hf['layer_norm_epsilon']} with Mamba layers",
                          f"megatron-core's Mamba mixer normalises with epsilon {MAMBA_NORM_EPSILON} whatever the model's")
+        if "E" in pattern:
+            _check_hf_moe(hf)
 
     def config_from_hf(self, hf):
         check_values(hf)
@@ -158,6 +182,7 @@ class NemotronH(Family):
             untie_embeddings_and_output_weights=not bool(hf.get("tie_word_embeddings", False)),
             params_dtype=hf_dtype(hf) or "float32", hybrid_override_pattern=pattern,
             **{megatron: int(hf[field]) for field, megatron in _MAMBA_SIZES.items()},
+            **(_moe_from_hf(hf) if "E" in pattern else {}),
         )
         return config, {}
 
@@ -176,17 +201,42 @@ class NemotronH(Family):
             **{field: getattr(config, megatron) for field, megatron in _MAMBA_SIZES.items() if field != "mamba_num_heads"},
             mamba_num_heads=config.mamba_heads, **{k: v for k, v in _FIXED.items() if k not in out},
         )
+        if config.is_moe:
+            routing_to_hf(out, config)
+            out.update(moe_intermediate_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
+                       moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+                       moe_latent_size=config.moe_latent_size)
         return out
 
     def check_megatron(self, config):
         super().check_megatron(config)
         if config.hybrid_override_pattern is None:
             raise bad_value("hybrid_override_pattern", None, "a layer pattern (a hybrid model)")
+        if config.is_moe:
+            check_megatron_routing(config, "Nemotron-H")
+            if not config.moe_shared_expert_intermediate_size:
+                raise refuse("MoE layers without a shared expert", "HF Nemotron-H's MoE layers always pass every token through one")
 
     def mappings(self, config):
-        tables = {"mamba": mamba_mixer(config), "attention": attention(), None: squared_relu_mlp()}
+        tables = {"mamba": mamba_mixer(config), "attention": attention(), None: squared_relu_mlp(), "moe": moe(bool(config.moe_latent_size))}
         head: list[Mapping] = [Rename("embedding.word_embeddings.weight", "backbone.embeddings.weight"),
                                Rename("decoder.final_norm.weight", "backbone.norm_f.weight")]
         if not config.tied_embeddings:
             head.append(Rename("output_layer.weight", "lm_head.weight"))
-        return [*head, *by_layer(config, lambda kind: tables[kind.mixer])]
+        return [*head, *by_layer(config, lambda kind: tables["moe" if kind.moe else kind.mixer])]
+
+
+def _check_hf_moe(hf: dict[str, Any]) -> None:
+    """Refuse the MoE fields of a config with MoE layers that megatron-core cannot compute alike."""
+    check_hf_routing(hf)
+    for field in ("moe_intermediate_size", "moe_shared_expert_intermediate_size"):
+        if type(hf.get(field)) is not int or hf[field] < 1:
+            raise bad_value(field, hf.get(field), "a whole number from 1")
+    if hf.get("moe_latent_size") is not None and (type(hf["moe_latent_size"]) is not int or hf["moe_latent_size"] < 1):
+        raise bad_value("moe_latent_size", hf["moe_latent_size"], "null or a whole number from 1")
+
+
+def _moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields of the MoE layers (transformers' NemotronHConfig's routed_scaling_factor default 1)."""
+    return dict(routing_from_hf(hf, default_scaling=1.0), moe_ffn_hidden_size=hf["moe_intermediate_size"],
+                moe_shared_expert_intermediate_size=hf["moe_shared_expert_intermediate_size"], moe_latent_size=hf.get("moe_latent_size"))

@@ -180,9 +180,12 @@ def _moe(c: ModelConfig, L: list[int]) -> dict[str, tuple[int, ...]]:
         out[f"{mlp}router.bias"] = (*L, c.num_experts)
     if c.moe_router_enable_expert_bias:
         out[f"{mlp}router.expert_bias"] = (*L, c.num_experts)
-    lead = [*L, c.num_experts]
-    out.update(_linear(f"{mlp}experts.experts.linear_fc1.", gate * ffn, h, c.add_bias_linear, lead))
-    out.update(_linear(f"{mlp}experts.experts.linear_fc2.", h, ffn, c.add_bias_linear, lead))
+    lead, width = [*L, c.num_experts], c.moe_latent_size or h  # the experts' input and output width
+    if c.moe_latent_size:
+        out.update(_linear(f"{mlp}fc1_latent_proj.", width, h, c.add_bias_linear, L))
+        out.update(_linear(f"{mlp}fc2_latent_proj.", h, width, c.add_bias_linear, L))
+    out.update(_linear(f"{mlp}experts.experts.linear_fc1.", gate * ffn, width, c.add_bias_linear, lead))
+    out.update(_linear(f"{mlp}experts.experts.linear_fc2.", width, ffn, c.add_bias_linear, lead))
     if c.moe_shared_expert_intermediate_size:
         shared = c.moe_shared_expert_intermediate_size
         out.update(_linear(f"{mlp}shared_experts.linear_fc1.", gate * shared, h, c.add_bias_linear, L))
@@ -215,6 +218,8 @@ _AXIS_FIELDS = (
     ("word_embeddings.", ("padded_vocab_size", "hidden_size")),
     ("output_layer.", ("padded_vocab_size", "hidden_size")),
     ("router.", ("num_experts", "hidden_size")),
+    ("fc1_latent_proj.", ("moe_latent_size", "hidden_size")),
+    ("fc2_latent_proj.", ("hidden_size", "moe_latent_size")),
     ("eh_proj.", ("hidden_size", "hidden_size (x 2)")),
     ("position_embeddings.", ("max_position_embeddings", "hidden_size")),
     ("in_proj.weight.", (_LINEAR_ROWS, "hidden_size")),

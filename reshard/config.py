@@ -44,7 +44,8 @@ _COUNTS = ("max_position_embeddings", "original_max_position_embeddings", "make_
            "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "padded_vocab_size", "num_query_groups",
            "kv_channels", "vocab_size", "num_experts", "moe_ffn_hidden_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
            "qk_pos_emb_head_dim", "v_head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-           "linear_num_key_heads", "linear_num_value_heads", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
+           "linear_num_key_heads", "linear_num_value_heads", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads",
+           "moe_latent_size")
 
 
 # The sizes of megatron-core's Gated DeltaNet (TransformerConfig's names and defaults, which are transformers' Qwen3-Next's).
@@ -65,8 +66,8 @@ MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_
 
 
 # A hybrid (Mamba) model's layers by megatron-core's pattern symbols (hybrid_override_pattern): a Mamba-2 mixer,
-# self-attention or a dense MLP, each a layer of its own. Its MoE layers ("E") are not modelled yet (refused by name).
-HYBRID_SYMBOLS = {"M": ("mamba", False, False), "*": ("attention", False, False), "-": (None, False, True)}
+# self-attention, a dense MLP or a mixture of experts, each a layer of its own.
+HYBRID_SYMBOLS = {"M": ("mamba", False, False), "*": ("attention", False, False), "-": (None, False, True), "E": (None, True, True)}
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,9 @@ class ModelConfig:
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_gate: bool = False  # the shared experts' output scaled by sigmoid(gate_weight . x)
+    # the routed experts compute in a latent of this width: the MoE layer projects its input down to it before dispatch
+    # and the experts' combined output back up (mlp.fc1_latent_proj / fc2_latent_proj; Nemotron 3's latent MoE)
+    moe_latent_size: int | None = None
     moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (no renormalising)
     moe_layer_freq: int | tuple[int, ...] = 1  # an MoE layer every N layers, or a 0/1 (dense/MoE) per layer
     # Routing (DeepSeek-V3's): sigmoid scores, a per-expert bias added for the choice only, group-limited top-k,
@@ -257,10 +261,10 @@ class ModelConfig:
         pattern = self.hybrid_override_pattern
         if pattern is None:
             return
-        if isinstance(pattern, str) and "E" in pattern:
-            raise ReshardError(f"hybrid_override_pattern={pattern!r}: the MoE layers (E) of hybrid models are not supported by reshard yet")
         if not isinstance(pattern, str) or len(pattern) != self.num_layers or set(pattern) - set(HYBRID_SYMBOLS):
             raise _no_model("hybrid_override_pattern", pattern, f"one of {''.join(HYBRID_SYMBOLS)} for each of the {self.num_layers} layers")
+        if "E" in pattern and not self.is_moe:
+            raise _no_model("num_experts", self.num_experts, f"a number of experts for the MoE layers (E) of {pattern!r}")
         if "M" in pattern and self.mamba_heads % self.mamba_num_groups:
             raise _no_model("mamba_num_heads", self.mamba_heads, f"a multiple of mamba_num_groups={self.mamba_num_groups}")
 
@@ -303,6 +307,8 @@ class ModelConfig:
         """Which layers are mixture-of-experts layers (Megatron's reading of moe_layer_freq)."""
         if not self.is_moe:
             return [False] * self.num_layers
+        if self.hybrid_override_pattern is not None:  # a hybrid model's MoE layers are its pattern's, moe_layer_freq unread
+            return [kind.moe for kind in self.layer_kinds]
         if isinstance(self.moe_layer_freq, int):
             return [i % self.moe_layer_freq == 0 for i in range(self.num_layers)]
         if len(self.moe_layer_freq) != self.num_layers or set(self.moe_layer_freq) - {0, 1}:

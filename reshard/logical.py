@@ -82,6 +82,8 @@ PARTITION_RULES: tuple[tuple[str, Rule], ...] = (
     # gpt-oss's attention sinks: one logit per head, split with the heads
     (r"self_attention\.core_attention\.softmax_offset$", Rule(Split.COLUMN)),
     (r"shared_experts\.gate_weight$", Rule(Split.NONE)),
+    # latent MoE's projections around the experts: Transformer Engine linears in "duplicated" mode, whole on every rank
+    (r"mlp\.fc(1|2)_latent_proj\.(weight|bias)$", Rule(Split.NONE)),
     # Gated DeltaNet: torch_dist keys each part of the fused input projection and of the depthwise convolution
     # (one channel per row) apart, each split by heads over TP; so are the per-value-head decay and time-step bias.
     (r"self_attention\.in_proj\.weight\.(query|key|value|z|beta|alpha)$", Rule(Split.COLUMN)),

@@ -90,7 +90,10 @@ def canonical(name: str, family: str, moe: bool, mla: bool = False) -> str:
 
 def layer_is_moe(config: ModelConfig, name: str) -> bool:
     """Whether `name` (a tensor or object key) belongs to an MoE layer: the model's kind, or its layer's where
-    MoE and dense layers mix (the spellings of the pre-MLP norm differ between the two)."""
+    MoE and dense layers mix (the spellings of the pre-MLP norm differ between the two). A hybrid model's MoE layer
+    keeps `pre_mlp_layernorm` in either spec (megatron-core's hybrid stack maps no names): spelled as a dense layer."""
+    if config.hybrid_override_pattern is not None:
+        return False
     match = _INDEXED.match(name)
     if _MTP.match(name):  # an MTP layer's transformer layer is of the decoder's last layer's kind
         return config.moe_layers[-1]
@@ -200,6 +203,8 @@ def _stacked_extra_state(config: ModelConfig, te: bool, kind: LayerKind) -> dict
             keys += [ObjectKey(f"decoder.layers.{name}._extra_state", (i, e), (L, E)) for i in range(L) for e in range(E)]
         if config.moe_shared_expert_intermediate_size:
             modules += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
+        if config.moe_latent_size:  # Transformer Engine's linears in either spec (megatron-core has no other)
+            modules += ["mlp.fc1_latent_proj", "mlp.fc2_latent_proj"]
     elif kind.mlp:
         modules += ["mlp.linear_fc1", "mlp.linear_fc2"]
     keys += [ObjectKey(f"decoder.layers.{m}._extra_state", (i,), (L,)) for m in modules for i in range(L)]

@@ -11,7 +11,10 @@ conversions):
 - the convolution: the mixer's own plain Conv1d and SiLU, what it does when causal_conv1d is absent;
 - the gated RMSNorm (`GatedRMSNorm`): RMS-normalise x * silu(z) over each group of channels, times the weight
   (mamba_ssm's RMSNormGated with norm_before_gate off, as megatron-core builds it);
-- the final norm (megatron-core's MambaStack builds Transformer Engine's TENorm) a plain RMSNorm;
+- the final norm (megatron-core's MambaStack builds Transformer Engine's TENorm) and an MoE layer's pre-MLP norm
+  (TENorm in its stack spec) a plain RMSNorm;
+- latent MoE's projections (Transformer Engine's TELinear in "duplicated" mode, which megatron-core's MoE layer
+  requires): `DuplicatedLinear`, a plain linear under the same checkpoint keys, whole on every rank;
 - the triton-only dynamic-inference helpers the mixer imports: stubs that refuse to run.
 Every parameter, its name and its torch_dist key are megatron-core's own; the layers' input norms are fused into
 their first linear (`norm_column_parallel_linear` with a plain RMSNorm), as Transformer Engine names them.
@@ -102,7 +105,7 @@ def _stub_inference_kernels() -> None:
 
 
 class FinalNorm(torch.nn.Module):
-    """The plain RMSNorm in TENorm's place (MambaStack's final_norm)."""
+    """The plain RMSNorm in TENorm's place (MambaStack's final_norm, an MoE layer's pre_mlp_layernorm)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5):
         super().__init__()
@@ -113,23 +116,56 @@ class FinalNorm(torch.nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class DuplicatedLinear(torch.nn.Module):
+    """TELinear in "duplicated" mode (no bias): a linear whose weight every rank holds whole, its checkpoint keys the
+    weight and the (empty) extra state Transformer Engine keeps."""
+
+    def __init__(self, input_size: int, output_size: int, *, parallel_mode, config, init_method, bias, **unused):
+        super().__init__()
+        if parallel_mode != "duplicated" or bias:
+            raise NotImplementedError("the CPU stand-in is TELinear duplicated, without a bias (latent MoE's)")
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        init_method(self.weight)
+
+    def forward(self, x: torch.Tensor):
+        return F.linear(x, self.weight), None
+
+    def get_extra_state(self):
+        return None
+
+    def set_extra_state(self, state):
+        pass
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron.core import parallel_state
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, None, sharded_offsets,
+                                                   tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                                   dp_cp_group=metadata["dp_cp_group"])
+
+
 def use_torch_kernels() -> None:
     """Point megatron-core's Mamba modules at the torch stand-ins above (idempotent)."""
     _stub_inference_kernels()
     cpu_compat.apply()  # the mixer's parameters made on the current device
     from megatron.core.ssm import mamba_block, mamba_mixer
+    from megatron.core.transformer.moe import moe_layer
 
     mamba_mixer.HAVE_MAMBA_SSM = True
     mamba_mixer.causal_conv1d_fn = None
     mamba_mixer.mamba_chunk_scan_combined = ssd_scan
     mamba_mixer.ExtendedRMSNorm = GatedRMSNorm
     mamba_block.TENorm = FinalNorm
+    moe_layer.HAVE_TE, moe_layer.TELinear = True, DuplicatedLinear
 
 
 def hybrid_stack_spec():
-    """megatron-core's MambaStack spec with local modules: each layer's input norm fused into its first linear."""
+    """megatron-core's MambaStack spec with local modules: each layer's input norm fused into its first linear, but an
+    MoE layer's (its pre_mlp_layernorm, as megatron-core's stack spec has it); the experts megatron-core's SequentialMLP."""
     use_torch_kernels()  # before the mixer's module is first imported
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
@@ -140,7 +176,7 @@ def hybrid_stack_spec():
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer, TransformerLayerSubmodules
 
     norm_linear = norm_column_parallel_linear(rms_norm, init=1.0)
     mamba = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
@@ -153,4 +189,8 @@ def hybrid_stack_spec():
     mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
         mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=norm_linear, linear_fc2=RowParallelLinear)),
         mlp_bda=get_bias_dropout_add))
-    return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(mamba_layer=mamba, attention_layer=attention, mlp_layer=mlp))
+    experts = get_moe_module_spec(use_te=False, num_experts=1, moe_grouped_gemm=False)  # any count builds the same spec
+    moe = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=FinalNorm, mlp=experts, mlp_bda=get_bias_dropout_add))
+    return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(mamba_layer=mamba, attention_layer=attention, mlp_layer=mlp,
+                                                                         moe_layer=moe))

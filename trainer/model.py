@@ -174,6 +174,7 @@ def transformer_config(config: ModelConfig, layout: Layout, dtype: torch.dtype =
             moe_router_num_groups=config.moe_router_num_groups,
             moe_router_group_topk=config.moe_router_group_topk,
             moe_router_topk_scaling_factor=config.moe_router_topk_scaling_factor,
+            moe_latent_size=config.moe_latent_size,
             # gloo cannot run the all-to-all dispatcher (see the shared doc); GPUs use Megatron's default.
             moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
             moe_grouped_gemm=False,

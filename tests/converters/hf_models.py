@@ -66,6 +66,14 @@ def _configs():
                                temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16,
                                deepstack_visual_indexes=[0, 1]),
             image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243, tie_word_embeddings=False)
+    def nemotron_h(layers_block_type, **moe):
+        return tf.NemotronHConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+                                  layers_block_type=layers_block_type, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=8,
+                                  n_groups=2, ssm_state_size=16, chunk_size=8, layer_norm_epsilon=1e-5, max_position_embeddings=128,
+                                  tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=0, **moe)
+    nemotron_moe_layers = ["linear_attention", "moe", "full_attention", "moe"]
+    nemotron_moe = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=48,
+                        moe_shared_expert_intermediate_size=40, routed_scaling_factor=2.5)
     return {
         "llama": tf.LlamaConfig(**COMMON, intermediate_size=128, num_hidden_layers=4, num_key_value_heads=2,
                                 max_position_embeddings=16384, rope_theta=500000.0, rope_scaling=llama3),
@@ -187,11 +195,13 @@ def _configs():
         "qwen3_5_vl_moe_fused": qwen3_5_vl(moe=True),
         # Nemotron-H in small: Mamba-2, attention, Mamba-2, squared-ReLU MLP (pattern "M*M-"); 8 Mamba heads of 8 in 2
         # groups of B/C of state 16 (TP2 splits both), attention with 2 KV groups, an MLP of 96
-        "nemotron_h": tf.NemotronHConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
-                                         layers_block_type=["linear_attention", "full_attention", "linear_attention", "mlp"],
-                                         intermediate_size=96, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16,
-                                         chunk_size=8, layer_norm_epsilon=1e-5, max_position_embeddings=128, tie_word_embeddings=False,
-                                         bos_token_id=0, eos_token_id=1, pad_token_id=0),
+        "nemotron_h": nemotron_h(["linear_attention", "full_attention", "linear_attention", "mlp"]),
+        # its MoE layers: Mamba-2, MoE, attention, MoE (pattern "ME*E"; two stages cut between an MoE layer and the
+        # attention layer); 4 squared-ReLU experts of 48 in 2 routing groups (1 chosen), top-2 renormalised and scaled by
+        # 2.5, the router's correction bias, a shared expert of 40 (none square, none twice the hidden size 64)
+        "nemotron_h_moe": nemotron_h(nemotron_moe_layers, **nemotron_moe),
+        # Nemotron 3's latent MoE: the same, the routed experts computing in a latent of 32
+        "nemotron_h_latent": nemotron_h(nemotron_moe_layers, **nemotron_moe, moe_latent_size=32),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
                               activation_function="gelu_new", bos_token_id=0, eos_token_id=1),
     }
@@ -205,11 +215,11 @@ FUSED_FORMS = {"qwen3_5_moe_fused", "qwen3_5_vl_moe_fused"}  # per-expert tensor
 RELEASE_FORMS = {name: (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj") for name in ("qwen3_vl_moe", "qwen3_vl_moe_all")}
 
 MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed", "deepseek_v3_moe", "deepseek_v3_mixed", "minimax_m2",
-       "gpt_oss", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_fused"}
+       "gpt_oss", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_fused", "nemotron_h_moe", "nemotron_h_latent"}
 NAMES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed",
          "deepseek_v3", "deepseek_v3_q",
          "deepseek_v3_moe", "deepseek_v3_mixed", "gpt2", "minimax_m2", "gpt_oss", "qwen3_next", "qwen3_5", "qwen3_5_moe",
-         "qwen3_5_moe_fused", "nemotron_h"]
+         "qwen3_5_moe_fused", "nemotron_h", "nemotron_h_moe", "nemotron_h_latent"]
 
 
 def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:

@@ -83,6 +83,13 @@ CASES = [
     # between an attention layer (1) and a Mamba one (2)
     ("nemotron_h", "torch_dist", dict(tp=2)),
     ("nemotron_h", "torch_dist", dict(pp=2)),
+    # Nemotron-H's MoE layers: squared-ReLU experts over EP, sigmoid routing with its correction bias in groups, scaled,
+    # the shared expert split over TP (with sequence parallel, as megatron-core runs MoE at TP > 1)
+    ("nemotron_h_moe", "torch_dist", dict(ep=2)),
+    ("nemotron_h_moe", "torch_dist", dict(tp=2)),
+    # Nemotron 3's latent MoE: the projections into and out of the experts' latent whole on every rank (TELinear
+    # duplicated, stood in by a plain linear: reshard.trainer.mamba), the shared expert over TP, the experts over EP
+    ("nemotron_h_latent", "torch_dist", dict(tp=2, ep=2, etp=1)),
 ]
 
 
@@ -426,6 +433,15 @@ NEMOTRON_H_SABOTAGE = {  # what the family gets wrong: (object, attribute, its w
         **right(config), "B": right(config)["C"], "C": right(config)["B"]}),
     "a_log_negated": (nemotron_h.NemotronH, "mappings", _family_with(Negated, "mixer.A_log")),
     "d_dropped": (nemotron_h.NemotronH, "mappings", _family_with(Dropped, "mixer.D")),
+    # its MoE layers: experts 0 and 1 (up and down projections alike) each read from the other's tensors
+    "moe_experts_swapped": (nemotron_h, "moe", lambda right: lambda *latent: [
+        ExpertsSwapped(m.megatron, m.hf[0]) if ".experts.experts." in m.megatron else m for m in right(*latent)]),
+    "moe_router_bias_negated": (nemotron_h, "moe", lambda right: lambda *latent: [
+        Negated(m.megatron, m.hf[0]) if m.megatron.endswith("expert_bias") else m for m in right(*latent)]),
+    # Nemotron 3's latent MoE: the projection into the latent with its two halves of latent rows in each other's place
+    # (as a duplicated weight cut like a column-parallel one over TP2 would be put back)
+    "latent_fc1_halves_swapped": (nemotron_h, "moe", lambda right: lambda *latent: [
+        HalvesSwapped(m.megatron, m.hf[0]) if "fc1_latent_proj" in m.megatron else m for m in right(*latent)]),
 }
 
 
@@ -433,7 +449,9 @@ NEMOTRON_H_SABOTAGE = {  # what the family gets wrong: (object, attribute, its w
 def test_the_oracle_sees_a_wrong_nemotron_h_mapping(tmp_path, monkeypatch, sabotage):
     """Each Mamba-2 specific, got wrong in a way that still loads strictly, moves the logits far past the tolerance:
     in_proj's z (the gate) and x in each other's place, the convolution's B and C channels swapped, A_log negated (a
-    growing state), the skip D lost."""
+    growing state), the skip D lost; two routed experts of the MoE layers in each other's place, the router's correction bias
+    negated (other experts chosen); the latent MoE's projection into the latent with its halves swapped."""
     owner, attribute, wrap = NEMOTRON_H_SABOTAGE[sabotage]
     monkeypatch.setattr(owner, attribute, wrap(getattr(owner, attribute)))
-    assert max_logits_diff(tmp_path, "nemotron_h", "torch_dist", {}) > 1e-3
+    name = {"moe": "nemotron_h_moe", "latent": "nemotron_h_latent"}.get(sabotage.split("_")[0], "nemotron_h")
+    assert max_logits_diff(tmp_path, name, "torch_dist", {}) > 1e-3

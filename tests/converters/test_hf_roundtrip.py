@@ -30,6 +30,9 @@ LAYOUTS = {
     "qwen3_5_moe_fused": [dict(tp=2, pp=1, ep=2), dict(tp=1, pp=2)],  # experts fused as the release stores them
     # Mamba heads and B/C groups split over TP; two stages cut between an attention layer and a Mamba one ("M*|M-")
     "nemotron_h": [dict(tp=2, pp=1), dict(tp=1, pp=2)],
+    # experts split over EP (the shared expert over TP); two stages cut between an MoE layer and an attention one ("ME|*E")
+    "nemotron_h_moe": [dict(tp=2, pp=1, ep=2), dict(tp=1, pp=2)],
+    "nemotron_h_latent": [dict(tp=2, pp=2, ep=2)],  # the latent projections whole on every TP rank, cut with their stage
 }
 
 
@@ -64,7 +67,7 @@ def models(tmp_path_factory):
 
 CASES = [(name, layout) for name in NAMES for layout in LAYOUTS.get(name, LAYOUTS["moe" if name in MOE else "dense"])]
 # families added since the fast tier's budget was set keep one case there, the others in the full tier
-SLOW = {"qwen3_5_moe-tp2pp1ep2", "qwen3_5_moe-tp1pp2", "qwen3_5_moe_fused-tp1pp2"}
+SLOW = {"qwen3_5_moe-tp2pp1ep2", "qwen3_5_moe-tp1pp2", "qwen3_5_moe_fused-tp1pp2", "nemotron_h_moe-tp1pp2", "nemotron_h_latent-tp2pp2ep2"}
 
 
 def _case_id(name: str, layout: dict) -> str:
@@ -241,7 +244,8 @@ def test_deepseek_mla_and_yarn_settings_carried(models, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_moe", "deepseek_v3_mixed", "qwen2_moe_mixed", "qwen3_moe_mixed", "minimax_m2",
-                                  "qwen3_next", "qwen3_5", "qwen3_5_moe_fused", "nemotron_h"])
+                                  "qwen3_next", "qwen3_5", "qwen3_5_moe_fused", "nemotron_h", "nemotron_h_moe",
+                                  "nemotron_h_latent"])
 def test_config_json_comes_back_as_it_was(models, tmp_path, name):
     """Through the layout-free store and back: every setting of config.json (MLA, YaRN, routing, which layers
     are dense) survives."""

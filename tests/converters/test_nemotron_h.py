@@ -81,7 +81,7 @@ def test_megatron_lm_args_it_cannot_read_a_pattern_from_are_refused_by_name(conf
     args = {**config.megatron_args(), "hybrid_override_pattern": None, "hybrid_layer_pattern": None, "hybrid_attention_ratio": 0.25}
     with pytest.raises(ReshardError, match="hybrid_attention_ratio"):
         ModelConfig.from_megatron_args(args)
-    with pytest.raises(ReshardError, match="MoE layers"):
+    with pytest.raises(ReshardError, match="num_experts"):  # MoE layers of no experts
         config.replace(hybrid_override_pattern="M*ME")
     with pytest.raises(ReshardError, match="hybrid_override_pattern"):
         config.replace(hybrid_override_pattern="M*M")
@@ -113,7 +113,10 @@ def source(tmp_path_factory):
 
 
 @pytest.mark.parametrize("change,words", [
-    ({"layers_block_type": [M, "moe", A, P]}, ("MoE layers", "latent MoE")),
+    ({"layers_block_type": [M, "moe", A, P], "moe_latent_size": 0}, ("moe_latent_size", "null or a whole number")),
+    ({"layers_block_type": [M, "moe", A, P], "n_group": 2, "topk_group": 2}, ("num_experts_per_tok=2 with topk_group=2",)),
+    ({"layers_block_type": [M, "moe", A, P], "norm_topk_prob": False}, ("norm_topk_prob=False",)),
+    ({"layers_block_type": [M, "moe", A, P], "moe_shared_expert_intermediate_size": None}, ("moe_shared_expert_intermediate_size",)),
     ({"layers_block_type": [M, "sliding", A, P]}, ("layers_block_type",)),
     ({"conv_kernel": 3}, ("conv_kernel=3",)),
     ({"mlp_hidden_act": "silu"}, ("mlp_hidden_act='silu'",)),
@@ -135,3 +138,55 @@ def test_formats_that_would_need_the_fused_per_rank_in_proj_are_refused_by_name(
     assert not (tmp_path / "out").exists()
     with pytest.raises(ReshardError, match="hybrid"):
         ParamOrder.of({"transformer_impl": "transformer_engine", "hybrid_override_pattern": "M*M-"})
+
+
+@pytest.fixture(scope="module")
+def moe_config() -> ModelConfig:
+    hf = _configs()["nemotron_h_moe"].to_dict()
+    return family_for_hf(hf).config_from_hf(hf)[0]
+
+
+def test_moe_layers_are_megatron_cores_moe_layers_with_deepseeks_routing(moe_config):
+    """An "E" layer is megatron-core's MoE layer under its own pre-MLP norm (no attention, no fused norm): a sigmoid
+    router with its expert bias, routed experts of one (not gated) projection each way, one shared expert."""
+    c = moe_config
+    assert c.hybrid_override_pattern == "ME*E" and c.moe_layers == [False, True, False, True]
+    assert (c.num_experts, c.moe_router_topk, c.moe_router_num_groups, c.moe_router_group_topk) == (4, 2, 2, 1)
+    assert (c.moe_router_score_function, c.moe_router_enable_expert_bias, c.moe_router_topk_scaling_factor) == ("sigmoid", True, 2.5)
+    tensors = {name: shape for name, shape in model_tensors(c).items() if name.startswith("decoder.layers.1.")}
+    assert tensors == {"decoder.layers.1.pre_mlp_layernorm.weight": (64,), "decoder.layers.1.mlp.router.weight": (4, 64),
+                       "decoder.layers.1.mlp.router.expert_bias": (4,),
+                       "decoder.layers.1.mlp.experts.experts.linear_fc1.weight": (4, 48, 64),
+                       "decoder.layers.1.mlp.experts.experts.linear_fc2.weight": (4, 64, 48),
+                       "decoder.layers.1.mlp.shared_experts.linear_fc1.weight": (40, 64),
+                       "decoder.layers.1.mlp.shared_experts.linear_fc2.weight": (64, 40)}
+
+
+def test_latent_moe_projects_into_the_experts_latent_and_back(moe_config):
+    """Nemotron 3's latent MoE: megatron-core's fc1_latent_proj / fc2_latent_proj around routed experts of the latent's
+    width; the router and the shared expert keep the hidden width."""
+    hf = _configs()["nemotron_h_latent"].to_dict()
+    latent = family_for_hf(hf).config_from_hf(hf)[0]
+    assert latent == moe_config.replace(moe_latent_size=32)
+    tensors, plain = model_tensors(latent), model_tensors(moe_config)
+    assert {name: shape for name, shape in tensors.items() if plain.get(name) != shape} == {
+        "decoder.layers.1.mlp.fc1_latent_proj.weight": (32, 64), "decoder.layers.1.mlp.fc2_latent_proj.weight": (64, 32),
+        "decoder.layers.1.mlp.experts.experts.linear_fc1.weight": (4, 48, 32),
+        "decoder.layers.1.mlp.experts.experts.linear_fc2.weight": (4, 32, 48),
+        "decoder.layers.3.mlp.fc1_latent_proj.weight": (32, 64), "decoder.layers.3.mlp.fc2_latent_proj.weight": (64, 32),
+        "decoder.layers.3.mlp.experts.experts.linear_fc1.weight": (4, 48, 32),
+        "decoder.layers.3.mlp.experts.experts.linear_fc2.weight": (4, 32, 48)}
+    assert family_for_hf(hf).config_to_hf(latent)["moe_latent_size"] == 32
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(moe_router_score_function="softmax"), ("sigmoid with an expert bias",)),
+    (dict(moe_shared_expert_intermediate_size=None), ("without a shared expert",)),
+    (dict(moe_router_group_topk=2), ("moe_router_group_topk=2", "best two experts")),
+])
+def test_a_megatron_moe_hybrid_hf_nemotron_h_cannot_route_alike_is_refused_on_export(moe_config, change, words):
+    family = family_for_hf({"architectures": ["NemotronHForCausalLM"]})
+    family.config_to_hf(moe_config)
+    with pytest.raises(ReshardError) as refused:
+        family.config_to_hf(moe_config.replace(**change))
+    assert all(word in str(refused.value) for word in words)
