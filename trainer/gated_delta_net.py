@@ -10,7 +10,7 @@ Triton kernels (`chunk_gated_delta_rule`, `l2norm`) and causal_conv1d, none of w
 - `_apply_gated_norm` without torch.compile's wrapper (inductor wants a C compiler at first call).
 The module's weights, names and torch_dist keys are megatron-core's own; only `in_proj`'s fused input norm is built
 here (`NormColumnParallelLinear`: `layer_norm_weight` and `weight`, as Transformer Engine's LayerNormColumnParallelLinear
-names them).
+names them and registers them: the norm first, which the DistributedOptimizer's buffers follow).
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ def norm_column_parallel_linear(norm=zero_centred_rms_norm, init: float = 0.0):
             super().__init__(input_size, output_size, config=config, **kwargs)
             self.eps = config.layernorm_epsilon
             self.layer_norm_weight = torch.nn.Parameter(torch.full((input_size,), init, dtype=config.params_dtype))
+            # registered before weight, as TE's LayerNormLinear does (layernorm_linear.py:1262,1358; reshard.optim.order)
+            self._parameters = {"layer_norm_weight": self._parameters.pop("layer_norm_weight"), **self._parameters}
 
         def forward(self, x: torch.Tensor, *args, **kwargs):
             return super().forward(norm(x, self.layer_norm_weight, self.eps), *args, **kwargs)

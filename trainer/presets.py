@@ -72,6 +72,20 @@ TINY_GPT_OSS = TINY_MOE.replace(num_layers=2, add_bias_linear=True, add_qkv_bias
                                 softmax_type="learnable", window_size=(7, 0), window_attn_skip_freq=2, quick_geglu=True,
                                 activation_func_clamp_value=7.0, glu_linear_offset=1.0, position_embedding_type="yarn",
                                 rotary_base=150000.0, rotary_scaling_factor=32.0, yarn_correction_range_round_to_int=False)
+# Qwen3-Next's layer kinds in small (tests/converters/hf_models.py's "qwen3_next"): Gated DeltaNet on layers 0 and 2 (2
+# key heads of 16, 4 value heads of 8), gated attention with per-head q/k norms on 1 and 3, a quarter of the head dims
+# rotated, zero-centred norms, layer 0's MLP dense and the others MoE with a gated shared expert
+TINY_QWEN3_NEXT = TINY_LLAMA.replace(ffn_hidden_size=96, rotary_percent=0.25, norm_epsilon=1e-6, qk_layernorm=True,
+                                     layernorm_zero_centered_gamma=True, attention_output_gate=True, num_experts=4,
+                                     moe_router_topk=2, moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=40,
+                                     moe_shared_expert_gate=True, moe_layer_freq=(0, 1, 1, 1),
+                                     experimental_attention_variant="gated_delta_net", linear_attention_freq=2,
+                                     linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+# Nemotron-H's dense layer kinds in small (hf_models.py's "nemotron_h"): Mamba-2, attention, Mamba-2, squared-ReLU MLP;
+# 8 Mamba heads of 8 in 2 groups of B/C of state 16 (TP2 splits both)
+TINY_NEMOTRON_H = TINY_LLAMA.replace(ffn_hidden_size=96, position_embedding_type="none", swiglu=False, squared_relu=True,
+                                     hybrid_override_pattern="M*M-", mamba_state_dim=16, mamba_head_dim=8, mamba_num_groups=2,
+                                     mamba_num_heads=8)
 
 PRESETS = {
     "tiny-llama": TINY_LLAMA,
@@ -87,4 +101,6 @@ PRESETS = {
     "tiny-minimax": TINY_MINIMAX,
     "tiny-glm4-moe": TINY_GLM4_MOE,
     "tiny-gpt-oss": TINY_GPT_OSS,
+    "tiny-qwen3-next": TINY_QWEN3_NEXT,
+    "tiny-nemotron-h": TINY_NEMOTRON_H,
 }

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from itertools import groupby
 from typing import Any
 
 import numpy as np
@@ -45,7 +46,7 @@ from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.layout import Layout, RankCoord
 from reshard.logical import TensorSpec, describe
-from reshard.optim.order import MULTI_LATENT, ParamOrder, attention_of
+from reshard.optim.order import MULTI_LATENT, ParamOrder, attention_of, parameter_of
 from reshard.sharding import Piece, Region, intersect, pieces, region_size, shift, to_slices
 
 PREFIX = "optimizer.distributed."
@@ -261,16 +262,19 @@ class BufferLayout:
         sizes: list[int] = []
         last_name: list[str] = []
         pending = None  # the last parameter of the bucket still open
-        for name, layer, expert, parts, shared in reversed(params):
-            numel = math.prod(parts[0].local_shape)
+        for tensors in reversed(_parameters(params)):
+            name, layer, expert, _, shared = tensors[-1]
             start = -(-start // PARAM_ALIGN) * PARAM_ALIGN
             if shared and pending is not None:  # the shared embedding gets a bucket of its own
                 sizes.append(start - bucket_start)  # (the previous one ends after this parameter's alignment)
                 last_name.append(pending)
                 start = bucket_start = self.pad_bucket(start, dp)
                 bucket += 1
-            placed.append(Placed(name, layer, parts, bucket, start - bucket_start, numel, expert))
-            end = start + numel
+            end = start
+            for part, part_layer, part_expert, parts, _ in tensors:  # a parameter's parts lie in it in order
+                numel = math.prod(parts[0].local_shape)
+                placed.append(Placed(part, part_layer, parts, bucket, end - bucket_start, numel, part_expert))
+                end += numel
             pending = name + "".join(f" ({what} {i})" for what, i in (("layer", layer), ("expert", expert)) if i is not None)
             if (bucket_size is not None and end - bucket_start >= bucket_size) or shared:
                 sizes.append(end - bucket_start)
@@ -337,6 +341,12 @@ class BufferLayout:
             filled += region_size(inside)
         if filled != region_size(region):
             raise ReshardError(f"{name}: the DistributedOptimizer buffers do not cover the tensor; the checkpoint is damaged")
+
+
+def _parameters(params: list) -> list[list]:
+    """`BufferLayout._local_params`' tensors grouped by the megatron-core parameter they are or are parts of
+    (`order.parameter_of`; a parameter's parts come one after the other in that order)."""
+    return [list(group) for _, group in groupby(params, key=lambda tensor: (parameter_of(tensor[0]), *tensor[1:3]))]
 
 
 def run_args(dp: int, layout: Layout) -> dict[str, Any]:

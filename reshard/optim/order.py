@@ -12,6 +12,34 @@ from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.logical import TensorSpec
 
+# A hybrid model's layers of other kinds register their mixer where an attention layer has its self_attention
+# (megatron-core 0.16.1; the norm first in each LayerNormLinear, as TE registers it: megatron-core builds these modules
+# in the TE spec only). A module's own parameters come before its submodules' in named_parameters(), whatever order
+# __init__ assigns them in: GatedDeltaNet's dt_bias, A_log (ssm/gated_delta_net.py:183,192), then in_proj, conv1d,
+# out_norm, out_proj (:146,166,202,209), its input norm in_proj's own (the layer's input_layernorm an IdentityOp).
+# MambaLayer registers its mixer (mamba_layer.py:77; its norm an IdentityOp, fused into in_proj): dt_bias, A_log, D
+# (ssm/mamba_mixer.py:330,341,345), then in_proj, conv1d (weight, bias), norm, out_proj (:268,296,355,367). torch_dist
+# keys in_proj's and conv1d's parts apart (`_split_tensor_factory`); each part is a tensor of its own here, the parts of
+# one parameter in its row order (`parameter_of`).
+_GATED_DELTA_NET = (
+    "self_attention.dt_bias",
+    "self_attention.A_log",
+    "self_attention.in_proj.layer_norm_weight",
+    *(f"self_attention.in_proj.weight.{part}" for part in ("query", "key", "value", "z", "beta", "alpha")),
+    *(f"self_attention.conv1d.weight.{part}" for part in ("query", "key", "value")),
+    "self_attention.out_norm.weight",
+    "self_attention.out_proj.weight",
+)
+_MAMBA_MIXER = (
+    "mixer.dt_bias",
+    "mixer.A_log",
+    "mixer.D",
+    "mixer.in_proj.layer_norm_weight",
+    *(f"mixer.in_proj.weight.{part}" for part in ("z", "x", "B", "C", "dt")),
+    *(f"mixer.conv1d.{kind}.{part}" for kind in ("weight", "bias") for part in ("x", "B", "C")),
+    "mixer.norm.weight",
+    "mixer.out_proj.weight",
+)
 # A transformer layer's parameters in megatron-core's module order (local spec: input_layernorm,
 # self_attention.{linear_proj, linear_qkv, q_layernorm, k_layernorm}, pre_mlp_layernorm, mlp.{fc1, fc2};
 # an MoE layer's mlp: router, (experts,) shared_experts with its own gate_weight before its submodules'),
@@ -28,6 +56,8 @@ _LAYER_ORDER = (
     "self_attention.q_layernorm.bias",
     "self_attention.k_layernorm.weight",
     "self_attention.k_layernorm.bias",
+    *_GATED_DELTA_NET,  # a linear-attention layer's self_attention
+    *_MAMBA_MIXER,  # a hybrid model's Mamba layer's (its only module)
     "mlp.linear_fc1.layer_norm_weight",  # pre_mlp_layernorm.weight
     "mlp.linear_fc1.layer_norm_bias",
     "pre_mlp_layernorm.weight",  # an MoE layer's
@@ -117,6 +147,7 @@ _TOP_ORDER = (
     None,  # the decoder's layers
     "decoder.final_layernorm.weight",
     "decoder.final_layernorm.bias",
+    "decoder.final_norm.weight",  # a hybrid model's (MambaStack's final_norm, mamba_block.py:166)
     "mtp",  # the multi-token-prediction layers, each in `_MTP_ORDER`
     "output_layer.weight",
 )
@@ -140,6 +171,17 @@ _MTP_ORDER = ("enorm.weight", "enorm.bias", "hnorm.weight", "hnorm.bias", "eh_pr
 # What megatron-core registers as a module buffer, not a parameter: in the model's state, never in named_parameters()
 # and so never in the DistributedOptimizer's (the sigmoid router's expert_bias, updated from token counts).
 _BUFFERS = re.compile(r"\.mlp\.router\.expert_bias$")
+
+
+# A model tensor that is a part of a megatron-core parameter, torch_dist keying the parts apart (Gated DeltaNet's and
+# the Mamba mixer's in_proj.weight.<part>, conv1d.<weight|bias>.<part>): the parameter has one place in the buffers,
+# its parts in it one after the other, as `LAYER_ORDERS` lists them.
+_PART = re.compile(r"\.(weight|bias)\.\w+$")
+
+
+def parameter_of(name: str) -> str:
+    """The megatron-core parameter that model tensor `name` is, or is a part of."""
+    return name.rsplit(".", 1)[0] if _PART.search(name) else name
 
 
 def is_parameter(name: str) -> bool:
@@ -227,11 +269,13 @@ class ParamOrder:
             )
         for flag, what in (("use_te_op_fuser", "Transformer-Engine's fused-op MLP"), ("fp8_param_gather", "FP8 parameters"),
                            ("moe_use_legacy_grouped_gemm", "the legacy GroupedMLP experts"),
-                           ("mla_down_proj_fusion", "multi-latent attention's fused q/kv down projection"),
-                           ("experimental_attention_variant", "Gated DeltaNet layers"),
-                           ("hybrid_override_pattern", "a hybrid (Mamba) layer pattern"), ("hybrid_layer_pattern", "a hybrid (Mamba) layer pattern")):
+                           ("mla_down_proj_fusion", "multi-latent attention's fused q/kv down projection")):
             if args.get(flag):
                 raise ReshardError(f"DistributedOptimizer state of a model with {what} ({flag}) is not decoded yet (convert with --no-optimizer)")
+        for flag in ("hybrid_override_pattern", "hybrid_layer_pattern"):
+            if "E" in (args.get(flag) or ""):  # MambaStack's MoE layers: their order is not read yet
+                raise ReshardError(f"DistributedOptimizer state of a hybrid model with MoE layers ({flag}={args[flag]!r}: E) is not "
+                                   "decoded yet (convert with --no-optimizer)")
         towers = config.towers if config is not None else ()
         prefix = config.language_model_prefix if config is not None else ""
         # the local spec builds SequentialMLP whatever moe_grouped_gemm says (backends.py, LocalSpecProvider)

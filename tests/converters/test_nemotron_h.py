@@ -131,13 +131,14 @@ def test_what_the_mapping_does_not_carry_is_refused_by_name(source, tmp_path, mo
 
 def test_formats_that_would_need_the_fused_per_rank_in_proj_are_refused_by_name(source, tmp_path):
     """The legacy format keeps a rank's in_proj fused [z; x; B; C; dt], not cut per rank yet: refused, nothing written;
-    so is DistributedOptimizer state, whose parameter order of a MambaModel is not modelled."""
+    so is the DistributedOptimizer state of a pattern with MoE layers, whose order is not modelled (the dense patterns':
+    tests/reshard/optim/test_hybrid_order.py)."""
     result = CliRunner().invoke(main, ["convert", str(source), str(tmp_path / "out"), "--to-format", "legacy", "--to-tp", "2", "-q"],
                                 standalone_mode=False)
     assert isinstance(result.exception, ReshardError) and "Mamba layers" in str(result.exception)
     assert not (tmp_path / "out").exists()
-    with pytest.raises(ReshardError, match="hybrid"):
-        ParamOrder.of({"transformer_impl": "transformer_engine", "hybrid_override_pattern": "M*M-"})
+    with pytest.raises(ReshardError, match="hybrid model with MoE layers"):
+        ParamOrder.of({"transformer_impl": "transformer_engine", "hybrid_override_pattern": "M*E-"})
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from reshard.inspect import inspect
 from reshard.layout import Layout
 from reshard.logical import Split, describe
 from reshard.naming import default_extra_state
-from reshard.optim.order import ParamOrder
 from reshard.request import Target
 from reshard.sharding import full_region, pieces
 from reshard.verify import verify
@@ -144,5 +143,3 @@ def test_forms_and_layouts_a_gated_delta_net_cannot_take_are_refused_by_name(tmp
     with pytest.raises(ReshardError, match="linear_num_key_heads"):
         convert(tmp_path / "one", tmp_path / "tp2", Target(layout=Layout(tp=2)))
     assert not (tmp_path / "leg").exists() and not (tmp_path / "tp2").exists()
-    with pytest.raises(ReshardError, match="Gated DeltaNet layers \\(experimental_attention_variant\\)"):
-        ParamOrder.of({"transformer_impl": "local", "experimental_attention_variant": "gated_delta_net"})

@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 
 from fixtures.models import TINY_LLAMA
+from reshard.architecture import model_tensors
 from reshard.errors import ReshardError
 from reshard.layout import Layout
-from reshard.logical import Split, TensorSpec
+from reshard.logical import Split, TensorSpec, describe
 from reshard.optim.buffers import BufferLayout
-from reshard.optim.order import LAYER_ORDERS, MULTI_HEAD, MULTI_LATENT, ParamOrder
+from reshard.optim.order import LAYER_ORDERS, MULTI_HEAD, MULTI_LATENT, ParamOrder, parameter_of
+from reshard.trainer.presets import TINY_NEMOTRON_H
 from tests.converters.hf_models import build
 
 SINKS = "self_attention.core_attention.softmax_offset"
@@ -41,11 +43,28 @@ def test_a_parameter_no_table_places_is_refused_by_name():
 
 
 @pytest.mark.parametrize("args,words", [
-    ({"experimental_attention_variant": "gated_delta_net"}, "Gated DeltaNet layers"),
+    ({"use_te_op_fuser": True}, "a model with Transformer-Engine's fused-op MLP"),
+    ({"hybrid_override_pattern": "M*E"}, "a hybrid model with MoE layers \\(hybrid_override_pattern='M\\*E': E\\)"),
+    ({"hybrid_layer_pattern": "MEM*"}, "a hybrid model with MoE layers \\(hybrid_layer_pattern"),
 ])
 def test_a_model_whose_order_is_not_derived_is_refused_by_name(args, words):
-    with pytest.raises(ReshardError, match=f"DistributedOptimizer state of a model with {words}"):
-        ParamOrder.of({"transformer_impl": "local", **args})
+    with pytest.raises(ReshardError, match=f"DistributedOptimizer state of {words}"):
+        ParamOrder.of({"transformer_impl": "transformer_engine", **args})
+
+
+def test_a_parameter_keyed_in_parts_lies_in_the_buffers_as_one():
+    """torch_dist keys a Mamba mixer's conv1d bias as three tensors (its x, B, C channels); the DistributedOptimizer
+    holds the one parameter: at TP2 its parts (32, 16, 16 elements) lie one after the other from one 64-element
+    alignment, in the parameter's row order, while parameters each start on their own (megatron-core's own save of it:
+    test_hybrid_order.py)."""
+    config = TINY_NEMOTRON_H
+    specs = {name: describe(name, shape, "float32", config) for name, shape in model_tensors(config).items()}
+    layout = BufferLayout(specs, config, Layout(tp=2), {"transformer_impl": "transformer_engine", "data_parallel_size": 2})
+    placed = {place.name: place for gbuf, place in layout.placed.values() if gbuf.group == 0}
+    bias = [placed[f"decoder.layers.2.mixer.conv1d.bias.{part}"] for part in ("x", "B", "C")]
+    assert [(p.start, p.numel) for p in bias] == [(bias[0].start, 32), (bias[0].start + 32, 16), (bias[0].start + 48, 16)]
+    assert bias[0].start % 64 == 0 and placed["decoder.layers.2.mixer.conv1d.weight.x"].start == bias[0].start + 64
+    assert all(place.start % 64 == 0 for name, place in placed.items() if parameter_of(name) == name)
 
 
 def test_a_frozen_part_has_no_optimizer_state(tmp_path):
