@@ -6,9 +6,14 @@ what this mapping does not carry refused naming the field with nothing written. 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
+from test_hf_roundtrip import hf_tensors
+from test_qwen2_5_vl import dist_tensors
 
 from reshard.config import ModelConfig
 from reshard.converters import families_for_model, family_for_hf, family_for_model
@@ -171,3 +176,27 @@ def test_a_megatron_model_of_qwen3_5_moes_kind_exports_as_it_where_imported_from
     assert family_for_model(config, {"hf_model_type": "qwen3_5_moe_text"}).model_type == "qwen3_5_moe_text"
     with pytest.raises(ReshardError, match=r"layers \[1\] have dense MLPs"):
         family_for_hf(hf).config_to_hf(config.replace(moe_layer_freq=(1, 0, 1, 1)))
+
+
+def bridges_own_import(folder: Path, name: str) -> dict[str, torch.Tensor]:
+    """Megatron-Bridge 0.6.2's own import of the tiny HF model `name` (`tests.bridge.hybrid_imports`) equals reshard's
+    torch_dist `--for bridge` of it tensor for tensor, each name, shape and value that differs named; Bridge, loading
+    reshard's checkpoint with megatron-core's loader, exports the original HF weights bit for bit. reshard's tensors."""
+    ours, theirs = dist_tensors(folder / name / "m" / "iter_0000000"), dist_tensors(folder / name / "bridge" / "ckpt" / "iter_0000000")
+    assert (sorted(ours.keys() - theirs.keys()), sorted(theirs.keys() - ours.keys())) == ([], [])
+    assert {k: (tuple(ours[k].shape), tuple(theirs[k].shape)) for k in ours if ours[k].shape != theirs[k].shape} == {}
+    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+    original, exported = hf_tensors(folder / name / "hf"), load_file(folder / name / "bridge" / "export.safetensors")
+    assert exported.keys() == original.keys() and [k for k in original if not torch.equal(original[k], exported[k])] == []
+    return ours
+
+
+@pytest.mark.slow
+def test_reshards_checkpoint_is_bridges_own_import_and_bridge_exports_it_back(bridge_hybrids):
+    """fixtures/bridge_hybrid.py: Bridge's Qwen3NextBridge on megatron-core 0.19.2's GPTModel (the Gated DeltaNet's in_proj
+    and conv1d parts, the zero-centred output norm, the gated q/k/v, experts and the gated shared expert), on Qwen3-Next
+    with every MLP MoE as released: Bridge 0.6.2 reads no mlp_only_layers (on a dense layer 0 it builds an MoE layer,
+    warns that its experts are not in the HF model and saves them unset)."""
+    ours = bridges_own_import(bridge_hybrids, "qwen3_next_all_moe")
+    assert {"decoder.layers.0.self_attention.in_proj.weight.beta", "decoder.layers.0.self_attention.conv1d.weight.value",
+            "decoder.layers.0.self_attention.out_norm.weight", "decoder.layers.1.mlp.shared_experts.gate_weight"} <= ours.keys()
