@@ -12,12 +12,15 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_hf_roundtrip import hf_tensors
+from test_hf_roundtrip import cli, hf_tensors
 from test_qwen2_5_vl import dist_tensors
 
 from reshard.config import ModelConfig
 from reshard.converters import families_for_model, family_for_hf, family_for_model
+from reshard.converters.base import Rename
 from reshard.converters.qwen3_next import (
+    Qwen3Next,
+    ZeroCentredNorm,
     conv_rows,
     group_gated_qkv,
     in_proj_rows,
@@ -200,3 +203,20 @@ def test_reshards_checkpoint_is_bridges_own_import_and_bridge_exports_it_back(br
     ours = bridges_own_import(bridge_hybrids, "qwen3_next_all_moe")
     assert {"decoder.layers.0.self_attention.in_proj.weight.beta", "decoder.layers.0.self_attention.conv1d.weight.value",
             "decoder.layers.0.self_attention.out_norm.weight", "decoder.layers.1.mlp.shared_experts.gate_weight"} <= ours.keys()
+
+
+@pytest.mark.slow
+def test_the_comparison_with_bridges_import_fails_on_a_plain_output_norm(bridge_hybrids, tmp_path, monkeypatch):
+    """The same comparison can fail: reshard's import with the Gated DeltaNet's output norm copied as it is (not made
+    zero-centred, as Bridge's RMSNorm2ZeroCenteredRMSNormMapping makes it) differs from Bridge's in exactly those norms."""
+    right = Qwen3Next.mappings
+
+    def plain(self, config):
+        return [Rename(m.megatron, *m.hf) if isinstance(m, ZeroCentredNorm) else m for m in right(self, config)]
+
+    monkeypatch.setattr(Qwen3Next, "mappings", plain)
+    cli("convert", bridge_hybrids / "qwen3_next_all_moe" / "hf", tmp_path / "m", "--to-format", "torch_dist", "--for", "bridge", "-q")
+    ours = dist_tensors(tmp_path / "m" / "iter_0000000")
+    theirs = dist_tensors(bridge_hybrids / "qwen3_next_all_moe" / "bridge" / "ckpt" / "iter_0000000")
+    assert sorted(k for k in ours if not torch.equal(ours[k], theirs[k])) == [
+        f"decoder.layers.{i}.self_attention.out_norm.weight" for i in (0, 2)]
