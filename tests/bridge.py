@@ -15,11 +15,40 @@ REPO = Path(__file__).resolve().parents[1]
 BRIDGE_PYTHON = Path(os.environ.get("BRIDGE_VENV", "/work/peers/bridge")) / "bin" / "python"
 
 
-def bridge(*args, script: str = "bridge_qwen2_5_vl.py") -> None:
-    """fixtures/`script` under Megatron-Bridge 0.6.2's venv."""
+def require_bridge() -> None:
     if not BRIDGE_PYTHON.is_file():
         pytest.skip(f"Megatron-Bridge's venv is not here ({BRIDGE_PYTHON}; BRIDGE_VENV, ../shared/peers/setup_bridge.sh)")
+
+
+def bridge(*args, script: str = "bridge_qwen2_5_vl.py") -> None:
+    """fixtures/`script` under Megatron-Bridge 0.6.2's venv."""
+    require_bridge()
     proc = subprocess.run([str(BRIDGE_PYTHON), str(REPO / "fixtures" / script), *map(str, args)],
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": "", "MASTER_PORT": str(free_port())})  # two may run at once (xdist)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# The hybrid models Bridge imports (fixtures/bridge_hybrid.py): Qwen3-Next with every MLP MoE (Bridge 0.6.2 reads no
+# mlp_only_layers), Nemotron-H dense, MoE and latent MoE
+HYBRIDS = ("qwen3_next_all_moe", "nemotron_h", "nemotron_h_moe", "nemotron_h_latent")
+
+
+def hybrid_imports(folder: Path) -> Path:
+    """For each of HYBRIDS, under folder/<name>: its tiny HF model (hf), reshard's torch_dist `--for bridge` of it (m),
+    and from ONE Bridge run (its start is most of its cost), Bridge's own import of the HF model (bridge/ckpt) and the
+    HF weights Bridge exports from reshard's checkpoint (bridge/export.safetensors). Share it with `tests.cache.built`."""
+    from click.testing import CliRunner
+
+    from reshard.cli import main
+    from tests.converters.hf_models import build
+
+    require_bridge()
+    models = []
+    for name in HYBRIDS:
+        source, ours = build(name, folder / name / "hf"), folder / name / "m"
+        result = CliRunner().invoke(main, ["convert", str(source), str(ours), "--to-format", "torch_dist", "--for", "bridge", "-q"])
+        assert result.exit_code == 0, result.output
+        models += ["--model", source, folder / name / "bridge", ours / "iter_0000000"]
+    bridge(*models, script="bridge_hybrid.py")
+    return folder

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.bridge import hybrid_imports
 from tests.cache import built
 from tests.launch import run
 from tests.megatron import ORACLE, layout_args, make_checkpoints
@@ -29,6 +30,12 @@ def dense(tmp_path_factory):
 def moe(tmp_path_factory):
     """tiny-moe: base and EP2 torch_dist (Megatron's own reshard), with Adam state."""
     return built(tmp_path_factory, make_checkpoints, "tiny-moe", [("ep2", dict(ep=2), ["--optimizer"])])
+
+
+@pytest.fixture(scope="session")
+def bridge_hybrids(tmp_path_factory):
+    """Megatron-Bridge's own imports of the tiny hybrid models and its exports of reshard's (`tests.bridge.hybrid_imports`)."""
+    return built(tmp_path_factory, hybrid_imports)
 
 
 @pytest.fixture(scope="session")

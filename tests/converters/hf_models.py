@@ -66,6 +66,13 @@ def _configs():
                                temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16,
                                deepstack_visual_indexes=[0, 1]),
             image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243, tie_word_embeddings=False)
+    def qwen3_next(mlp_only_layers):
+        return tf.Qwen3NextConfig(**COMMON, intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=40,
+                                  num_hidden_layers=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                  norm_topk_prob=True, max_position_embeddings=128, tie_word_embeddings=False,
+                                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                  linear_value_head_dim=8, linear_conv_kernel_dim=4, mlp_only_layers=mlp_only_layers,
+                                  layer_types=["linear_attention", "full_attention"] * 2)
     def nemotron_h(layers_block_type, **moe):
         return tf.NemotronHConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
                                   layers_block_type=layers_block_type, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=8,
@@ -171,12 +178,9 @@ def _configs():
         # key head), gated attention with per-head q/k norms on 1 and 3, a quarter of the head dims rotated, zero-centred
         # norms, layer 0's MLP dense and the others MoE with a gated shared expert (widths 96, 48, 40: none square, none
         # twice the hidden size 64)
-        "qwen3_next": tf.Qwen3NextConfig(**COMMON, intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=40,
-                                         num_hidden_layers=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                         norm_topk_prob=True, max_position_embeddings=128, tie_word_embeddings=False,
-                                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                                         linear_value_head_dim=8, linear_conv_kernel_dim=4, mlp_only_layers=[0],
-                                         layer_types=["linear_attention", "full_attention"] * 2),
+        "qwen3_next": qwen3_next(mlp_only_layers=[0]),
+        # every MLP MoE, as in the released Qwen3-Next (Megatron-Bridge 0.6.2 does not read mlp_only_layers)
+        "qwen3_next_all_moe": qwen3_next(mlp_only_layers=[]),
         # Qwen3.5's text model in small: Qwen3-Next's layers with dense MLPs and in_proj split four ways; its multimodal
         # RoPE's sections over the two rotating frequencies
         "qwen3_5": tf.Qwen3_5TextConfig(**COMMON, intermediate_size=96, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,

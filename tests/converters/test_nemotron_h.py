@@ -11,6 +11,7 @@ import argparse
 import pytest
 import torch
 from click.testing import CliRunner
+from test_qwen3_next import bridges_own_import
 
 from reshard.architecture import model_tensors
 from reshard.cli import main
@@ -191,3 +192,17 @@ def test_a_megatron_moe_hybrid_hf_nemotron_h_cannot_route_alike_is_refused_on_ex
     with pytest.raises(ReshardError) as refused:
         family.config_to_hf(moe_config.replace(**change))
     assert all(word in str(refused.value) for word in words)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["nemotron_h", "nemotron_h_moe", "nemotron_h_latent"])
+def test_reshards_checkpoint_is_bridges_own_import_and_bridge_exports_it_back(bridge_hybrids, name):
+    """fixtures/bridge_hybrid.py: Bridge's NemotronHBridge on megatron-core 0.19.2's HybridModel (the Mamba in_proj's z,
+    x, B, C, dt and conv1d's x, B, C parts, A_log, D, dt_bias, the gated norm, attention, squared-ReLU MLP; the MoE
+    layers' router and its expert bias, experts, shared expert; latent MoE's projections), its TE-only spec and
+    mamba_ssm stood in for in that fixture only."""
+    ours = bridges_own_import(bridge_hybrids, name)
+    assert {"decoder.layers.0.mixer.in_proj.weight.dt", "decoder.layers.0.mixer.conv1d.bias.B", "decoder.layers.0.mixer.norm.weight"} <= ours.keys()
+    if name != "nemotron_h":
+        assert "decoder.layers.1.mlp.router.expert_bias" in ours
+    assert ("decoder.layers.1.mlp.fc1_latent_proj.weight" in ours) == (name == "nemotron_h_latent")

@@ -6,13 +6,21 @@ what this mapping does not carry refused naming the field with nothing written. 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
+from test_hf_roundtrip import cli, hf_tensors
+from test_qwen2_5_vl import dist_tensors
 
 from reshard.config import ModelConfig
 from reshard.converters import families_for_model, family_for_hf, family_for_model
+from reshard.converters.base import Rename
 from reshard.converters.qwen3_next import (
+    Qwen3Next,
+    ZeroCentredNorm,
     conv_rows,
     group_gated_qkv,
     in_proj_rows,
@@ -171,3 +179,44 @@ def test_a_megatron_model_of_qwen3_5_moes_kind_exports_as_it_where_imported_from
     assert family_for_model(config, {"hf_model_type": "qwen3_5_moe_text"}).model_type == "qwen3_5_moe_text"
     with pytest.raises(ReshardError, match=r"layers \[1\] have dense MLPs"):
         family_for_hf(hf).config_to_hf(config.replace(moe_layer_freq=(1, 0, 1, 1)))
+
+
+def bridges_own_import(folder: Path, name: str) -> dict[str, torch.Tensor]:
+    """Megatron-Bridge 0.6.2's own import of the tiny HF model `name` (`tests.bridge.hybrid_imports`) equals reshard's
+    torch_dist `--for bridge` of it tensor for tensor, each name, shape and value that differs named; Bridge, loading
+    reshard's checkpoint with megatron-core's loader, exports the original HF weights bit for bit. reshard's tensors."""
+    ours, theirs = dist_tensors(folder / name / "m" / "iter_0000000"), dist_tensors(folder / name / "bridge" / "ckpt" / "iter_0000000")
+    assert (sorted(ours.keys() - theirs.keys()), sorted(theirs.keys() - ours.keys())) == ([], [])
+    assert {k: (tuple(ours[k].shape), tuple(theirs[k].shape)) for k in ours if ours[k].shape != theirs[k].shape} == {}
+    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+    original, exported = hf_tensors(folder / name / "hf"), load_file(folder / name / "bridge" / "export.safetensors")
+    assert exported.keys() == original.keys() and [k for k in original if not torch.equal(original[k], exported[k])] == []
+    return ours
+
+
+@pytest.mark.slow
+def test_reshards_checkpoint_is_bridges_own_import_and_bridge_exports_it_back(bridge_hybrids):
+    """fixtures/bridge_hybrid.py: Bridge's Qwen3NextBridge on megatron-core 0.19.2's GPTModel (the Gated DeltaNet's in_proj
+    and conv1d parts, the zero-centred output norm, the gated q/k/v, experts and the gated shared expert), on Qwen3-Next
+    with every MLP MoE as released: Bridge 0.6.2 reads no mlp_only_layers (on a dense layer 0 it builds an MoE layer,
+    warns that its experts are not in the HF model and saves them unset)."""
+    ours = bridges_own_import(bridge_hybrids, "qwen3_next_all_moe")
+    assert {"decoder.layers.0.self_attention.in_proj.weight.beta", "decoder.layers.0.self_attention.conv1d.weight.value",
+            "decoder.layers.0.self_attention.out_norm.weight", "decoder.layers.1.mlp.shared_experts.gate_weight"} <= ours.keys()
+
+
+@pytest.mark.slow
+def test_the_comparison_with_bridges_import_fails_on_a_plain_output_norm(bridge_hybrids, tmp_path, monkeypatch):
+    """The same comparison can fail: reshard's import with the Gated DeltaNet's output norm copied as it is (not made
+    zero-centred, as Bridge's RMSNorm2ZeroCenteredRMSNormMapping makes it) differs from Bridge's in exactly those norms."""
+    right = Qwen3Next.mappings
+
+    def plain(self, config):
+        return [Rename(m.megatron, *m.hf) if isinstance(m, ZeroCentredNorm) else m for m in right(self, config)]
+
+    monkeypatch.setattr(Qwen3Next, "mappings", plain)
+    cli("convert", bridge_hybrids / "qwen3_next_all_moe" / "hf", tmp_path / "m", "--to-format", "torch_dist", "--for", "bridge", "-q")
+    ours = dist_tensors(tmp_path / "m" / "iter_0000000")
+    theirs = dist_tensors(bridge_hybrids / "qwen3_next_all_moe" / "bridge" / "ckpt" / "iter_0000000")
+    assert sorted(k for k in ours if not torch.equal(ours[k], theirs[k])) == [
+        f"decoder.layers.{i}.self_attention.out_norm.weight" for i in (0, 2)]
