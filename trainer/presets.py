@@ -93,6 +93,8 @@ TINY_NEMOTRON_H_MOE = TINY_NEMOTRON_H.replace(hybrid_override_pattern="ME*E", nu
                                              moe_shared_expert_intermediate_size=40, moe_router_score_function="sigmoid",
                                              moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1,
                                              moe_router_topk_scaling_factor=2.5)
+# Nemotron 3's latent MoE in small (hf_models.py's "nemotron_h_latent"): the routed experts compute in a latent of 32
+TINY_NEMOTRON_H_LATENT = TINY_NEMOTRON_H_MOE.replace(moe_latent_size=32)
 
 PRESETS = {
     "tiny-llama": TINY_LLAMA,
@@ -111,4 +113,5 @@ PRESETS = {
     "tiny-qwen3-next": TINY_QWEN3_NEXT,
     "tiny-nemotron-h": TINY_NEMOTRON_H,
     "tiny-nemotron-h-moe": TINY_NEMOTRON_H_MOE,
+    "tiny-nemotron-h-latent": TINY_NEMOTRON_H_LATENT,
 }
