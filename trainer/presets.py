@@ -86,6 +86,15 @@ TINY_QWEN3_NEXT = TINY_LLAMA.replace(ffn_hidden_size=96, rotary_percent=0.25, no
 TINY_NEMOTRON_H = TINY_LLAMA.replace(ffn_hidden_size=96, position_embedding_type="none", swiglu=False, squared_relu=True,
                                      hybrid_override_pattern="M*M-", mamba_state_dim=16, mamba_head_dim=8, mamba_num_groups=2,
                                      mamba_num_heads=8)
+# its MoE layer kinds (hf_models.py's "nemotron_h_moe"): Mamba-2, MoE, attention, MoE; 4 squared-ReLU experts of 48
+# routed DeepSeek-V3's way (sigmoid scores, the expert_bias buffer, 2 groups of which 1 is taken, scaled by 2.5) and a
+# shared expert of 40
+TINY_NEMOTRON_H_MOE = TINY_NEMOTRON_H.replace(hybrid_override_pattern="ME*E", num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+                                             moe_shared_expert_intermediate_size=40, moe_router_score_function="sigmoid",
+                                             moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1,
+                                             moe_router_topk_scaling_factor=2.5)
+# Nemotron 3's latent MoE in small (hf_models.py's "nemotron_h_latent"): the routed experts compute in a latent of 32
+TINY_NEMOTRON_H_LATENT = TINY_NEMOTRON_H_MOE.replace(moe_latent_size=32)
 
 PRESETS = {
     "tiny-llama": TINY_LLAMA,
@@ -103,4 +112,6 @@ PRESETS = {
     "tiny-gpt-oss": TINY_GPT_OSS,
     "tiny-qwen3-next": TINY_QWEN3_NEXT,
     "tiny-nemotron-h": TINY_NEMOTRON_H,
+    "tiny-nemotron-h-moe": TINY_NEMOTRON_H_MOE,
+    "tiny-nemotron-h-latent": TINY_NEMOTRON_H_LATENT,
 }

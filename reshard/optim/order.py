@@ -43,7 +43,8 @@ _MAMBA_MIXER = (
 # A transformer layer's parameters in megatron-core's module order (local spec: input_layernorm,
 # self_attention.{linear_proj, linear_qkv, q_layernorm, k_layernorm}, pre_mlp_layernorm, mlp.{fc1, fc2};
 # an MoE layer's mlp: router, (experts,) shared_experts with its own gate_weight before its submodules'),
-# by their checkpoint (canonical) names.
+# by their checkpoint (canonical) names. A hybrid model's MoE layer is such a layer of pre_mlp_layernorm and mlp only
+# (MambaStack's moe_layer spec, megatron-core 0.16.1): its order is this one's.
 _LAYER_ORDER = (
     "self_attention.linear_qkv.layer_norm_weight",  # input_layernorm.weight
     "self_attention.linear_qkv.layer_norm_bias",
@@ -64,6 +65,8 @@ _LAYER_ORDER = (
     "pre_mlp_layernorm.bias",
     "mlp.router.weight",
     "mlp.router.bias",
+    "mlp.fc1_latent_proj.weight",  # a latent MoE's projections (moe_layer.py:172,183), between its router and experts
+    "mlp.fc2_latent_proj.weight",
     "mlp.experts",  # the experts, where they share the dense buffer (EP1)
     "mlp.shared_experts.gate_weight",
     "mlp.shared_experts.linear_fc1.weight",
@@ -272,10 +275,6 @@ class ParamOrder:
                            ("mla_down_proj_fusion", "multi-latent attention's fused q/kv down projection")):
             if args.get(flag):
                 raise ReshardError(f"DistributedOptimizer state of a model with {what} ({flag}) is not decoded yet (convert with --no-optimizer)")
-        for flag in ("hybrid_override_pattern", "hybrid_layer_pattern"):
-            if "E" in (args.get(flag) or ""):  # MambaStack's MoE layers: their order is not read yet
-                raise ReshardError(f"DistributedOptimizer state of a hybrid model with MoE layers ({flag}={args[flag]!r}: E) is not "
-                                   "decoded yet (convert with --no-optimizer)")
         towers = config.towers if config is not None else ()
         prefix = config.language_model_prefix if config is not None else ""
         # the local spec builds SequentialMLP whatever moe_grouped_gemm says (backends.py, LocalSpecProvider)

@@ -44,8 +44,6 @@ def test_a_parameter_no_table_places_is_refused_by_name():
 
 @pytest.mark.parametrize("args,words", [
     ({"use_te_op_fuser": True}, "a model with Transformer-Engine's fused-op MLP"),
-    ({"hybrid_override_pattern": "M*E"}, "a hybrid model with MoE layers \\(hybrid_override_pattern='M\\*E': E\\)"),
-    ({"hybrid_layer_pattern": "MEM*"}, "a hybrid model with MoE layers \\(hybrid_layer_pattern"),
 ])
 def test_a_model_whose_order_is_not_derived_is_refused_by_name(args, words):
     with pytest.raises(ReshardError, match=f"DistributedOptimizer state of {words}"):
