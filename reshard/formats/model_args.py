@@ -17,6 +17,7 @@ from reshard.config import _UNMODELED, MLA_FIELDS, ModelConfig, pad_vocab
 from reshard.documents import read_json, read_yaml
 from reshard.errors import ReshardError
 from reshard.layout import Layout
+from reshard.optim.order import FREEZABLE
 
 RUN_CONFIG = "run_config.yaml"
 
@@ -203,6 +204,8 @@ def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, 
         qwen3 = QWEN3_VL_MOE_PROVIDER if config.is_moe else QWEN3_VL_PROVIDER
         target = qwen3 if config.towers[0].prefix == "vision_model." else QWEN2_5_VL_PROVIDER
         model.update(_target_=target, **_vl_family(target).to_bridge(config, args.get("hf_config")))
+        # spelled out: Bridge's Qwen3VLMoEModelProvider freezes the language and vision models when the file says nothing
+        model.update({f"freeze_{part}": bool(args.get(f"freeze_{part}")) for part in FREEZABLE})
     chosen = {key: args.get(key, default) for key, default in _UNMODELED.items()} | layout.megatron_args()
     model.update({_BRIDGE_NAMES.get(key, key): value for key, value in chosen.items()})
     (directory / RUN_CONFIG).write_text(yaml.safe_dump({"model": model}, sort_keys=False))

@@ -148,3 +148,16 @@ def test_reshards_checkpoint_is_bridges_own_import_and_bridge_exports_it_back(tm
     loader and exports the original HF weights bit for bit (its fused experts in the release's orientation)."""
     ours = bridge_both_ways(build("qwen3_vl_moe_all", tmp_path / "hf"), tmp_path)
     assert ours[FC1.replace("layers.0.", "layers.")].shape == (2, 4, 96, 64)  # every layer MoE, stacked
+
+
+def test_the_run_config_says_nothing_is_frozen(source, tmp_path):
+    """`--for bridge` spells out what the run trained: Bridge's Qwen3VLMoEModelProvider freezes the language and vision
+    models when run_config.yaml says nothing, which would have a Bridge run resumed from the checkpoint train the mergers
+    only."""
+    import yaml
+
+    cli("convert", source, tmp_path / "m", "--to-format", "torch_dist", "--for", "bridge", "-q")
+    model = yaml.safe_load((tmp_path / "m" / "iter_0000000" / "run_config.yaml").read_text())["model"]
+    assert model["_target_"].endswith(".Qwen3VLMoEModelProvider")
+    assert {key: value for key, value in model.items() if key.startswith("freeze_")} == {
+        "freeze_language_model": False, "freeze_vision_model": False, "freeze_vision_projection": False}
