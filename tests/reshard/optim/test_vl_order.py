@@ -175,21 +175,28 @@ def test_a_frozen_vision_model_has_no_state_and_the_rest_reads_as_megatrons_own(
 QWEN3_VL_PARAMS = 38  # Qwen3-VL's tiny model: 27 vision-model tensors (blocks and DeepStack mergers stacked) and 11 of the language model
 
 
+def decodes_as_megatrons_own(run, params: int, names: set[str]) -> dict[str, np.ndarray]:
+    """The run's dp_reshardable save decodes to its fully_reshardable one (returned) bit for bit, common state too:
+    `params` parameters' state, `names` among it, every moment trained, the master weights the saved weights."""
+    dp, dp_common = optimizer_tensors(run["dp"])
+    full, full_common = optimizer_tensors(run["full"])
+    assert len(dp) == 3 * params and names <= dp.keys()
+    assert_same(dp, full)
+    assert dp_common == full_common
+    assert master_weights_are_the_model(run["dp"], dp) == []
+    assert all(np.any(t != 0) for name, t in dp.items() if ".exp_avg" in name)
+    return full
+
+
 def test_qwen3_vl_buffers_read_bit_for_bit_as_megatrons_fully_reshardable(qwen3_vl_optim, tmp_path, monkeypatch):
     """Qwen3-VL's vision model in Megatron form: each stacked block's parameters lie in the buffers block by block, in
     Transformer Engine's layer order, between the position embedding and the DeepStack mergers. The dp_reshardable save
     decodes to megatron-core's fully_reshardable save bit for bit, every moment trained; the blocks' tensors placed in
     the family's table order instead (the fused norm before linear_proj) differ, and the conversion is refused."""
-    dp, dp_common = optimizer_tensors(qwen3_vl_optim["dp"])
-    full, full_common = optimizer_tensors(qwen3_vl_optim["full"])
-    assert len(dp) == 3 * QWEN3_VL_PARAMS
-    assert {"optimizer.state.exp_avg.vision_model.decoder.layers.self_attention.linear_qkv.layer_norm_weight",
-            "optimizer.state.exp_avg_sq.vision_model.decoder.deepstack_merger_list.linear_fc2.bias",
-            "optimizer.state.param.vision_model.pos_embed.weight"} <= dp.keys()
-    assert_same(dp, full)
-    assert dp_common == full_common
-    assert master_weights_are_the_model(qwen3_vl_optim["dp"], dp) == []
-    assert all(np.any(t != 0) for name, t in dp.items() if ".exp_avg" in name)
+    full = decodes_as_megatrons_own(qwen3_vl_optim, QWEN3_VL_PARAMS, {
+        "optimizer.state.exp_avg.vision_model.decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+        "optimizer.state.exp_avg_sq.vision_model.decoder.deepstack_merger_list.linear_fc2.bias",
+        "optimizer.state.param.vision_model.pos_embed.weight"})
     monkeypatch.setattr(order, "_TE_LAYER_ORDER", ())
     wrong, _ = optimizer_tensors(qwen3_vl_optim["dp"])
     assert any(wrong[name].tobytes() != full[name].tobytes() for name in wrong)
@@ -231,16 +238,10 @@ def test_qwen3_vl_moe_buffers_at_ep2_read_bit_for_bit_as_megatrons_fully_reshard
     (the tower first in registration order), each rank's two experts in the expert optimizer's own. The dp_reshardable
     save decodes to megatron-core's fully_reshardable save bit for bit, every moment trained; the tower placed after
     the language model, or each expert's fc2 before its fc1, each differ, and the conversion is refused."""
-    dp, dp_common = optimizer_tensors(qwen3_vl_moe_optim["dp"])
-    full, full_common = optimizer_tensors(qwen3_vl_moe_optim["full"])
-    assert len(dp) == 3 * QWEN3_VL_MOE_PARAMS
-    assert {"optimizer.state.exp_avg.language_model.decoder.layers.mlp.experts.experts.linear_fc1.weight",
-            "optimizer.state.exp_avg_sq.language_model.decoder.layers.mlp.router.weight",
-            "optimizer.state.param.vision_model.decoder.deepstack_merger_list.linear_fc2.bias"} <= dp.keys()
-    assert_same(dp, full)
-    assert dp_common == full_common
-    assert master_weights_are_the_model(qwen3_vl_moe_optim["dp"], dp) == []
-    assert all(np.any(t != 0) for name, t in dp.items() if ".exp_avg" in name)
+    full = decodes_as_megatrons_own(qwen3_vl_moe_optim, QWEN3_VL_MOE_PARAMS, {
+        "optimizer.state.exp_avg.language_model.decoder.layers.mlp.experts.experts.linear_fc1.weight",
+        "optimizer.state.exp_avg_sq.language_model.decoder.layers.mlp.router.weight",
+        "optimizer.state.param.vision_model.decoder.deepstack_merger_list.linear_fc2.bias"})
     fc2_first = (order._EXPERT_ORDER[2], order._EXPERT_ORDER[3], order._EXPERT_ORDER[0], order._EXPERT_ORDER[1])
     for sabotage, value in (("TOWERS_AT", 1), ("_EXPERT_ORDER", fc2_first)):
         with monkeypatch.context() as m:
