@@ -17,6 +17,9 @@ Not mapped, refused by name: the release's MTP layers (as the text families refu
 
 from __future__ import annotations
 
+from typing import Any
+
+from reshard.converters import qwen3_vl
 from reshard.converters.qwen3_5 import Qwen3_5
 from reshard.converters.qwen3_5_moe import Qwen3_5Moe
 from reshard.converters.qwen3_vl import BridgeVL
@@ -36,3 +39,11 @@ class Qwen3_5VLMoe(BridgeVL, Qwen3_5Moe):
     name = "Qwen3.5-VL-MoE"
     signature = {**Qwen3_5Moe.signature, "position_embedding_type": "mrope"}
     text_type = "qwen3_5_moe_text"
+
+
+def from_bridge(model: dict[str, Any]) -> dict[str, Any]:
+    """The Megatron args of a Bridge Qwen35VLModelProvider or Qwen35VLMoEModelProvider (run_config.yaml's model section)
+    beyond its language model's: Qwen3-VL's (`qwen3_vl.from_bridge`: the vision model, the token ids), under the HF
+    model_type of the provider's family."""
+    moe = str(model.get("_target_", "")).endswith("MoEModelProvider")
+    return qwen3_vl.from_bridge(model, (Qwen3_5VLMoe if moe else Qwen3_5VL).model_type)

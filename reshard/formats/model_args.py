@@ -17,6 +17,7 @@ from reshard.config import _UNMODELED, MLA_FIELDS, ModelConfig, pad_vocab
 from reshard.documents import read_json, read_yaml
 from reshard.errors import ReshardError
 from reshard.layout import Layout
+from reshard.optim.order import FREEZABLE
 
 RUN_CONFIG = "run_config.yaml"
 
@@ -41,21 +42,24 @@ _ACTIVATIONS = {True: "torch.nn.functional.silu", False: "torch.nn.functional.ge
 QUICK_GELU = "megatron.core.fusions.fused_bias_geglu.quick_gelu"  # gated: gpt-oss's quick_geglu, as Bridge's provider names it
 # GPT YaRN: Bridge's provider fields (yarn_*) for the ModelConfig fields MLA's YaRN shares
 _YARN = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-_LISTS = ("moe_layer_freq", "window_size", "window_attn_skip_freq", "mrope_section")  # provider fields that may hold a list
+_LISTS = ("moe_layer_freq", "window_size", "window_attn_skip_freq", "mrope_section", "linear_attention_freq")  # provider fields that may hold a list
 # Bridge's layer spec of MiniMax-M2 (q/k norms over every head: `ModelConfig.qk_layernorm_full_width`), which its
 # provider names instead of a field
 MINIMAX_M2_SPEC = "megatron.bridge.models.minimax_m2.minimax_m2_provider.minimax_m2_layer_spec"
 QWEN2_5_VL_PROVIDER = "megatron.bridge.models.qwen_vl.qwen25_vl_provider.Qwen25VLModelProvider"
 QWEN3_VL_PROVIDER = "megatron.bridge.models.qwen_vl.qwen3_vl_provider.Qwen3VLModelProvider"
 QWEN3_VL_MOE_PROVIDER = "megatron.bridge.models.qwen_vl.qwen3_vl_provider.Qwen3VLMoEModelProvider"
-VL_PROVIDERS = (QWEN2_5_VL_PROVIDER, QWEN3_VL_PROVIDER, QWEN3_VL_MOE_PROVIDER)
+# Qwen3.5-VL's (hybrid language models: read, never written, as `save_run_config` says)
+QWEN3_5_VL_PROVIDERS = tuple(f"megatron.bridge.models.qwen_vl.qwen35_vl_provider.Qwen35VL{kind}ModelProvider" for kind in ("", "MoE"))
+VL_PROVIDERS = (QWEN2_5_VL_PROVIDER, QWEN3_VL_PROVIDER, QWEN3_VL_MOE_PROVIDER, *QWEN3_5_VL_PROVIDERS)
 
 
 def _vl_family(target: str) -> Any:
     """The family module (its from_bridge / to_bridge) of a Bridge vision-language provider."""
-    from reshard.converters import qwen2_5_vl, qwen3_vl, qwen3_vl_moe
+    from reshard.converters import qwen2_5_vl, qwen3_5_vl, qwen3_vl, qwen3_vl_moe
 
-    return {QWEN2_5_VL_PROVIDER: qwen2_5_vl, QWEN3_VL_PROVIDER: qwen3_vl, QWEN3_VL_MOE_PROVIDER: qwen3_vl_moe}[target]
+    families = {QWEN2_5_VL_PROVIDER: qwen2_5_vl, QWEN3_VL_PROVIDER: qwen3_vl, QWEN3_VL_MOE_PROVIDER: qwen3_vl_moe}
+    return families.get(target, qwen3_5_vl)
 
 
 def _plain(value: Any) -> bool:
@@ -200,6 +204,8 @@ def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, 
         qwen3 = QWEN3_VL_MOE_PROVIDER if config.is_moe else QWEN3_VL_PROVIDER
         target = qwen3 if config.towers[0].prefix == "vision_model." else QWEN2_5_VL_PROVIDER
         model.update(_target_=target, **_vl_family(target).to_bridge(config, args.get("hf_config")))
+        # spelled out: Bridge's Qwen3VLMoEModelProvider freezes the language and vision models when the file says nothing
+        model.update({f"freeze_{part}": bool(args.get(f"freeze_{part}")) for part in FREEZABLE})
     chosen = {key: args.get(key, default) for key, default in _UNMODELED.items()} | layout.megatron_args()
     model.update({_BRIDGE_NAMES.get(key, key): value for key, value in chosen.items()})
     (directory / RUN_CONFIG).write_text(yaml.safe_dump({"model": model}, sort_keys=False))

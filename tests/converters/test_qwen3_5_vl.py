@@ -7,9 +7,11 @@ language model gives transformers' logits at the image prompt's 3-D positions.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from test_hf_roundtrip import cli
+from test_hf_roundtrip import cli, hf_tensors
 from test_qwen2_5_vl import bridge, dist_tensors, megatron_logits_diff
 from test_qwen3_vl import QKV, export_is_the_source, image_logits, in_megatron_order, spell_sections_out
 
@@ -128,10 +130,17 @@ def test_megatron_cores_language_model_gives_transformers_text_logits(models, tm
 def test_reshards_checkpoint_is_bridges_own_import(models, tmp_path, name):
     """Megatron-Bridge 0.6.2's own import of the same HF model (`fixtures/bridge_qwen3_5_vl.py`) equals reshard's
     torch_dist (`--for bridge`) tensor for tensor: names, shapes and values of the hybrid language model (in_proj and conv1d parts,
-    zero-centred output norm, gated q/k/v, experts) and of the vision model."""
+    zero-centred output norm, gated q/k/v, experts) and of the vision model; reshard reads Bridge's checkpoint by its
+    run_config.yaml alone and exports the original HF weights bit for bit."""
     source = models(name)
     cli("convert", source, tmp_path / "m", "--to-format", "torch_dist", "--for", "bridge", "-q")  # the vocabulary unpadded
     bridge(source, tmp_path / "bridge", script="bridge_qwen3_5_vl.py")
     ours, theirs = dist_tensors(tmp_path / "m" / "iter_0000000"), dist_tensors(tmp_path / "bridge" / "ckpt" / "iter_0000000")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert any(".in_proj.weight.beta" in k for k in ours) and any(k.startswith("vision_model.") for k in ours)
+    # Bridge's checkpoint read by its run_config.yaml alone (its Qwen35VL[MoE]ModelProvider: the hybrid layers, the vision
+    # model, the token ids; no --config) and exported as the original HF weights bit for bit
+    cli("convert", tmp_path / "bridge" / "ckpt", tmp_path / "from_bridge", "--to-format", "hf", "-q")
+    original, back = hf_tensors(source), hf_tensors(tmp_path / "from_bridge")
+    assert back.keys() == original.keys() and all(torch.equal(original[k], back[k]) for k in original)
+    assert json.loads((tmp_path / "from_bridge" / "config.json").read_text())["architectures"] == [FAMILY[name].architectures[0]]

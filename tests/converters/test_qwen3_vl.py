@@ -119,17 +119,19 @@ def test_reshards_checkpoint_is_bridges_own_import_and_bridge_exports_it_back(so
     assert any(k.startswith("vision_model.decoder.deepstack_merger_list.") for k in ours)
 
 
-def bridge_both_ways(source, tmp_path) -> dict[str, torch.Tensor]:
-    """Bridge's import of `source` equals reshard's `--for bridge` one (its tensors, returned); reshard exports
-    Bridge's checkpoint, Bridge reshard's, each to the original HF weights bit for bit."""
-    cli("convert", source, tmp_path / "m", "--to-format", "torch_dist", "--for", "bridge", "-q")
-    bridge(source, tmp_path / "bridge", script="bridge_qwen3_vl.py")
+def bridge_both_ways(source, tmp_path, tp: int = 1, ep: int = 1) -> dict[str, torch.Tensor]:
+    """Bridge's import of `source` at TP `tp` EP `ep` equals reshard's `--for bridge` one at that layout (its global
+    tensors, returned); reshard exports Bridge's checkpoint, Bridge (at that layout) reshard's, each to the original HF
+    weights bit for bit."""
+    layout = ("--tp", str(tp), "--ep", str(ep))
+    cli("convert", source, tmp_path / "m", "--to-format", "torch_dist", "--for", "bridge", "--to-tp", str(tp), "--to-ep", str(ep), "-q")
+    bridge(source, tmp_path / "bridge", *layout, script="bridge_qwen3_vl.py")
     ours, theirs = dist_tensors(tmp_path / "m" / "iter_0000000"), dist_tensors(tmp_path / "bridge" / "ckpt" / "iter_0000000")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     cli("convert", tmp_path / "bridge" / "ckpt", tmp_path / "from_bridge", "--to-format", "hf", "-q")
     original, back = hf_tensors(source), hf_tensors(tmp_path / "from_bridge")
     assert back.keys() == original.keys() and all(torch.equal(original[k], back[k]) for k in original)
-    bridge(source, tmp_path / "export", "--load", tmp_path / "m" / "iter_0000000", script="bridge_qwen3_vl.py")
+    bridge(source, tmp_path / "export", "--load", tmp_path / "m" / "iter_0000000", *layout, script="bridge_qwen3_vl.py")
     exported = load_file(tmp_path / "export" / "export.safetensors")
     assert exported.keys() == original.keys() and all(torch.equal(original[k], exported[k]) for k in original)
     return ours

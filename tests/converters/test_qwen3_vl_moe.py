@@ -142,9 +142,25 @@ def test_megatron_cores_language_model_at_ep2_gives_transformers_logits(source, 
 
 @pytest.mark.slow
 def test_reshards_checkpoint_is_bridges_own_import_and_bridge_exports_it_back(tmp_path):
-    """Megatron-Bridge 0.6.2's import of the same HF model (every layer MoE: Bridge builds no other) equals reshard's
-    tensor for tensor (the experts SequentialMLP's, stacked); reshard reads Bridge's checkpoint (its run_config.yaml's
-    Qwen3VLMoEModelProvider) and exports the original HF weights; Bridge loads reshard's checkpoint with megatron-core's
-    loader and exports the original HF weights bit for bit (its fused experts in the release's orientation)."""
-    ours = bridge_both_ways(build("qwen3_vl_moe_all", tmp_path / "hf"), tmp_path)
+    """Megatron-Bridge 0.6.2's import of the same HF model at TP2 EP2 on four ranks (every layer MoE: Bridge builds no
+    other) equals reshard's `--to-tp 2 --to-ep 2` torch_dist tensor for tensor (the vision model split over TP as
+    Bridge splits it, the experts SequentialMLP's, stacked, each rank's two in their global place); reshard reads
+    Bridge's checkpoint (its run_config.yaml's Qwen3VLMoEModelProvider) and exports the original HF weights; Bridge at
+    TP2 EP2 loads reshard's checkpoint with megatron-core's loader and exports the original HF weights bit for bit (its
+    fused experts in the release's orientation, gathered from the ranks): the EP > 1 export failures users report do
+    not show with Bridge 0.6.2 here (SequentialMLP experts; TEGroupedMLP's need a GPU)."""
+    ours = bridge_both_ways(build("qwen3_vl_moe_all", tmp_path / "hf"), tmp_path, tp=2, ep=2)
     assert ours[FC1.replace("layers.0.", "layers.")].shape == (2, 4, 96, 64)  # every layer MoE, stacked
+
+
+def test_the_run_config_says_nothing_is_frozen(source, tmp_path):
+    """`--for bridge` spells out what the run trained: Bridge's Qwen3VLMoEModelProvider freezes the language and vision
+    models when run_config.yaml says nothing, which would have a Bridge run resumed from the checkpoint train the mergers
+    only."""
+    import yaml
+
+    cli("convert", source, tmp_path / "m", "--to-format", "torch_dist", "--for", "bridge", "-q")
+    model = yaml.safe_load((tmp_path / "m" / "iter_0000000" / "run_config.yaml").read_text())["model"]
+    assert model["_target_"].endswith(".Qwen3VLMoEModelProvider")
+    assert {key: value for key, value in model.items() if key.startswith("freeze_")} == {
+        "freeze_language_model": False, "freeze_vision_model": False, "freeze_vision_projection": False}
