@@ -295,10 +295,19 @@ class TorchDistReader(CheckpointReader):
             return {**args, **ms_swift.layout_args(swift)} if swift is not None else args
         for directory in (self.tree.iteration_dir, self.tree.root):
             if (directory / RUN_CONFIG).is_file():
-                return bridge_args(directory / RUN_CONFIG)
+                return self._with_data_parallel_size(bridge_args(directory / RUN_CONFIG))
         if not needed:
             return None
         raise ReshardError(f"{self.path} records no architecture (no Megatron-LM args, no {RUN_CONFIG}): {self.architecture_hint}")
+
+    def _with_data_parallel_size(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Megatron-Bridge's run_config.yaml records no data-parallel size, which a dp_reshardable optimizer state is
+        laid out by: the ranks that wrote the save are TP x PP x CP of it."""
+        world = self.metadata.saving_ranks()
+        model_parallel = math.prod(int(args.get(megatron_arg(key)) or 1) for key in ("tp", "pp")) * int(args.get("context_parallel_size") or 1)
+        if args.get("data_parallel_size") is None and world is not None and world % model_parallel == 0:
+            args["data_parallel_size"] = world // model_parallel
+        return args
 
     def _object(self, info: Storage, key: str) -> object:
         file, values = self._decode(info, "an object", RecordFile.unpickle)

@@ -45,6 +45,7 @@ _YARN = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast
 _LISTS = ("moe_layer_freq", "window_size", "window_attn_skip_freq", "mrope_section", "linear_attention_freq")  # provider fields that may hold a list
 # Bridge's layer spec of MiniMax-M2 (q/k norms over every head: `ModelConfig.qk_layernorm_full_width`), which its
 # provider names instead of a field
+LOCAL_SPEC = "megatron.bridge.models.gpt_provider.local_layer_spec"
 MINIMAX_M2_SPEC = "megatron.bridge.models.minimax_m2.minimax_m2_provider.minimax_m2_layer_spec"
 QWEN2_5_VL_PROVIDER = "megatron.bridge.models.qwen_vl.qwen25_vl_provider.Qwen25VLModelProvider"
 QWEN3_VL_PROVIDER = "megatron.bridge.models.qwen_vl.qwen3_vl_provider.Qwen3VLModelProvider"
@@ -113,6 +114,10 @@ def bridge_args(path: Path) -> dict[str, Any]:
         args["kv_channels"] = model.get("v_head_dim")
     spec = model.get("transformer_layer_spec")
     args["qk_layernorm_full_width"] = isinstance(spec, dict) and spec.get("_target_") == MINIMAX_M2_SPEC
+    if isinstance(spec, dict) and spec.get("_target_") == LOCAL_SPEC:
+        # Bridge builds the model by its spec, whatever the provider's transformer_impl field says (it is left at its
+        # default): the spec decides the parameters' order in the DistributedOptimizer's buffers
+        args["transformer_impl"] = "local"
     args["untie_embeddings_and_output_weights"] = not model.get("share_embeddings_and_output_weights", False)
     args["group_query_attention"] = model.get("num_query_groups") is not None
     if model.get("params_dtype") is not None:
@@ -149,7 +154,7 @@ def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, 
     model = {
         "_target_": "megatron.bridge.models.gpt_provider.GPTModelProvider",
         "transformer_layer_spec": _name(MINIMAX_M2_SPEC if config.qk_layernorm_full_width else
-                                        f"megatron.bridge.models.gpt_provider.{'transformer_engine' if te_names else 'local'}_layer_spec"),
+                                        "megatron.bridge.models.gpt_provider.transformer_engine_layer_spec" if te_names else LOCAL_SPEC),
         "num_layers": config.num_layers,
         "hidden_size": config.hidden_size,
         "num_attention_heads": config.num_attention_heads,

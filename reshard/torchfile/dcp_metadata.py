@@ -10,6 +10,7 @@ background thread raced the conversion's own imports: benchmarks/README.md, "Mea
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,7 @@ class TensorEntry:
     chunks: list[Chunk] = field(default_factory=list)
 
 
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 # (fully qualified name, chunk offsets) -> storage; offsets are None for a saved object
 StorageKey = tuple[str, "tuple[int, ...] | None"]
 
@@ -59,6 +61,18 @@ class DcpMetadata:
     # megatron-core <= 0.14's N-D flattened tensors (a `flattened_range`): each one's original global shape, by key,
     # as its `mcore_data` records it (the tensor's own `size` is the reformulated one: reshard/optim/flattened_range.py)
     flattened: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def saving_ranks(self) -> int | None:
+        """How many ranks wrote the save, told by its files (torch DCP names each rank's `__<rank>_<n>.distcp`), or None
+        where the files are not so named or their ranks do not run 0..N-1. A DistributedOptimizer's dp_reshardable
+        state makes every rank write (its shard of the buckets is no other rank's)."""
+        ranks = set()
+        for info in self.storage.values():
+            found = _RANK_FILE.fullmatch(info.relative_path.rsplit("/", 1)[-1])
+            if found is None:
+                return None
+            ranks.add(int(found.group(1)))
+        return len(ranks) if ranks and max(ranks) == len(ranks) - 1 else None
 
 
 class _Pickled:

@@ -18,11 +18,14 @@ import torch
 
 from fixtures.models import TINY_MOE
 from fixtures.synthetic import SyntheticReader
+from reshard.convert import convert
 from reshard.dtypes import numpy_dtype
 from reshard.formats.megatron_dist import TorchDistReader
+from reshard.formats.model_args import save_run_config
 from reshard.layout import Layout, RankCoord
 from reshard.optim.buffers import BufferLayout
 from reshard.optim.order import is_parameter
+from reshard.request import LayoutChange, Target
 from reshard.sharding import full_region
 from reshard.torchfile import dcp_metadata
 from reshard.torchfile.dcp_metadata import Storage
@@ -418,3 +421,33 @@ def test_holder_is_the_rank_megatron_core_makes_each_optimizers_dp_rank_0(tp, pp
         for chain, group in want
     }
     assert (as_if_etp_is_tp == want) == (etp_size == tp)
+
+
+def _as_bridge_saves_it(source: Path, out: Path) -> Path:
+    """`source` (megatron-core's save with Megatron-LM's args in common.pt) as Megatron-Bridge's own `save_checkpoint`
+    leaves it: common.pt without `args`, a run_config.yaml in the iteration describing the model (the only record of
+    the architecture, and none of the data-parallel size)."""
+    shutil.copytree(source, out)
+    with TorchDistReader(source) as reader:
+        config, layout, args = reader.config, reader.layout, dict(reader.common.args)
+    common = torch.load(out / ITER / "common.pt", weights_only=False)  # our own fixture's file
+    del common["args"]
+    torch.save(common, out / ITER / "common.pt")
+    save_run_config(out / ITER, args, config, layout, te_names=args.get("transformer_impl") == "transformer_engine")
+    return out
+
+
+@pytest.mark.slow  # reads a DistributedOptimizer run trained by Megatron-Core on 4 ranks (distrib_optim)
+def test_a_dp_reshardable_save_without_its_dp_size_decodes_by_the_ranks_that_wrote_it(distrib_optim, tmp_path):
+    """Bridge records no data-parallel size: the ranks that wrote the save (TP2 x DP2: four `__<rank>_0.distcp`) give
+    it, and the state decodes and converts as from Megatron-LM's args."""
+    source = distrib_optim("tiny-llama", tp=2)["dp"]
+    bridge = _as_bridge_saves_it(source, tmp_path / "bridge")
+    with TorchDistReader(bridge) as reader:
+        assert "args" not in torch.load(bridge / ITER / "common.pt", weights_only=False)
+        assert reader.common.args["data_parallel_size"] == 2
+    assert_same(optimizer_tensors(bridge)[0], optimizer_tensors(source)[0])
+    convert(bridge, tmp_path / "out", Target(layout=LayoutChange(tp=1), optimizer_form="dp_reshardable"))
+    assert reshard("verify", tmp_path / "out").returncode == 0
+    with TorchDistReader(tmp_path / "out") as out:
+        assert (out.layout.tp, out.common.args["data_parallel_size"]) == (1, 2)  # the source's DP kept (--to-dp not given)
