@@ -194,6 +194,8 @@ class VerlReader(TorchDistReader):
     def __init__(self, path: Path):
         self.step = find_step(path)
         metadata = merged_metadata(self.step.role_dir, self.step.dist_dirs)
+        if self.step.world_size is None:  # layout v1 records none: the ranks that wrote its dist_ckpt are the world
+            self.step = replace(self.step, world_size=metadata.saving_ranks())
         undecodable = self._undecodable(metadata)
         self._open(path, MegatronTree(self.step.root, self.step.role_dir, self.step.step), metadata, None, True)
         self.tokenizer_dir = self.step.hf_dir
@@ -201,11 +203,12 @@ class VerlReader(TorchDistReader):
             self.unsupported_optimizer += undecodable
             self.optimizer_refusal = OptimizerRefusal(
                 "dp_reshardable buckets",
-                f"{self.step.role_dir}: verl's layout v1 records no world size, which decoding its dp_reshardable optimizer state needs",
+                f"{self.step.role_dir}: verl's layout v1 records no world size, which decoding its dp_reshardable optimizer state needs, "
+                "and its files do not tell it (not each rank's own __<rank>_<n>.distcp)",
             )
 
     def _undecodable(self, metadata: DcpMetadata) -> list[str]:
-        """The DistributedOptimizer buckets of a step that does not say its data-parallel size (v1), taken out of
+        """The DistributedOptimizer buckets of a step whose data-parallel size nothing tells (v1), taken out of
         `metadata` so that the model still reads."""
         if self.step.world_size is not None:
             return []
@@ -248,7 +251,8 @@ class VerlReader(TorchDistReader):
         model_parallel = out.get(megatron_arg("tp"), 1) * out.get(megatron_arg("pp"), 1) * (out.get("context_parallel_size") or 1)
         if self.step.world_size is not None:
             if self.step.world_size % model_parallel:
-                raise ReshardError(f"{self.step.role_dir / MANIFEST}: world_size {self.step.world_size} is no multiple of TP x PP x CP "
+                raise ReshardError(f"{self.step.role_dir}: its world size {self.step.world_size} (the manifest's, or v1's writing ranks) "
+                                   "is no multiple of TP x PP x CP "
                                    f"= {model_parallel} ({TRANSFORMER_CONFIG}'s): the two disagree")
             out["data_parallel_size"] = self.step.world_size // model_parallel
         # verl's DDP: gradients reduced in fp32, not overlapped (verl/utils/megatron_utils.py)
