@@ -161,6 +161,12 @@ class Fusion:
         return spec.shape[spec.prefix_axes] // self.layout.tp
 
 
+def te_named(config: ModelConfig, asked: bool) -> bool:
+    """Whether the rank files hold Transformer Engine's names: as asked (the args' transformer_impl, --naming), but always
+    for a model with Mamba layers, which megatron-core 0.16.1 builds from Transformer Engine's spec only (MambaModel)."""
+    return asked or "M" in (config.hybrid_override_pattern or "")
+
+
 def local_name(name: str, piece: Piece, te_names: bool, moe: bool, mla: bool = False) -> str:
     """The name of a piece of logical tensor `name` in its rank's `model` state dict."""
     if piece.alias:
@@ -212,7 +218,7 @@ class LegacyReader(CheckpointReader):
         self.config = ModelConfig.from_megatron_args(args)
         self.layout = Layout.from_megatron_args(args)
         self._check_layout(names)
-        self.te_names = uses_te_names(args)
+        self.te_names = te_named(self.config, uses_te_names(args))
         refuse_te_mla(self.config, self.layout, self.te_names)
         refuse_mtp(self.config)
         self._states: dict[RankCoord, dict[str, Any]] = {}
@@ -505,7 +511,7 @@ class LegacyWriter(CheckpointWriter):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         te_names = self.options.te_names
-        self.te_names = uses_te_names(self.common.args) if te_names is None else te_names
+        self.te_names = te_named(self.config, uses_te_names(self.common.args) if te_names is None else te_names)
         refuse_te_mla(self.config, self.layout, self.te_names)
         refuse_mtp(self.config)
         refuse_towers(self.config)
