@@ -23,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from isal.isal_zlib import crc32
 
-from reshard.architecture import check_shapes
+from reshard.architecture import check_shapes, model_tensors
 from reshard.buffers import PerThread, copy
 from reshard.checksum import HashedParts
 from reshard.config import ModelConfig
+from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.formats.base import (
     CheckpointReader,
@@ -69,10 +71,12 @@ from reshard.sharding import (
     to_slices,
 )
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord, archive_tensor
-from reshard.torchfile.archive_writer import Slot, StreamingTorchSave
+from reshard.torchfile.archive_writer import Slot, StreamingTorchSave, tensor_bytes
+from reshard.torchfile.crc32 import crc32_of_parts
 from reshard.torchfile.payloads import load_args_screened
 
 RANK_FILE = "model_optim_rng.pt"
+_PART = "part"  # a fact of the writer's log: one part of a fused parameter written (`LegacyWriter.prepare`)
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LOCAL_LAYER = re.compile(r"^(?P<head>(?:.*\.)?decoder\.layers\.)(?P<index>\d+)\.(?P<tail>.+)$")
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(?P<index>\d+)\.")
@@ -114,17 +118,61 @@ def refuse_towers(config: ModelConfig) -> None:
                            "the legacy (per-rank) format does not hold; use torch_dist or zarr")
 
 
-def refuse_gated_delta_net(config: ModelConfig) -> None:
-    """A rank's Gated DeltaNet (or Mamba mixer) holds its input projection fused, each rank's share of the parts in turn,
-    which torch_dist keys apart and reshard does not cut per rank yet: refused rather than written as torch_dist keys it."""
-    if any(config.linear_attention_layers):
-        raise ReshardError(
-            f"the model has Gated DeltaNet layers (experimental_attention_variant={config.experimental_attention_variant}), "
-            "which reshard does not carry in the legacy (per-rank) format yet; use torch_dist or zarr"
-        )
-    if "M" in (config.hybrid_override_pattern or ""):  # a Mamba mixer's in_proj and conv1d are fused per rank alike
-        raise ReshardError(f"the model has Mamba layers (hybrid_override_pattern={config.hybrid_override_pattern}), which reshard "
-                           "does not carry in the legacy (per-rank) format yet; use torch_dist or zarr")
+# megatron-core's parameters that torch_dist keys in parts (`_split_tensor_factory` in ssm/gated_delta_net.py and
+# ssm/mamba_mixer.py, 0.16.1): a rank's state_dict() holds one tensor, its share of each part one after the other, in
+# this order; reshard's logical tensors are the parts (`architecture._gated_delta_net`, `_mamba`).
+FUSED_PARTS = {
+    "self_attention.in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
+    "self_attention.conv1d.weight": ("query", "key", "value"),
+    "self_attention.conv1d.bias": ("query", "key", "value"),
+    "mixer.in_proj.weight": ("z", "x", "B", "C", "dt"),
+    "mixer.conv1d.weight": ("x", "B", "C"),
+    "mixer.conv1d.bias": ("x", "B", "C"),
+}
+
+
+def fused_parts(name: str) -> tuple[str, ...]:
+    """The parts of megatron-core's fused per-rank parameter `name` (none for other tensors)."""
+    return next((parts for tail, parts in FUSED_PARTS.items() if name.endswith("." + tail)), ())
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """Where the pieces of a fused parameter's parts lie in the rank's one tensor (`FUSED_PARTS`)."""
+
+    specs: dict[str, TensorSpec]
+    config: ModelConfig
+    layout: Layout
+    te_names: bool
+
+    def piece(self, spec: TensorSpec, piece: Piece) -> Piece:
+        """`piece` of `spec` as its rank's tensor holds it: a part's rows after the rank's rows of the parts before it."""
+        param, _, part = spec.name.rpartition(".")
+        parts = fused_parts(param)
+        if part not in parts:
+            return piece
+        rows = [self._local_rows(self.specs[f"{param}.{p}"]) for p in parts]
+        start = sum(rows[: parts.index(part)])
+        (a, b), *rest = piece.local_region
+        alias = local_name(param, piece, self.te_names, layer_is_moe(self.config, param), self.config.multi_latent_attention)
+        return replace(piece, local_shape=(sum(rows), *piece.local_shape[1:]), local_region=((start + a, start + b), *rest), alias=alias)
+
+    def _local_rows(self, spec: TensorSpec) -> int:
+        return spec.shape[spec.prefix_axes] // self.layout.tp
+
+
+def refuse_hybrid_optimizer(config: ModelConfig) -> None:
+    """distrib_optim.pt beside rank files that fuse parameters' parts (`FUSED_PARTS`) is not proven against megatron-core's
+    own yet: refused rather than written or read unchecked (the model itself converts with --no-optimizer)."""
+    if any(config.linear_attention_layers) or "M" in (config.hybrid_override_pattern or ""):
+        raise ReshardError("the DistributedOptimizer state (distrib_optim.pt) of a model with Gated DeltaNet or Mamba layers is not "
+                           "carried in the legacy (per-rank) format yet; convert with --no-optimizer, or use torch_dist")
+
+
+def te_named(config: ModelConfig, asked: bool) -> bool:
+    """Whether the rank files hold Transformer Engine's names: as asked (the args' transformer_impl, --naming), but always
+    for a model with Mamba layers, which megatron-core 0.16.1 builds from Transformer Engine's spec only (MambaModel)."""
+    return asked or "M" in (config.hybrid_override_pattern or "")
 
 
 def local_name(name: str, piece: Piece, te_names: bool, moe: bool, mla: bool = False) -> str:
@@ -178,10 +226,9 @@ class LegacyReader(CheckpointReader):
         self.config = ModelConfig.from_megatron_args(args)
         self.layout = Layout.from_megatron_args(args)
         self._check_layout(names)
-        self.te_names = uses_te_names(args)
+        self.te_names = te_named(self.config, uses_te_names(args))
         refuse_te_mla(self.config, self.layout, self.te_names)
         refuse_mtp(self.config)
-        refuse_gated_delta_net(self.config)
         self._states: dict[RankCoord, dict[str, Any]] = {}
         self._files: dict[RankCoord, RecordFile] = {}
         self._present = {rank for rank in ranks(self.layout) if self._rank_file(rank.legacy_dirname(self.layout)).is_file()}
@@ -196,11 +243,13 @@ class LegacyReader(CheckpointReader):
         self.unsupported_optimizer = ["optimizer (legacy per-rank state)"] if "optimizer" in first else []
         self.manifest = Manifest.load(tree.iteration_dir)
         self.specs = self._discover()
+        self._fusion = Fusion(self.specs, self.config, self.layout, self.te_names)
         check_shapes(self.config, {name: spec.shape for name, spec in self.specs.items()}, str(path))
         self._pieces: dict[str, list[Piece]] = {}
         self.optimizer: DistribOptimFiles | None = None
         if confined(tree.iteration_dir, f"{next(ranks(self.layout)).legacy_dirname(self.layout)}/{OPTIM_FILE}").is_file():
             try:
+                refuse_hybrid_optimizer(self.config)
                 self.optimizer = DistribOptimFiles(tree.iteration_dir, first_file, first.get("optimizer"), self.specs, self.config, self.layout, args)
             except ReshardError as exc:  # the model still converts (--no-optimizer); with the optimizer the plan refuses, saying why
                 self.optimizer_refusal = OptimizerRefusal(f"optimizer ({OPTIM_FILE})", str(exc))
@@ -317,15 +366,30 @@ class LegacyReader(CheckpointReader):
             specs[name] = self._global_spec(name, tensor, layer_axis=False)
         for name, by_layer in per_layer.items():
             if len(by_layer) == config.num_layers and not config.per_layer_names:
-                specs[name] = self._global_spec(name, next(iter(by_layer.values())), layer_axis=True)
+                specs.update(self._global_specs(name, next(iter(by_layer.values())), layer_axis=True))
             elif not config.per_layer_names:
                 missing = sorted(set(range(config.num_layers)) - set(by_layer))
                 raise ReshardError(f"{name} is missing for layer(s) {missing[:8]}: the checkpoint is incomplete")
             else:  # MoE and dense layers mixed: one logical tensor per layer, as torch_dist names them
                 for layer, tensor in by_layer.items():
                     per_name = name.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
-                    specs[per_name] = self._global_spec(per_name, tensor, layer_axis=False)
+                    specs.update(self._global_specs(per_name, tensor, layer_axis=False))
         return specs
+
+    def _global_specs(self, name: str, local: TensorRecord, layer_axis: bool) -> dict[str, TensorSpec]:
+        """The logical tensors of a per-rank tensor: itself (`_global_spec`), or a fused parameter's parts (`FUSED_PARTS`),
+        each of the shape the args give it, if they add up to the rank's tensor."""
+        parts = fused_parts(name)
+        if not parts:
+            return {name: self._global_spec(name, local, layer_axis)}
+        expected = model_tensors(self.config)
+        lead = [self.config.num_layers] if layer_axis else []
+        rows, *rest = local.shape
+        shapes = [expected.get(f"{name}.{part}") for part in parts]
+        if None in shapes or sum(s[len(lead)] for s in shapes) != rows * self.layout.tp or any(list(s[len(lead) + 1 :]) != rest for s in shapes):
+            raise ReshardError(f"{name} has shape {tuple(local.shape)} per rank at TP={self.layout.tp}, but the args give its parts "
+                               f"({', '.join(parts)}) other sizes: the args do not describe these files")
+        return {f"{name}.{part}": describe(f"{name}.{part}", shape, local.dtype, self.config) for part, shape in zip(parts, shapes)}
 
     def _entries(self, dense: RankCoord, experts: RankCoord) -> Iterator[tuple[str, Any]]:
         """A model chunk's entries, the dense ones from `dense`'s file and the experts' from `experts`'s."""
@@ -363,7 +427,8 @@ class LegacyReader(CheckpointReader):
 
     def _primary(self, name: str) -> list[Piece]:
         if name not in self._pieces:
-            self._pieces[name] = [p for p in pieces(self.specs[name], self.config, self.layout) if p.primary]
+            spec = self.specs[name]
+            self._pieces[name] = [self._fusion.piece(spec, p) for p in pieces(spec, self.config, self.layout) if p.primary]
         return self._pieces[name]
 
     def _piece_holder(self, name: str, piece: Piece) -> RankCoord:
@@ -437,6 +502,7 @@ class _Local:
     key: str  # in that model chunk's state dict
     pieces: tuple[Piece, ...]
     slot: Slot
+    fused: bool  # its record holds other tensors' pieces too (`FUSED_PARTS`), each written on its own
 
 
 class LegacyWriter(CheckpointWriter):
@@ -454,11 +520,10 @@ class LegacyWriter(CheckpointWriter):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         te_names = self.options.te_names
-        self.te_names = uses_te_names(self.common.args) if te_names is None else te_names
+        self.te_names = te_named(self.config, uses_te_names(self.common.args) if te_names is None else te_names)
         refuse_te_mla(self.config, self.layout, self.te_names)
         refuse_mtp(self.config)
         refuse_towers(self.config)
-        refuse_gated_delta_net(self.config)
         self.directory = self.path / iteration_dirname(self.common.iteration)
         self._streams: dict[RankCoord, StreamingTorchSave] = {}
         self._models: dict[RankCoord, list[dict[str, Any]]] = {}
@@ -468,16 +533,23 @@ class LegacyWriter(CheckpointWriter):
             rank_dir.mkdir(parents=True, exist_ok=True)
             self._streams[file_rank] = StreamingTorchSave(rank_dir / RANK_FILE)
             self._models[file_rank] = [OrderedDict() for _ in range(self.layout.vpp)]
+        self._fusion = Fusion(self.specs, self.config, self.layout, self.te_names)
         self._slots: dict[tuple[RankCoord, int, str], Slot] = {}  # (file, model chunk, local key) -> its record
+        self._parts: dict[tuple[RankCoord, int, str], dict[int, tuple[int, int]]] = {}  # a fused record's parts written
+        self._sizes: dict[tuple[RankCoord, int, str], int] = {}  # a fused record's bytes
         for spec in self.model_specs():
             by_slab = pieces_by_slab(pieces(spec, self.config, self.layout), spec)
             for slab in slabs(spec):
-                for group in _local_groups(by_slab.get(slab_of(spec, slab), [])):
-                    file_rank, vstage, key = self._local_key(spec, group)
-                    self._slots[(file_rank, vstage, key)] = self._streams[file_rank].reserve(group[0].local_shape, spec.dtype)
+                for group in self._groups(spec, by_slab.get(slab_of(spec, slab), [])):
+                    place = self._local_key(spec, group)
+                    if place not in self._slots:  # a fused parameter's parts share their rank's record
+                        self._slots[place] = self._streams[place[0]].reserve(group[0].local_shape, spec.dtype)
+                    if fused_parts(spec.name.rpartition(".")[0]):
+                        self._parts[place], self._sizes[place] = {}, int(np.prod(group[0].local_shape)) * itemsize(spec.dtype)
         self.sink: DistribOptimPtSink | None = None  # the optimizer tensors' writer: distrib_optim.pt beside the rank files
         optimizer = self.options.optimizer
         if optimizer is not None and optimizer.form.sink is not None:
+            refuse_hybrid_optimizer(self.config)
             self.sink = optimizer.form.sink(self.specs, self.config, self.layout, self._target_args(), self.common.objects, self.common.extra,
                                             optimizer.dp, self.directory)
             self.common = replace(self.common, objects=self.sink.objects, extra=self.sink.extra)
@@ -491,6 +563,9 @@ class LegacyWriter(CheckpointWriter):
             "transformer_impl": "transformer_engine" if self.te_names else "local"
         }
         return args if self.sink is None else args | self.sink.extra_args
+
+    def _groups(self, spec: TensorSpec, pieces: list[Piece]) -> list[list[Piece]]:
+        return _local_groups([self._fusion.piece(spec, piece) for piece in pieces])
 
     def _local_key(self, spec: TensorSpec, group: list[Piece]) -> tuple[RankCoord, int, str]:
         rank = group[0].rank
@@ -513,9 +588,9 @@ class LegacyWriter(CheckpointWriter):
         if self._sink_takes(spec):
             return self.sink.reserve(spec, pieces)
         locals_ = []
-        for group in _local_groups(pieces):
-            file_rank, vstage, key = self._local_key(spec, group)
-            locals_.append(_Local(file_rank, vstage, key, tuple(group), self._slots[(file_rank, vstage, key)]))
+        for group in self._groups(spec, pieces):
+            place = self._local_key(spec, group)
+            locals_.append(_Local(*place, tuple(group), self._slots[place], place in self._parts))
         return locals_
 
     def prepare(
@@ -525,8 +600,12 @@ class LegacyWriter(CheckpointWriter):
         primary pieces as written."""
         if self._sink_takes(spec):
             return self.sink.prepare(spec, slab, data, pieces, reserved, hashed, self.vouch)
+        facts = []
         for local in reserved:
             first = local.pieces[0]
+            if local.fused:
+                facts.extend(self._write_parts(spec, slab, data, local, hashed))
+                continue
             if len(local.pieces) == 1 and first.local_region == full_region(first.local_shape):  # layer/expert axes dropped
                 values = data[to_slices(shift(first.region, slab))].reshape(first.local_shape)
             else:
@@ -543,14 +622,27 @@ class LegacyWriter(CheckpointWriter):
                     offset = local.slot.data_offset + start * data.itemsize
                     shape = [b - a for a, b in piece.region]
                     self.vouch(spec, piece.region, file, offset, as_written[to_slices(piece.local_region)].reshape(shape), hashed)
-        return reserved
+            facts.append([local.rank.legacy_dirname(self.layout), local.vstage, local.key, self._streams[local.rank].crc(local.slot)])
+        return facts
+
+    def _write_parts(self, spec: TensorSpec, slab: Region, data: np.ndarray, local: _Local, hashed: HashedParts | None) -> list[list[Any]]:
+        """Each piece of a fused parameter's part into its rows of the rank's record (`Fusion`), its bytes' CRC-32 kept for
+        `finish` to seal the record with; the facts of the parts written."""
+        facts, file = [], f"{local.rank.legacy_dirname(self.layout)}/{RANK_FILE}"
+        for piece in local.pieces:
+            shape = [b - a for a, b in piece.local_region]
+            values = data[to_slices(shift(piece.region, slab))].reshape(shape)
+            written = tensor_bytes(values, self._scratch.scratch)
+            start = contiguous_offset(piece.local_shape, piece.local_region) * data.itemsize  # a part's rows: one run
+            self._streams[local.rank].write_part(local.slot, start, written)
+            if piece.primary:
+                as_written = written.view(data.dtype).reshape([b - a for a, b in piece.region])
+                self.vouch(spec, piece.region, file, local.slot.data_offset + start, as_written, hashed)
+            facts.append([_PART, local.rank.legacy_dirname(self.layout), local.vstage, local.key, start, written.nbytes, crc32(memoryview(written))])
+        return facts
 
     def write(self, spec: TensorSpec, slab: Region, data: np.ndarray, pieces: list[Piece], prepared: Any = None) -> None:
-        if self._sink_takes(spec):
-            return self.restore(prepared)
-        for local in prepared:
-            self._models[local.rank][local.vstage][local.key] = local.slot.stub
-            self._facts.append([local.rank.legacy_dirname(self.layout), local.vstage, local.key, self._streams[local.rank].crc(local.slot)])
+        self.restore(prepared)
 
     def _place_objects(self) -> dict[RankCoord, Any]:
         """Put per-module objects into the model dicts of every rank holding the module; return RNG states."""
@@ -597,11 +689,14 @@ class LegacyWriter(CheckpointWriter):
         sunk = [fact for fact in facts if self.sink is not None and self.sink.owns(fact)]
         own = [fact for fact in facts if not (self.sink is not None and self.sink.owns(fact))]
         by_name = {f.legacy_dirname(self.layout): f for f in self._streams}
-        for name, vstage, key, crc in own:
-            file_rank = by_name[name]
-            slot = self._slots[(file_rank, vstage, key)]
-            self._streams[file_rank].restore(slot, crc)
-            self._models[file_rank][vstage][key] = slot.stub
+        for fact in own:
+            if fact[0] == _PART:  # [tag, rank file, model chunk, key, byte offset, length, CRC-32]: `finish` seals the record
+                name, vstage, key, start, length, crc = fact[1:]
+                self._parts[(by_name[name], vstage, key)][start] = (length, crc)
+            else:
+                name, vstage, key, crc = fact
+                self._streams[by_name[name]].restore(self._slots[(by_name[name], vstage, key)], crc)
+            self._models[by_name[name]][vstage][key] = self._slots[(by_name[name], vstage, key)].stub
         self._facts.extend(own)
         if sunk:
             self.sink.restore(sunk)
@@ -623,6 +718,10 @@ class LegacyWriter(CheckpointWriter):
             self.restore(part)
         if self.sink is not None:
             self.sink.finish()
+        for place, parts in self._parts.items():
+            file_rank, _, key = place
+            crc = crc32_of_parts(parts, self._sizes[place], f"{file_rank.legacy_dirname(self.layout)} {key}")
+            self._streams[file_rank].seal(self._slots[place], crc)
         rng = self._place_objects()
         args = args_namespace(self._target_args())
         for rank, stream in self._streams.items():

@@ -24,6 +24,7 @@ from reshard.converters.glm4_moe_lite import Glm4MoeLite
 from reshard.converters.gpt_oss import GptOss, InterleavedGated
 from reshard.converters.minimax_m2 import MiniMaxM2
 from reshard.converters.qwen2_moe import Qwen2Moe
+from reshard.formats import megatron_legacy
 from tests.launch import run
 
 from hf_models import build, load
@@ -74,6 +75,9 @@ CASES = [
     # between a full-attention layer (1) and a Gated DeltaNet one (2)
     ("qwen3_next", "torch_dist", dict(tp=2)),
     ("qwen3_next", "torch_dist", dict(pp=2)),
+    # Megatron-LM's per-rank files: each rank's in_proj and conv1d one tensor, its share of each part in turn, loaded strictly
+    ("qwen3_next", "legacy", dict(tp=2)),
+    ("qwen3_next", "legacy", dict(pp=2)),
     ("qwen3_5", "torch_dist", dict(pp=2)),  # Qwen3.5's text model: dense MLPs, in_proj split four ways, multimodal RoPE on text
     # Qwen3.5-MoE's: Qwen3-Next's MoE block on Qwen3.5's layers, its experts per expert (transformers' save) and fused (the release)
     ("qwen3_5_moe", "torch_dist", dict(ep=2)),
@@ -83,6 +87,8 @@ CASES = [
     # between an attention layer (1) and a Mamba one (2)
     ("nemotron_h", "torch_dist", dict(tp=2)),
     ("nemotron_h", "torch_dist", dict(pp=2)),
+    ("nemotron_h", "legacy", dict(tp=2)),
+    ("nemotron_h", "legacy", dict(pp=2)),
     # Nemotron-H's MoE layers: squared-ReLU experts over EP, sigmoid routing with its correction bias in groups, scaled,
     # the shared expert split over TP (with sequence parallel, as megatron-core runs MoE at TP > 1)
     ("nemotron_h_moe", "torch_dist", dict(ep=2)),
@@ -455,3 +461,14 @@ def test_the_oracle_sees_a_wrong_nemotron_h_mapping(tmp_path, monkeypatch, sabot
     monkeypatch.setattr(owner, attribute, wrap(getattr(owner, attribute)))
     name = {"moe": "nemotron_h_moe", "latent": "nemotron_h_latent"}.get(sabotage.split("_")[0], "nemotron_h")
     assert max_logits_diff(tmp_path, name, "torch_dist", {}) > 1e-3
+
+
+@pytest.mark.parametrize("name,fused,parts", [
+    ("qwen3_next", "self_attention.in_proj.weight", ("query", "key", "z", "value", "beta", "alpha")),
+    ("nemotron_h", "mixer.in_proj.weight", ("x", "z", "B", "C", "dt")),
+], ids=["gdn_value_z_swapped", "mamba_z_x_swapped"])
+def test_the_oracle_sees_a_wrong_per_rank_fusion(tmp_path, monkeypatch, name, fused, parts):
+    """Two parts of equal size in each other's place in each rank's fused in_proj (the per-rank files' order, not the
+    family's mapping) still load strictly, and move the logits far past the tolerance."""
+    monkeypatch.setitem(megatron_legacy.FUSED_PARTS, fused, parts)
+    assert max_logits_diff(tmp_path, name, "legacy", dict(tp=2)) > 1e-3

@@ -4,9 +4,12 @@ import shutil
 
 import pytest
 import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
 
 from fixtures.models import TINY_LLAMA, TINY_MOE, TINY_TIED
 from fixtures.synthetic import SyntheticReader, rewrite_args, write_synthetic
+from reshard.cli import main
 from reshard.convert import convert
 from reshard.dtypes import to_torch
 from reshard.errors import ReshardError
@@ -16,6 +19,9 @@ from reshard.request import Target
 from reshard.sharding import full_region
 from tests.arrays import same
 from tests.cli import refused_by_every_command
+from tests.converters.hf_models import build
+from tests.launch import run
+from tests.megatron import CKPT, layout_args
 
 
 def _global(source, name):
@@ -187,3 +193,27 @@ def test_args_that_contradict_the_rank_directories_are_refused_by_name(tmp_path,
     write_synthetic(source, config, saved, "legacy")
     rewrite_args(source, **args)
     refused_by_every_command(monkeypatch, capsys, source, tmp_path / "out", words, "the args do not describe these files")
+
+
+@pytest.mark.slow  # a torchrun of Megatron-Core and three conversions
+@pytest.mark.parametrize("name,layout", [("qwen3_next", dict(tp=2)), ("nemotron_h", dict(tp=2, pp=2))], ids=["gdn-tp2", "mamba-tp2pp2"])
+def test_megatron_cores_own_rank_files_of_a_hybrid_model_export_its_hf_model_bit_identical(tmp_path, name, layout):
+    """Megatron-Core's GatedDeltaNet and MambaMixer save their input projection and convolution as one tensor per rank (its
+    share of each part in turn): their own state_dict() per rank, saved as Megatron-LM's legacy files, is read by reshard
+    and exported to the HF model the weights came from, bit for bit (Nemotron-H's stage cut between an attention layer and
+    a Mamba one)."""
+    source = build(name, tmp_path / "hf")
+    runner = CliRunner()
+    result = runner.invoke(main, ["convert", str(source), str(tmp_path / "base"), "--to-format", "torch_dist", "--naming", "local", "-q"],
+                           standalone_mode=False)
+    assert result.exception is None, result.exception
+    run(CKPT, [*layout_args(**layout), "--from", tmp_path / "base", "--out", tmp_path / "own", "--format", "legacy"],
+        nproc=layout.get("tp", 1) * layout.get("pp", 1))
+    with open_checkpoint(tmp_path / "own") as reader:
+        assert (reader.layout.tp, reader.layout.pp, reader.format_name) == (layout["tp"], layout.get("pp", 1), "legacy")
+    result = runner.invoke(main, ["convert", str(tmp_path / "own"), str(tmp_path / "back"), "--to-format", "hf", "-q"], standalone_mode=False)
+    assert result.exception is None, result.exception
+    original, exported = ({key: value for file in sorted(directory.glob("*.safetensors")) for key, value in load_file(file).items()}
+                          for directory in (source, tmp_path / "back"))
+    assert exported.keys() == original.keys()
+    assert all(exported[key].dtype == value.dtype and torch.equal(exported[key], value) for key, value in original.items())
