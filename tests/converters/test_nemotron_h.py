@@ -129,11 +129,12 @@ def test_what_the_mapping_does_not_carry_is_refused_by_name(source, tmp_path, mo
     refused_config(monkeypatch, capsys, source, tmp_path, change, *words)
 
 
-def test_formats_that_would_need_the_fused_per_rank_in_proj_are_refused_by_name(source, tmp_path):
-    """The legacy format keeps a rank's in_proj fused [z; x; B; C; dt], not cut per rank yet: refused, nothing written.
-    (The DistributedOptimizer state of every pattern is decoded: tests/reshard/optim/test_hybrid_order.py.)"""
-    result = CliRunner().invoke(main, ["convert", str(source), str(tmp_path / "out"), "--to-format", "legacy", "--to-tp", "2", "-q"],
-                                standalone_mode=False)
+def test_local_names_for_a_model_with_mamba_layers_are_refused_by_name(source, tmp_path):
+    """megatron-core builds Mamba layers from Transformer Engine's spec only: rank files in the local spec's names would
+    load into no model, so `--naming local` is refused, nothing written (the legacy format itself:
+    tests/reshard/formats/test_megatron_legacy.py)."""
+    result = CliRunner().invoke(main, ["convert", str(source), str(tmp_path / "out"), "--to-format", "legacy", "--to-tp", "2",
+                                       "--naming", "local", "-q"], standalone_mode=False)
     assert isinstance(result.exception, ReshardError) and "Mamba layers" in str(result.exception)
     assert not (tmp_path / "out").exists()
 
