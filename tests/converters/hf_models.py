@@ -220,7 +220,7 @@ RELEASE_FORMS = {name: (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj") f
 
 # Qwen3-Next's and Qwen3.5's releases store one MTP layer apart, under `mtp.`, which transformers neither builds nor saves:
 # these are their base models (the name less `_mtp`) with one added as the release names it (`_add_release_mtp`)
-RELEASE_MTP = {"qwen3_next_mtp", "qwen3_5_mtp", "qwen3_5_moe_mtp"}
+RELEASE_MTP = {"qwen3_next_mtp", "qwen3_next_all_moe_mtp", "qwen3_5_mtp", "qwen3_5_moe_mtp"}
 
 MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed", "deepseek_v3_moe", "deepseek_v3_mixed", "minimax_m2",
        "gpt_oss", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_fused", "nemotron_h_moe", "nemotron_h_latent"}
