@@ -10,6 +10,8 @@ written back as copies.
 transformers never saves MTP layers (its config keeps `num_nextn_predict_layers`, its `save_pretrained` writes no
 `model.layers.{num_hidden_layers}.*`): a model whose files hold none of them is converted without them and says so;
 one holding some of them but not all is refused naming the first missing tensor.
+
+Qwen3-Next's and Qwen3.5's releases store their one MTP layer apart, under `mtp.` (`release_mtp_layer`).
 """
 
 from __future__ import annotations
@@ -75,6 +77,21 @@ def mtp_layers(config: ModelConfig, layer: list[Mapping]) -> list[Mapping]:
     return out
 
 
+def release_mtp_layer(config: ModelConfig, layer: list[Mapping]) -> list[Mapping]:
+    """Qwen3-Next's and Qwen3.5's one MTP layer as their releases store it, under `mtp.` (Megatron-Bridge 0.6.2's
+    qwen3_next_bridge and qwen35_bridge tables): `fc` its eh_proj, `pre_fc_norm_embedding` and `pre_fc_norm_hidden`
+    its enorm and hnorm, `norm` its final_layernorm, `mtp.layers.0.*` its transformer layer, `layer` being that
+    layer's mappings with HF names under `mtp.`."""
+    if not config.mtp_num_layers:
+        return []
+    m = "mtp.layers.0."
+    return [Rename(f"{m}enorm.weight", "mtp.pre_fc_norm_embedding.weight"),
+            Rename(f"{m}hnorm.weight", "mtp.pre_fc_norm_hidden.weight"),
+            Rename(f"{m}eh_proj.weight", "mtp.fc.weight"),
+            Rename(f"{m}final_layernorm.weight", "mtp.norm.weight"),
+            *(at_layer(mapping, 0, f"{m}transformer_layer.") for mapping in layer)]
+
+
 def copy_names(config: ModelConfig) -> tuple[list[str], list[str]]:
     """The HF names of the MTP layers' copies of the embedding, and of the output head."""
     mtp = [f"model.layers.{config.num_layers + i}." for i in range(config.mtp_num_layers or 0)]
@@ -93,23 +110,25 @@ def embeddings_and_heads(config: ModelConfig) -> list[Mapping]:
             Copies("output_layer.weight", "lm_head.weight", *heads)]
 
 
-def without_absent_mtp(config: ModelConfig, table: list[Mapping], stored: Collection[str]) -> tuple[ModelConfig, list[str]]:
+def without_absent_mtp(config: ModelConfig, table: list[Mapping], stored: Collection[str],
+                       field: str = "num_nextn_predict_layers", mtp: tuple[str, ...] = ()) -> tuple[ModelConfig, list[str]]:
     """(config, what is not carried) for files holding `stored` HF names, `table` being the model's mappings: with
-    `mtp_num_layers` 0 where config.json names MTP layers and the files hold none of their tensors (as transformers
-    saves such a model); a model holding part of them is refused naming the first missing tensor."""
+    `mtp_num_layers` 0 where config.json names MTP layers (its `field`) and the files hold none of their tensors (as
+    transformers saves such a model); a model holding part of them is refused naming the first missing tensor. `mtp`:
+    the HF name prefixes of the MTP layers' tensors (DeepSeek-V3's `model.layers.{num_layers + i}.` by default)."""
     count = config.mtp_num_layers or 0
     if not count:
         return config, []
-    mtp = tuple(f"model.layers.{config.num_layers + i}." for i in range(count))
+    mtp = mtp or tuple(f"model.layers.{config.num_layers + i}." for i in range(count))
     if not any(name.startswith(mtp) for name in stored):
-        return config.replace(mtp_num_layers=0), [f"MTP layers ({count} named by num_nextn_predict_layers, none in the files)"]
+        return config.replace(mtp_num_layers=0), [f"MTP layers ({count} named by {field}, none in the files)"]
     for mapping in table:
         experts = range(config.num_experts or 0) if any(E in name for name in mapping.hf) else [None]
         for name in (name for expert in experts for name in mapping.hf_names(expert=expert)):
             if name.startswith(mtp) and name not in stored:
                 raise ReshardError(
-                    f"tensor {name} is missing: config.json names {count} MTP layer(s) (num_nextn_predict_layers) and "
-                    "the files hold some of their tensors but not all; fix the download, or set num_nextn_predict_layers "
-                    "to 0 and remove the rest to convert without them"
+                    f"tensor {name} is missing: config.json names {count} MTP layer(s) ({field}) and the files hold "
+                    f"some of their tensors but not all; fix the download, or set {field} to 0 and remove the rest to "
+                    "convert without them"
                 )
     return config, []

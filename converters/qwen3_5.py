@@ -8,7 +8,7 @@ projection split in four HF tensors instead of two fused ones.
   position, so on text it is the plain partial RoPE megatron-core computes; the fields are kept for the export.
 
 Its MoE is `converters/qwen3_5_moe.py`, the model with its vision tower (Qwen3_5ForConditionalGeneration)
-`converters/qwen3_5_vl.py`. Not mapped: the MTP layers, refused by name as Qwen3-Next's are.
+`converters/qwen3_5_vl.py`. The MTP layer (`mtp.*`, a dense one) is mapped as Qwen3-Next's.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class Qwen3_5(Qwen3Next):
     def in_proj(self, config):
         return split_in_proj(config, self.text_prefix)
 
-    def mlp(self, config: ModelConfig, kind: LayerKind) -> list[Mapping]:
-        return llama_dense_mlp(self.text_prefix)
+    def mlp(self, config: ModelConfig, kind: LayerKind, prefix: str) -> list[Mapping]:
+        return llama_dense_mlp(prefix)
 
     def mlp_to_hf(self, out, config):
         return None

@@ -49,7 +49,8 @@ class Qwen3_5Moe(Qwen3_5):
         return type(self)(fused=form == FUSED)  # a subclass (Qwen3.5-VL-MoE) keeps its class
 
     def for_files(self, config, stored):
-        return self.in_form(FUSED if any(name.endswith(".mlp.experts.gate_up_proj") for name in stored) else None), config, []
+        return Qwen3Next.for_files(self.in_form(FUSED if any(name.endswith(".mlp.experts.gate_up_proj") for name in stored) else None),
+                                   config, stored)
 
     def config_from_hf(self, hf):
         # no dense MLP, so no intermediate_size (transformers' config has none): Megatron's ffn_hidden_size is the experts' width
@@ -72,8 +73,8 @@ class Qwen3_5Moe(Qwen3_5):
             raise ReshardError(f"layers {[i for i, moe in enumerate(config.moe_layers) if not moe]} have dense MLPs, which HF Qwen3.5-MoE "
                                "has none of (every layer MoE)")
 
-    def mlp(self, config: ModelConfig, kind: LayerKind) -> list[Mapping]:
-        return fused_experts(config, self.text_prefix) if self.fused else Qwen3Next.mlp(self, config, kind)
+    def mlp(self, config: ModelConfig, kind: LayerKind, prefix: str) -> list[Mapping]:
+        return fused_experts(config, prefix) if self.fused else Qwen3Next.mlp(self, config, kind, prefix)
 
     def mlp_to_hf(self, out, config):
         del out["intermediate_size"]  # config_from_hf's

@@ -12,7 +12,7 @@ vision model under `vision_model.` in Qwen3-VL's Megatron form, `converters/qwen
 - MoE: experts per expert (as transformers saves them) or fused as released, each read and written back as it came
   (`Qwen3_5Moe.files_form`).
 
-Not mapped, refused by name: the release's MTP layers (as the text families refuse them).
+Not mapped, refused by name: the release's MTP layer (the text families map theirs: `converters/qwen3_next.py`).
 """
 
 from __future__ import annotations

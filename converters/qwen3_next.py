@@ -17,7 +17,11 @@ shared expert, zero-centred RMSNorms and partial RoPE.
   sigmoid(shared_expert_gate)); `mlp_only_layers` dense, as in Qwen3-MoE.
 - Partial RoPE: the first partial_rotary_factor (transformers' default 0.25) of each head's dims rotate.
 
-Not mapped, refused by name: the MTP layers of Qwen3-Next's release (`mtp.*`, which transformers never loads).
+- MTP: the release's one multi-token-prediction layer (`mtp.*`, `mtp_num_hidden_layers` 1; transformers never loads it)
+  is Megatron-Core's `mtp.layers.0` (`converters.mtp.release_mtp_layer`): a gated attention layer with the MLP of the
+  decoder's last layer, which must be such a layer (Megatron-Core repeats the last layer's kind); its norms are
+  zero-centred as the decoder's, the same stored values. Files without `mtp.*` (as transformers saves the model)
+  convert without it and say so; more than one MTP layer (one `fc` for several layers) is refused by name.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from reshard.converters.base import (
     qwen_moe_layer_freq,
     refuse,
 )
+from reshard.converters.mtp import release_mtp_layer, without_absent_mtp
 from reshard.converters.partial_rotary import check_rotary_dims, rotary_fraction
 from reshard.converters.qwen2_moe import moe_block, moe_from_hf, moe_to_hf
 from reshard.errors import ReshardError
@@ -197,9 +202,8 @@ def gated_attention(prefix: str = "model.") -> list[Mapping]:
 # --------------------------------------------------------------------------------------------------
 
 
-def linear_attention_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """Megatron-Core's Gated DeltaNet fields for config.json's layer_types (or full_attention_interval, the release's
-    spelling) and linear_* sizes."""
+def layer_types(hf: dict[str, Any]) -> list[str]:
+    """Each layer's attention kind, as config.json's layer_types (or full_attention_interval, the release's spelling) say."""
     layers = int(hf["num_hidden_layers"])
     kinds = hf.get("layer_types")
     if kinds is None:
@@ -211,6 +215,12 @@ def linear_attention_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise bad_value("layer_types", kinds, f"a list of the {layers} layers' attention kinds")
     if unknown := sorted(set(kinds) - set(_KINDS)):
         raise refuse(f"layer_types {unknown[0]!r}", "Qwen3-Next's layers are linear_attention or full_attention")
+    return kinds
+
+
+def linear_attention_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """Megatron-Core's Gated DeltaNet fields for config.json's `layer_types` and linear_* sizes."""
+    kinds = layer_types(hf)
     sizes = {field: hf.get(field, default) for field, default in _LINEAR_DEFAULTS.items()}
     for field, value in sizes.items():
         if type(value) is not int or value < 1:
@@ -236,16 +246,21 @@ class Qwen3Next(Family):
     signature = {**{k: v for k, v in LLAMA_SIGNATURE.items() if k != "experimental_attention_variant"},
                  "qk_layernorm": True, "layernorm_zero_centered_gamma": True, "attention_output_gate": True, "moe": True,
                  "shared_experts": True, "shared_expert_gate": True}
+    holds_mtp = True
 
     def check_hf(self, hf):
         # layer_types and partial rotary are this family's own: read below, not refused as in other families
         super().check_hf({k: v for k, v in hf.items() if k not in ("layer_types", "partial_rotary_factor")})
         linear_attention_from_hf(hf)
         rotary_fraction(hf, PARTIAL_ROTARY_DEFAULT)
-        if hf.get("mtp_num_hidden_layers"):
-            raise refuse(f"mtp_num_hidden_layers={hf['mtp_num_hidden_layers']}",
-                         f"{self.name}'s MTP layers (mtp.*) are not mapped yet; set it to 0 and remove them to convert the rest")
         self.check_mlp(hf)
+        mtp = hf.get("mtp_num_hidden_layers") or 0
+        if type(mtp) is not int or mtp not in (0, 1):
+            raise bad_value("mtp_num_hidden_layers", mtp, f"0 or 1 ({self.name}'s release has one MTP layer behind one mtp.fc; "
+                            "Megatron-Core's MTP layers each have their own)")
+        if mtp and layer_types(hf)[-1] != "full_attention":
+            raise refuse("mtp_num_hidden_layers=1 after a last layer of linear attention",
+                         "Megatron-Core's MTP layer repeats the decoder's last layer, and the release's is full attention")
 
     def check_mlp(self, hf):
         if not hf.get("num_experts"):
@@ -254,6 +269,7 @@ class Qwen3Next(Family):
 
     def adjust_from_hf(self, config, hf):
         return config.replace(qk_layernorm=True, layernorm_zero_centered_gamma=True, attention_output_gate=True,
+                              mtp_num_layers=hf.get("mtp_num_hidden_layers") or None,
                               rotary_percent=rotary_fraction(hf, PARTIAL_ROTARY_DEFAULT), **linear_attention_from_hf(hf),
                               **self.mlp_from_hf(hf))
 
@@ -263,17 +279,27 @@ class Qwen3Next(Family):
     def check_megatron(self, config):
         super().check_megatron(config.replace(rotary_percent=1.0))  # partial rotary maps: checked here
         check_rotary_dims(config, self.name)
+        if (config.mtp_num_layers or 0) > 1:
+            raise ReshardError(f"the model has {config.mtp_num_layers} MTP layers, HF {self.name} one (behind one mtp.fc): "
+                               "keep it in a Megatron format")
+        if config.mtp_num_layers and config.layer_kinds[-1].mixer != "attention":
+            raise ReshardError(f"the model's MTP layer is of linear attention (its last layer's kind), HF {self.name}'s full attention")
+
+    def for_files(self, config, stored):
+        return self, *without_absent_mtp(config, self.mappings(config), stored, "mtp_num_hidden_layers", ("mtp.",))
 
     def in_proj(self, config: ModelConfig) -> list[Mapping]:
         return fused_in_proj(config, self.text_prefix)
 
-    def mlp(self, config: ModelConfig, kind: LayerKind) -> list[Mapping]:
-        return moe_block(config, self.text_prefix) if kind.moe else llama_dense_mlp(self.text_prefix)
+    def mlp(self, config: ModelConfig, kind: LayerKind, prefix: str) -> list[Mapping]:
+        return moe_block(config, prefix) if kind.moe else llama_dense_mlp(prefix)
 
     def mappings(self, config):
         mixers = {"attention": gated_attention(self.text_prefix),
                   "gated_delta_net": gated_delta_net(config, self.in_proj(config), self.text_prefix)}
-        return [*embeddings_and_head(config, self.text_prefix), *by_layer(config, lambda kind: [*mixers[kind.mixer], *self.mlp(config, kind)])]
+        decoder = by_layer(config, lambda kind: [*mixers[kind.mixer], *self.mlp(config, kind, self.text_prefix)])
+        mtp = release_mtp_layer(config, [*gated_attention("mtp."), *self.mlp(config, config.layer_kinds[-1], "mtp.")])
+        return [*embeddings_and_head(config, self.text_prefix), *decoder, *mtp]
 
     def adjust_to_hf(self, out, config):
         out["layer_types"] = ["linear_attention" if linear else "full_attention" for linear in config.linear_attention_layers]
@@ -284,6 +310,8 @@ class Qwen3Next(Family):
         else:
             out["partial_rotary_factor"] = config.rotary_percent
         out["attention_bias"] = False
+        if config.mtp_num_layers or "mtp_num_hidden_layers" in out:
+            out["mtp_num_hidden_layers"] = config.mtp_num_layers or 0
         self.mlp_to_hf(out, config)
 
     def mlp_to_hf(self, out: dict[str, Any], config: ModelConfig) -> None:

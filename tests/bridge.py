@@ -30,8 +30,8 @@ def bridge(*args, script: str = "bridge_qwen2_5_vl.py") -> None:
 
 
 # The hybrid models Bridge imports (fixtures/bridge_hybrid.py): Qwen3-Next with every MLP MoE (Bridge 0.6.2 reads no
-# mlp_only_layers), Nemotron-H dense, MoE and latent MoE
-HYBRIDS = ("qwen3_next_all_moe", "nemotron_h", "nemotron_h_moe", "nemotron_h_latent")
+# mlp_only_layers), without and with the release's MTP layer, Nemotron-H dense, MoE and latent MoE
+HYBRIDS = ("qwen3_next_all_moe", "qwen3_next_all_moe_mtp", "nemotron_h", "nemotron_h_moe", "nemotron_h_latent")
 
 
 def hybrid_imports(folder: Path) -> Path:

@@ -274,6 +274,9 @@ def build_model(config: ModelConfig, layout: Layout, dtype: torch.dtype = torch.
         spec = layer_spec(config, tconfig, vp)
         # Multi-token prediction: Megatron-Core builds its layers (the decoder's last layer spec) on the last stage only
         mtp = get_gpt_mtp_block_spec(tconfig, spec, use_transformer_engine=False, vp_stage=vp) if config.mtp_num_layers else None
+        if mtp is not None and config.layernorm_zero_centered_gamma:  # TE's norms would be: the local spec's are not
+            for layer in mtp.layer_specs:
+                layer.submodules.enorm = layer.submodules.hnorm = layer.submodules.layer_norm = zero_centred_norm.ZeroCentredRMSNorm
         model = GPTModel(
             config=tconfig,
             transformer_layer_spec=spec,

@@ -7,6 +7,7 @@ The checkpoints are written with local-spec names (--naming local), which is wha
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -285,6 +286,58 @@ def test_multi_token_prediction_matches_transformers(tmp_path, name, layout):
     MTP layer's logits equal the ones computed from transformers' modules."""
     main, mtp = mtp_diffs(tmp_path, layout, name)
     assert main <= 1e-4 and mtp <= 1e-4, f"max abs logits diff {main}, MTP logits diff {mtp}"
+
+
+def hf_release_mtp_logits(source: Path, inputs: torch.Tensor, scratch: Path) -> torch.Tensor:
+    """The MTP layer's logits at positions 0..s-2 of a Qwen3-Next or Qwen3.5 with the release's `mtp.*`, computed with
+    transformers' own modules by the release's recipe (vLLM's Qwen3NextMTP): the next token's embedding and the main
+    model's final hidden state through mtp.fc([pre_fc_norm_embedding(e_{t+1}); pre_fc_norm_hidden(h_t)]), transformers'
+    decoder layer (built and loaded by transformers as a full-attention layer num_hidden_layers, from a copy in
+    `scratch` storing mtp.layers.0.* there), mtp.norm and lm_head; the norms the model's own class (zero-centred).
+    Nothing of reshard's mapping is used."""
+    from safetensors.torch import load_file, save_file
+
+    main = load(source)
+    weights, config = load_file(source / "model.safetensors"), json.loads((source / "config.json").read_text())
+    n = config["num_hidden_layers"]
+    scratch.mkdir()
+    save_file({k.replace("mtp.layers.0.", f"model.layers.{n}.", 1): v for k, v in weights.items()}, str(scratch / "model.safetensors"),
+              metadata={"format": "pt"})
+    longer_config = {**config, "num_hidden_layers": n + 1, "layer_types": [*config["layer_types"], "full_attention"]}
+    (scratch / "config.json").write_text(json.dumps(longer_config))
+    longer = load(scratch)
+
+    def norm(name: str) -> torch.nn.Module:
+        module = type(main.model.norm)(main.config.hidden_size, eps=main.config.rms_norm_eps)
+        module.weight.data.copy_(weights[f"mtp.{name}.weight"])
+        return module
+
+    with torch.no_grad():
+        hidden = main.model(input_ids=inputs).last_hidden_state[:, :-1]
+        embedded = main.model.embed_tokens(inputs[:, 1:])
+        x = F.linear(torch.cat([norm("pre_fc_norm_embedding")(embedded), norm("pre_fc_norm_hidden")(hidden)], -1), weights["mtp.fc.weight"])
+        s = x.shape[1]
+        positions = torch.arange(s)[None]
+        mask = torch.full((s, s), float("-inf")).triu(1)[None, None]
+        y = longer.model.layers[n](x, attention_mask=mask, position_ids=positions, position_embeddings=main.model.rotary_emb(x, positions))
+        return F.linear(norm("norm")(y[0] if isinstance(y, tuple) else y), weights["lm_head.weight"])
+
+
+# Qwen3.5's dense MTP layer shares this mapping and the MLP's; its case (qwen3_5_mtp at PP2) is left out for the budget
+@pytest.mark.parametrize("name,layout", [("qwen3_next_mtp", dict(tp=2)), ("qwen3_next_mtp", dict(pp=2))])
+def test_the_releases_mtp_layer_loads_strictly_and_matches_transformers(tmp_path, name, layout):
+    """Qwen3-Next / Qwen3.5 with the release's MTP layer: megatron-core 0.16.1's GPTModel with mtp_num_layers=1 loads every
+    mtp.layers.0.* key strictly (at PP2 on the last stage), its main logits equal transformers' (the MTP layer disturbs
+    nothing), and its MTP logits equal the ones computed from transformers' modules (`hf_release_mtp_logits`)."""
+    source, oracle = run_oracle(tmp_path, name, "torch_dist", layout)
+    inputs = oracle["tokens"][:, :-1]
+    with torch.no_grad():
+        logits = load(source)(input_ids=inputs).logits.float()
+    (mtp,) = oracle["mtp_logits"]
+    assert oracle["logits"].shape == logits.shape == mtp.shape == (2, 16, 250)
+    main_diff = (oracle["logits"] - logits).abs().max().item()
+    mtp_diff = (mtp[:, :-1] - hf_release_mtp_logits(source, inputs, tmp_path / "layer")).abs().max().item()
+    assert main_diff <= 1e-4 and mtp_diff <= 1e-4, f"max abs logits diff {main_diff}, MTP logits diff {mtp_diff}"
 
 
 def test_the_oracle_sees_deepseeks_routed_scaling_on_glm_flash(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ what this mapping does not carry refused naming the field with nothing written. 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +30,12 @@ from reshard.converters.qwen3_next import (
     zero_centred,
 )
 from reshard.errors import ReshardError
+from reshard.formats import open_checkpoint
 from reshard.formats.model_args import RUN_CONFIG, save_run_config
 from reshard.layout import Layout
-from tests.cli import refused_config
+from tests.cli import refused_cli, refused_config
 
-from hf_models import _configs, build
+from hf_models import _configs, build, edited_copy
 
 L, F = "linear_attention", "full_attention"
 
@@ -130,7 +132,8 @@ def source(tmp_path_factory):
     ({"layer_types": [L, "sliding_attention", L, F]}, ("layer_types 'sliding_attention'",)),
     ({"layer_types": [L, F]}, ("layer_types", "4 layers")),
     ({"linear_num_value_heads": 3}, ("linear_num_value_heads=3", "a multiple of linear_num_key_heads=2")),
-    ({"mtp_num_hidden_layers": 1}, ("mtp_num_hidden_layers=1", "MTP layers (mtp.*) are not mapped")),
+    ({"mtp_num_hidden_layers": 2}, ("mtp_num_hidden_layers", "0 or 1", "one mtp.fc")),
+    ({"mtp_num_hidden_layers": 1, "layer_types": [F, L, F, L]}, ("mtp_num_hidden_layers=1 after a last layer of linear attention",)),
     ({"num_experts": 0}, ("num_experts=0",)),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.3}},
      ("partial_rotary_factor",)),
@@ -163,10 +166,10 @@ def qwen3_5_moe(tmp_path_factory):
 @pytest.mark.parametrize("change,words", [
     ({"mlp_only_layers": [1]}, ("mlp_only_layers in a Qwen3.5-MoE config", "every layer MoE")),
     ({"norm_topk_prob": False}, ("norm_topk_prob", "renormalises")),
-    ({"mtp_num_hidden_layers": 1}, ("mtp_num_hidden_layers=1", "Qwen3.5-MoE's MTP layers")),
+    ({"mtp_num_hidden_layers": 2}, ("mtp_num_hidden_layers", "0 or 1")),
 ])
 def test_qwen3_5_moe_refuses_what_transformers_would_not_compute(qwen3_5_moe, tmp_path, monkeypatch, capsys, change, words):
-    """Qwen3.5-MoE (converters/qwen3_5_moe.py): settings its transformers model ignores, and the MTP layers, by name."""
+    """Qwen3.5-MoE (converters/qwen3_5_moe.py): settings its transformers model ignores, and MTP layers but one, by name."""
     refused_config(monkeypatch, capsys, qwen3_5_moe, tmp_path, change, *words)
 
 
@@ -220,3 +223,88 @@ def test_the_comparison_with_bridges_import_fails_on_a_plain_output_norm(bridge_
     theirs = dist_tensors(bridge_hybrids / "qwen3_next_all_moe" / "bridge" / "ckpt" / "iter_0000000")
     assert sorted(k for k in ours if not torch.equal(ours[k], theirs[k])) == [
         f"decoder.layers.{i}.self_attention.out_norm.weight" for i in (0, 2)]
+
+
+# --------------------------------------------------------------------------------------------------
+# The release's MTP layer (`mtp.*`; converters/mtp.py's release_mtp_layer)
+# --------------------------------------------------------------------------------------------------
+
+MTP_HF = {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
+          "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.input_layernorm.weight", "mtp.layers.0.post_attention_layernorm.weight"}
+
+
+@pytest.fixture(scope="module")
+def with_mtp(tmp_path_factory):
+    """The tiny model of each name with the release's MTP layer, built when first asked for."""
+    root = tmp_path_factory.mktemp("mtp")
+    return lambda name: root / name if (root / name).is_dir() else build(name, root / name)
+
+
+@pytest.mark.parametrize("name,layout", [
+    pytest.param("qwen3_next_mtp", dict(tp=2), marks=pytest.mark.fast),
+    pytest.param("qwen3_next_mtp", dict(pp=2, ep=2), marks=pytest.mark.slow),  # the MTP layer on the last stage
+    pytest.param("qwen3_5_mtp", dict(tp=2), marks=pytest.mark.slow),
+    pytest.param("qwen3_5_moe_mtp", dict(pp=2), marks=pytest.mark.slow),
+])
+def test_the_releases_mtp_layer_round_trips_bit_identical(with_mtp, tmp_path, name, layout):
+    """HF (with the release's mtp.*) -> torch_dist -> HF: every tensor bit for bit, mtp.* included, mtp_num_hidden_layers
+    kept; megatron-core's names as Bridge's qwen3_next_bridge / qwen35_bridge tables give them."""
+    source = with_mtp(name)
+    cli("convert", source, tmp_path / "m", "--to-format", "torch_dist", *(f"--to-{k}={v}" for k, v in layout.items()), "-q")
+    with open_checkpoint(tmp_path / "m") as reader:
+        assert reader.config.mtp_num_layers == 1 and reader.layout.pp == layout.get("pp", 1)
+        mtp = {k for k in reader.specs if k.startswith("mtp.")}
+    assert {"mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.final_layernorm.weight",
+            "mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight",
+            "mtp.layers.0.transformer_layer.self_attention.q_layernorm.weight"} <= mtp
+    assert not any("in_proj" in k for k in mtp)  # a full attention layer
+    cli("convert", tmp_path / "m", tmp_path / "back", "--to-format", "hf", "-q")
+    original, exported = hf_tensors(source), hf_tensors(tmp_path / "back")
+    assert MTP_HF <= original.keys() and exported.keys() == original.keys()
+    assert [k for k in original if not torch.equal(original[k], exported[k])] == []
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+
+
+@pytest.mark.slow
+def test_as_transformers_saves_it_the_mtp_layer_is_not_carried_and_a_partial_one_is_refused(with_mtp, tmp_path, monkeypatch, capsys):
+    """transformers saves no mtp.* but keeps mtp_num_hidden_layers: converted without the layer, said on the output line,
+    exported with mtp_num_hidden_layers 0. Files holding part of it: refused naming the first missing tensor."""
+    saved = edited_copy(with_mtp("qwen3_next_mtp"), tmp_path / "saved", lambda t: [t.pop(k) for k in list(t) if k.startswith("mtp.")])
+    said = cli("convert", saved, tmp_path / "m", "--to-format", "torch_dist")
+    assert "not carried: 1 x MTP layers (1 named by mtp_num_hidden_layers, none in the files)" in said, said
+    cli("convert", tmp_path / "m", tmp_path / "back", "--to-format", "hf", "-q")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["mtp_num_hidden_layers"] == 0
+    partial = edited_copy(with_mtp("qwen3_next_mtp"), tmp_path / "partial", lambda t: t.pop("mtp.pre_fc_norm_hidden.weight"))
+    refused_cli(monkeypatch, capsys, ["convert", partial, tmp_path / "out", "--to-format", "torch_dist", "-q"],
+                "tensor mtp.pre_fc_norm_hidden.weight is missing", "mtp_num_hidden_layers", untouched=(partial,))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_reshards_mtp_layer_is_bridges_own_import_and_bridge_exports_it_back(bridge_hybrids):
+    """Bridge 0.6.2's Qwen3NextBridge imports the release's mtp.* (megatron-core 0.19.2 keys its mtp_model_layer as
+    transformer_layer in torch_dist, as 0.16.1 does): reshard's `--for bridge` holds the same tensors, and Bridge exports
+    reshard's checkpoint back to the original HF weights, mtp.* included, bit for bit (`bridges_own_import`)."""
+    ours = bridges_own_import(bridge_hybrids, "qwen3_next_all_moe_mtp")
+    assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight", "mtp.layers.0.final_layernorm.weight",
+            "mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight",
+            "mtp.layers.0.transformer_layer.mlp.shared_experts.gate_weight"} <= ours.keys()
+
+
+@pytest.mark.slow
+def test_the_comparison_with_bridges_import_fails_on_swapped_mtp_norms(bridge_hybrids, tmp_path, monkeypatch):
+    """The same comparison can fail: reshard's import with pre_fc_norm_embedding and pre_fc_norm_hidden swapped differs
+    from Bridge's in exactly the MTP layer's enorm and hnorm."""
+    import reshard.converters.qwen3_next as qwen3_next
+
+    right, swap = qwen3_next.release_mtp_layer, {"mtp.layers.0.enorm.weight": "mtp.layers.0.hnorm.weight"}
+    swap.update({v: k for k, v in swap.items()})
+
+    def swapped(config, layer):
+        return [Rename(swap[m.megatron], *m.hf) if m.megatron in swap else m for m in right(config, layer)]
+
+    monkeypatch.setattr(qwen3_next, "release_mtp_layer", swapped)
+    cli("convert", bridge_hybrids / "qwen3_next_all_moe_mtp" / "hf", tmp_path / "m", "--to-format", "torch_dist", "--for", "bridge", "-q")
+    ours = dist_tensors(tmp_path / "m" / "iter_0000000")
+    theirs = dist_tensors(bridge_hybrids / "qwen3_next_all_moe_mtp" / "bridge" / "ckpt" / "iter_0000000")
+    assert sorted(k for k in ours if not torch.equal(ours[k], theirs[k])) == ["mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight"]
