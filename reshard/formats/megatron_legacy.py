@@ -521,9 +521,6 @@ class LegacyWriter(CheckpointWriter):
         super().__init__(*args, **kwargs)
         te_names = self.options.te_names
         self.te_names = te_named(self.config, uses_te_names(self.common.args) if te_names is None else te_names)
-        if te_names is False and self.te_names:
-            raise ReshardError("--naming local: megatron-core builds a model with Mamba layers from Transformer Engine's spec only, "
-                               "so its rank files hold TE's names; drop --naming")
         refuse_te_mla(self.config, self.layout, self.te_names)
         refuse_mtp(self.config)
         refuse_towers(self.config)

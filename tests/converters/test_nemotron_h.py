@@ -10,11 +10,9 @@ import argparse
 
 import pytest
 import torch
-from click.testing import CliRunner
 from test_qwen3_next import bridges_own_import
 
 from reshard.architecture import model_tensors
-from reshard.cli import main
 from reshard.config import LayerKind, ModelConfig
 from reshard.converters import families_for_model, family_for_hf
 from reshard.converters.nemotron_h import conv_rows, in_proj_rows, pattern_from_hf
@@ -127,16 +125,6 @@ def source(tmp_path_factory):
 ])
 def test_what_the_mapping_does_not_carry_is_refused_by_name(source, tmp_path, monkeypatch, capsys, change, words):
     refused_config(monkeypatch, capsys, source, tmp_path, change, *words)
-
-
-def test_local_names_for_a_model_with_mamba_layers_are_refused_by_name(source, tmp_path):
-    """megatron-core builds Mamba layers from Transformer Engine's spec only: rank files in the local spec's names would
-    load into no model, so `--naming local` is refused, nothing written (the legacy format itself:
-    tests/reshard/formats/test_megatron_legacy.py)."""
-    result = CliRunner().invoke(main, ["convert", str(source), str(tmp_path / "out"), "--to-format", "legacy", "--to-tp", "2",
-                                       "--naming", "local", "-q"], standalone_mode=False)
-    assert isinstance(result.exception, ReshardError) and "Mamba layers" in str(result.exception)
-    assert not (tmp_path / "out").exists()
 
 
 @pytest.fixture(scope="module")
