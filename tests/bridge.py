@@ -1,5 +1,5 @@
 """Megatron-Bridge 0.6.2 run from its own venv (`../shared/peers/setup_bridge.sh`; BRIDGE_VENV), as the oracle some
-tests run: skipped, visibly, where that venv is absent (as in CI)."""
+tests run (CI has it): skipped, visibly, where that venv is absent."""
 
 from __future__ import annotations
 
@@ -21,12 +21,21 @@ def require_bridge() -> None:
 
 
 def bridge(*args, script: str = "bridge_qwen2_5_vl.py") -> None:
-    """fixtures/`script` under Megatron-Bridge 0.6.2's venv."""
+    """fixtures/`script` under Megatron-Bridge 0.6.2's venv. A run that fails is run once more on another port: one
+    of a full-tier run's Bridge runs once failed within 30 s and passed on every rerun (its stderr was not kept); a
+    failure of the fixture itself fails both."""
     require_bridge()
-    proc = subprocess.run([str(BRIDGE_PYTHON), str(REPO / "fixtures" / script), *map(str, args)],
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": "", "MASTER_PORT": str(free_port())})  # two may run at once (xdist)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed = []
+    for _ in range(2):
+        proc = subprocess.run([str(BRIDGE_PYTHON), str(REPO / "fixtures" / script), *map(str, args)],
+                              capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "PYTHONPATH": "", "MASTER_PORT": str(free_port())})  # two may run at once (xdist)
+        if proc.returncode == 0:
+            if failed:
+                print(f"Bridge's {script} passed on its second run; the first failed with:\n{failed[0]}")
+            return
+        failed.append(proc.stderr[-3000:])
+    pytest.fail("\n--- second run ---\n".join(failed))
 
 
 # The hybrid models Bridge imports (fixtures/bridge_hybrid.py): Qwen3-Next with every MLP MoE (Bridge 0.6.2 reads no
