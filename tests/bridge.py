@@ -21,9 +21,9 @@ def require_bridge() -> None:
 
 
 def bridge(*args, script: str = "bridge_qwen2_5_vl.py") -> None:
-    """fixtures/`script` under Megatron-Bridge 0.6.2's venv. A run that fails is run once more on another port: one
-    of a full-tier run's Bridge runs once failed within 30 s and passed on every rerun (its stderr was not kept); a
-    failure of the fixture itself fails both."""
+    """fixtures/`script` under Megatron-Bridge 0.6.2's venv. A run that fails is run once more on another port: the
+    kernel's free port can be taken before the fixture's rendezvous binds it (a full-tier run failed on EADDRINUSE so);
+    a failure of the fixture itself fails both."""
     require_bridge()
     failed = []
     for _ in range(2):
