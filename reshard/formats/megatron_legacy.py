@@ -15,6 +15,7 @@ write that state.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterator
@@ -376,13 +377,18 @@ class LegacyReader(CheckpointReader):
                     specs.update(self._global_specs(per_name, tensor, layer_axis=False))
         return specs
 
+    @functools.cached_property
+    def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The global shapes the args give every tensor (computed once, not per fused tensor of every layer)."""
+        return model_tensors(self.config)
+
     def _global_specs(self, name: str, local: TensorRecord, layer_axis: bool) -> dict[str, TensorSpec]:
         """The logical tensors of a per-rank tensor: itself (`_global_spec`), or a fused parameter's parts (`FUSED_PARTS`),
         each of the shape the args give it, if they add up to the rank's tensor."""
         parts = fused_parts(name)
         if not parts:
             return {name: self._global_spec(name, local, layer_axis)}
-        expected = model_tensors(self.config)
+        expected = self._expected_shapes
         lead = [self.config.num_layers] if layer_axis else []
         rows, *rest = local.shape
         shapes = [expected.get(f"{name}.{part}") for part in parts]
