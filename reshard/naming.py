@@ -242,3 +242,21 @@ def _mtp_extra_state(config: ModelConfig, te: bool) -> dict[str, None]:
         out.update(_layer_extra_state(config, te, config.layer_kinds[-1], f"mtp.layers.{i}.transformer_layer."))
     return out
 
+
+# megatron-core's parameters that torch_dist keys in parts (`_split_tensor_factory` in ssm/gated_delta_net.py and
+# ssm/mamba_mixer.py, 0.16.1): a rank's state_dict() holds one tensor, its share of each part one after the other, in
+# this order; reshard's logical tensors are the parts (`architecture._gated_delta_net`, `_mamba`), the DistributedOptimizer's
+# order lists them so (`optim.order`).
+FUSED_PARTS = {
+    "self_attention.in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
+    "self_attention.conv1d.weight": ("query", "key", "value"),
+    "self_attention.conv1d.bias": ("query", "key", "value"),
+    "mixer.in_proj.weight": ("z", "x", "B", "C", "dt"),
+    "mixer.conv1d.weight": ("x", "B", "C"),
+    "mixer.conv1d.bias": ("x", "B", "C"),
+}
+
+
+def fused_parts(name: str) -> tuple[str, ...]:
+    """The parts of megatron-core's fused per-rank parameter `name` (none for other tensors)."""
+    return next((parts for tail, parts in FUSED_PARTS.items() if name.endswith("." + tail)), ())

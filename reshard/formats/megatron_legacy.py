@@ -53,7 +53,7 @@ from reshard.formats.megatron_tree import (
 )
 from reshard.layout import Layout, RankCoord, megatron_arg, ranks
 from reshard.logical import TensorSpec, describe
-from reshard.naming import ObjectKey, canonical, layer_is_moe, spell, uses_te_names
+from reshard.naming import ObjectKey, canonical, fused_parts, layer_is_moe, spell, uses_te_names
 from reshard.optim.distrib_optim_pt import OPTIM_FILE, DistribOptimFiles, DistribOptimPtSink
 from reshard.optim.state import OptimizerRefusal
 from reshard.paths import confined
@@ -117,24 +117,6 @@ def refuse_towers(config: ModelConfig) -> None:
     if config.towers or config.language_model_prefix:
         raise ReshardError(f"the model has towers beside its language model ({', '.join(t.prefix for t in config.towers)}), which "
                            "the legacy (per-rank) format does not hold; use torch_dist or zarr")
-
-
-# megatron-core's parameters that torch_dist keys in parts (`_split_tensor_factory` in ssm/gated_delta_net.py and
-# ssm/mamba_mixer.py, 0.16.1): a rank's state_dict() holds one tensor, its share of each part one after the other, in
-# this order; reshard's logical tensors are the parts (`architecture._gated_delta_net`, `_mamba`).
-FUSED_PARTS = {
-    "self_attention.in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
-    "self_attention.conv1d.weight": ("query", "key", "value"),
-    "self_attention.conv1d.bias": ("query", "key", "value"),
-    "mixer.in_proj.weight": ("z", "x", "B", "C", "dt"),
-    "mixer.conv1d.weight": ("x", "B", "C"),
-    "mixer.conv1d.bias": ("x", "B", "C"),
-}
-
-
-def fused_parts(name: str) -> tuple[str, ...]:
-    """The parts of megatron-core's fused per-rank parameter `name` (none for other tensors)."""
-    return next((parts for tail, parts in FUSED_PARTS.items() if name.endswith("." + tail)), ())
 
 
 @dataclass(frozen=True)

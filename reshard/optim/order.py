@@ -11,6 +11,7 @@ from typing import Any
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.logical import TensorSpec
+from reshard.naming import FUSED_PARTS
 
 # A hybrid model's layers of other kinds register their mixer where an attention layer has its self_attention
 # (megatron-core 0.16.1; the norm first in each LayerNormLinear, as TE registers it: megatron-core builds these modules
@@ -25,8 +26,8 @@ _GATED_DELTA_NET = (
     "self_attention.dt_bias",
     "self_attention.A_log",
     "self_attention.in_proj.layer_norm_weight",
-    *(f"self_attention.in_proj.weight.{part}" for part in ("query", "key", "value", "z", "beta", "alpha")),
-    *(f"self_attention.conv1d.weight.{part}" for part in ("query", "key", "value")),
+    *(f"self_attention.in_proj.weight.{part}" for part in FUSED_PARTS["self_attention.in_proj.weight"]),
+    *(f"self_attention.conv1d.weight.{part}" for part in FUSED_PARTS["self_attention.conv1d.weight"]),
     "self_attention.out_norm.weight",
     "self_attention.out_proj.weight",
 )
@@ -35,8 +36,8 @@ _MAMBA_MIXER = (
     "mixer.A_log",
     "mixer.D",
     "mixer.in_proj.layer_norm_weight",
-    *(f"mixer.in_proj.weight.{part}" for part in ("z", "x", "B", "C", "dt")),
-    *(f"mixer.conv1d.{kind}.{part}" for kind in ("weight", "bias") for part in ("x", "B", "C")),
+    *(f"mixer.in_proj.weight.{part}" for part in FUSED_PARTS["mixer.in_proj.weight"]),
+    *(f"mixer.conv1d.{kind}.{part}" for kind in ("weight", "bias") for part in FUSED_PARTS[f"mixer.conv1d.{kind}"]),
     "mixer.norm.weight",
     "mixer.out_proj.weight",
 )
