@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
+from reshard import naming
 from reshard.cli import main
 from reshard.converters import nemotron_h, qwen3_5, qwen3_5_moe, qwen3_next
 from reshard.converters.base import GatedMLP, Rename
@@ -25,7 +26,6 @@ from reshard.converters.glm4_moe_lite import Glm4MoeLite
 from reshard.converters.gpt_oss import GptOss, InterleavedGated
 from reshard.converters.minimax_m2 import MiniMaxM2
 from reshard.converters.qwen2_moe import Qwen2Moe
-from reshard.formats import megatron_legacy
 from tests.launch import run
 
 from hf_models import build, load
@@ -523,5 +523,5 @@ def test_the_oracle_sees_a_wrong_nemotron_h_mapping(tmp_path, monkeypatch, sabot
 def test_the_oracle_sees_a_wrong_per_rank_fusion(tmp_path, monkeypatch, name, fused, parts):
     """Two parts of equal size in each other's place in each rank's fused in_proj (the per-rank files' order, not the
     family's mapping) still load strictly, and move the logits far past the tolerance."""
-    monkeypatch.setitem(megatron_legacy.FUSED_PARTS, fused, parts)
+    monkeypatch.setitem(naming.FUSED_PARTS, fused, parts)
     assert max_logits_diff(tmp_path, name, "legacy", dict(tp=2)) > 1e-3
