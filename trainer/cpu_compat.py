@@ -21,7 +21,7 @@ with gloo on a CPU-only torch). `apply()` redirects exactly those calls:
   `weight.data.cuda()`; on the CPU it runs with `Tensor.cuda` answering the tensor itself.
 * `DistributedOptimizer.get_parameter_state_dp_zero` (the gather behind a `fully_reshardable` save)
   moves its shards with `.cuda()`; it runs with `Tensor.cuda` answering the tensor itself.
-* `transformer.moe.moe_utils.te_general_gemm` is defined as None when Transformer Engine is absent.
+* `transformer.moe.moe_utils.te_general_gemm` is defined as None when Transformer Engine is absent (on a GPU too).
 * `Float16OptimizerWithFloat16Params.__init__` (bf16/fp16 mixed precision) and the DistributedOptimizer's
   param-group building accept only `param.type()` names `torch.cuda.*Tensor`; they run with
   `Tensor.type()` answering the CUDA name for CPU tensors (only inside those calls).
@@ -33,7 +33,7 @@ Multi-latent attention with the local spec (not a CUDA matter, so not part of `a
 to its core attention, which only Transformer Engine's accepts; and without Transformer Engine installed
 `multi_latent_attention` still believes it present (its import finds a stand-in), so its `HAVE_TE` is set False.
 
-Nothing is done when `torch.cuda.is_available()`; calling `apply()` again is harmless. Call it before
+Nothing else is done when `torch.cuda.is_available()`; calling `apply()` again is harmless. Call it before
 building models (before the first `get_cuda_rng_tracker()` / `model_parallel_cuda_manual_seed()`).
 Every patch is guarded: a module or attribute that a newer megatron-core lacks is skipped.
 """
@@ -252,13 +252,23 @@ def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_deco
 _clip_grad_by_total_norm_fp32_cpu._reshard_cpu = True
 
 
+def _define_te_general_gemm() -> None:
+    """megatron-core's MoE router reads `te_general_gemm`, which its module defines only when Transformer Engine
+    imports: without TE the router fails on a GPU as on the CPU (found by `kernel_check` on an H200)."""
+    moe_utils = _import("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        _applied.append("megatron.core.transformer.moe.moe_utils.te_general_gemm")
+
+
 def apply() -> list[str]:
     """Redirect megatron-core's CUDA-only calls to the CPU when CUDA is unavailable.
 
-    Returns the names of what is patched (empty on a CUDA machine). Idempotent.
+    Returns the names of what is patched (on a CUDA machine, at most the TE-less router's gemm). Idempotent.
     """
+    _define_te_general_gemm()
     if torch.cuda.is_available():
-        return []
+        return list(_applied)
     for name in _CUDA_MODULES:
         module = _import(name)
         if module is not None and getattr(module, "torch", None) is torch:
@@ -284,10 +294,6 @@ def apply() -> list[str]:
         cls.setup_embeddings_and_output_layer = _with_tensor_cuda_as_identity(setup)
         _applied.append("megatron.core.models.common.language_module.LanguageModule.setup_embeddings_and_output_layer")
 
-    moe_utils = _import("megatron.core.transformer.moe.moe_utils")
-    if moe_utils is not None and not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-        _applied.append("megatron.core.transformer.moe.moe_utils.te_general_gemm")
     optimizer = _import("megatron.core.optimizer.optimizer")
     cls = getattr(optimizer, "Float16OptimizerWithFloat16Params", None)
     if cls is not None and not getattr(cls.__init__, "_reshard_cpu", False):
