@@ -144,14 +144,6 @@ class Fusion:
         return spec.shape[spec.prefix_axes] // self.layout.tp
 
 
-def refuse_hybrid_optimizer(config: ModelConfig) -> None:
-    """distrib_optim.pt beside rank files that fuse parameters' parts (`FUSED_PARTS`) is not proven against megatron-core's
-    own yet: refused rather than written or read unchecked (the model itself converts with --no-optimizer)."""
-    if any(config.linear_attention_layers) or "M" in (config.hybrid_override_pattern or ""):
-        raise ReshardError("the DistributedOptimizer state (distrib_optim.pt) of a model with Gated DeltaNet or Mamba layers is not "
-                           "carried in the legacy (per-rank) format yet; convert with --no-optimizer, or use torch_dist")
-
-
 def te_named(config: ModelConfig, asked: bool) -> bool:
     """Whether the rank files hold Transformer Engine's names: as asked (the args' transformer_impl, --naming), but always
     for a model with Mamba layers, which megatron-core 0.16.1 builds from Transformer Engine's spec only (MambaModel)."""
@@ -232,7 +224,6 @@ class LegacyReader(CheckpointReader):
         self.optimizer: DistribOptimFiles | None = None
         if confined(tree.iteration_dir, f"{next(ranks(self.layout)).legacy_dirname(self.layout)}/{OPTIM_FILE}").is_file():
             try:
-                refuse_hybrid_optimizer(self.config)
                 self.optimizer = DistribOptimFiles(tree.iteration_dir, first_file, first.get("optimizer"), self.specs, self.config, self.layout, args)
             except ReshardError as exc:  # the model still converts (--no-optimizer); with the optimizer the plan refuses, saying why
                 self.optimizer_refusal = OptimizerRefusal(f"optimizer ({OPTIM_FILE})", str(exc))
@@ -537,7 +528,6 @@ class LegacyWriter(CheckpointWriter):
         self.sink: DistribOptimPtSink | None = None  # the optimizer tensors' writer: distrib_optim.pt beside the rank files
         optimizer = self.options.optimizer
         if optimizer is not None and optimizer.form.sink is not None:
-            refuse_hybrid_optimizer(self.config)
             self.sink = optimizer.form.sink(self.specs, self.config, self.layout, self._target_args(), self.common.objects, self.common.extra,
                                             optimizer.dp, self.directory)
             self.common = replace(self.common, objects=self.sink.objects, extra=self.sink.extra)

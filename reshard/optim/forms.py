@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 from reshard.errors import ReshardError
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
-from reshard.naming import uses_te_names
 from reshard.optim.buffers import STATE_KEYS
 from reshard.optim.common import param_groups
 from reshard.optim.distrib_optim_pt import DistribOptimPtSink
@@ -97,12 +96,6 @@ def output(
         raise ReshardError(
             f"data-parallel size {dp} x TP {layout.tp} is not a multiple of ETP {layout.expert_tp} x EP {layout.ep}, as "
             "megatron-core's expert data-parallel size needs: choose another --to-dp"
-        )
-    if form is DISTRIB_OPTIM_PT and (uses_te_names(common.args) if target.naming is None else target.naming == "te"):
-        raise ReshardError(
-            "legacy output of DistributedOptimizer state with Transformer-Engine names: its distrib_optim.pt in the TE "
-            "buffer order is not verified against megatron-core; write local-spec names (--naming local) or torch_dist, "
-            "or pass --no-optimizer"
         )
     return OptimizerOutput(form, dp, read)
 

@@ -11,7 +11,6 @@ from reshard.architecture import check_shapes, model_tensors
 from reshard.config import LayerKind
 from reshard.convert import convert
 from reshard.errors import ReshardError
-from reshard.formats.megatron_legacy import refuse_hybrid_optimizer
 from reshard.inspect import inspect
 from reshard.layout import Layout
 from reshard.logical import Split, describe
@@ -144,5 +143,3 @@ def test_layouts_a_gated_delta_net_cannot_take_are_refused_by_name(tmp_path):
     with pytest.raises(ReshardError, match="linear_num_key_heads"):
         convert(tmp_path / "one", tmp_path / "tp2", Target(layout=Layout(tp=2)))
     assert not (tmp_path / "tp2").exists()
-    with pytest.raises(ReshardError, match=r"distrib_optim\.pt.*Gated DeltaNet or Mamba.*--no-optimizer"):
-        refuse_hybrid_optimizer(HYBRID)  # a DistributedOptimizer's per-rank files beside fused rank files: not proven yet

@@ -318,9 +318,9 @@ def test_written_moe_distrib_optim_is_megatrons_own_chained_legacy_save(distrib_
     assert [d.split(":")[0] for d in buffer_differences(mine, theirs)] == [f"{name} buffer 0 exp_avg_sq"]
 
 
-def resumed_losses(tmp_path: Path, name: str, layout: list, *extra) -> dict[int, float]:
+def resumed_losses(tmp_path: Path, name: str, layout: list, *extra, preset: str = "tiny-llama") -> dict[int, float]:
     out = tmp_path / f"{name}.json"
-    launch.run("fixtures.distrib_optim_legacy_resume", ["--preset", "tiny-llama", *layout, "--steps", STEPS, "--out", out, *extra],
+    launch.run("fixtures.distrib_optim_legacy_resume", ["--preset", preset, *layout, "--steps", STEPS, "--out", out, *extra],
                nproc=4, timeout=600)
     return {int(k): v for k, v in json.loads(out.read_text()).items()}
 
@@ -366,13 +366,28 @@ def test_a_chained_expert_optimizer_from_a_one_optimizer_source_is_refused_in_on
     assert model_only.returncode == 0, model_only.stderr
 
 
-def test_legacy_output_with_transformer_engine_names_is_refused_in_one_line(distrib_optim, tmp_path):
-    """Its distrib_optim.pt in the TE buffer order is not proven (the dp_reshardable writer's is, for torch_dist):
-    refused when planning, nothing written."""
-    source = distrib_optim("tiny-llama", tp=2)["dp"]
-    _one_line_error(reshard("convert", source, tmp_path / "out", "--to-format", "legacy", "--naming", "te"),
-                    "legacy output", "Transformer-Engine", "--naming local")
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+TE_RESUMES = {"tiny-odd": False, "tiny-nemotron-h": True}  # preset: also resumed with a fresh optimizer (the control)
+
+
+@pytest.mark.parametrize("preset", TE_RESUMES)
+def test_distrib_optim_pt_in_the_te_order_resumes_the_run(distrib_optim, tmp_path, preset):
+    """A run whose buffers follow the Transformer-Engine spec's parameter order (a GPT layer's norms fused into
+    linear_qkv and fc1; Nemotron-H's Mamba mixers, which megatron-core builds in that spec only), stopped at iteration 2
+    at TP2 DP2 (dp_reshardable), converted to legacy TP1 PP2 DP2 under TE's names (Nemotron-H: each rank's in_proj and
+    conv1d parts fused in its file, the stage cut between attention and a Mamba layer), loaded by megatron-core's own
+    `load_parameter_state`: its losses are the uninterrupted TP2 run's within 1e-5 relative per step."""
+    out = reshard("convert", distrib_optim(preset, tp=2, te_order=True)["dp"], tmp_path / "legacy", "--to-format", "legacy",
+                  "--to-tp", 1, "--to-pp", 2, "--to-dp", 2, "--naming", "te")
+    assert out.returncode == 0 and "checksums verified" in out.stdout, out.stderr
+    reference = resumed_losses(tmp_path, "reference", ["--tp", 2, "--te-order"], preset=preset)
+    resumed = resumed_losses(tmp_path, "resumed", ["--tp", 1, "--pp", 2, "--te-order"], "--load", tmp_path / "legacy", preset=preset)
+    assert sorted(resumed) == list(range(3, STEPS + 1))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(reference[step], rel=REL), (step, loss, reference[step])
+    if TE_RESUMES[preset]:
+        fresh = resumed_losses(tmp_path, "fresh", ["--tp", 1, "--pp", 2, "--te-order"], "--load", tmp_path / "legacy",
+                               "--no-load-optim", preset=preset)
+        assert max(abs(fresh[i] - reference[i]) / abs(reference[i]) for i in range(4, STEPS + 1)) > 100 * REL
 
 
 def test_two_ranks_write_the_distrib_optim_pt_one_process_writes(distrib_optim, tmp_path):
