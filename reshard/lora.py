@@ -5,7 +5,9 @@ Each adapted linear `X.weight` has `X.adapter.linear_in.weight` (A: [dim, in]) a
 (B: [out, dim]) beside it, and computes `X(x) + alpha/dim * B(A(x))` (dropout aside). Read as global tensors, A and B
 are in the base weight's own Megatron layout (B's rows as linear_qkv's: per GQA group q heads, k, v; as linear_fc1's:
 [gate; up]), so the merged weight is `W + alpha/dim * B @ A` computed there, per TP shard alike, before any mapping to
-HF splits it. `MergedReader` is the base model so merged, any source format and any target.
+HF splits it. An MoE model's experts (SequentialMLP's, each expert's linear_fc1/linear_fc2 matched by Bridge's targets)
+have one adapter each, saved on the global expert axis as the experts' weights are (`[layer, expert, ...]`): merged
+expert by expert alike. `MergedReader` is the base model so merged, any source format and any target.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ def lora_config(path: Path) -> LoraConfig | None:
         raise ReshardError(f"{run_config}: peft.dim and peft.alpha must be numbers ({err})") from None
     if dim <= 0:
         raise ReshardError(f"{run_config}: peft.dim is {dim}; a LoRA rank is positive")
+    for field, why in (("normalize_moe_lora", "the experts' adapters have rank dim / moe_router_topk"),
+                       ("experts_shared_outer_loras", "grouped experts share one lora_A of gate/up and one lora_B of down")):
+        if peft.get(field):
+            raise ReshardError(f"{run_config}: peft.{field} is true ({why}), which reshard does not merge; merge it with "
+                               "Megatron-Bridge (export_hf_weights with merge_adapter_weights)")
     return LoraConfig(dim, alpha)
 
 
@@ -73,9 +80,6 @@ def adapted(adapter: CheckpointReader) -> list[str]:
             raise ReshardError(f"{adapter.path}: tensor {name!r} of the adapter save is no LoRA linear_in/linear_out; "
                                "reshard merges Megatron-Bridge's LoRA only")
     for name in names:  # the partition table has refused targets other than reshard's families' linears (`logical`)
-        if adapter.specs[name[: -len(".weight")] + IN].experts:
-            raise ReshardError(f"{adapter.path}: {name[: -len('.weight')]} is an experts' LoRA, which reshard does not merge yet; "
-                               "merge it with Megatron-Bridge (export_hf_weights with merge_adapter_weights)")
         if name[: -len(".weight")] + OUT not in adapter.specs:
             raise ReshardError(f"{adapter.path}: {name[: -len('.weight')] + IN} has no linear_out beside it: the save is incomplete")
     return names
@@ -143,12 +147,18 @@ def peft_tensors(merged: MergedReader) -> tuple[dict[str, np.ndarray], list[str]
             raise ReshardError(f"{name} maps to HF {family.model_type} as {type(mapping).__name__}, which a PEFT adapter cannot "
                                "hold; export the merged model instead (--to-format hf)")
         a_all, b_all = (merged.adapter.read(n, [(0, d) for d in merged.adapter.specs[n].shape]) for n in (stem + IN, stem + OUT))
-        for layer in range(spec.shape[0]) if spec.stacked else [spec.layer]:
-            a, b = (a_all[layer], b_all[layer]) if spec.stacked else (a_all, b_all)
-            for hf_name, rows in zip(mapping.hf_names(layer=layer), mapping.to_hf(b, config), strict=True):
-                module = "base_model.model." + hf_name.removesuffix(".weight")
-                tensors[module + ".lora_A.weight"] = np.ascontiguousarray(a)
-                tensors[module + ".lora_B.weight"] = np.ascontiguousarray(rows)
+        if not spec.stacked:  # one layer's: given a layer axis, so that every adapter reads [layer, (expert,) ...]
+            a_all, b_all = a_all[None], b_all[None]
+        # an experts' LoRA has one adapter per expert, written per expert as Bridge's save_hf_adapter does (`experts.{e}.`)
+        experts = range(a_all.shape[1]) if spec.experts else [None]
+        for index, layer in enumerate(range(spec.shape[0]) if spec.stacked else [spec.layer]):
+            for expert in experts:
+                at = (index, expert) if spec.experts else (index,)
+                a, b = a_all[at], b_all[at]
+                for hf_name, rows in zip(mapping.hf_names(layer=layer, expert=expert), mapping.to_hf(b, config), strict=True):
+                    module = "base_model.model." + hf_name.removesuffix(".weight")
+                    tensors[module + ".lora_A.weight"] = np.ascontiguousarray(a)
+                    tensors[module + ".lora_B.weight"] = np.ascontiguousarray(rows)
     modules = sorted({key.split(".")[-3] for key in tensors})
     return tensors, modules
 

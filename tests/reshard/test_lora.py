@@ -28,6 +28,7 @@ from tests.reshard.formats.test_golden import GOLDEN, HF
 LORA = GOLDEN / "lora" / "tp1"
 ADAPTER = LORA / "adapter"
 SAVES = ["tp1", "tp2"]
+MOE = GOLDEN / "lora" / "qwen3_moe"  # a Qwen3-MoE with every expert adapted; Bridge's HF exports are those of its EP1 save
 
 
 def _same_as_bridge_merged(hf_dir: Path, save: str = "tp1") -> None:
@@ -173,25 +174,33 @@ class _Adapter:  # an adapter save's tensor names, as `lora.adapted` reads them
         return {name: describe(name, (2, 4, 8, 8), "float32", None) for name in self.names}
 
 
-@pytest.mark.parametrize("module, words", [
-    ("decoder.layers.mlp.experts.linear_fc1", ("experts' LoRA", "merge_adapter_weights")),
-    ("decoder.layers.self_attention.linear_q_proj", ("linear_q_proj.adapter", "does not merge")),  # MLA's
-])
-def test_what_reshard_does_not_merge_is_refused_by_name(module, words):
+def test_what_reshard_does_not_merge_is_refused_by_name(tmp_path):
+    q_proj = "decoder.layers.self_attention.linear_q_proj"  # MLA's
     with pytest.raises(ReshardError) as refused:
-        lora.adapted(_Adapter([module + lora.IN, module + lora.OUT]))
-    assert all(word in str(refused.value) for word in words), refused.value
+        lora.adapted(_Adapter([q_proj + lora.IN, q_proj + lora.OUT]))
+    assert all(word in str(refused.value) for word in ("linear_q_proj.adapter", "does not merge")), refused.value
     with pytest.raises(ReshardError, match="no linear_out beside it"):
         lora.adapted(_Adapter(["decoder.layers.mlp.linear_fc2" + lora.IN]))
+    save = tmp_path / "save"
+    shutil.copytree(MOE / "ep1" / "adapter", save)
+    run_config = save / "iter_0000000" / "run_config.yaml"
+    for field in ("normalize_moe_lora", "experts_shared_outer_loras"):  # experts' adapters of other ranks or shapes
+        run_config.write_text(run_config.read_text().replace(f"{field}: false", f"{field}: true"))
+        with pytest.raises(ReshardError, match=f"peft.{field} is true.*merge_adapter_weights"):
+            lora.lora_config(save)
+        run_config.write_text(run_config.read_text().replace(f"{field}: true", f"{field}: false"))
+    assert lora.lora_config(save) == lora.LoraConfig(dim=4, alpha=8.0)
 
 
 @pytest.mark.slow
-def test_the_golden_is_what_bridge_saves(tmp_path):
-    """fixtures/bridge_lora.py under Megatron-Bridge's venv writes the committed TP1 golden again: the same adapter
-    tensors, merged export and PEFT adapter, byte for byte (skipped, visibly, where that venv is absent, as in CI)."""
-    bridge(HF, tmp_path, script="bridge_lora.py")
+@pytest.mark.parametrize("base, golden", [(HF, LORA), (MOE / "hf", MOE / "ep1")], ids=["llama-tp1", "qwen3_moe-ep1"])
+def test_the_golden_is_what_bridge_saves(tmp_path, base, golden):
+    """fixtures/bridge_lora.py under Megatron-Bridge's venv writes the committed TP1 (and MoE EP1) golden again: the
+    same adapter tensors, merged export and PEFT adapter, byte for byte (skipped, visibly, where that venv is absent,
+    as in CI)."""
+    bridge(base, tmp_path, script="bridge_lora.py")
     for path in ("adapter/iter_0000000/__0_0.distcp", "merged.safetensors", "peft/adapter_model.safetensors"):
-        assert (tmp_path / path).read_bytes() == (LORA / path).read_bytes(), path
+        assert (tmp_path / path).read_bytes() == (golden / path).read_bytes(), path
 
 
 def test_the_adapters_partition_rules_are_how_bridge_splits_them_at_tp2():
@@ -210,3 +219,95 @@ def test_the_adapters_partition_rules_are_how_bridge_splits_them_at_tp2():
         assert cut(replace(spec, split=other, gated=False)) != sorted(reader.stored_regions(name)), name
         if spec.gated:  # fc1's linear_out: each rank holds its rows of the gate and of the up half, not one run of rows
             assert cut(replace(spec, gated=False)) != sorted(reader.stored_regions(name)), name
+
+
+def _same_as_bridges_moe(ours: dict[str, np.ndarray], file: str) -> None:
+    theirs = load_file(str(MOE / "ep1" / file))
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype and np.array_equal(ours[name], tensor), name
+
+
+@pytest.mark.parametrize("save", ["ep1", "ep2"])
+def test_experts_lora_merged_and_as_peft_is_bridges_own(tmp_path, save):
+    """An MoE model's experts' LoRA (one adapter per expert: Bridge's `linear_fc1`/`linear_fc2` targets on
+    SequentialMLP's experts), saved at EP1 and at EP2 (the experts' adapters on two ranks, the same values): merged into
+    the HF base it is Bridge's merged export, and `--to-format peft` is Bridge's `save_hf_adapter`, bit for bit."""
+    convert(MOE / save / "adapter", tmp_path / "hf", Target(format="hf"), hints=SourceHints(base=MOE / "hf"))
+    merged = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    _same_as_bridges_moe(merged, "merged.safetensors")
+    expert = "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert not np.array_equal(merged[expert], load_file(str(MOE / "hf" / "model.safetensors"))[expert])
+    convert(MOE / save / "adapter", tmp_path / "peft", Target(format="peft"), hints=SourceHints(base=MOE / "hf"))
+    _same_as_bridges_moe(load_file(str(tmp_path / "peft" / "adapter_model.safetensors")), "peft/adapter_model.safetensors")
+
+
+def test_experts_lora_merged_into_a_megatron_base_at_ep2_is_the_same(tmp_path):
+    """The base as a Megatron checkpoint at EP2: each rank's experts merge with their own adapters (saved at EP1)."""
+    convert(MOE / "hf", tmp_path / "mcore", Target(format="torch_dist", layout=LayoutChange(ep=2)))
+    convert(MOE / "ep1" / "adapter", tmp_path / "hf", Target(format="hf"), hints=SourceHints(base=tmp_path / "mcore"))
+    _same_as_bridges_moe(load_file(str(tmp_path / "hf" / "model.safetensors")), "merged.safetensors")
+
+
+def test_two_experts_adapters_swapped_fail_the_oracle(tmp_path, monkeypatch):
+    """The comparison can fail: the merge given expert 1's adapters for expert 0 and expert 0's for expert 1."""
+    read = lora.MergedReader.read
+
+    class Swapped:  # the adapter save with experts 0 and 1 exchanged
+        def __init__(self, adapter):
+            self.adapter, self.specs = adapter, adapter.specs
+
+        def read(self, name, region):
+            if not self.specs[name].experts:
+                return self.adapter.read(name, region)
+            whole = self.adapter.read(name, [(0, d) for d in self.specs[name].shape])[:, [1, 0, 2, 3]]
+            return whole[tuple(slice(start, stop) for start, stop in region)]
+
+        def close(self):
+            self.adapter.close()
+
+    def swapped(self, name, region):
+        if not isinstance(self.adapter, Swapped):
+            self.adapter = Swapped(self.adapter)
+        return read(self, name, region)
+
+    monkeypatch.setattr(lora.MergedReader, "read", swapped)
+    convert(MOE / "ep1" / "adapter", tmp_path / "hf", Target(format="hf"), hints=SourceHints(base=MOE / "hf"))
+    with pytest.raises(AssertionError, match=r"experts\.[01]\."):
+        _same_as_bridges_moe(load_file(str(tmp_path / "hf" / "model.safetensors")), "merged.safetensors")
+
+
+def test_the_experts_adapters_partition_rules_are_how_bridge_splits_them_at_ep2():
+    """Bridge's EP2 save holds each expert's adapters on the rank that owns the expert: reshard's cut (`sharding.pieces`)
+    of every adapter tensor is where Bridge stored it."""
+    reader = open_checkpoint(MOE / "ep2" / "adapter")
+    assert sum(spec.experts for spec in reader.specs.values()) == 4
+    for name, spec in reader.specs.items():
+        cut = sorted({piece.region for piece in pieces(spec, reader.config, reader.layout) if piece.primary})
+        assert cut == sorted(reader.stored_regions(name)), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sabotage", [None, "two experts' lora_B swapped"])
+def test_peft_loads_the_experts_adapter_onto_transformers_moe_with_the_merged_models_logits(tmp_path, sabotage):
+    """peft 0.21.2 loads the per-expert adapter (`experts.{e}.gate_proj.lora_A`, ...) onto transformers 5.24's fused
+    experts (`gate_up_proj`, `down_proj`, as its target_parameters) and gives the logits of transformers' model of the
+    merged export; two experts' adapters swapped fail it."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    convert(MOE / "ep1" / "adapter", tmp_path / "peft", Target(format="peft"), hints=SourceHints(base=MOE / "hf"))
+    convert(MOE / "ep1" / "adapter", tmp_path / "merged", Target(format="hf"), hints=SourceHints(base=MOE / "hf"))
+    if sabotage:
+        tensors = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+        one, two = (f"base_model.model.model.layers.1.mlp.experts.{e}.down_proj.lora_B.weight" for e in (0, 1))
+        tensors[one], tensors[two] = tensors[two], tensors[one]
+        save_file(tensors, str(tmp_path / "peft" / "adapter_model.safetensors"))
+    tokens = np.random.default_rng(0).integers(0, 250, size=(2, 12))
+    merged = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype="float32"), tokens)
+    base = AutoModelForCausalLM.from_pretrained(MOE / "hf", dtype="float32")
+    moved = np.abs(_logits(base, tokens) - merged).max()
+    diff = np.abs(_logits(PeftModel.from_pretrained(base, tmp_path / "peft"), tokens) - merged).max()
+    assert moved > 0.1
+    assert (diff < 1e-4) == (sabotage is None), (diff, moved)
