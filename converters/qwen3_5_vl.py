@@ -11,8 +11,8 @@ vision model under `vision_model.` in Qwen3-VL's Megatron form, `converters/qwen
   of a 256-dim head's.
 - MoE: experts per expert (as transformers saves them) or fused as released, each read and written back as it came
   (`Qwen3_5Moe.files_form`).
-
-Not mapped, refused by name: the release's MTP layer (the text families map theirs: `converters/qwen3_next.py`).
+- MTP: the release's one MTP layer (`text_config.mtp_num_hidden_layers`, its tensors top-level `mtp.*`) is the text
+  families' (`converters.mtp.release_mtp_layer`) under `language_model.mtp.`, as Bridge's qwen35_vl tables map it.
 """
 
 from __future__ import annotations

@@ -46,7 +46,6 @@ from reshard.converters.qwen2_5_vl import (
     text_config,
 )
 from reshard.converters.qwen3 import Qwen3
-from reshard.errors import ReshardError
 
 VISION = "vision_model."  # Bridge's Megatron prefix of the vision model
 _BLOCKS, _DEEPSTACK = f"{VISION}decoder.layers.", f"{VISION}decoder.deepstack_merger_list."
@@ -194,16 +193,14 @@ class BridgeVL:
                               towers=(vision_tower(hf.get("vision_config"), config.hidden_size),)), extras
 
     def check_hf(self, hf):
-        if hf.get("mtp_num_hidden_layers"):  # Qwen3.5-VL's release: its text model's MTP layer is mapped, not yet beside a vision model
-            raise refuse(f"mtp_num_hidden_layers={hf['mtp_num_hidden_layers']}", f"{self.name}'s MTP layer (mtp.*) is not mapped "
-                         "yet; set it to 0 and remove mtp.* to convert the rest")
+        if hf.get("mtp_num_hidden_layers") and not self.holds_mtp:  # Qwen3.5-VL's text family maps its release's MTP layer
+            raise refuse(f"mtp_num_hidden_layers={hf['mtp_num_hidden_layers']}", f"{self.name} has no MTP layer; set it to 0 and "
+                         "remove mtp.* to convert the rest")
         super().check_hf(hf)
 
     def check_megatron(self, config: ModelConfig) -> None:
         super().check_megatron(config)
         check_bridge_vl(config, self.name, "a vision model", VISION)
-        if config.mtp_num_layers:
-            raise ReshardError(f"the model has MTP layers, which reshard does not map for {self.name} yet: keep it in a Megatron format")
 
     def text_mappings(self, config: ModelConfig) -> list[Mapping]:
         """The language model's mappings, HF names under `text_prefix`: the text family's."""

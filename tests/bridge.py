@@ -39,8 +39,10 @@ def bridge(*args, script: str = "bridge_qwen2_5_vl.py") -> None:
 
 
 # The hybrid models Bridge imports (fixtures/bridge_hybrid.py): Qwen3-Next with every MLP MoE (Bridge 0.6.2 reads no
-# mlp_only_layers), without and with the release's MTP layer, Nemotron-H dense, MoE and latent MoE
-HYBRIDS = ("qwen3_next_all_moe", "qwen3_next_all_moe_mtp", "nemotron_h", "nemotron_h_moe", "nemotron_h_latent")
+# mlp_only_layers), without and with the release's MTP layer, Qwen3.5 and Qwen3.5-MoE with it, Qwen3.5-MoE's experts fused
+# as released, Nemotron-H dense, MoE and latent MoE
+HYBRIDS = ("qwen3_next_all_moe", "qwen3_next_all_moe_mtp", "qwen3_5_mtp", "qwen3_5_moe_mtp", "qwen3_5_moe_fused", "nemotron_h",
+           "nemotron_h_moe", "nemotron_h_latent")
 
 
 def hybrid_imports(folder: Path) -> Path:

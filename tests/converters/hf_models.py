@@ -220,7 +220,7 @@ RELEASE_FORMS = {name: (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj") f
 
 # Qwen3-Next's and Qwen3.5's releases store one MTP layer apart, under `mtp.`, which transformers neither builds nor saves:
 # these are their base models (the name less `_mtp`) with one added as the release names it (`_add_release_mtp`)
-RELEASE_MTP = {"qwen3_next_mtp", "qwen3_next_all_moe_mtp", "qwen3_5_mtp", "qwen3_5_moe_mtp"}
+RELEASE_MTP = {"qwen3_next_mtp", "qwen3_next_all_moe_mtp", "qwen3_5_mtp", "qwen3_5_moe_mtp", "qwen3_5_vl_mtp", "qwen3_5_vl_moe_mtp"}
 
 MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe_mixed", "deepseek_v3_moe", "deepseek_v3_mixed", "minimax_m2",
        "gpt_oss", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_fused", "nemotron_h_moe", "nemotron_h_latent"}
@@ -239,8 +239,9 @@ def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
     layers, mtp = config.get_text_config().num_hidden_layers, getattr(config, "num_nextn_predict_layers", 0)
     config.get_text_config().num_hidden_layers = layers + mtp  # transformers builds no MTP layers: their decoder layers are built past the last
     if name in RELEASE_MTP:  # the MTP layer is built as one more decoder layer, a full-attention one, and moved
-        config.layer_types = [*config.layer_types, "full_attention"]
-        config.num_hidden_layers = layers + 1
+        text = config.get_text_config()
+        text.layer_types = [*text.layer_types, "full_attention"]
+        text.num_hidden_layers = layers + 1
     if mtp and getattr(config, "mlp_layer_types", None):  # GLM-4.7-Flash's MTP layers are MoE, as its last layer
         config.mlp_layer_types = config.mlp_layer_types + config.mlp_layer_types[-1:] * mtp
     model = (AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM).from_config(config)
@@ -257,7 +258,7 @@ def build(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
     if mtp:
         _add_mtp_heads(directory, layers, mtp, copies=config.model_type in ("deepseek_v3", "glm4_moe_lite"))
     if name in RELEASE_MTP:
-        _add_release_mtp(directory, layers)
+        _add_release_mtp(directory, layers, "model.language_model." if hasattr(config, "vision_config") else "model.")
     if name in SAVED_AS:
         _edit_config(directory, **SAVED_AS[name])
     if name in RELEASE_FORMS:
@@ -295,22 +296,26 @@ def _add_mtp_heads(directory: Path, layers: int, mtp: int, copies: bool) -> None
     _edit_config(directory, num_hidden_layers=layers, **kinds)
 
 
-def _add_release_mtp(directory: Path, layers: int) -> None:
-    """Turn the last decoder layer of a saved Qwen3-Next or Qwen3.5 into its MTP layer as the release stores it:
-    `mtp.layers.0.*`, with `mtp.fc` (the projection of [normed embedding; normed hidden state]), its two norms
-    `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden` and the final `mtp.norm` (weights near 1, deterministic)."""
+def _add_release_mtp(directory: Path, layers: int, text: str) -> None:
+    """Turn the last decoder layer of a saved Qwen3-Next or Qwen3.5 (its language model's tensors under `text`) into its
+    MTP layer as the release stores it: `mtp.layers.0.*` (top-level, a VL model's too), with `mtp.fc` (the projection of
+    [normed embedding; normed hidden state]), its two norms `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden` and
+    the final `mtp.norm` (weights near 1, deterministic)."""
     from safetensors.torch import load_file, save_file
 
     file = directory / "model.safetensors"
-    tensors, p = load_file(file), f"model.layers.{layers}."
+    tensors, p = load_file(file), f"{text}layers.{layers}."
     tensors = {(f"mtp.layers.0.{k.removeprefix(p)}" if k.startswith(p) else k): t for k, t in tensors.items()}
-    hidden = tensors["model.embed_tokens.weight"].shape[1]
+    hidden = tensors[f"{text}embed_tokens.weight"].shape[1]
     for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         tensors[f"mtp.{norm}.weight"] = 1.0 + 0.1 * torch.randn(hidden)
     tensors["mtp.fc.weight"] = 0.1 * torch.randn(hidden, 2 * hidden)
     save_file(tensors, str(file), metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
-    _edit_config(directory, num_hidden_layers=layers, layer_types=config["layer_types"][:layers], mtp_num_hidden_layers=1)
+    nested = "text_config" in config
+    fields = config["text_config"] if nested else config
+    fields.update(num_hidden_layers=layers, layer_types=fields["layer_types"][:layers], mtp_num_hidden_layers=1)
+    _edit_config(directory, **({"text_config": fields} if nested else fields))
 
 
 def _transpose_fused(directory: Path, endings: tuple[str, ...]) -> None:

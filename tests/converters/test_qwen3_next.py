@@ -308,3 +308,46 @@ def test_the_comparison_with_bridges_import_fails_on_swapped_mtp_norms(bridge_hy
     ours = dist_tensors(tmp_path / "m" / "iter_0000000")
     theirs = dist_tensors(bridge_hybrids / "qwen3_next_all_moe_mtp" / "bridge" / "ckpt" / "iter_0000000")
     assert sorted(k for k in ours if not torch.equal(ours[k], theirs[k])) == ["mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Qwen3.5 and Qwen3.5-MoE against Megatron-Bridge's own import (its qwen35_bridge)
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,expected", [
+    ("qwen3_5_mtp", {"decoder.layers.0.self_attention.in_proj.weight.alpha", "decoder.layers.1.mlp.linear_fc1.weight",
+                     "mtp.layers.0.transformer_layer.mlp.linear_fc1.weight"}),
+    ("qwen3_5_moe_mtp", {"decoder.layers.0.self_attention.in_proj.weight.alpha", "decoder.layers.1.mlp.shared_experts.gate_weight",
+                         "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight",
+                         "mtp.layers.0.transformer_layer.mlp.shared_experts.gate_weight"}),
+    ("qwen3_5_moe_fused", {"decoder.layers.3.mlp.experts.experts.linear_fc2.weight"}),
+])
+def test_reshards_qwen3_5_checkpoint_is_bridges_own_import_and_bridge_exports_it_back(bridge_hybrids, name, expected):
+    """Bridge 0.6.2's Qwen35Bridge and Qwen35MoEBridge (the in_proj split four ways, dense or MoE MLPs, the release's MTP
+    layer; Qwen3.5-MoE's experts per expert or fused as released): reshard's `--for bridge` holds Bridge's tensors, and
+    Bridge exports reshard's checkpoint back to the original HF weights bit for bit, in the form they came
+    (`bridges_own_import`)."""
+    ours = bridges_own_import(bridge_hybrids, name)
+    assert expected <= ours.keys()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3_5_mtp", "qwen3_5_moe_mtp"])
+def test_the_comparison_with_bridges_qwen3_5_import_fails_on_swapped_b_and_a(bridge_hybrids, tmp_path, monkeypatch, name):
+    """The same comparison can fail: reshard's import with Qwen3.5's in_proj_b and in_proj_a (the same shape) swapped
+    differs from Bridge's in exactly the Gated DeltaNet layers' beta and alpha parts."""
+    import reshard.converters.qwen3_5 as qwen3_5
+
+    right, swap = qwen3_5.split_in_proj, {"beta": "alpha", "alpha": "beta"}
+
+    def swapped(config, prefix="model."):
+        return [Rename(f"{m.megatron.rsplit('.', 1)[0]}.{swap[m.megatron.rsplit('.', 1)[1]]}", *m.hf)
+                if m.megatron.rsplit(".", 1)[1] in swap else m for m in right(config, prefix)]
+
+    monkeypatch.setattr(qwen3_5, "split_in_proj", swapped)
+    cli("convert", bridge_hybrids / name / "hf", tmp_path / "m", "--to-format", "torch_dist", "--for", "bridge", "-q")
+    ours = dist_tensors(tmp_path / "m" / "iter_0000000")
+    theirs = dist_tensors(bridge_hybrids / name / "bridge" / "ckpt" / "iter_0000000")
+    assert sorted(k for k in ours if not torch.equal(ours[k], theirs[k])) == [
+        f"decoder.layers.{i}.self_attention.in_proj.weight.{part}" for i in (0, 2) for part in ("alpha", "beta")]

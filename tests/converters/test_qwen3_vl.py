@@ -109,6 +109,19 @@ def test_a_vision_config_that_contradicts_the_tensors_is_refused(source, tmp_pat
     assert not (tmp_path / "m").exists()
 
 
+def test_an_mtp_layer_qwen3_vl_has_none_of_is_refused(source, tmp_path, monkeypatch, capsys):
+    """Qwen3-VL has no MTP layer (Qwen3.5-VL's text family carries one): text_config.mtp_num_hidden_layers refused by
+    name, nothing written."""
+    bad = tmp_path / "bad"
+    shutil.copytree(source, bad)
+    config = json.loads((source / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (bad / "config.json").write_text(json.dumps(config))
+    refused_cli(monkeypatch, capsys, ["convert", str(bad), str(tmp_path / "m"), "--to-format", "torch_dist"], "mtp_num_hidden_layers=1",
+                "Qwen3-VL has no MTP layer")
+    assert not (tmp_path / "m").exists()
+
+
 @pytest.mark.slow
 def test_reshards_checkpoint_is_bridges_own_import_and_bridge_exports_it_back(source, tmp_path):
     """Megatron-Bridge's import of the same HF model equals reshard's tensor for tensor (names, shapes, values: the
