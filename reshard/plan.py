@@ -19,7 +19,7 @@ from reshard.layout import Layout
 from reshard.logical import OPTIMIZER_PREFIX, TensorSpec
 from reshard.naming import default_extra_state, is_layout_bound, uses_te_names
 from reshard.optim import forms
-from reshard.optim.state import check_states, other_kind
+from reshard.optim.state import check_states, described, other_kind
 from reshard.request import Run, Target
 from reshard.sharding import Piece, Region, contiguous_offset, intersect, pieces, pieces_by_slab, region_size, shift, slab_of, slabs, units
 
@@ -265,7 +265,8 @@ class ConversionPlan:
                 lines.append(f"  resize {move.target.name}: {list(move.source.shape)} -> {list(move.target.shape)} (vocabulary padding)")
         if self.optimizer_forms:
             optimizer_bytes = sum(m.bytes for m in self.moves if m.target.is_optimizer)
-            lines.append(f"optimizer state: {self.optimizer_forms[0]} -> {self.optimizer_forms[1]}, {human_bytes(optimizer_bytes)}")
+            lines.append(f"optimizer state: {self.optimizer_forms[0]} -> {self.optimizer_forms[1]}, {human_bytes(optimizer_bytes)}; "
+                         f"{described(self.common.args)}")
         for name in self.dropped:
             lines.append(f"  drop {name}")
         return "\n".join(lines)

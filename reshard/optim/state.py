@@ -30,10 +30,11 @@ class StoredForm:
     dp: int | None  # the data-parallel size the state was saved at
     buckets: int | None = None  # a buffer form's buckets over every model-parallel rank and model chunk
     ranks: int | None = None  # a buffer form's model-parallel ranks holding buckets
+    optimizer: str = ""  # the optimizer and its moments (`described`), where known
 
     def render(self) -> str:
         where = f", {self.buckets} buckets over {self.ranks} model-parallel ranks" if self.buckets is not None else ""
-        return f"optimizer: {self.form}, DP {self.dp or '?'}{where}"
+        return f"optimizer: {self.form}, DP {self.dp or '?'}{where}{f'; {self.optimizer}' if self.optimizer else ''}"
 
 
 @dataclass(frozen=True)

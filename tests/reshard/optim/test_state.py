@@ -5,15 +5,29 @@ moments than its args name is refused in one line."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from fixtures.models import TINY_LLAMA
 from fixtures.synthetic import rewrite_args, write_synthetic
+from reshard import cli
 from reshard.errors import ReshardError
 from reshard.formats import open_checkpoint
 from reshard.layout import Layout
 from reshard.optim.state import check_states, described, state_keys
 from tests.cli import run_cli
+
+
+def printed(monkeypatch, capsys, *args) -> str:
+    """What `reshard ARGS` prints (run in this process), having exited 0."""
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["reshard", *map(str, args)])
+    try:
+        cli.run()
+    except SystemExit as exit_:
+        assert exit_.code in (0, None), capsys.readouterr().err
+    return capsys.readouterr().out
 
 
 def test_the_moments_are_the_optimizers_the_args_name():
@@ -35,8 +49,12 @@ def test_another_optimizers_moments_are_refused_in_one_line(args, found, complet
 
 
 def test_lions_state_converts_with_its_one_moment(tmp_path, monkeypatch, capsys):
+    """Lion's plain per-parameter state (master weights, exp_avg) converts; `inspect` and the plan name its moment."""
     source = tmp_path / "src"
     write_synthetic(source, TINY_LLAMA, Layout(tp=2), "torch_dist", dtype="float32", optimizer=True, args={"optimizer": "lion"})
+    assert "optimizer: plain, DP 1; lion (exp_avg)" in printed(monkeypatch, capsys, "inspect", source)
+    plan = printed(monkeypatch, capsys, "convert", source, tmp_path / "out", "--to-tp", 1, "--dry-run").splitlines()
+    assert any(line.startswith("optimizer state: ") and line.endswith("; lion (exp_avg)") for line in plan), plan
     assert run_cli(monkeypatch, capsys, "convert", source, tmp_path / "out", "--to-tp", 1, "-q")[0] == 0
     with open_checkpoint(tmp_path / "out") as out:
         states = {name.split(".")[2] for name, spec in out.specs.items() if spec.is_optimizer}
