@@ -6,6 +6,7 @@ moments than its args name is refused in one line."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from fixtures.synthetic import rewrite_args, write_synthetic
 from reshard import cli
 from reshard.errors import ReshardError
 from reshard.formats import open_checkpoint
+from reshard.formats.model_args import bridge_args
 from reshard.layout import Layout
 from reshard.optim.state import check_states, described, state_keys
 from tests.cli import run_cli
@@ -34,6 +36,14 @@ def test_the_moments_are_the_optimizers_the_args_name():
     assert state_keys({}) == state_keys({"optimizer": "adam"}) == ("param", "exp_avg", "exp_avg_sq")
     assert state_keys({"optimizer": "lion"}) == ("param", "exp_avg")
     assert described({"optimizer": "lion"}) == "lion (exp_avg)"
+
+
+def test_bridges_run_config_names_the_optimizer(tmp_path):
+    """Megatron-Bridge records its optimizer in run_config.yaml's `optimizer:` section, which its args lack."""
+    golden = Path(__file__).resolve().parents[3] / "fixtures/golden/bridge-torch_dist-tp1/iter_0000000/run_config.yaml"
+    assert bridge_args(golden)["optimizer"] == "adam"
+    (tmp_path / "run_config.yaml").write_text(golden.read_text().replace("\n  optimizer: adam\n", "\n  optimizer: lion\n"))
+    assert state_keys(bridge_args(tmp_path / "run_config.yaml")) == ("param", "exp_avg")
 
 
 @pytest.mark.parametrize("args, found, complete, said", [
