@@ -421,7 +421,8 @@ def _moves(reader: CheckpointReader, config: ModelConfig | None, optimizer: bool
         raise refused.error()
     if optimizer:  # whatever form it was read from, its moments must be those of the optimizer its args name
         found = {match["state"] for name in reader.specs if (match := OPTIMIZER_PREFIX.match(name))}
-        check_states(reader.common.args, found, f"{reader.path}'s optimizer state", complete=False)
+        check_states(reader.common.args, found, f"{reader.path}'s optimizer state", complete=False,
+                     way_on="; pass --no-optimizer to convert the model without it")
     if optimizer and unsupported:
         raise ReshardError(
             f"the optimizer state ({unsupported[0]}, ...) is stored in a layout-bound form reshard cannot reshard; "

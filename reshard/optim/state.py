@@ -80,10 +80,11 @@ def described(args: dict[str, Any]) -> str:
     return f"{kind} ({', '.join(MOMENTS[kind])})" if kind in MOMENTS else kind
 
 
-def check_states(args: dict[str, Any], found: set[str], where: str, complete: bool = True) -> None:
+def check_states(args: dict[str, Any], found: set[str], where: str, complete: bool = True, way_on: str = "") -> None:
     """Refuse in one line optimizer state `where` holding another optimizer's moments than the one the args name
     (`found`: its state names), or (`complete`: a form that keeps all of them, the master weights as `param`) lacking
-    one of them: read as the args say, it would resume the run with moments of the wrong meaning."""
+    one of them: read as the args say, it would resume the run with moments of the wrong meaning. `way_on` ends the
+    refusal where the caller has one (a decoder refusing at opening has none)."""
     keys = state_keys(args)
     other = sorted(found - set(keys) - set(MASTER_STATES))
     missing = [key for key in keys if key not in found] if complete else []
@@ -91,7 +92,7 @@ def check_states(args: dict[str, Any], found: set[str], where: str, complete: bo
         said = f"{', '.join(other)}, which" if other else f"no {', '.join(missing)}, which"
         raise ReshardError(
             f"{where} holds {said} the args' --optimizer {described(args)} {'does not keep' if other else 'keeps'}: the "
-            "args do not describe this optimizer state (damaged or mislabelled); pass --no-optimizer to convert the model without it"
+            f"args do not describe this optimizer state (damaged or mislabelled){way_on}"
         )
 
 
