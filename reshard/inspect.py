@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from reshard.dtypes import itemsize
 from reshard.formats import open_checkpoint
-from reshard.optim.state import StoredForm
+from reshard.optim.state import StoredForm, described
 from reshard.plan import human_bytes
 from reshard.torchfile.screen import screen
 
@@ -31,7 +31,13 @@ DCP_FORMATS = ("torch_dist", "verl")  # read by TorchDistReader: its tree's iter
 
 
 def optimizer_form(reader) -> StoredForm | None:
-    """The optimizer form of an open `reader`; None without optimizer state, or where the format names none."""
+    """The optimizer form of an open `reader`, with the optimizer and the moments its args name; None without optimizer
+    state, or where the format names none."""
+    form = _stored_form(reader)
+    return None if form is None else replace(form, optimizer=described(reader.common.args))
+
+
+def _stored_form(reader) -> StoredForm | None:
     if reader.optimizer is not None:  # the reader presents it as fully_reshardable: name what is stored
         return reader.optimizer.form
     if reader.format_name not in DCP_FORMATS:

@@ -16,10 +16,10 @@ from reshard.errors import ReshardError
 from reshard.formats import WRITERS
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, WriteOptions, precision_args
 from reshard.layout import Layout
-from reshard.logical import TensorSpec
+from reshard.logical import OPTIMIZER_PREFIX, TensorSpec
 from reshard.naming import default_extra_state, is_layout_bound, uses_te_names
 from reshard.optim import forms
-from reshard.optim.state import other_kind
+from reshard.optim.state import check_states, described, other_kind
 from reshard.request import Run, Target
 from reshard.sharding import Piece, Region, contiguous_offset, intersect, pieces, pieces_by_slab, region_size, shift, slab_of, slabs, units
 
@@ -265,7 +265,8 @@ class ConversionPlan:
                 lines.append(f"  resize {move.target.name}: {list(move.source.shape)} -> {list(move.target.shape)} (vocabulary padding)")
         if self.optimizer_forms:
             optimizer_bytes = sum(m.bytes for m in self.moves if m.target.is_optimizer)
-            lines.append(f"optimizer state: {self.optimizer_forms[0]} -> {self.optimizer_forms[1]}, {human_bytes(optimizer_bytes)}")
+            lines.append(f"optimizer state: {self.optimizer_forms[0]} -> {self.optimizer_forms[1]}, {human_bytes(optimizer_bytes)}; "
+                         f"{described(self.common.args)}")
         for name in self.dropped:
             lines.append(f"  drop {name}")
         return "\n".join(lines)
@@ -418,6 +419,10 @@ def _moves(reader: CheckpointReader, config: ModelConfig | None, optimizer: bool
         refused = other_kind(reader.common.args, reader.path)
     if optimizer and refused is not None:
         raise refused.error()
+    if optimizer:  # whatever form it was read from, its moments must be those of the optimizer its args name
+        found = {match["state"] for name in reader.specs if (match := OPTIMIZER_PREFIX.match(name))}
+        check_states(reader.common.args, found, f"{reader.path}'s optimizer state", complete=False,
+                     way_on="; pass --no-optimizer to convert the model without it")
     if optimizer and unsupported:
         raise ReshardError(
             f"the optimizer state ({unsupported[0]}, ...) is stored in a layout-bound form reshard cannot reshard; "

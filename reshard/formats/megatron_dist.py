@@ -226,8 +226,8 @@ class TorchDistReader(CheckpointReader):
         for key in keys:
             self._index_chunks(key, key, by_offset)
         tensors = {key: self.metadata.tensors[key] for key in keys}
-        dp = self.common.args.get("data_parallel_size")
-        self._decoded(FlattenedRange(tensors, self.metadata.flattened, canonical_name, self.specs, self.config, dp, self._read_chunks), keys)
+        self._decoded(FlattenedRange(tensors, self.metadata.flattened, canonical_name, self.specs, self.config, self.common.args, self._read_chunks),
+                      keys)
 
     def _index_chunks(self, name: str, key: str, by_offset: dict[str, list]) -> None:
         """Index stored tensor `key`'s chunks (regions and where they lie) under `name`, for `_read_chunks`."""

@@ -96,12 +96,15 @@ def _plain_values(path: Path, model: dict[str, Any]) -> dict[str, Any]:
 
 
 def bridge_args(path: Path) -> dict[str, Any]:
-    """Megatron-LM args from the `model:` section of a Megatron-Bridge `run_config.yaml`."""
+    """Megatron-LM args from the `model:` section of a Megatron-Bridge `run_config.yaml` (and its optimizer's name)."""
     data = read_yaml(path)
     model = data.get("model") if isinstance(data, dict) else None
     if not isinstance(model, dict):
         raise ReshardError(f"{path} has no model section: not a Megatron-Bridge run config")
     args = _plain_values(path, model)
+    optimizer = data.get("optimizer")
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("optimizer"), str):  # whose moments the state holds
+        args["optimizer"] = optimizer["optimizer"]
     for key, default in _REFUSED.items():
         if model.get(key, default) not in (default, False, None):
             raise ReshardError(f"{path}: model.{key} is {model[key]!r}, which reshard does not read yet")

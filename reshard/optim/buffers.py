@@ -1,8 +1,9 @@
 """Megatron's DistributedOptimizer buffers, derived: where each parameter's state lies in them.
 
 The DistributedOptimizer keeps each model-parallel rank's parameters in flat buffers, cut into buckets; its state
-(fp32 master weights, Adam's two moments) is saved in that layout by the `dp_reshardable` form (`optim.dp_reshardable`:
-one tensor per bucket) and the legacy `distrib_optim.pt` (`optim.distrib_optim_pt`: each buffer's buckets end to end).
+(fp32 master weights, and the optimizer's moments: Adam's two, Lion's one, `state.MOMENTS`) is saved in that layout by
+the `dp_reshardable` form (`optim.dp_reshardable`: one tensor per bucket) and the legacy `distrib_optim.pt`
+(`optim.distrib_optim_pt`: each buffer's buckets end to end).
 `BufferLayout` derives the layout from the checkpoint's own model tensors and args, after megatron-core 0.16's
 param_and_grad_buffer.py:
 
@@ -47,10 +48,10 @@ from reshard.errors import ReshardError
 from reshard.layout import Layout, RankCoord
 from reshard.logical import TensorSpec, describe
 from reshard.optim.order import MULTI_LATENT, ParamOrder, attention_of, parameter_of
+from reshard.optim.state import state_keys
 from reshard.sharding import Piece, Region, intersect, pieces, region_size, shift, to_slices
 
 PREFIX = "optimizer.distributed."
-STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 PARAM_ALIGN = 64
 
 # megatron-core's ChainedOptimizer of an MoE model: the dense optimizer, then the expert one
@@ -136,6 +137,7 @@ class BufferLayout:
     def __init__(self, model_specs: dict[str, TensorSpec], config: ModelConfig, layout: Layout, args: dict[str, Any]):
         self.config, self.layout, self.args = config, layout, args
         self._refuse_unsupported(args)
+        self.state_keys = state_keys(args)  # what each parameter's place holds in each state's buckets
         self.order = ParamOrder.of(args, attention_of(config), config)
         if self.order.transformer_engine and self.order.attention == MULTI_LATENT and layout.tp > 1:
             raise ReshardError(
@@ -303,11 +305,12 @@ class BufferLayout:
 
     def optimizer_specs(self) -> dict[str, TensorSpec]:
         """The logical optimizer tensors, named as Megatron's fully_reshardable form names them:
-        `optimizer.state.<param|exp_avg|exp_avg_sq>.<model key>`, with the model tensor's global shape."""
+        `optimizer.state.<param|exp_avg|exp_avg_sq>.<model key>` (the moments the run's optimizer keeps), with the
+        model tensor's global shape."""
         return {
             f"optimizer.state.{k}.{name}": describe(f"optimizer.state.{k}.{name}", spec.shape, "float32", self.config)
             for name, spec in self.model_specs.items()
-            for k in STATE_KEYS
+            for k in self.state_keys
         }
 
     def read_into(self, name: str, region: Region, out: np.ndarray, read_place: Callable[[Gbuf, Placed, str, int, np.ndarray], None]) -> None:

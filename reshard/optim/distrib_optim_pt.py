@@ -5,7 +5,7 @@ the legacy reader's optimizer state) and written (`DistribOptimPtSink`, which th
 target TP/PP and data-parallel size (`--to-dp`, default the source's).
 
 Per model-parallel rank, `{"buckets_coalesced": True, <gbuf idx>: {(<param dtype>, <grad dtype>): {"param",
-"exp_avg", "exp_avg_sq": fp32 1-D, "numel_unpadded": int}}}`: each buffer's buckets laid end to end without their
+"exp_avg", "exp_avg_sq" (Lion's: no exp_avg_sq): fp32 1-D, "numel_unpadded": int}}}`: each buffer's buckets laid end to end without their
 end padding, the 64-element alignment gaps between parameters zero (megatron-core 0.16's
 `get_parameter_state_dp_zero`). Where each parameter lies is `buffers.BufferLayout`'s derivation
 (`Buffer.coalesced_start`), so what is written here decodes back by the same rules. The rank file's `optimizer`
@@ -37,10 +37,10 @@ from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
-from reshard.optim.buffers import DENSE_CHAIN, STATE_KEYS, BufferLayout, Gbuf, Placed, flat_span
+from reshard.optim.buffers import DENSE_CHAIN, BufferLayout, Gbuf, Placed, flat_span
 from reshard.optim.common import fully_reshardable_common, param_groups
 from reshard.optim.sink import OptimizerSink
-from reshard.optim.state import OptimizerState, StoredForm
+from reshard.optim.state import OptimizerState, StoredForm, check_states
 from reshard.paths import confined
 from reshard.records import StoredRecord
 from reshard.sharding import Piece, Region, pieces, shift, to_slices
@@ -136,7 +136,8 @@ class DistribOptimFiles(OptimizerState):
             tensors = next(iter(by_dtype.values()))
             buffer = self.buffer_layout.buffers[gbuf]
             derived = sum(buffer.sizes)
-            for key in STATE_KEYS:
+            check_states(self.buffer_layout.args, set(tensors) - {"numel_unpadded"}, f"{path}: buffer {gbuf.index}{which}")
+            for key in self.buffer_layout.state_keys:
                 record = archive_tensor(tensors.get(key))
                 if record is None or record.dtype != "float32" or record.shape != (derived,) or tensors.get("numel_unpadded") != derived:
                     stored = "no tensor" if record is None else f"{record.dtype} {record.shape}"
@@ -215,7 +216,7 @@ class DistribOptimPtSink(OptimizerSink):
             for gbuf in self.buffer_layout.rank_buffers(chain, group):
                 numel = sum(self.buffer_layout.buffers[gbuf].sizes)
                 tensors: dict[str, Any] = {}
-                for key in STATE_KEYS:
+                for key in self.buffer_layout.state_keys:
                     tensors[key] = (slot := stream.reserve((numel,), "float32")).stub
                     self._records[(gbuf, key)], self._parts[(gbuf, key)] = slot, {}
                 state[gbuf.index] = {self.dtype_key: {**tensors, "numel_unpadded": numel}}

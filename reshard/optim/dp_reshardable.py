@@ -2,14 +2,15 @@
 
 megatron-core (>= 0.15) saves the distributed optimizer's state by default as its buckets, and loads them only at the
 layout they were saved at (any DP): per model-parallel rank I, model chunk g and bucket b, three 1-D fp32 tensors
-`optimizer.distributed.dp_group_idx_<I>.gbuf_idx_<g>.dtype_(<param>, <grad>).bucket_idx_<b>.<param|exp_avg|exp_avg_sq>`
-of the bucket's unpadded length, and the rank's ShardedObjects `...dp_group_idx_<I>.{optimizer, per_bucket_numel,
+`optimizer.distributed.dp_group_idx_<I>.gbuf_idx_<g>.dtype_(<param>,
+<grad>).bucket_idx_<b>.<param|exp_avg|exp_avg_sq>` of the bucket's unpadded length (two with --optimizer lion: no
+exp_avg_sq; `state.MOMENTS`), and the rank's ShardedObjects `...dp_group_idx_<I>.{optimizer, per_bucket_numel,
 per_bucket_numel_unpadded}`; common.pt's `optimizer` entry only names the form (megatron-core 0.16's
 `DistributedOptimizer.sharded_state_dict(... 'dp_reshardable')`). An MoE model at EP > 1 has megatron-core's
-ChainedOptimizer: all of that per optimizer, keys prefixed `chained_0.` (dense) and `chained_1.` (experts, keyed by the
-expert rank, buckets padded for the expert data-parallel size), common.pt's entry one per optimizer; at EP1 the experts
-are in the one dense optimizer's buffer. Where each parameter lies in its rank's bucket is `buffers.BufferLayout`'s
-derivation, in both directions.
+ChainedOptimizer: all of that per optimizer, keys prefixed `chained_0.` (dense) and `chained_1.` (experts, keyed by
+the expert rank, buckets padded for the expert data-parallel size), common.pt's entry one per optimizer; at EP1 the
+experts are in the one dense optimizer's buffer. Where each parameter lies in its rank's bucket is
+`buffers.BufferLayout`'s derivation, in both directions.
 
 Read (`DpReshardable`, the torch_dist reader's optimizer state): each bucket checked against the derived layout (its
 saved `per_bucket_numel_unpadded` and stored length, else refused naming the bucket's last parameter), each read
@@ -37,10 +38,10 @@ from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.layout import Layout, RankCoord
 from reshard.logical import TensorSpec
-from reshard.optim.buffers import EXPERT_CHAIN, STATE_KEYS, BufferLayout, Gbuf, Placed, flat_span
+from reshard.optim.buffers import EXPERT_CHAIN, BufferLayout, Gbuf, Placed, flat_span
 from reshard.optim.common import fully_reshardable_common, param_groups
 from reshard.optim.sink import OptimizerSink, Placement
-from reshard.optim.state import OptimizerState, StoredForm
+from reshard.optim.state import OptimizerState, StoredForm, check_states
 from reshard.records import StoredRecord
 from reshard.sharding import Piece, Region, pieces, region_size
 from reshard.torchfile.dcp_metadata import Chunk, TensorEntry
@@ -97,9 +98,7 @@ class DpReshardable(OptimizerState):
                     f"({', '.join(sorted(found))}), or more than one per model chunk, are not decoded yet"
                 )
         for (gbuf, bucket), keys in self.bucket_keys.items():
-            missing = [k for k in STATE_KEYS if k not in keys]
-            if missing:
-                raise ReshardError(f"bucket {bucket} of {gbuf} lacks {', '.join(missing)}: the checkpoint is damaged")
+            check_states(args, set(keys), f"bucket {bucket} of {gbuf}")
         self.buffer_layout = BufferLayout(model_specs, config, layout, args)
         self.dp = self.buffer_layout.dp
         self.placed = self.buffer_layout.placed
@@ -251,7 +250,7 @@ class DpReshardableSink(OptimizerSink):
         covers them."""
         entries = {}
         for prefix, size in self.buckets.items():
-            for state in STATE_KEYS:
+            for state in self.buffer_layout.state_keys:
                 key = f"{prefix}.{state}"
                 at = 0
                 for start, end in [*sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in chunks[key]), (size, size)]:

@@ -29,13 +29,14 @@ import numpy as np
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.logical import OPTIMIZER_PREFIX, TensorSpec, describe
-from reshard.optim.state import OptimizerState, StoredForm
+from reshard.optim.state import OptimizerState, StoredForm, check_states
 from reshard.sharding import Region, intersect, shift, to_slices
 from reshard.torchfile.dcp_metadata import TensorEntry
 
 FORM = "fully_sharded_model_space"
 PREFIX = "optimizer.state."  # (the deprecated fully_sharded_bucket_space form flattens `optimizer.distributed.*` buckets)
-# the form's state names -> fully_reshardable's (the fp32 master weight is `fp32_param` here, `param` there)
+# the form's state names -> fully_reshardable's (the fp32 master weight is `fp32_param` here, `param` there); which of
+# the moments a parameter has is its optimizer's (`state.MOMENTS`)
 STATES = {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 
@@ -103,10 +104,10 @@ class FlattenedRange(OptimizerState):
         canonical: Callable[[str], str],  # a stored key's canonical name
         model_specs: dict[str, TensorSpec],
         config: ModelConfig | None,
-        dp: int | None,  # the data-parallel size the args record
+        args: dict[str, Any],  # the saving run's: its data-parallel size and optimizer
         read_raw: Callable[[str, Region, np.ndarray], None],
     ):
-        self.read_raw, self.dp = read_raw, dp
+        self.read_raw, self.dp = read_raw, args.get("data_parallel_size")
         self.specs: dict[str, TensorSpec] = {}
         self.stored: dict[str, Flattened] = {}
         states: dict[str, set[str]] = defaultdict(set)
@@ -124,9 +125,7 @@ class FlattenedRange(OptimizerState):
             self.specs[name] = describe(name, model.shape, entry.dtype, config)
             states[param].add(STATES[match["state"]])
         for param, found in states.items():
-            if len(found) != len(STATES):
-                missing = ", ".join(sorted(set(STATES.values()) - found))
-                raise ReshardError(f"{param}: the checkpoint holds its {FORM} optimizer state without {missing}; it is damaged")
+            check_states(args, found, f"{param}: its {FORM} optimizer state")
 
     @property
     def form(self) -> StoredForm:

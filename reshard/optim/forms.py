@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 from reshard.errors import ReshardError
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
-from reshard.optim.buffers import STATE_KEYS
 from reshard.optim.common import param_groups
 from reshard.optim.distrib_optim_pt import DistribOptimPtSink
 from reshard.optim.dp_reshardable import DpReshardableSink
 from reshard.optim.order import ParamOrder, attention_of
 from reshard.optim.sink import Form, OptimizerOutput
+from reshard.optim.state import described, state_keys
 from reshard.request import Target
 
 if TYPE_CHECKING:
@@ -101,16 +101,18 @@ def output(
 
 
 def _refuse_what_buffers_lack(form: Form, reader: CheckpointReader, specs: dict[str, TensorSpec], common: CommonState, layout: Layout) -> None:
-    """The DistributedOptimizer's buffers hold all three states of every parameter, placed by the architecture, and the
-    param groups of each of its optimizers (an expert one at EP > 1)."""
+    """The DistributedOptimizer's buffers hold every state of every parameter (the master weights and its optimizer's
+    moments), placed by the architecture, and the param groups of each of its optimizers (an expert one at EP > 1)."""
     if reader.config is None:
         raise ReshardError(f"{form.requested_as} places parameters by the architecture, which the source does not record: pass --config")
     order = ParamOrder.of(common.args, attention_of(reader.config), reader.config)  # what the run trained: its frozen parts have no state
     models = [name for name, spec in specs.items() if not spec.is_optimizer and order.trains(name)]
-    missing = [f"optimizer.state.{k}.{name}" for name in models for k in STATE_KEYS if f"optimizer.state.{k}.{name}" not in specs]
+    keys = state_keys(common.args)
+    missing = [f"optimizer.state.{k}.{name}" for name in models for k in keys if f"optimizer.state.{k}.{name}" not in specs]
     if missing:
         raise ReshardError(
             f"{missing[0]} is not in the source: the DistributedOptimizer's dp_reshardable state needs fp32 master weights "
-            "and both Adam moments of every parameter (a DistributedOptimizer checkpoint's state); pass --no-optimizer"
+            f"and every moment of --optimizer {described(common.args)} of every parameter (a DistributedOptimizer checkpoint's "
+            "state); pass --no-optimizer"
         )
     param_groups(common.extra.get("optimizer"), reader.config.is_moe and layout.ep > 1, form.requested_as)

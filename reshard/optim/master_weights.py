@@ -35,10 +35,9 @@ from reshard.dtypes import itemsize, numpy_dtype
 from reshard.errors import ReshardError
 from reshard.formats.base import CheckpointReader
 from reshard.logical import OPTIMIZER_PREFIX, TensorSpec
+from reshard.optim.state import MASTER_STATES
 from reshard.plan import UNIT_BYTES, TensorMove
 from reshard.sharding import Region, intersect, pieces, slabs, units
-
-MASTER_STATES = ("param", "fp32_param")
 
 
 def master_of(name: str) -> str | None:

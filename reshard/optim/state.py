@@ -1,7 +1,8 @@
 """The reader's seam: a checkpoint reader *has* an optimizer state, decoded from the form the checkpoint stores it in,
 which it asks for regions of Megatron's fully_reshardable per-parameter tensors (`optimizer.state.<param|exp_avg|
-exp_avg_sq>.<model key>`). What a reader does not decode it lists as not read (`CheckpointReader.unsupported_optimizer`),
-and where a decoder refused what it found, it keeps why (`OptimizerRefusal`): the model still converts without it."""
+exp_avg_sq>.<model key>`, the moments those of the optimizer the args name: `MOMENTS`). What a reader does not decode
+it lists as not read (`CheckpointReader.unsupported_optimizer`), and where a decoder refused what it found, it keeps
+why (`OptimizerRefusal`): the model still converts without it."""
 
 from __future__ import annotations
 
@@ -29,10 +30,11 @@ class StoredForm:
     dp: int | None  # the data-parallel size the state was saved at
     buckets: int | None = None  # a buffer form's buckets over every model-parallel rank and model chunk
     ranks: int | None = None  # a buffer form's model-parallel ranks holding buckets
+    optimizer: str = ""  # the optimizer and its moments (`described`), where known
 
     def render(self) -> str:
         where = f", {self.buckets} buckets over {self.ranks} model-parallel ranks" if self.buckets is not None else ""
-        return f"optimizer: {self.form}, DP {self.dp or '?'}{where}"
+        return f"optimizer: {self.form}, DP {self.dp or '?'}{where}{f'; {self.optimizer}' if self.optimizer else ''}"
 
 
 @dataclass(frozen=True)
@@ -49,22 +51,57 @@ class OptimizerRefusal:
         return ReshardError(f"{self.reason}; pass --no-optimizer to convert the model without its optimizer state")
 
 
-# Megatron-LM's --optimizer values whose state reshard decodes (each form's `optimizer.state.<param|exp_avg|exp_avg_sq>`),
-# and why it does not decode the others' (megatron-core 0.18+'s Lion and Muon).
-DECODED_KINDS = frozenset({"adam"})
+# Megatron-LM's --optimizer values whose state reshard decodes, and the moments each keeps beside the fp32 master
+# weights (megatron-core 0.19's `DistributedOptimizer.optimizer_state_keys`): the one place that says which they are.
+MOMENTS = {"adam": ("exp_avg", "exp_avg_sq"), "lion": ("exp_avg",)}
+MASTER = "param"  # the fp32 master weights, as the DistributedOptimizer's forms name them
+MASTER_STATES = (MASTER, "fp32_param")  # and as the plain optimizer (and megatron-core <= 0.14's model-space form) does
+# and why it does not decode the others' (megatron-core 0.18+'s Muon)
 _OTHER_KINDS = {
-    "lion": "Lion keeps one moment (exp_avg) where reshard reads Adam's two",
     "muon": "Muon's layer-wise distributed optimizer state reloads only at the data-parallel size it was saved at",
     "dist_muon": "Muon's layer-wise distributed optimizer state reloads only at the data-parallel size it was saved at",
 }
 
 
+def optimizer_kind(args: dict[str, Any]) -> str:
+    """The optimizer a run's args name (Megatron-LM's `--optimizer`; Megatron-Bridge's `optimizer.optimizer`)."""
+    return str(args.get("optimizer") or "adam")
+
+
+def state_keys(args: dict[str, Any]) -> tuple[str, ...]:
+    """Each parameter's optimizer state as the run's DistributedOptimizer keeps it: the fp32 master weights, then its
+    optimizer's moments (an optimizer reshard does not decode has Adam's: `other_kind` refuses it by name)."""
+    return (MASTER, *MOMENTS.get(optimizer_kind(args), MOMENTS["adam"]))
+
+
+def described(args: dict[str, Any]) -> str:
+    """The optimizer and its moments in words (for `inspect` and refusals)."""
+    kind = optimizer_kind(args)
+    return f"{kind} ({', '.join(MOMENTS[kind])})" if kind in MOMENTS else kind
+
+
+def check_states(args: dict[str, Any], found: set[str], where: str, complete: bool = True, way_on: str = "") -> None:
+    """Refuse in one line optimizer state `where` holding another optimizer's moments than the one the args name
+    (`found`: its state names), or (`complete`: a form that keeps all of them, the master weights as `param`) lacking
+    one of them: read as the args say, it would resume the run with moments of the wrong meaning. `way_on` ends the
+    refusal where the caller has one (a decoder refusing at opening has none)."""
+    keys = state_keys(args)
+    other = sorted(found - set(keys) - set(MASTER_STATES))
+    missing = [key for key in keys if key not in found] if complete else []
+    if other or missing:
+        said = f"{', '.join(other)}, which" if other else f"no {', '.join(missing)}, which"
+        raise ReshardError(
+            f"{where} holds {said} the args' --optimizer {described(args)} {'does not keep' if other else 'keeps'}: the "
+            f"args do not describe this optimizer state (damaged or mislabelled){way_on}"
+        )
+
+
 def other_kind(args: dict[str, Any], source: object) -> OptimizerRefusal | None:
-    """The refusal of an optimizer state saved by an optimizer other than Adam, by its name (`--optimizer`)."""
-    kind = args.get("optimizer", "adam")
-    if kind in DECODED_KINDS:
+    """The refusal of an optimizer state saved by an optimizer whose state reshard does not decode, by its name."""
+    kind = optimizer_kind(args)
+    if kind in MOMENTS:
         return None
-    why = _OTHER_KINDS.get(kind, "reshard decodes Adam's state only")
+    why = _OTHER_KINDS.get(kind, f"reshard decodes {' and '.join(sorted(MOMENTS))} state only")
     return OptimizerRefusal(f"optimizer state ({kind})", f"{source} was trained with --optimizer {kind}: {why}, so reshard does not "
                             "reshard its state; pass --no-optimizer to convert the model without it (the run resumes with a new "
                             "optimizer), or resume it at the layout it was saved at")
