@@ -97,11 +97,16 @@ def check_states(args: dict[str, Any], found: set[str], where: str, complete: bo
 
 
 def other_kind(args: dict[str, Any], source: object) -> OptimizerRefusal | None:
-    """The refusal of an optimizer state saved by an optimizer whose state reshard does not decode, by its name."""
+    """The refusal of an optimizer state saved by an optimizer whose state reshard does not decode, by its name: another
+    optimizer, or a decoded one under megatron-core 0.19's layer-wise distributed optimizer (not the DistributedOptimizer
+    whose forms reshard reads)."""
     kind = optimizer_kind(args)
-    if kind in MOMENTS:
+    layer_wise = bool(args.get("use_layer_wise_distributed_optimizer"))
+    if kind in MOMENTS and not layer_wise:
         return None
     why = _OTHER_KINDS.get(kind, f"reshard decodes {' and '.join(sorted(MOMENTS))} state only")
+    if kind in MOMENTS:
+        kind, why = f"{kind} --use-layer-wise-distributed-optimizer", "its layer-wise state reloads only at the data-parallel size it was saved at"
     return OptimizerRefusal(f"optimizer state ({kind})", f"{source} was trained with --optimizer {kind}: {why}, so reshard does not "
                             "reshard its state; pass --no-optimizer to convert the model without it (the run resumes with a new "
                             "optimizer), or resume it at the layout it was saved at")

@@ -85,12 +85,15 @@ def test_a_state_whose_args_name_another_optimizer_is_refused_writing_nothing(tm
     assert not out.exists()
 
 
-@pytest.mark.parametrize("kind,why", [("muon", "reloads only at the data-parallel size"), ("sgd", "decodes adam and lion state only")])
-def test_the_state_of_another_optimizer_is_refused_by_its_name(tmp_path, monkeypatch, capsys, kind, why):
+@pytest.mark.parametrize("kind,why,layer_wise", [("muon", "reloads only at the data-parallel size", False),
+                                                   ("sgd", "decodes adam and lion state only", False),
+                                                   ("adam --use-layer-wise-distributed-optimizer", "reloads only at the data-parallel size", True)])
+def test_the_state_of_another_optimizer_is_refused_by_its_name(tmp_path, monkeypatch, capsys, kind, why, layer_wise):
+    """Another optimizer's, or a decoded one's kept by megatron-core 0.19's layer-wise distributed optimizer."""
     source = tmp_path / "src"
     write_synthetic(source, TINY_LLAMA, Layout(tp=2), "torch_dist", dtype="float32", optimizer=True)
     assert run_cli(monkeypatch, capsys, "convert", source, tmp_path / "adam", "--to-tp", 1, "-q")[0] == 0  # Adam's: carried
-    rewrite_args(source, optimizer=kind)
+    rewrite_args(source, optimizer=kind.split()[0], use_layer_wise_distributed_optimizer=layer_wise)
     out = tmp_path / "out"
     code, lines = run_cli(monkeypatch, capsys, "convert", source, out, "--to-tp", 1, "-q")
     assert code == 1 and len(lines) == 1 and f"--optimizer {kind}: " in lines[0] and why in lines[0] and "--no-optimizer" in lines[0]
