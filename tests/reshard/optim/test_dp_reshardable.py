@@ -347,9 +347,11 @@ def test_inspect_names_the_optimizer_form_its_buckets_and_dp_size(distrib_optim,
         return json.loads(out.stdout)["optimizer"]
 
     bucketed = distrib_optim("tiny-odd", tp=2, bucket_size=6000)["dp"]  # 7 buckets on each of the 2 TP ranks
-    assert form(bucketed) == {"form": "dp_reshardable", "dp": 2, "buckets": 14, "ranks": 2}
-    assert "optimizer: dp_reshardable, DP 2, 14 buckets over 2 model-parallel ranks" in reshard("inspect", bucketed).stdout
-    assert form(distrib_optim("tiny-odd", tp=2)["full"]) == {"form": "fully_reshardable", "dp": 2, "buckets": None, "ranks": None}
+    assert form(bucketed) == {"form": "dp_reshardable", "dp": 2, "buckets": 14, "ranks": 2, "optimizer": "adam (exp_avg, exp_avg_sq)"}
+    text = reshard("inspect", bucketed).stdout
+    assert "optimizer: dp_reshardable, DP 2, 14 buckets over 2 model-parallel ranks; adam (exp_avg, exp_avg_sq)" in text
+    assert form(distrib_optim("tiny-odd", tp=2)["full"]) == {"form": "fully_reshardable", "dp": 2, "buckets": None, "ranks": None,
+                                                             "optimizer": "adam (exp_avg, exp_avg_sq)"}
     assert reshard("convert", bucketed, tmp_path / "tp1", "--to-tp", "1", "-q").returncode == 0
     assert form(tmp_path / "tp1")["form"] == "fully_reshardable"  # what reshard writes
     write_synthetic(tmp_path / "plain", TINY_LLAMA, Layout(), "torch_dist", optimizer=True)
@@ -370,8 +372,8 @@ def test_inspect_names_an_moe_models_optimizer_forms(distrib_optim):
         assert out.returncode == 0, out.stderr
         forms[form] = json.loads(out.stdout)["optimizer"]
     assert forms == {
-        "dp": {"form": "dp_reshardable", "dp": 4, "buckets": 3, "ranks": 3},
-        "full": {"form": "fully_reshardable", "dp": 4, "buckets": None, "ranks": None},
+        "dp": {"form": "dp_reshardable", "dp": 4, "buckets": 3, "ranks": 3, "optimizer": "adam (exp_avg, exp_avg_sq)"},
+        "full": {"form": "fully_reshardable", "dp": 4, "buckets": None, "ranks": None, "optimizer": "adam (exp_avg, exp_avg_sq)"},
     }
 
 
