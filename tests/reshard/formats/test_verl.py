@@ -174,37 +174,79 @@ def test_a_v1_steps_dp_reshardable_optimizer_decodes_by_the_ranks_that_wrote_it(
     assert sorted(tensors(tmp_path / "with")) == sorted(want)
 
 
-# (reshard convert's flags, the layout megatron-core loads the output at, its ranks, whether the RNG state is carried)
+# (the source (SOURCES), reshard convert's flags, the layout megatron-core loads the output at, its ranks, whether the RNG
+# state is carried)
 RESHARDS = {
-    "tp2dp2-to-tp1pp2": (["--to-tp", "1", "--to-pp", "2"], ["--tp", "1", "--pp", "2"], 4, False),
-    "tp2dp2-to-tp1dp4": (["--to-tp", "1", "--to-dp", "4"], ["--tp", "1"], 4, False),
-    "tp2dp2-to-tp2dp1": (["--to-dp", "1"], ["--tp", "2"], 2, True),
+    "tp2dp2-to-tp1pp2": ("v2-tp2dp2", ["--to-tp", "1", "--to-pp", "2"], ["--tp", "1", "--pp", "2"], 4, False),
+    "tp2dp2-to-tp1dp4": ("v2-tp2dp2", ["--to-tp", "1", "--to-dp", "4"], ["--tp", "1"], 4, False),
+    "tp2dp2-to-tp2dp1": ("v2-tp2dp2", ["--to-dp", "1"], ["--tp", "2"], 2, True),
+    "moe-ep2dp4-to-ep1": ("v2-moe-ep2dp4", ["--to-ep", "1"], ["--ep", "1"], 4, False),  # the experts' buckets at expert-DP 4
 }
+
+
+def resharded_and_loaded(out: Path, made: dict, preset: str, flags: list, layout: list, ranks: int) -> dict[str, Path]:
+    """`made`'s run converted by reshard (`flags`) into out/out in verl's layout ('out'), loaded by megatron-core at
+    `layout` on `ranks` forked ranks as verl loads a step (fixtures/verl.py --load) and saved again in Megatron-LM's
+    layout ('loaded'). Shared with `tests.cache.built`."""
+    result = reshard("convert", made["run"], out / "out", *flags)
+    assert result.returncode == 0 and "checksums verified" in result.stdout, result.stderr
+    run("fixtures.verl", ["--preset", preset, *layout, "--load", out / "out" / STEP / "actor", "--mlm-out", out / "loaded"], nproc=ranks,
+        timeout=600)
+    return {"out": out / "out", "loaded": out / "loaded"}
 
 
 @pytest.mark.slow  # megatron-core loads the output on forked ranks
 @pytest.mark.parametrize("case", RESHARDS.values(), ids=RESHARDS.keys())
-def test_a_resharded_verl_step_is_loaded_by_megatron_core_as_verl_loads_it(verl_step, tmp_path, case):
-    """Written back in verl's layout at a new TP/PP/DP, megatron-core's dist_checkpointing.load (fixtures/verl.py
-    --load: verl's keys, the DistributedOptimizer's dp_reshardable buckets at the new layout) gets the model, the optimizer
-    state and the LR scheduler the source run saved."""
-    flags, layout, ranks, rng = case
-    made = verl_step()
-    result = reshard("convert", made["run"], tmp_path / "out", *flags)
-    assert result.returncode == 0 and "checksums verified" in result.stdout, result.stderr
-    actor = tmp_path / "out" / STEP / "actor"
-    run("fixtures.verl", ["--preset", "tiny-llama", *layout, "--load", actor, "--mlm-out", tmp_path / "loaded"], nproc=ranks, timeout=600)
-    got, want = tensors(tmp_path / "loaded"), tensors(made["mlm"])
+def test_a_resharded_verl_step_is_loaded_by_megatron_core_as_verl_loads_it(verl_step, tmp_path_factory, case):
+    """Written back in verl's layout at a new TP/PP/DP (an MoE step: at EP1 from EP2), megatron-core's
+    dist_checkpointing.load (fixtures/verl.py --load: verl's keys, the DistributedOptimizer's dp_reshardable buckets at
+    the new layout) gets the model, the optimizer state and the LR scheduler the source run saved."""
+    source, flags, layout, ranks, rng = case
+    made = verl_step(*SOURCES[source])
+    paths = built(tmp_path_factory, resharded_and_loaded, made, SOURCES[source][0], flags, layout, ranks)
+    got, want, actor = tensors(paths["loaded"]), tensors(made["mlm"]), paths["out"] / STEP / "actor"
     assert any(name.startswith("optimizer.state.exp_avg_sq.") for name in want) and sorted(got) == sorted(want)
     assert all(same(got[name], want[name]) for name in want), [name for name in want if not same(got[name], want[name])][:3]
-    with open_checkpoint(tmp_path / "loaded") as loaded, open_checkpoint(made["mlm"]) as oracle:
+    with open_checkpoint(paths["loaded"]) as loaded, open_checkpoint(made["mlm"]) as oracle:
         assert loaded.common.extra["opt_param_scheduler"] == oracle.common.extra["opt_param_scheduler"]
-    source = made["run"] / STEP / "actor"
-    assert (actor / "model" / "huggingface" / "config.json").read_bytes() == (source / "model" / "huggingface" / "config.json").read_bytes()
+    source_actor = made["run"] / STEP / "actor"
+    assert (actor / "model" / "huggingface" / "config.json").read_bytes() == (source_actor / "model" / "huggingface" / "config.json").read_bytes()
     manifest, config = json.loads((actor / "ckpt_contents.json").read_text()), json.loads((actor / "transformer_config.json").read_text())
-    assert manifest["world_size"] == ranks and config["tensor_model_parallel_size"] == int(layout[1])
+    sizes = {flag: int(value) for flag, value in zip(layout[::2], layout[1::2])}
+    assert manifest["world_size"] == ranks and config["tensor_model_parallel_size"] == sizes.get("--tp", 1)
+    assert config["expert_model_parallel_size"] == sizes.get("--ep", 1)
     assert (actor / "extra" / "dist_ckpt").is_dir() == rng == ("rng_state" in manifest["contents"]) == ("extra" in manifest["save_contents"])
-    assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert (paths["out"] / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def _experts_swapped(values: dict, first: int, second: int) -> dict:
+    """`values` with experts `first` and `second` traded (the expert axis follows the layer axis), their optimizer state too."""
+    out = dict(values)
+    for name, tensor in values.items():
+        if ".mlp.experts." in name:
+            out[name] = tensor.clone()
+            out[name][:, [first, second]] = tensor[:, [second, first]]
+    return out
+
+
+@pytest.mark.slow  # megatron-core loads the output on forked ranks
+def test_a_verl_moe_step_at_ep1_exports_as_its_megatron_lm_save_and_swapped_experts_fail(verl_step, tmp_path_factory, tmp_path):
+    """The MoE step written back at EP1 (the case above) exports to the HF weights its Megatron-LM save exports (each
+    expert under its own HF index). The control: megatron-core's load of that output with two experts traded (model and
+    optimizer state) no longer equals the source's save, so the load above tells the experts apart."""
+    source, flags, layout, ranks, _ = RESHARDS["moe-ep2dp4-to-ep1"]
+    made = verl_step(*SOURCES[source])
+    paths = built(tmp_path_factory, resharded_and_loaded, made, SOURCES[source][0], flags, layout, ranks)
+    got, want = tensors(paths["loaded"]), tensors(made["mlm"])
+    assert all(same(got[name], want[name]) for name in want)
+    swapped = _experts_swapped(got, 0, 1)
+    differ = sorted(name for name in want if not same(swapped[name], want[name]))
+    assert differ == sorted(name for name in want if ".mlp.experts." in name) and len(differ) == 8, differ
+    for name, path in (("out", paths["out"]), ("mlm", made["mlm"])):
+        convert(path, tmp_path / f"{name}.hf", Target(format="hf", optimizer=False))
+    exported, oracle = _hf_tensors(tmp_path / "out.hf"), _hf_tensors(tmp_path / "mlm.hf")
+    assert sum(".experts." in name for name in oracle) == 4 * 4 * 3 and sorted(exported) == sorted(oracle)
+    assert all(same(exported[name], oracle[name]) for name in oracle)
 
 
 @pytest.mark.slow
