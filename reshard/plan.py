@@ -13,7 +13,7 @@ from reshard.checksum import CHECKSUM_BLOCK_BYTES
 from reshard.config import ModelConfig
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
-from reshard.formats import WRITERS
+from reshard.formats import WRITERS, writer_for
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, WriteOptions, precision_args
 from reshard.layout import Layout
 from reshard.logical import OPTIMIZER_PREFIX, TensorSpec
@@ -382,7 +382,7 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         source_format=reader.format_name,
         source_layout=reader.layout,
         target=destination,
-        writer=WRITERS[format_name],
+        writer=writer_for(reader, target.format),
         target_layout=layout,
         config=config,
         moves=moves,

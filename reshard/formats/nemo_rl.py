@@ -8,6 +8,7 @@ Any of the run's directory, a step or a step's model names the Bridge save insid
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from reshard.errors import ReshardError
@@ -35,3 +36,23 @@ def weights_dir(path: Path) -> Path:
         return path / models[0] / "weights"
     steps = [(int(m.group(1)), p) for p in path.iterdir() if (m := _STEP.fullmatch(p.name)) and (p / TRAINING_INFO).is_file()]
     return weights_dir(max(steps)[1]) if steps else path  # the run: its newest step, as NeMo-RL resumes from
+
+
+@dataclass(frozen=True)
+class NemoRlStep:
+    """A finished NeMo-RL step holding one Megatron model's Bridge save."""
+
+    directory: Path  # step_N
+    model: str  # policy, or value
+
+    @property
+    def weights(self) -> Path:
+        return self.directory / self.model / "weights"
+
+
+def step_of(weights: Path) -> NemoRlStep | None:
+    """The finished NeMo-RL step whose model's Bridge save is `weights`, or None."""
+    model, directory = weights.parent, weights.parent.parent
+    if weights.name == "weights" and model.name in _MODELS and _STEP.fullmatch(directory.name) and (directory / TRAINING_INFO).is_file():
+        return NemoRlStep(directory, model.name)
+    return None
