@@ -61,6 +61,7 @@ class NemoRlWriter(TorchDistWriter):
         source = source_step(options.tokenizer_from)
         if source is None:
             raise ReshardError("the NeMo-RL writer writes a step back from a NeMo-RL step: convert from one")
+        confined_tree(source.directory)  # before a byte is written: every file carried stays in the step
         self.source, self.run = source, path
         super().__init__(path / source.directory.name / source.model / "weights", *args, **kwargs)
 
@@ -78,8 +79,7 @@ class NemoRlWriter(TorchDistWriter):
 
     @staticmethod
     def _carry(source: Path, into: Path, leave: set[str]) -> None:
-        """Every entry of `source` but `leave`'s copied into `into`, links refused unless they stay in `source`."""
-        confined_tree(source)
+        """Every entry of `source` but `leave`'s copied into `into` (links followed: `confined_tree` saw them stay in the step)."""
         into.mkdir(parents=True, exist_ok=True)
         for entry in sorted(source.iterdir()):
             if entry.name in leave:
