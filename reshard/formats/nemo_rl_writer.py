@@ -31,13 +31,16 @@ from typing import Any
 
 import yaml
 
+from reshard.config import ModelConfig
 from reshard.documents import read_yaml
 from reshard.errors import ReshardError
-from reshard.formats.base import Manifest
+from reshard.formats.base import CommonState, Manifest, WriteOptions
 from reshard.formats.megatron_dist import TorchDistWriter
 from reshard.formats.megatron_tree import TRACKER, iteration_dirname
 from reshard.formats.model_args import _BRIDGE_NAMES, RUN_CONFIG
 from reshard.formats.nemo_rl import NemoRlStep, step_of
+from reshard.layout import Layout
+from reshard.logical import TensorSpec
 from reshard.naming import is_layout_bound
 from reshard.paths import confined_tree
 
@@ -56,14 +59,14 @@ class NemoRlWriter(TorchDistWriter):
     """`TorchDistWriter`'s checkpoint in `step_N/<model>/weights/` of the destination, the rest of the source step
     carried beside it (see the module's docstring)."""
 
-    def __init__(self, path: Path, *args: Any, **kwargs: Any):
-        options = args[4] if len(args) > 4 else kwargs["options"]
+    def __init__(self, path: Path, config: ModelConfig, layout: Layout, specs: dict[str, TensorSpec], common: CommonState,
+                 options: WriteOptions = WriteOptions(), rank: int = 0):
         source = source_step(options.tokenizer_from)
         if source is None:
             raise ReshardError("the NeMo-RL writer writes a step back from a NeMo-RL step: convert from one")
         confined_tree(source.directory)  # before a byte is written: every file carried stays in the step
         self.source, self.run = source, path
-        super().__init__(path / source.directory.name / source.model / "weights", *args, **kwargs)
+        super().__init__(path / source.directory.name / source.model / "weights", config, layout, specs, common, options, rank)
 
     def finish(self, manifest: Manifest, parts: list[Any] | None = None) -> None:
         super().finish(manifest, parts)
