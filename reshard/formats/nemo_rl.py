@@ -2,7 +2,8 @@
 save directory (`iter_*/` with `run_config.yaml`), beside the step's `training_info.json` and `config.yaml`
 (nemo_rl/utils/checkpoint.py). A save in progress is `tmp_step_N`, renamed to `step_N` once complete.
 
-Any of the run's directory, a step or a step's model names the Bridge save inside, which is read as any other.
+Any of the run's directory, a step or a step's model names the Bridge save inside, which is read as any other; a
+conversion writes the step back in NeMo-RL's layout unless told another format (`reshard.formats.nemo_rl_writer`).
 """
 
 from __future__ import annotations
