@@ -45,7 +45,7 @@ from reshard.naming import is_layout_bound
 from reshard.paths import confined_tree
 
 TRAIN_STATE = "train_state.pt"  # Megatron-Bridge's TrainState of the iteration (its step, samples, FLOPs): no layout in it
-# what the run_config.yaml's model section says of the tensors' layout and vocabulary, taken from the one written
+# the model section's vocabulary fields, from the run_config.yaml TorchDistWriter wrote (the rows as stored at the target TP)
 _VOCABULARY = ("vocab_size", "should_pad_vocab")
 
 
