@@ -65,7 +65,7 @@ def inspect(path: Path, as_json: bool, config_file: Path | None) -> None:
 @click.option("--to-vpp", type=int, help="Target virtual pipeline stages per pipeline rank.")
 @click.option("--first-stage-layers", type=int, help="Layers on the first pipeline stage (uneven pipelines).")
 @click.option("--last-stage-layers", type=int, help="Layers on the last pipeline stage (uneven pipelines).")
-@click.option("--to-format", type=click.Choice(FORMATS), help="Target format (default: the source's).")
+@click.option("--to-format", type=click.Choice(FORMATS), help="Target format (default: the source's; a NeMo-RL step is written back as one).")
 @click.option("--no-optimizer", is_flag=True, help="Drop optimizer state instead of resharding it.")
 @click.option("--optimizer-form", type=click.Choice(["fully_reshardable", "dp_reshardable"]), default="fully_reshardable",
               show_default=True,

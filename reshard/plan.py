@@ -13,7 +13,7 @@ from reshard.checksum import CHECKSUM_BLOCK_BYTES
 from reshard.config import ModelConfig
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
-from reshard.formats import WRITERS
+from reshard.formats import WRITERS, NemoRlWriter, writer_for
 from reshard.formats.base import CheckpointReader, CheckpointWriter, CommonState, WriteOptions, precision_args
 from reshard.layout import Layout
 from reshard.logical import OPTIMIZER_PREFIX, TensorSpec
@@ -360,6 +360,9 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
     for flag, asked in (("--to-fp8-blocks", target.fp8_blocks), ("--to-mxfp4", target.mxfp4)):
         if asked and format_name != "hf":
             raise ReshardError(f"{flag} writes HF safetensors, not {format_name}; add --to-format hf")
+    writer = writer_for(reader, target.format)
+    if writer is NemoRlWriter:  # a NeMo-RL step holds Megatron-Bridge's save: the vocabulary unpadded, as Bridge loads it
+        target = replace(target, for_bridge=True)
     if target.fp8_blocks and target.mxfp4:
         raise ReshardError("--to-fp8-blocks and --to-mxfp4 each say how to quantize the weights: choose one")
     layout = target.layout_for(reader.layout)
@@ -382,7 +385,7 @@ def make_plan(reader: CheckpointReader, destination: Path, target: Target = Targ
         source_format=reader.format_name,
         source_layout=reader.layout,
         target=destination,
-        writer=WRITERS[format_name],
+        writer=writer,
         target_layout=layout,
         config=config,
         moves=moves,

@@ -28,6 +28,16 @@ from reshard.formats.hf import HFReader, HFWriter, is_hf  # noqa: E402  (registe
 
 register("hf", HFReader, HFWriter, is_hf)
 
+from reshard.formats.nemo_rl_writer import NemoRlWriter, source_step  # noqa: E402  (a TorchDistWriter, after its module)
+
+
+def writer_for(reader: CheckpointReader, asked: str | None) -> type[CheckpointWriter]:
+    """The writer of a conversion of `reader` to format `asked` (None: the source's): a NeMo-RL step's model is read as
+    torch_dist and written back as a NeMo-RL step, unless a format is named."""
+    if asked is None and reader.format_name == "torch_dist" and source_step(reader.tokenizer_dir) is not None:
+        return NemoRlWriter
+    return WRITERS[asked or reader.format_name]
+
 
 def detect(path: Path) -> str:
     if not path.exists():

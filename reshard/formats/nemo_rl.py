@@ -2,12 +2,14 @@
 save directory (`iter_*/` with `run_config.yaml`), beside the step's `training_info.json` and `config.yaml`
 (nemo_rl/utils/checkpoint.py). A save in progress is `tmp_step_N`, renamed to `step_N` once complete.
 
-Any of the run's directory, a step or a step's model names the Bridge save inside, which is read as any other.
+Any of the run's directory, a step or a step's model names the Bridge save inside, which is read as any other; a
+conversion writes the step back in NeMo-RL's layout unless told another format (`reshard.formats.nemo_rl_writer`).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from reshard.errors import ReshardError
@@ -35,3 +37,23 @@ def weights_dir(path: Path) -> Path:
         return path / models[0] / "weights"
     steps = [(int(m.group(1)), p) for p in path.iterdir() if (m := _STEP.fullmatch(p.name)) and (p / TRAINING_INFO).is_file()]
     return weights_dir(max(steps)[1]) if steps else path  # the run: its newest step, as NeMo-RL resumes from
+
+
+@dataclass(frozen=True)
+class NemoRlStep:
+    """A finished NeMo-RL step holding one Megatron model's Bridge save."""
+
+    directory: Path  # step_N
+    model: str  # policy, or value
+
+    @property
+    def weights(self) -> Path:
+        return self.directory / self.model / "weights"
+
+
+def step_of(weights: Path) -> NemoRlStep | None:
+    """The finished NeMo-RL step whose model's Bridge save is `weights`, or None."""
+    model, directory = weights.parent, weights.parent.parent
+    if weights.name == "weights" and model.name in _MODELS and _STEP.fullmatch(directory.name) and (directory / TRAINING_INFO).is_file():
+        return NemoRlStep(directory, model.name)
+    return None
