@@ -69,8 +69,10 @@ def lora_config(path: Path) -> LoraConfig | None:
     tree = locate(path) if path.is_dir() else None
     swift = ms_swift.saved_args(tree.root) if tree is not None else None
     if swift is not None:
-        settings = ms_swift.lora_settings(swift, tree.root)
-        return settings and LoraConfig(*settings, names=SWIFT, saved_tp=Layout.from_megatron_args(swift).tp)
+        if not ms_swift.is_lora(swift, tree.root):
+            return None
+        rank_alpha = _rank_and_alpha(swift, ("lora_rank", "lora_alpha"), tree.root / ms_swift.ARGS_FILE)
+        return LoraConfig(*rank_alpha, names=SWIFT, saved_tp=Layout.from_megatron_args(swift).tp)
     run_config = tree.iteration_dir / RUN_CONFIG if tree is not None else None
     if run_config is None or not run_config.is_file():
         return None
@@ -81,18 +83,25 @@ def lora_config(path: Path) -> LoraConfig | None:
     if not target.endswith(".LoRA"):
         raise ReshardError(f"{run_config}: peft._target_ {target!r} is not Megatron-Bridge's LoRA (DoRA, canonical LoRA and "
                            "VLM LoRA are not read); merge it with Bridge")
-    try:
-        dim, alpha = int(peft["dim"]), float(peft["alpha"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise ReshardError(f"{run_config}: peft.dim and peft.alpha must be numbers ({err})") from None
-    if dim <= 0:
-        raise ReshardError(f"{run_config}: peft.dim is {dim}; a LoRA rank is positive")
+    dim, alpha = _rank_and_alpha(peft, ("dim", "alpha"), run_config, "peft.")
     for field, why in (("normalize_moe_lora", "the experts' adapters have rank dim / moe_router_topk"),
                        ("experts_shared_outer_loras", "grouped experts share one lora_A of gate/up and one lora_B of down")):
         if peft.get(field):
             raise ReshardError(f"{run_config}: peft.{field} is true ({why}), which reshard does not merge; merge it with "
                                "Megatron-Bridge (export_hf_weights with merge_adapter_weights)")
     return LoraConfig(dim, alpha)
+
+
+def _rank_and_alpha(section: dict, fields: tuple[str, str], where: Path, prefix: str = "") -> tuple[int, float]:
+    """A save's LoRA rank and alpha, its `fields` of `section` (recorded in the file `where`)."""
+    rank_field, alpha_field = (prefix + field for field in fields)
+    try:
+        dim, alpha = int(section[fields[0]]), float(section[fields[1]])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ReshardError(f"{where}: {rank_field} and {alpha_field} must be numbers ({err})") from None
+    if dim <= 0:
+        raise ReshardError(f"{where}: {rank_field} is {dim}; a LoRA rank is positive")
+    return dim, alpha
 
 
 def adapted(adapter: CheckpointReader, names: AdapterNames = BRIDGE) -> list[str]:

@@ -10,7 +10,7 @@ ms-swift 3's checkpoints (Megatron-LM's own training loop) hold Megatron-LM's ar
 
 A `--tuner_type lora` save holds the adapter's weights only (`save_mcore_checkpoint(peft_format=True)`: the
 `.lora_A.` / `.lora_B.` tensors of mcore-bridge's LoraParallelLinear): a LoRA source merged into `--base` by
-`reshard.lora`, its rank and alpha from args.json (`lora_settings`). A `lora_llm` save holds the model without its
+`reshard.lora`, its rank and alpha from args.json (`is_lora`). A `lora_llm` save holds the model without its
 LoRA (`peft_format=False` drops it): refused.
 """
 
@@ -58,25 +58,18 @@ def saved_args(root: Path) -> dict[str, Any] | None:
     return args if isinstance(args, dict) and saved_by_swift(args) else None
 
 
-def lora_settings(args: dict[str, Any], root: Path) -> tuple[int, float] | None:
-    """(lora_rank, lora_alpha) of a swift LoRA save in `root`, None for a full one; refusing what reshard does not merge."""
+def is_lora(args: dict[str, Any], root: Path) -> bool:
+    """Whether the swift save in `root` is a LoRA adapter's (its lora_rank and lora_alpha in `args`); refusing what
+    reshard does not merge."""
     tuner = args.get("tuner_type")
     if tuner == "lora_llm":
         raise ReshardError(f"{root} is an ms-swift lora_llm save, which holds the model without its LoRA: convert the "
                            "merged weights swift wrote beside it (`checkpoint-N-merged`, --merge_lora)")
-    if tuner != "lora":
-        return None
-    for field, merged, why in _UNMERGED:
+    for field, merged, why in _UNMERGED if tuner == "lora" else ():
         if args.get(field, merged) not in (merged, None):
             raise ReshardError(f"{root / ARGS_FILE}: {field} is {args[field]!r} ({why}), which reshard does not merge; merge it with "
                                "ms-swift (`megatron export --mcore_adapter ... --merge_lora true --to_mcore true`)")
-    try:
-        rank, alpha = int(args["lora_rank"]), float(args["lora_alpha"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise ReshardError(f"{root / ARGS_FILE}: lora_rank and lora_alpha must be numbers ({err})") from None
-    if rank <= 0:
-        raise ReshardError(f"{root / ARGS_FILE}: lora_rank is {rank}; a LoRA rank is positive")
-    return rank, alpha
+    return tuner == "lora"
 
 
 def architecture_file(args: dict[str, Any], root: Path, config_file: Path | None, source: Path) -> Path | None:
