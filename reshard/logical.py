@@ -179,9 +179,9 @@ def describe(name: str, shape: tuple[int, ...], dtype: str, config: ModelConfig 
         if re.search(pattern, bare) and (rule.when is None or (config is not None and rule.when(config))):
             break
     else:
-        if re.search(r"\.adapter\.|\.lora_[AB]\.", bare):  # the rules above name every LoRA target reshard merges (`reshard.lora`)
+        if re.search(r"\.adapter\.|\.lora_(embedding_)?[AB]\.", bare):  # the rules above name every LoRA target reshard merges (`reshard.lora`)
             raise ReshardError(f"LoRA adapter tensor {name!r} adapts a module reshard does not merge (it merges linear_qkv, linear_proj, "
-                               "linear_fc1, linear_fc2); merge it with Megatron-Bridge")
+                               "linear_fc1, linear_fc2; one adapter), or is a second adapter; merge it with the framework that saved it")
         raise ReshardError(
             f"tensor {name!r} is not in reshard's partition table, so it cannot be resharded safely; "
             "please report it (or convert with --no-optimizer if it is optimizer state)"

@@ -41,11 +41,13 @@ class AdapterNames:
     a: str
     b: str
     fc1_b_per_rank: bool = False
+    experts: str | None = None  # None: routed experts' adapters are read; else why they are refused
 
 
 BRIDGE = AdapterNames(IN, OUT)  # its linear_out of fc1 takes swiglu's factory, as the base weight does
 # mcore-bridge's LoraParallelLinear under peft (adapter `default`): swiglu's factory goes to `base_layer.weight` only
-SWIFT = AdapterNames(".lora_A.default.weight", ".lora_B.default.weight", fc1_b_per_rank=True)
+SWIFT = AdapterNames(".lora_A.default.weight", ".lora_B.default.weight", fc1_b_per_rank=True,
+                     experts="ms-swift's routed experts' LoRA (TEGroupedLinear's, per gemm) is not merged by reshard; merge it with ms-swift")
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,9 @@ def adapted(adapter: CheckpointReader, names: AdapterNames = BRIDGE) -> list[str
     """The base weights `adapter` adapts (`X.weight` for each `X` + `names.a`), refusing what reshard does not merge by
     name."""
     found = []
-    for name in adapter.specs:
+    for name, spec in adapter.specs.items():
+        if spec.experts and names.experts:
+            raise ReshardError(f"{adapter.path}: {name}: {names.experts}")
         if name.endswith(names.a):
             found.append(name[: -len(names.a)] + ".weight")
         elif not name.endswith(names.b):
