@@ -160,6 +160,7 @@ class MergedReader(CheckpointReader):
                                f"at rank {self.lora.dim}: give the base model it was trained on")
 
     def a(self, stem: str, lead: list[tuple[int, int]], cols: tuple[int, int]) -> np.ndarray:
+        """A's `cols` (the base weight's input columns), every rank."""
         return self.adapter.read(stem + self.lora.names.a, (*lead, (0, self.lora.dim), cols))
 
     def b(self, stem: str, lead: list[tuple[int, int]], rows: tuple[int, int]) -> np.ndarray:

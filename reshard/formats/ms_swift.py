@@ -58,13 +58,17 @@ def saved_args(root: Path) -> dict[str, Any] | None:
     return args if isinstance(args, dict) and saved_by_swift(args) else None
 
 
+def _refuse_lora_llm(args: dict[str, Any], source: Path) -> None:
+    if args.get("tuner_type") == "lora_llm":  # read as a model, it would be the base without its LoRA
+        raise ReshardError(f"{source} is an ms-swift lora_llm save, which holds the model without its LoRA: convert the "
+                           "merged weights swift wrote beside it (`checkpoint-N-merged`, --merge_lora)")
+
+
 def is_lora(args: dict[str, Any], root: Path) -> bool:
     """Whether the swift save in `root` is a LoRA adapter's (its lora_rank and lora_alpha in `args`); refusing what
     reshard does not merge."""
+    _refuse_lora_llm(args, root)
     tuner = args.get("tuner_type")
-    if tuner == "lora_llm":
-        raise ReshardError(f"{root} is an ms-swift lora_llm save, which holds the model without its LoRA: convert the "
-                           "merged weights swift wrote beside it (`checkpoint-N-merged`, --merge_lora)")
     for field, merged, why in _UNMERGED if tuner == "lora" else ():
         if args.get(field, merged) not in (merged, None):
             raise ReshardError(f"{root / ARGS_FILE}: {field} is {args[field]!r} ({why}), which reshard does not merge; merge it with "
@@ -75,6 +79,7 @@ def is_lora(args: dict[str, Any], root: Path) -> bool:
 def architecture_file(args: dict[str, Any], root: Path, config_file: Path | None, source: Path) -> Path | None:
     """Where the architecture of the swift checkpoint at `source` (save directory `root`) is written: `--config`,
     else the HF config.json swift saved beside it, else None."""
+    _refuse_lora_llm(args, source)
     if config_file is not None:
         return config_file
     found = root / HF_CONFIG

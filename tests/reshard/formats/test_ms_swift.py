@@ -67,8 +67,8 @@ def test_without_an_architecture_it_is_refused_naming_the_model(tmp_path, monkey
 def test_a_lora_llm_save_is_refused_by_name(tmp_path, monkeypatch, capsys):
     """`lora_llm` saves the model with its LoRA dropped (`peft_format=False`): nothing to merge from."""
     source = save_as_ms_swift(MEGATRON_LM, tmp_path / "run", Layout(), tuner_type="lora_llm", hf_config=HF / "config.json")
-    refused_cli(monkeypatch, capsys, ["convert", source, tmp_path / "hf", "--to-format", "hf", "-q"],
-                "ms-swift lora_llm save", "checkpoint-N-merged", untouched=(source,))
+    for command in (["convert", source, tmp_path / "hf", "--to-format", "hf", "-q"], ["inspect", source]):
+        refused_cli(monkeypatch, capsys, command, "ms-swift lora_llm save", "checkpoint-N-merged", untouched=(source,))
     assert json.loads((source / "args.json").read_text())["tuner_type"] == "lora_llm"
 
 
