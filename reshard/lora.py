@@ -2,7 +2,8 @@
 checkpoint of the adapter weights only, its `run_config.yaml` recording the `peft:` section (dim, alpha, targets).
 ms-swift's (Megatron-SWIFT's `--tuner_type lora`, `formats.ms_swift`) is the same model under peft's names
 (`X.lora_A.default.weight`, `X.lora_B.default.weight`) with its settings in args.json, except that linear_fc1's B is
-stored as each TP rank's own [gate; up] rows one after another (`SWIFT`).
+stored as each TP rank's own [gate; up] rows one after another (`SWIFT`); its routed experts' (TEGroupedLinear's, one A
+and B per gemm) are on the global expert axis as Bridge's are.
 
 Each adapted linear `X.weight` has `X.adapter.linear_in.weight` (A: [dim, in]) and `X.adapter.linear_out.weight`
 (B: [out, dim]) beside it, and computes `X(x) + alpha/dim * B(A(x))` (dropout aside). Read as global tensors, A and B
@@ -41,13 +42,13 @@ class AdapterNames:
     a: str
     b: str
     fc1_b_per_rank: bool = False
-    experts: str | None = None  # None: routed experts' adapters are read; else why they are refused
 
 
 BRIDGE = AdapterNames(IN, OUT)  # its linear_out of fc1 takes swiglu's factory, as the base weight does
 # mcore-bridge's LoraParallelLinear under peft (adapter `default`): swiglu's factory goes to `base_layer.weight` only
-SWIFT = AdapterNames(".lora_A.default.weight", ".lora_B.default.weight", fc1_b_per_rank=True,
-                     experts="ms-swift's routed experts' LoRA (TEGroupedLinear's, per gemm) is not merged by reshard; merge it with ms-swift")
+# Its routed experts' (TEGroupedLinear's, one A and B per gemm) are saved on the global expert axis, as Bridge's are, whole:
+# LoraParallelLinear refuses expert TP > 1, so their fc1 lora_B is the base's [gate; up]
+SWIFT = AdapterNames(".lora_A.default.weight", ".lora_B.default.weight", fc1_b_per_rank=True)
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,7 @@ def adapted(adapter: CheckpointReader, names: AdapterNames = BRIDGE) -> list[str
     """The base weights `adapter` adapts (`X.weight` for each `X` + `names.a`), refusing what reshard does not merge by
     name."""
     found = []
-    for name, spec in adapter.specs.items():
-        if spec.experts and names.experts:
-            raise ReshardError(f"{adapter.path}: {name}: {names.experts}")
+    for name in adapter.specs:
         if name.endswith(names.a):
             found.append(name[: -len(names.a)] + ".weight")
         elif not name.endswith(names.b):
@@ -166,7 +165,8 @@ class MergedReader(CheckpointReader):
     def b(self, stem: str, lead: list[tuple[int, int]], rows: tuple[int, int]) -> np.ndarray:
         """B's `rows` of the base weight's own row order."""
         name, full = stem + self.lora.names.b, (0, self.lora.dim)
-        if not (self.lora.names.fc1_b_per_rank and self.lora.saved_tp > 1 and stem.endswith("linear_fc1") and self.config.swiglu):
+        per_rank = self.lora.names.fc1_b_per_rank and not self.adapter.specs[name].experts  # experts': ETP 1, whole
+        if not (per_rank and self.lora.saved_tp > 1 and stem.endswith("linear_fc1") and self.config.swiglu):
             return self.adapter.read(name, (*lead, rows, full))
         whole = self.adapter.read(name, (*lead, (0, self.adapter.specs[name].shape[-2]), full))
         return per_rank_gate_up(whole, self.lora.saved_tp)[..., rows[0]:rows[1], :]

@@ -155,6 +155,74 @@ def test_a_wrong_reading_of_the_lora_save_fails_the_oracle(tmp_path, monkeypatch
         _same_as_peft_merged(tmp_path / "hf", peft_merged)
 
 
+# --- an MoE model's routed experts (fixtures/golden/ms_swift_lora/qwen3_moe: one adapter per expert, saved at EP1 and EP2)
+SWIFT_MOE, MOE_BASE = SWIFT_LORA / "qwen3_moe", GOLDEN / "lora" / "qwen3_moe" / "hf"
+
+
+def _transformers_state(model) -> dict[str, np.ndarray]:
+    return {name: tensor.detach().numpy() for name, tensor in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def peft_merged_moe():
+    """The oracle: peft 0.21.2 loads the drawn per-expert adapter (`truth/`) onto transformers' Qwen3-MoE, whose experts
+    are fused (`gate_up_proj`, `down_proj`), and merges it there (`merge_and_unload`)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(MOE_BASE, dtype="float32")
+    return _transformers_state(PeftModel.from_pretrained(base, SWIFT_MOE / "ep1" / "truth").merge_and_unload())
+
+
+def _same_as_peft_merged_moe(hf_dir, expected) -> None:
+    """The merged export, loaded by transformers (which fuses its per-expert weights), holds peft's merged weights."""
+    from transformers import AutoModelForCausalLM
+
+    ours = _transformers_state(AutoModelForCausalLM.from_pretrained(hf_dir, dtype="float32"))
+    assert sorted(ours) == sorted(expected)
+    for name, tensor in expected.items():
+        assert np.allclose(ours[name], tensor, rtol=0, atol=1e-6), (name, np.abs(ours[name] - tensor).max())
+
+
+# the fast tier keeps EP2 (the experts' adapters on two ranks); EP1 is the full tier's
+@pytest.mark.parametrize("ep", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.fast)])
+def test_experts_lora_merged_and_as_peft_is_what_peft_makes_of_the_adapter(tmp_path, ep, peft_merged_moe):
+    """swift's save of an MoE model's LoRA (`all-linear`: attention and every routed expert's linear_fc1 / linear_fc2)
+    merged into the HF base is peft's merge of the same adapter onto transformers' fused experts, from the EP1 and the
+    EP2 save alike; `--to-format peft` is the adapter itself, per expert."""
+    run, truth = SWIFT_MOE / f"ep{ep}" / "run", SWIFT_MOE / f"ep{ep}" / "truth"
+    convert(run, tmp_path / "hf", Target(format="hf"), hints=SourceHints(base=MOE_BASE))
+    _same_as_peft_merged_moe(tmp_path / "hf", peft_merged_moe)
+    expert, base = "model.layers.1.mlp.experts.3.down_proj.weight", load_file(str(MOE_BASE / "model.safetensors"))
+    assert np.abs(load_file(str(tmp_path / "hf" / "model.safetensors"))[expert] - base[expert]).max() > 0.01
+    convert(run, tmp_path / "peft", Target(format="peft"), hints=SourceHints(base=MOE_BASE))
+    ours, theirs = (load_file(str(d / "adapter_model.safetensors")) for d in (tmp_path / "peft", truth))
+    assert sorted(ours) == sorted(theirs) and all(np.array_equal(ours[name], theirs[name]) for name in theirs)
+
+
+def test_experts_lora_merged_into_a_megatron_base_at_ep2_is_the_same(tmp_path, peft_merged_moe):
+    """A Megatron base at EP2: each rank's experts merge with their own adapters of the EP1 save."""
+    convert(MOE_BASE, tmp_path / "mcore", Target(format="torch_dist", layout=LayoutChange(ep=2)))
+    convert(SWIFT_MOE / "ep1" / "run", tmp_path / "hf", Target(format="hf"), hints=SourceHints(base=tmp_path / "mcore"))
+    _same_as_peft_merged_moe(tmp_path / "hf", peft_merged_moe)
+
+
+def test_two_experts_lora_swapped_fail_the_oracle(tmp_path, monkeypatch, peft_merged_moe):
+    """The comparison can fail: the EP2 save's experts 0 and 1 given each other's lora_B."""
+    read = lora.MergedReader.b
+
+    def swapped(self, stem, lead, rows):
+        if len(lead) < 2:  # not an expert's
+            return read(self, stem, lead, rows)
+        layers, (start, stop) = lead
+        return read(self, stem, [layers, (0, 4)], rows)[:, [1, 0, 2, 3]][:, start:stop]
+
+    monkeypatch.setattr(lora.MergedReader, "b", swapped)
+    convert(SWIFT_MOE / "ep2" / "run", tmp_path / "hf", Target(format="hf"), hints=SourceHints(base=MOE_BASE))
+    with pytest.raises(AssertionError, match="mlp.experts"):
+        _same_as_peft_merged_moe(tmp_path / "hf", peft_merged_moe)
+
+
 def _lora_save(tmp_path, **args):
     """The TP1 LoRA save with args.json's fields changed."""
     save = tmp_path / "save"
@@ -187,13 +255,14 @@ def test_a_lora_save_needs_its_base(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
-def test_the_lora_golden_is_what_the_fixture_writes(tmp_path, tp):
+@pytest.mark.parametrize("base, golden, tp, ep", [(HF, "tp1", 1, 1), (HF, "tp2", 2, 1), (MOE_BASE, "qwen3_moe/ep2", 1, 2)],
+                         ids=["tp1", "tp2", "qwen3_moe-ep2"])
+def test_the_lora_golden_is_what_the_fixture_writes(tmp_path, base, golden, tp, ep):
     """fixtures/ms_swift.py (megatron-core under torchrun) writes the committed save again, byte for byte but the DCP
     .metadata's save id (args.json names the base as the committed one does: from the repository's root)."""
-    save_lora(tmp_path, HF.relative_to(REPO), tp)
-    golden = SWIFT_LORA / f"tp{tp}"
+    save_lora(tmp_path, base.relative_to(REPO), tp, ep)
+    golden = SWIFT_LORA / golden
     files = [p.relative_to(golden) for p in golden.rglob("*") if p.is_file() and p.name != ".metadata"]
-    assert len(files) == 6 + tp
+    assert len(files) == 6 + tp * ep
     for path in files:
         assert (tmp_path / path).read_bytes() == (golden / path).read_bytes(), path
