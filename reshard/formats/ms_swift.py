@@ -10,8 +10,8 @@ ms-swift 3's checkpoints (Megatron-LM's own training loop) hold Megatron-LM's ar
 
 A `--tuner_type lora` save holds the adapter's weights only (`save_mcore_checkpoint(peft_format=True)`: the
 `.lora_A.` / `.lora_B.` tensors of mcore-bridge's LoraParallelLinear): a LoRA source merged into `--base` by
-`reshard.lora`, its rank and alpha from args.json (`is_lora`). A `lora_llm` save holds the model without its
-LoRA (`peft_format=False` drops it): refused.
+`reshard.lora`, its rank and alpha from args.json (`is_lora`); an MoE model's routed experts' adapters too. A `lora_llm`
+save holds the model without its LoRA (`peft_format=False` drops it): refused.
 """
 
 from __future__ import annotations
