@@ -387,7 +387,7 @@ def _merged(source: Path, hints: SourceHints, adapter: lora.LoraConfig) -> Check
     base = open_checkpoint(hints.base, config_file=hints.config)
     opened = [base]
     try:
-        opened.append(open_checkpoint(source))
+        opened.append(open_checkpoint(source, need_architecture=False))  # ms-swift's records none: the base's is the one merged into
         return lora.MergedReader(base, opened[1], adapter)
     except BaseException:  # a refused adapter leaves no file open (a library caller goes on)
         for reader in opened:

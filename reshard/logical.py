@@ -61,6 +61,13 @@ PARTITION_RULES: tuple[tuple[str, Rule], ...] = (
     (r"(linear_proj|linear_fc2)\.adapter\.linear_in\.weight$", Rule(Split.ROW)),
     (r"linear_fc1\.adapter\.linear_out\.weight$", Rule(Split.COLUMN, gated=True)),
     (r"(linear_qkv|linear_proj|linear_fc2)\.adapter\.linear_out\.weight$", Rule(Split.COLUMN)),
+    # ms-swift's (mcore-bridge's LoraParallelLinear, `reshard.lora.SWIFT`): lora_A is whole on every rank under a column-parallel
+    # base and split by the input under a row-parallel one; lora_B split by the outputs, or whole; fc1's lora_B is plain
+    # row chunks (each rank's own [gate; up]), not split per half
+    (r"(linear_qkv|linear_fc1)\.lora_A\.default\.weight$", Rule(Split.NONE)),
+    (r"(linear_proj|linear_fc2)\.lora_A\.default\.weight$", Rule(Split.ROW)),
+    (r"(linear_qkv|linear_fc1)\.lora_B\.default\.weight$", Rule(Split.COLUMN)),
+    (r"(linear_proj|linear_fc2)\.lora_B\.default\.weight$", Rule(Split.NONE)),
     (r"linear_qkv\.(weight|bias)$", Rule(Split.COLUMN)),
     # Multi-latent attention: the up projections split by heads. The down projections are column-parallel in
     # the local spec (their outputs gathered before the latent norms); Transformer Engine's spec keeps them
@@ -172,9 +179,9 @@ def describe(name: str, shape: tuple[int, ...], dtype: str, config: ModelConfig 
         if re.search(pattern, bare) and (rule.when is None or (config is not None and rule.when(config))):
             break
     else:
-        if ".adapter." in bare:  # the rules above name every LoRA target reshard merges (`reshard.lora`)
+        if re.search(r"\.adapter\.|\.lora_(embedding_)?[AB]\.", bare):  # the rules above name every LoRA target reshard merges (`reshard.lora`)
             raise ReshardError(f"LoRA adapter tensor {name!r} adapts a module reshard does not merge (it merges linear_qkv, linear_proj, "
-                               "linear_fc1, linear_fc2); merge it with Megatron-Bridge")
+                               "linear_fc1, linear_fc2; one adapter), or is a second adapter; merge it with the framework that saved it")
         raise ReshardError(
             f"tensor {name!r} is not in reshard's partition table, so it cannot be resharded safely; "
             "please report it (or convert with --no-optimizer if it is optimizer state)"

@@ -1,5 +1,9 @@
 """LoRA adapters as Megatron-Bridge saves them (its `LoRA` PEFT, also what NeMo-RL's Megatron policy saves): a torch_dist
 checkpoint of the adapter weights only, its `run_config.yaml` recording the `peft:` section (dim, alpha, targets).
+ms-swift's (Megatron-SWIFT's `--tuner_type lora`, `formats.ms_swift`) is the same model under peft's names
+(`X.lora_A.default.weight`, `X.lora_B.default.weight`) with its settings in args.json, except that linear_fc1's B is
+stored as each TP rank's own [gate; up] rows one after another (`SWIFT`); its routed experts' (TEGroupedLinear's, one A
+and B per gemm) are on the global expert axis as Bridge's are.
 
 Each adapted linear `X.weight` has `X.adapter.linear_in.weight` (A: [dim, in]) and `X.adapter.linear_out.weight`
 (B: [out, dim]) beside it, and computes `X(x) + alpha/dim * B(A(x))` (dropout aside). Read as global tensors, A and B
@@ -20,21 +24,42 @@ import numpy as np
 from reshard.documents import read_yaml
 from reshard.dtypes import numpy_dtype
 from reshard.errors import ReshardError
+from reshard.formats import ms_swift
 from reshard.formats.base import CheckpointReader
 from reshard.formats.megatron_tree import locate
 from reshard.formats.model_args import RUN_CONFIG
+from reshard.layout import Layout
 from reshard.sharding import Region
 
 IN, OUT = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
 
 
 @dataclass(frozen=True)
+class AdapterNames:
+    """How a framework's save names the A and B of an adapted linear `X` (beside `X.weight`), and whether linear_fc1's
+    B is stored as each TP rank's own [gate; up] rows (no swiglu sharded factory on it) rather than the base's [gate; up]."""
+
+    a: str
+    b: str
+    fc1_b_per_rank: bool = False
+
+
+BRIDGE = AdapterNames(IN, OUT)  # its linear_out of fc1 takes swiglu's factory, as the base weight does
+# mcore-bridge's LoraParallelLinear under peft (adapter `default`): swiglu's factory goes to `base_layer.weight` only
+# Its routed experts' (TEGroupedLinear's, one A and B per gemm) are saved on the global expert axis, as Bridge's are, whole:
+# LoraParallelLinear refuses expert TP > 1, so their fc1 lora_B is the base's [gate; up]
+SWIFT = AdapterNames(".lora_A.default.weight", ".lora_B.default.weight", fc1_b_per_rank=True)
+
+
+@dataclass(frozen=True)
 class LoraConfig:
-    """The `peft:` section of a Bridge save: the rank and scale of its adapters (which modules it adapts, its tensors
-    say)."""
+    """The `peft:` section of a Bridge save (or ms-swift's args.json): the rank and scale of its adapters, their names,
+    and the TP they were saved at (which modules it adapts, its tensors say)."""
 
     dim: int
     alpha: float
+    names: AdapterNames = BRIDGE
+    saved_tp: int = 1
 
     @property
     def scale(self) -> float:
@@ -42,9 +67,15 @@ class LoraConfig:
 
 
 def lora_config(path: Path) -> LoraConfig | None:
-    """The LoRA settings of the Bridge save at `path` (a save, an iteration or a NeMo-RL step), None if it is no
-    PEFT save."""
+    """The LoRA settings of the Bridge save at `path` (a save, an iteration or a NeMo-RL step) or of ms-swift's, None if
+    it is no PEFT save."""
     tree = locate(path) if path.is_dir() else None
+    swift = ms_swift.saved_args(tree.root) if tree is not None else None
+    if swift is not None:
+        if not ms_swift.is_lora(swift, tree.root):
+            return None
+        rank_alpha = _rank_and_alpha(swift, ("lora_rank", "lora_alpha"), tree.root / ms_swift.ARGS_FILE)
+        return LoraConfig(*rank_alpha, names=SWIFT, saved_tp=Layout.from_megatron_args(swift).tp)
     run_config = tree.iteration_dir / RUN_CONFIG if tree is not None else None
     if run_config is None or not run_config.is_file():
         return None
@@ -55,12 +86,7 @@ def lora_config(path: Path) -> LoraConfig | None:
     if not target.endswith(".LoRA"):
         raise ReshardError(f"{run_config}: peft._target_ {target!r} is not Megatron-Bridge's LoRA (DoRA, canonical LoRA and "
                            "VLM LoRA are not read); merge it with Bridge")
-    try:
-        dim, alpha = int(peft["dim"]), float(peft["alpha"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise ReshardError(f"{run_config}: peft.dim and peft.alpha must be numbers ({err})") from None
-    if dim <= 0:
-        raise ReshardError(f"{run_config}: peft.dim is {dim}; a LoRA rank is positive")
+    dim, alpha = _rank_and_alpha(peft, ("dim", "alpha"), run_config, "peft.")
     for field, why in (("normalize_moe_lora", "the experts' adapters have rank dim / moe_router_topk"),
                        ("experts_shared_outer_loras", "grouped experts share one lora_A of gate/up and one lora_B of down")):
         if peft.get(field):
@@ -69,20 +95,38 @@ def lora_config(path: Path) -> LoraConfig | None:
     return LoraConfig(dim, alpha)
 
 
-def adapted(adapter: CheckpointReader) -> list[str]:
-    """The base weights `adapter` adapts (`X.weight` for each `X.adapter.linear_in.weight`), refusing what reshard does
-    not merge by name."""
-    names = []
+def _rank_and_alpha(section: dict, fields: tuple[str, str], where: Path, prefix: str = "") -> tuple[int, float]:
+    """A save's LoRA rank and alpha, its `fields` of `section` (recorded in the file `where`)."""
+    rank_field, alpha_field = (prefix + field for field in fields)
+    try:
+        dim, alpha = int(section[fields[0]]), float(section[fields[1]])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ReshardError(f"{where}: {rank_field} and {alpha_field} must be numbers ({err})") from None
+    if dim <= 0:
+        raise ReshardError(f"{where}: {rank_field} is {dim}; a LoRA rank is positive")
+    return dim, alpha
+
+
+def adapted(adapter: CheckpointReader, names: AdapterNames = BRIDGE) -> list[str]:
+    """The base weights `adapter` adapts (`X.weight` for each `X` + `names.a`), refusing what reshard does not merge by
+    name."""
+    found = []
     for name in adapter.specs:
-        if name.endswith(IN):
-            names.append(name[: -len(IN)] + ".weight")
-        elif not name.endswith(OUT):
-            raise ReshardError(f"{adapter.path}: tensor {name!r} of the adapter save is no LoRA linear_in/linear_out; "
-                               "reshard merges Megatron-Bridge's LoRA only")
-    for name in names:  # the partition table has refused targets other than reshard's families' linears (`logical`)
-        if name[: -len(".weight")] + OUT not in adapter.specs:
-            raise ReshardError(f"{adapter.path}: {name[: -len('.weight')] + IN} has no linear_out beside it: the save is incomplete")
-    return names
+        if name.endswith(names.a):
+            found.append(name[: -len(names.a)] + ".weight")
+        elif not name.endswith(names.b):
+            raise ReshardError(f"{adapter.path}: tensor {name!r} of the adapter save is no LoRA {names.a[1:]} / {names.b[1:]}; "
+                               "reshard merges LoRA's A and B only (not modules_to_save, DoRA or bias)")
+    for name in found:  # the partition table has refused targets other than reshard's families' linears (`logical`)
+        if name[: -len(".weight")] + names.b not in adapter.specs:
+            raise ReshardError(f"{adapter.path}: {name[: -len('.weight')] + names.a} has no {names.b[1:]} beside it: the save is incomplete")
+    return found
+
+
+def per_rank_gate_up(b: np.ndarray, tp: int) -> np.ndarray:
+    """linear_fc1's B stored as TP ranks' own [gate; up] rows one after another, in the base's [gate; up] order."""
+    *lead, rows, rank = b.shape
+    return b.reshape(*lead, tp, 2, rows // (2 * tp), rank).swapaxes(-4, -3).reshape(b.shape)
 
 
 class MergedReader(CheckpointReader):
@@ -98,7 +142,7 @@ class MergedReader(CheckpointReader):
         self.common, self.manifest = base.common, None
         self.tokenizer_dir, self.tokenizer_in_iteration = base.tokenizer_dir, base.tokenizer_in_iteration
         self.default_dtype = base.default_dtype
-        self.targets = {name: name[: -len(".weight")] for name in adapted(adapter)}
+        self.targets = {name: name[: -len(".weight")] for name in adapted(adapter, config.names)}
         for name, stem in self.targets.items():
             self._check(name, stem)
 
@@ -107,11 +151,25 @@ class MergedReader(CheckpointReader):
         if spec is None:
             raise ReshardError(f"the adapter {self.adapter.path} adapts {name}, which the base {self.base.path} does not have: "
                                "give the base model it was trained on")
-        a, b = self.adapter.specs[stem + IN].shape, self.adapter.specs[stem + OUT].shape
+        names = self.lora.names
+        a, b = self.adapter.specs[stem + names.a].shape, self.adapter.specs[stem + names.b].shape
         lead, (out, inp) = spec.shape[:-2], spec.shape[-2:]
         if a != (*lead, self.lora.dim, inp) or b != (*lead, out, self.lora.dim):
-            raise ReshardError(f"the adapter's {stem} (linear_in {a}, linear_out {b}) does not fit the base's {name} {spec.shape} "
+            raise ReshardError(f"the adapter's {stem} (A {a}, B {b}) does not fit the base's {name} {spec.shape} "
                                f"at rank {self.lora.dim}: give the base model it was trained on")
+
+    def a(self, stem: str, lead: list[tuple[int, int]], cols: tuple[int, int]) -> np.ndarray:
+        """A's `cols` (the base weight's input columns), every rank."""
+        return self.adapter.read(stem + self.lora.names.a, (*lead, (0, self.lora.dim), cols))
+
+    def b(self, stem: str, lead: list[tuple[int, int]], rows: tuple[int, int]) -> np.ndarray:
+        """B's `rows` of the base weight's own row order."""
+        name, full = stem + self.lora.names.b, (0, self.lora.dim)
+        per_rank = self.lora.names.fc1_b_per_rank and not self.adapter.specs[name].experts  # experts': ETP 1, whole
+        if not (per_rank and self.lora.saved_tp > 1 and stem.endswith("linear_fc1") and self.config.swiglu):
+            return self.adapter.read(name, (*lead, rows, full))
+        whole = self.adapter.read(name, (*lead, (0, self.adapter.specs[name].shape[-2]), full))
+        return per_rank_gate_up(whole, self.lora.saved_tp)[..., rows[0]:rows[1], :]
 
     def read(self, name: str, region: Region) -> np.ndarray:
         out = self.base.read(name, region)
@@ -119,9 +177,7 @@ class MergedReader(CheckpointReader):
         if stem is None:
             return out
         *lead, rows, cols = region
-        full = (0, self.lora.dim)
-        a = self.adapter.read(stem + IN, (*lead, full, cols)).astype(np.float32)
-        b = self.adapter.read(stem + OUT, (*lead, rows, full)).astype(np.float32)
+        a, b = self.a(stem, lead, cols).astype(np.float32), self.b(stem, lead, rows).astype(np.float32)
         merged = out.astype(np.float32) + np.float32(self.lora.scale) * np.matmul(b, a)
         return merged.astype(numpy_dtype(self.specs[name].dtype))
 
@@ -146,7 +202,8 @@ def peft_tensors(merged: MergedReader) -> tuple[dict[str, np.ndarray], list[str]
         if not isinstance(mapping, (Rename, QKV, GatedMLP)):
             raise ReshardError(f"{name} maps to HF {family.model_type} as {type(mapping).__name__}, which a PEFT adapter cannot "
                                "hold; export the merged model instead (--to-format hf)")
-        a_all, b_all = (merged.adapter.read(n, [(0, d) for d in merged.adapter.specs[n].shape]) for n in (stem + IN, stem + OUT))
+        *lead, rows, cols = [(0, d) for d in spec.shape]
+        a_all, b_all = merged.a(stem, lead, cols), merged.b(stem, lead, rows)
         if not spec.stacked:  # one layer's: given a layer axis, so that every adapter reads [layer, (expert,) ...]
             a_all, b_all = a_all[None], b_all[None]
         # an experts' LoRA has one adapter per expert, written per expert as Bridge's save_hf_adapter does (`experts.{e}.`)

@@ -7,10 +7,16 @@ names, the architecture is not (mcore-bridge builds the model from the HF config
 comes from an HF config.json inside the checkpoint (swift writes one beside `--save_safetensors` weights) or from
 `--config`. The HF model's directory that args.json names lies outside the checkpoint: it is named, never followed.
 ms-swift 3's checkpoints (Megatron-LM's own training loop) hold Megatron-LM's args and need nothing here.
+
+A `--tuner_type lora` save holds the adapter's weights only (`save_mcore_checkpoint(peft_format=True)`: the
+`.lora_A.` / `.lora_B.` tensors of mcore-bridge's LoraParallelLinear): a LoRA source merged into `--base` by
+`reshard.lora`, its rank and alpha from args.json (`is_lora`); an MoE model's routed experts' adapters too. A `lora_llm`
+save holds the model without its LoRA (`peft_format=False` drops it): refused.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -21,7 +27,10 @@ from reshard.layout import Layout
 ARGS_FILE = "args.json"
 HF_CONFIG = "config.json"
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")  # not `checkpoint-N-merged`: swift's merged-LoRA HF weights
-_ADAPTER_ONLY = ("lora", "lora_llm")  # tuner types whose save holds the adapter's weights only (peft_format)
+# what reshard's merge (`W + lora_alpha / lora_rank * B @ A`) does not compute, refused by name: (field, merged value, why)
+_UNMERGED = (("use_rslora", False, "its scale is lora_alpha / sqrt(lora_rank)"),
+             ("lora_bias", "none", "its lora_B has a bias"),
+             ("modules_to_save", [], "it saves whole modules beside the adapter"))
 
 
 def checkpoint_dir(path: Path) -> Path:
@@ -37,15 +46,40 @@ def saved_by_swift(args: dict[str, Any]) -> bool:
     return "num_layers" not in args and "tuner_type" in args
 
 
+def saved_args(root: Path) -> dict[str, Any] | None:
+    """swift's args.json in the save directory `root`, None where there is none or it is not swift's."""
+    file = root / ARGS_FILE
+    if not file.is_file():
+        return None
+    try:
+        args = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ReshardError(f"{file} is not readable JSON ({err}): the checkpoint is damaged") from None
+    return args if isinstance(args, dict) and saved_by_swift(args) else None
+
+
+def _refuse_lora_llm(args: dict[str, Any], source: Path) -> None:
+    if args.get("tuner_type") == "lora_llm":  # read as a model, it would be the base without its LoRA
+        raise ReshardError(f"{source} is an ms-swift lora_llm save, which holds the model without its LoRA: convert the "
+                           "merged weights swift wrote beside it (`checkpoint-N-merged`, --merge_lora)")
+
+
+def is_lora(args: dict[str, Any], root: Path) -> bool:
+    """Whether the swift save in `root` is a LoRA adapter's (its lora_rank and lora_alpha in `args`); refusing what
+    reshard does not merge."""
+    _refuse_lora_llm(args, root)
+    tuner = args.get("tuner_type")
+    for field, merged, why in _UNMERGED if tuner == "lora" else ():
+        if args.get(field, merged) not in (merged, None):
+            raise ReshardError(f"{root / ARGS_FILE}: {field} is {args[field]!r} ({why}), which reshard does not merge; merge it with "
+                               "ms-swift (`megatron export --mcore_adapter ... --merge_lora true --to_mcore true`)")
+    return tuner == "lora"
+
+
 def architecture_file(args: dict[str, Any], root: Path, config_file: Path | None, source: Path) -> Path | None:
     """Where the architecture of the swift checkpoint at `source` (save directory `root`) is written: `--config`,
     else the HF config.json swift saved beside it, else None."""
-    tuner = args.get("tuner_type")
-    if tuner in _ADAPTER_ONLY:
-        raise ReshardError(
-            f"{source} is an ms-swift {tuner} save, which holds the adapter's weights only: merge it into its base with "
-            "ms-swift (`megatron export --mcore_adapter ... --merge_lora true --to_mcore true`) and convert that"
-        )
+    _refuse_lora_llm(args, source)
     if config_file is not None:
         return config_file
     found = root / HF_CONFIG

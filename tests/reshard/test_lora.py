@@ -80,6 +80,9 @@ def test_the_peft_section_is_read():
     assert lora.lora_config(ADAPTER) == lora.LoraConfig(dim=4, alpha=8.0)
     assert lora.lora_config(ADAPTER).scale == 2.0
     assert lora.lora_config(GOLDEN / "bridge-torch_dist-tp1") is None
+    # ms-swift's args.json (fixtures/golden/ms_swift_lora): its rank, alpha and TP, under peft's names
+    swift = lora.lora_config(GOLDEN / "ms_swift_lora" / "tp2" / "run")
+    assert swift == lora.LoraConfig(dim=8, alpha=32.0, names=lora.SWIFT, saved_tp=2) and swift.scale == 4.0
 
 
 def test_bad_input_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
@@ -179,8 +182,13 @@ def test_what_reshard_does_not_merge_is_refused_by_name(tmp_path):
     with pytest.raises(ReshardError) as refused:
         lora.adapted(_Adapter([q_proj + lora.IN, q_proj + lora.OUT]))
     assert all(word in str(refused.value) for word in ("linear_q_proj.adapter", "does not merge")), refused.value
-    with pytest.raises(ReshardError, match="no linear_out beside it"):
+    with pytest.raises(ReshardError, match=r"no adapter\.linear_out\.weight beside it"):
         lora.adapted(_Adapter(["decoder.layers.mlp.linear_fc2" + lora.IN]))
+    # ms-swift's: `all-router`'s router, RLHF's second adapter `ref_adapter`, `all-embedding`'s embedding
+    for name in ("decoder.layers.mlp.router.lora_A.default.weight", "decoder.layers.mlp.linear_fc1.lora_A.ref_adapter.weight",
+                 "embedding.word_embeddings.lora_embedding_A.default"):
+        with pytest.raises(ReshardError, match="does not merge"):
+            lora.adapted(_Adapter([name]), lora.SWIFT)
     save = tmp_path / "save"
     shutil.copytree(MOE / "ep1" / "adapter", save)
     run_config = save / "iter_0000000" / "run_config.yaml"
