@@ -362,7 +362,12 @@ def _open_source(source: Path, hints: SourceHints, dry_run: bool) -> CheckpointR
         if hints.base is not None:
             raise ReshardError(f"--base is for a LoRA adapter save; {source} is none (no peft section in its run_config.yaml): drop it")
         # a checkpoint that records no architecture still converts as global tensors (`plan` refuses the rest)
-        return open_checkpoint(source, config_file=hints.config, need_architecture=False)
+        reader = open_checkpoint(source, config_file=hints.config, need_architecture=False)
+        if any(name.endswith(lora.SWIFT.a) for name in reader.specs):  # its args.json, which says so, is gone
+            reader.close()
+            raise ReshardError(f"{source} holds ms-swift's LoRA adapter weights but not the args.json of its run, which gives their rank, "
+                               "alpha and TP: put args.json back beside its iter_* directory and give the base model with --base")
+        return reader
     if not dry_run:
         raise ReshardError(f"{source} is a config.json without weights: pass --dry-run to see the plan, or give the model's directory")
     if hints.config is not None:

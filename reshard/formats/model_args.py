@@ -215,8 +215,13 @@ def save_run_config(directory: Path, args: dict[str, Any], config: ModelConfig, 
         # spelled out: Bridge's Qwen3VLMoEModelProvider freezes the language and vision models when the file says nothing
         model.update({f"freeze_{part}": bool(args.get(f"freeze_{part}")) for part in FREEZABLE})
     chosen = {key: args.get(key, default) for key, default in _UNMODELED.items()} | layout.megatron_args()
-    model.update({_BRIDGE_NAMES.get(key, key): value for key, value in chosen.items()})
+    model.update(bridge_fields(chosen))
     (directory / RUN_CONFIG).write_text(yaml.safe_dump({"model": model}, sort_keys=False))
+
+
+def bridge_fields(args: dict[str, Any]) -> dict[str, Any]:
+    """Megatron-LM arguments under the names of Megatron-Bridge's model provider."""
+    return {_BRIDGE_NAMES.get(key, key): value for key, value in args.items()}
 
 
 def args_from_file(path: Path) -> dict[str, Any]:

@@ -53,8 +53,8 @@ def saved_args(root: Path) -> dict[str, Any] | None:
         return None
     try:
         args = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ReshardError(f"{file} is not readable JSON ({err}): the checkpoint is damaged") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # another tool's file of that name; a swift LoRA save without its args is refused by its tensors (`convert`)
     return args if isinstance(args, dict) and saved_by_swift(args) else None
 
 

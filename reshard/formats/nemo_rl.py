@@ -16,20 +16,25 @@ from reshard.errors import ReshardError
 
 TRAINING_INFO = "training_info.json"  # what NeMo-RL's CheckpointManager writes first in every step
 _STEP = re.compile(r"step_(\d+)")
-_MODELS = ("policy", "value")  # value: PPO's critic
+MODELS = ("policy", "value")  # value: PPO's critic
+
+
+def _finished(step: Path) -> None:
+    if step.name.startswith("tmp_step_"):
+        raise ReshardError(f"{step} is a NeMo-RL save still in progress (renamed to {step.name[4:]} once complete); "
+                           "convert a finished step_N")
 
 
 def weights_dir(path: Path) -> Path:
     """The Bridge save directory `path` names as a NeMo-RL run, step or step's model; `path` itself otherwise."""
     if not path.is_dir():
         return path
-    if path.name in _MODELS and (path.parent / TRAINING_INFO).is_file() and (path / "weights").is_dir():
+    if path.name in MODELS and (path.parent / TRAINING_INFO).is_file() and (path / "weights").is_dir():
+        _finished(path.parent)
         return path / "weights"
     if (path / TRAINING_INFO).is_file():
-        if path.name.startswith("tmp_step_"):
-            raise ReshardError(f"{path} is a NeMo-RL save still in progress (renamed to {path.name[4:]} once complete); "
-                               "convert a finished step_N")
-        models = [name for name in _MODELS if (path / name / "weights").is_dir()]
+        _finished(path)
+        models = [name for name in MODELS if (path / name / "weights").is_dir()]
         if len(models) > 1:
             raise ReshardError(f"{path} holds NeMo-RL's {' and '.join(models)} models; give {path / models[0]} or {path / models[1]}")
         if not models:
@@ -54,6 +59,6 @@ class NemoRlStep:
 def step_of(weights: Path) -> NemoRlStep | None:
     """The finished NeMo-RL step whose model's Bridge save is `weights`, or None."""
     model, directory = weights.parent, weights.parent.parent
-    if weights.name == "weights" and model.name in _MODELS and _STEP.fullmatch(directory.name) and (directory / TRAINING_INFO).is_file():
+    if weights.name == "weights" and model.name in MODELS and _STEP.fullmatch(directory.name) and (directory / TRAINING_INFO).is_file():
         return NemoRlStep(directory, model.name)
     return None

@@ -34,11 +34,12 @@ import yaml
 from reshard.config import ModelConfig
 from reshard.documents import read_yaml
 from reshard.errors import ReshardError
+from reshard.formats import integrity
 from reshard.formats.base import CommonState, Manifest, WriteOptions
 from reshard.formats.megatron_dist import TorchDistWriter
 from reshard.formats.megatron_tree import TRACKER, iteration_dirname
-from reshard.formats.model_args import _BRIDGE_NAMES, RUN_CONFIG
-from reshard.formats.nemo_rl import NemoRlStep, step_of
+from reshard.formats.model_args import RUN_CONFIG, bridge_fields
+from reshard.formats.nemo_rl import MODELS, NemoRlStep, step_of
 from reshard.layout import Layout
 from reshard.logical import TensorSpec
 from reshard.naming import is_layout_bound
@@ -65,6 +66,10 @@ class NemoRlWriter(TorchDistWriter):
         if source is None:
             raise ReshardError("the NeMo-RL writer writes a step back from a NeMo-RL step: convert from one")
         confined_tree(source.directory)  # before a byte is written: every file carried stays in the step
+        others = [name for name in MODELS if name != source.model and (source.directory / name / "weights").is_dir()]
+        if others:  # carried as they are, they would stay at the old layout beside a model at the new one
+            raise ReshardError(f"{source.directory} also holds NeMo-RL's {others[0]} model, which a write-back of its {source.model} "
+                               f"would leave at the old layout: convert each model with --to-format torch_dist instead")
         self.source, self.run = source, path
         super().__init__(path / source.directory.name / source.model / "weights", config, layout, specs, common, options, rank)
 
@@ -79,6 +84,8 @@ class NemoRlWriter(TorchDistWriter):
             shutil.copyfile(iteration / TRAIN_STATE, self.directory / TRAIN_STATE)
         if (iteration / RUN_CONFIG).is_file():
             self._run_config(iteration / RUN_CONFIG)
+        if self.common.integrity:  # Megatron-LM's file digests, again: the two files above changed after TorchDistWriter listed them
+            integrity.write(self.directory)
 
     @staticmethod
     def _carry(source: Path, into: Path, leave: set[str]) -> None:
@@ -87,8 +94,8 @@ class NemoRlWriter(TorchDistWriter):
         for entry in sorted(source.iterdir()):
             if entry.name in leave:
                 continue
-            if entry.is_dir():
-                shutil.copytree(entry, into / entry.name, symlinks=False)
+            if entry.is_dir():  # a resumed run finishes again, over what its first try copied
+                shutil.copytree(entry, into / entry.name, symlinks=False, dirs_exist_ok=True)
             else:
                 shutil.copyfile(entry, into / entry.name)
 
@@ -101,7 +108,7 @@ class NemoRlWriter(TorchDistWriter):
             raise ReshardError(f"{source} has no model section: not the Megatron-Bridge run config NeMo-RL saves")
         written = self.directory / RUN_CONFIG
         model = read_yaml(written)["model"] if written.is_file() else {}
-        config["model"].update({_BRIDGE_NAMES.get(key, key): value for key, value in self.layout.megatron_args().items()})
+        config["model"].update(bridge_fields(self.layout.megatron_args()))
         config["model"].update({key: model[key] for key in _VOCABULARY if key in model})
         if isinstance(config.get("checkpoint"), dict):
             config["checkpoint"]["save_optim"] = any(spec.is_optimizer for spec in self.specs.values())

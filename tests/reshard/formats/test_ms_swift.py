@@ -254,6 +254,16 @@ def test_a_lora_save_needs_its_base(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_lora_save_without_its_args_json_is_refused_not_resharded(tmp_path, monkeypatch, capsys):
+    """Without args.json the save would open as a model of adapter tensors: resharded, linear_fc1's lora_B would keep
+    the TP2 ranks' [gate0; up0; gate1; up1] under a TP1 layout."""
+    source = tmp_path / "checkpoint-1"
+    shutil.copytree(SWIFT_LORA / "tp2" / "run" / "checkpoint-1", source)
+    (source / "args.json").unlink()
+    refused_cli(monkeypatch, capsys, ["convert", source, tmp_path / "out", "--to-tp", "1", "-q"], "ms-swift's LoRA adapter", "args.json")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("base, golden, tp, ep", [(HF, "tp1", 1, 1), (HF, "tp2", 2, 1), (MOE_BASE, "qwen3_moe/ep2", 1, 2)],
                          ids=["tp1", "tp2", "qwen3_moe-ep2"])

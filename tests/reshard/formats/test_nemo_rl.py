@@ -63,6 +63,8 @@ def carried_step(tmp_path: Path) -> tuple[Path, Path]:
     step(run, 3)
     newest = step(run, 12)
     (newest / "train_dataloader.pt").write_bytes(bytes(range(256)))
+    (newest / "policy" / "tokenizer").mkdir()  # what NeMo-RL's GRPO, DPO and PPO save beside the policy's weights
+    (newest / "policy" / "tokenizer" / "tokenizer_config.json").write_text("{}")
     return run, newest
 
 
@@ -152,6 +154,35 @@ def test_a_step_is_written_back_unless_a_format_is_named(tmp_path):
     assert sorted(p.name for p in (tmp_path / "back" / "step_12").iterdir()) == sorted(p.name for p in source.iterdir())
     for name in ("latest_train_state.pt", "iter_0000000/train_state.pt"):  # Bridge's train state, which holds no layout
         assert (weights / name).read_bytes() == (source / "policy" / "weights" / name).read_bytes(), name
+
+
+def test_a_write_back_stopped_while_verifying_resumes(tmp_path, monkeypatch):
+    """The rerun finishes the step again over what the first try carried (the policy's tokenizer directory included)."""
+    import reshard.convert
+
+    class Stop(Exception):
+        pass
+
+    run, source = carried_step(tmp_path)
+    verify = reshard.convert.compute_checksums
+    monkeypatch.setattr(reshard.convert, "compute_checksums", lambda *args, **kwargs: (_ for _ in ()).throw(Stop()))
+    with pytest.raises(Stop):
+        convert(run, tmp_path / "back", Target(layout=LayoutChange(tp=1)))
+    monkeypatch.setattr(reshard.convert, "compute_checksums", verify)
+    convert(run, tmp_path / "back", Target(layout=LayoutChange(tp=1)))
+    tokenizer = tmp_path / "back" / "step_12" / "policy" / "tokenizer" / "tokenizer_config.json"
+    assert tokenizer.read_text() == "{}"
+
+
+def test_a_policy_beside_a_critic_or_of_an_unfinished_save_is_not_written_back(tmp_path):
+    ppo = step(tmp_path / "ppo", 2, models=("policy", "value"))
+    with pytest.raises(ReshardError, match="also holds NeMo-RL's value model"):
+        convert(ppo / "policy", tmp_path / "out", Target(layout=LayoutChange(tp=1)))
+    convert(ppo / "policy", tmp_path / "plain", Target(format="torch_dist", layout=LayoutChange(tp=1)))  # each model on its own
+    unfinished = step(tmp_path / "run", 4, prefix="tmp_step_")
+    with pytest.raises(ReshardError, match="NeMo-RL save still in progress"):
+        convert(unfinished / "policy", tmp_path / "out", Target(format="hf"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_link_out_of_the_step_is_refused_and_nothing_written(tmp_path):
