@@ -167,7 +167,8 @@ def test_an_absolute_manifest_path_is_refused_by_name(tmp_path):
 def test_a_v1_steps_dp_reshardable_optimizer_decodes_by_the_ranks_that_wrote_it(verl_step, tmp_path):
     """Layout v1 records no world size: the ranks that wrote its dist_ckpt (TP2 x DP2: four `__<rank>_0.distcp`) give
     the buckets' data-parallel size, and the step reads as megatron-core's save of the same state in Megatron-LM's
-    layout, optimizer state included; it converts with it."""
+    layout, optimizer state included; it converts with it. (verl's own v1 saves fully_sharded_model_space on the
+    megatron-core it pins: fixtures/verl.py says why this v1 step carries dp_reshardable.)"""
     made = verl_step(layout="v1")
     want, got = tensors(made["mlm"]), tensors(made["run"])
     assert any(name.startswith("optimizer.state.") for name in want)
