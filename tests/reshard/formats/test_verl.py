@@ -230,7 +230,8 @@ def _worst_relative(losses: dict, reference: dict) -> float:
 @pytest.mark.slow  # megatron-core trains on from the output on forked ranks
 def test_a_resharded_verl_step_resumes_with_the_uninterrupted_runs_losses(verl_step, tmp_path_factory, tmp_path):
     """The TP2 DP2 run saved at step 2 in verl's layout, written back by reshard at TP1 PP2 (DP2: the same tokens per
-    step), loaded as verl's load_checkpoint loads it (model, DistributedOptimizer state, LR scheduler) and trained on:
+    step), loaded as verl's load_checkpoint loads it (model, DistributedOptimizer state, and the LR scheduler, as with
+    verl's use_checkpoint_opt_param_scheduler) and trained on:
     steps 3-4 have the uninterrupted run's losses (1e-5 relative, as the Megatron-LM resume tests). The control: the
     same resume with a fresh optimizer and LR schedule (--no-load-optim) misses them by more than 1e-3."""
     source, flags, layout, ranks, _ = RESHARDS["tp2dp2-to-tp1pp2"]
