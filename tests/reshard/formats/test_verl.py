@@ -22,14 +22,16 @@ from tests.launch import run
 from tests.reshard.test_cli import _one_line_error, reshard
 
 STEP = "global_step_2"
+THEN = 2  # steps every run trains on after its saves: the uninterrupted run's, and the resumed run's
 
 
 def made_verl_step(out: Path, preset: str, layout: str, fully: bool, parallel: tuple) -> dict[str, Path]:
     """`preset` trained two steps by the DistributedOptimizer on 4 ranks at `parallel` (fixtures' layout flags), saved
-    by fixtures/verl.py as verl's `layout` saves it ('run') and in Megatron-LM's layout ('mlm')."""
-    made = {"run": out / "run", "mlm": out / "mlm"}
+    by fixtures/verl.py as verl's `layout` saves it ('run') and in Megatron-LM's layout ('mlm'), then trained THEN steps
+    on, uninterrupted: each step's loss ('losses')."""
+    made = {"run": out / "run", "mlm": out / "mlm", "losses": out / "losses.json"}
     run("fixtures.verl", ["--preset", preset, *parallel, "--layout", layout, *(["--fully-reshardable"] if fully else []),
-                          "--out", made["run"], "--mlm-out", made["mlm"]], nproc=4, timeout=600)
+                          "--out", made["run"], "--mlm-out", made["mlm"], "--then", THEN, "--losses", made["losses"]], nproc=4, timeout=600)
     return made
 
 
@@ -165,7 +167,8 @@ def test_an_absolute_manifest_path_is_refused_by_name(tmp_path):
 def test_a_v1_steps_dp_reshardable_optimizer_decodes_by_the_ranks_that_wrote_it(verl_step, tmp_path):
     """Layout v1 records no world size: the ranks that wrote its dist_ckpt (TP2 x DP2: four `__<rank>_0.distcp`) give
     the buckets' data-parallel size, and the step reads as megatron-core's save of the same state in Megatron-LM's
-    layout, optimizer state included; it converts with it."""
+    layout, optimizer state included; it converts with it. (verl's own v1 saves fully_sharded_model_space on the
+    megatron-core it pins: fixtures/verl.py says why this v1 step carries dp_reshardable.)"""
     made = verl_step(layout="v1")
     want, got = tensors(made["mlm"]), tensors(made["run"])
     assert any(name.startswith("optimizer.state.") for name in want)
@@ -187,12 +190,13 @@ RESHARDS = {
 def resharded_and_loaded(out: Path, made: dict, preset: str, flags: list, layout: list, ranks: int) -> dict[str, Path]:
     """`made`'s run converted by reshard (`flags`) into out/out in verl's layout ('out'), loaded by megatron-core at
     `layout` on `ranks` forked ranks as verl loads a step (fixtures/verl.py --load) and saved again in Megatron-LM's
-    layout ('loaded'). Shared with `tests.cache.built`."""
+    layout ('loaded'), then trained THEN steps on as verl's resumed run: each step's loss ('losses'). Shared with
+    `tests.cache.built`."""
     result = reshard("convert", made["run"], out / "out", *flags)
     assert result.returncode == 0 and "checksums verified" in result.stdout, result.stderr
-    run("fixtures.verl", ["--preset", preset, *layout, "--load", out / "out" / STEP / "actor", "--mlm-out", out / "loaded"], nproc=ranks,
-        timeout=600)
-    return {"out": out / "out", "loaded": out / "loaded"}
+    run("fixtures.verl", ["--preset", preset, *layout, "--load", out / "out" / STEP / "actor", "--mlm-out", out / "loaded",
+                          "--then", THEN, "--losses", out / "losses.json"], nproc=ranks, timeout=600)
+    return {"out": out / "out", "loaded": out / "loaded", "losses": out / "losses.json"}
 
 
 @pytest.mark.slow  # megatron-core loads the output on forked ranks
@@ -217,6 +221,30 @@ def test_a_resharded_verl_step_is_loaded_by_megatron_core_as_verl_loads_it(verl_
     assert config["expert_model_parallel_size"] == sizes.get("--ep", 1)
     assert (actor / "extra" / "dist_ckpt").is_dir() == rng == ("rng_state" in manifest["contents"]) == ("extra" in manifest["save_contents"])
     assert (paths["out"] / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def _worst_relative(losses: dict, reference: dict) -> float:
+    return max(abs(loss - reference[step]) / abs(reference[step]) for step, loss in losses.items())
+
+
+@pytest.mark.slow  # megatron-core trains on from the output on forked ranks
+def test_a_resharded_verl_step_resumes_with_the_uninterrupted_runs_losses(verl_step, tmp_path_factory, tmp_path):
+    """The TP2 DP2 run saved at step 2 in verl's layout, written back by reshard at TP1 PP2 (DP2: the same tokens per
+    step), loaded as verl's load_checkpoint loads it (model, DistributedOptimizer state, and the LR scheduler, as with
+    verl's use_checkpoint_opt_param_scheduler) and trained on:
+    steps 3-4 have the uninterrupted run's losses (1e-5 relative, as the Megatron-LM resume tests). The control: the
+    same resume with a fresh optimizer and LR schedule (--no-load-optim) misses them by more than 1e-3."""
+    source, flags, layout, ranks, _ = RESHARDS["tp2dp2-to-tp1pp2"]
+    made = verl_step(*SOURCES[source])
+    paths = built(tmp_path_factory, resharded_and_loaded, made, SOURCES[source][0], flags, layout, ranks)
+    uninterrupted = {int(step): loss for step, loss in json.loads(made["losses"].read_text()).items()}
+    resumed = {int(step): loss for step, loss in json.loads(paths["losses"].read_text()).items()}
+    assert sorted(uninterrupted) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
+    assert _worst_relative(resumed, uninterrupted) <= 1e-5, (resumed, uninterrupted)
+    run("fixtures.verl", ["--preset", SOURCES[source][0], *layout, "--load", paths["out"] / STEP / "actor", "--no-load-optim",
+                          "--mlm-out", tmp_path / "loaded", "--then", THEN, "--losses", tmp_path / "losses.json"], nproc=ranks, timeout=600)
+    fresh = {int(step): loss for step, loss in json.loads((tmp_path / "losses.json").read_text()).items()}
+    assert sorted(fresh) == [3, 4] and _worst_relative(fresh, uninterrupted) > 1e-3, (fresh, uninterrupted)
 
 
 def _experts_swapped(values: dict, first: int, second: int) -> dict:
