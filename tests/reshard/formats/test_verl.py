@@ -260,8 +260,9 @@ def _experts_swapped(values: dict, first: int, second: int) -> dict:
 @pytest.mark.slow  # megatron-core loads the output on forked ranks
 def test_a_verl_moe_step_at_ep1_exports_as_its_megatron_lm_save_and_swapped_experts_fail(verl_step, tmp_path_factory, tmp_path):
     """The MoE step written back at EP1 (the case above) exports to the HF weights its Megatron-LM save exports (each
-    expert under its own HF index). The control: megatron-core's load of that output with two experts traded (model and
-    optimizer state) no longer equals the source's save, so the load above tells the experts apart."""
+    expert under its own HF index). The control: megatron-core's loaded state with two experts traded in memory (model
+    and optimizer state) no longer equals the source's save: the comparison above tells the experts apart (the traded
+    experts are not written to files and loaded again)."""
     source, flags, layout, ranks, _ = RESHARDS["moe-ep2dp4-to-ep1"]
     made = verl_step(*SOURCES[source])
     paths = built(tmp_path_factory, resharded_and_loaded, made, SOURCES[source][0], flags, layout, ranks)
