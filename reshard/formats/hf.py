@@ -53,7 +53,7 @@ from reshard.formats.base import (
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe, normalize_dtype
 from reshard.paths import confined
-from reshard.sharding import Piece, Region, full_region, slab_of, slabs
+from reshard.sharding import Piece, Region, full_region, intersect, region_size, shift, slab_of, slabs, to_slices
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord
 
 CONFIG = "config.json"
@@ -274,6 +274,25 @@ def stacked_regions(spec: TensorSpec, slab: Region, shapes: list[tuple[int, ...]
         regions.append((*slab[: spec.prefix_axes], (row, row + rows), *((0, d) for d in columns)))
         row += rows
     return regions
+
+
+def slice_runs(hf_names: list[str], regions: list[Region], axis: int) -> list[tuple[str, Region]]:
+    """A slab's HF tensors (in stacking order, with their `stacked_regions`, stacked along `axis`: the spec's
+    `prefix_axes`) as runs: consecutive slices of one fused tensor (`t[i]`, `t[i+1]`, ...) lie back to back in its
+    file as in the slab, so each run is one record, read, written and vouched for at once (Gated DeltaNet's in_proj
+    and conv1d are thousands of row slices per layer of a few KiB each: slice by slice, their fixed costs outweighed
+    the bytes). Each run as its first tensor's name and the region of the slab it fills."""
+    runs: list[tuple[str, Region]] = []
+    last: HFAddress | None = None
+    for name, region in zip(hf_names, regions):
+        address = HFAddress.parse(name)
+        if runs and last is not None and address.index is not None and (address.name, address.index) == (last.name, last.index + 1):
+            first, joined = runs[-1]
+            runs[-1] = (first, (*joined[:axis], (joined[axis][0], region[axis][1]), *joined[axis + 1 :]))
+        else:
+            runs.append((name, region))
+        last = address
+    return runs
 
 
 _ADDRESS = re.compile(r"^(?P<name>.+)\[(?P<index>\d+)\]$")
@@ -653,10 +672,32 @@ class HFReader(CheckpointReader):
                 if spec.vocab:
                     self._vocab_rows_into(mapping, inner, out[index])
                     continue
-                value = mapping.to_megatron([self._tensor(n) for n in mapping.hf_names(layer, expert)], self.config)
+                hf_names = mapping.hf_names(layer, expert)
+                if mapping.stacks_rows and len(hf_names) > 1 and self._stacked_rows_into(spec, hf_names, inner, out[index]):
+                    continue
+                value = mapping.to_megatron([self._tensor(n) for n in hf_names], self.config)
                 if tuple(value.shape) != spec.shape[prefix:]:
                     raise ReshardError(f"{name}: HF tensors give shape {tuple(value.shape)}, expected {spec.shape[prefix:]}")
                 copy(out[index], value[tuple(slice(a, b) for a, b in inner)])
+
+    def _stacked_rows_into(self, spec: TensorSpec, hf_names: list[str], inner: Region, out: np.ndarray) -> bool:
+        """Region `inner` of a row-stacking slab (`stacks_rows`) read run by run (`slice_runs`) straight from the
+        files into `out`; False, reading nothing, where a tensor is stored quantized (its values are not its bytes)."""
+        stored = [self._stored_as(hf_name) for hf_name in hf_names]
+        if any(isinstance(s, _Packed) or s.st_dtype == "F8_E4M3" for s in stored):
+            return False
+        slab = full_region(spec.shape)  # its prefix axes (layer, expert) are not looked at here
+        runs = self._runs(spec, slab, hf_names, stored)
+        if sum(region_size(region[spec.prefix_axes :]) for _, region in runs) != region_size(slab[spec.prefix_axes :]):
+            raise ReshardError(f"{spec.name}: HF tensors {hf_names[0]}, ... do not make its shape {spec.shape[spec.prefix_axes:]}")
+        for first, region in runs:
+            whole = region[spec.prefix_axes :]
+            part = intersect(whole, inner)
+            if part is not None:
+                file = cached(self._handles, first.file, lambda where=first: RecordFile(where.file))
+                record = TensorRecord(first.record.dtype, tuple(b - a for a, b in whole), first.offset)
+                file.read_into(record, shift(part, whole), out[to_slices(shift(part, inner))])
+        return True
 
     def stored_records(self, name: str) -> list[StoredRecord] | None:
         """Where each HF tensor of a row-stacking mapping (`stacks_rows`) lies, by the safetensors headers;
@@ -670,9 +711,16 @@ class HFReader(CheckpointReader):
             stored = [self._stored_as(hf_name) for hf_name in mapping.hf_names(layer, expert)]
             if any(s.st_dtype == "F8_E4M3" or isinstance(s, _Packed) for s in stored):
                 return None  # dequantized values are not the bytes stored
-            for where, region in zip(stored, stacked_regions(spec, slab, [s.shape for s in stored])):
-                records.append(StoredRecord(name, region, where.record.dtype, where.file.name, where.offset))
+            for first, region in self._runs(spec, slab, mapping.hf_names(layer, expert), stored):
+                records.append(StoredRecord(name, region, first.record.dtype, first.file.name, first.offset))
         return records
+
+    def _runs(self, spec: TensorSpec, slab: Region, hf_names: list[str], stored: list[_Stored]) -> list[tuple[_Stored, Region]]:
+        """A row-stacking slab's HF tensors as `slice_runs`, each with where its first tensor lies (the same records
+        the writer vouches for, so that a verification finds them)."""
+        at = dict(zip(hf_names, stored))
+        regions = stacked_regions(spec, slab, [s.shape for s in stored])
+        return [(at[first], region) for first, region in slice_runs(hf_names, regions, spec.prefix_axes)]
 
     def _vocab_rows_into(self, mapping, inner: Region, out: np.ndarray) -> None:
         """Rows of an embedding/output layer region, read from the file straight into `out`;
@@ -863,18 +911,24 @@ class HFWriter(CheckpointWriter):
         hf_names = mapping.hf_names(layer, expert)
         if spec.name in self._quantized:
             return self._quantize(spec, slab, hf_names, mapping.to_hf(value, self.config))
-        regions = stacked_regions(spec, slab, [self._entries[hf_name].shape for hf_name in hf_names])
-        for hf_name, tensor, region in zip(hf_names, mapping.to_hf(value, self.config), regions):
+        tensors = mapping.to_hf(value, self.config)
+        for hf_name, tensor in zip(hf_names, tensors):
+            if tensor.shape != self._entries[hf_name].shape:
+                raise ReshardError(f"{hf_name}: got shape {tensor.shape}, expected {self._entries[hf_name].shape}")
+        if mapping.stacks_rows:  # the slab's rows are the HF tensors' bytes: a run of slices is written from it at once
+            regions = stacked_regions(spec, slab, [self._entries[hf_name].shape for hf_name in hf_names])
+            runs = [(name, value[to_slices(region[spec.prefix_axes :])], region) for name, region in slice_runs(hf_names, regions, spec.prefix_axes)]
+        else:
+            runs = [(hf_name, tensor, None) for hf_name, tensor in zip(hf_names, tensors)]
+        for hf_name, tensor, region in runs:
             entry = self._entries[hf_name]
-            if tensor.shape != entry.shape:
-                raise ReshardError(f"{hf_name}: got shape {tensor.shape}, expected {entry.shape}")
             out = tensor
             aligned = tensor.ctypes.data % ALIGN == entry.offset % ALIGN
-            if tensor.dtype != numpy_dtype(entry.dtype) or not tensor.flags.c_contiguous or (not aligned and entry.nbytes <= STAGE_BYTES):
-                out = self._scratch.scratch.array_for(entry.offset, entry.shape, numpy_dtype(entry.dtype))
+            if tensor.dtype != numpy_dtype(entry.dtype) or not tensor.flags.c_contiguous or (not aligned and tensor.nbytes <= STAGE_BYTES):
+                out = self._scratch.scratch.array_for(entry.offset, tensor.shape, numpy_dtype(entry.dtype))
                 copy(out, tensor)
             self._files[entry.file].pwrite(out.reshape(-1).view(np.uint8), entry.offset)
-            if mapping.stacks_rows:
+            if region is not None:
                 self.vouch(spec, region, self._file_names[entry.file], entry.offset, out.reshape([b - a for a, b in region]), hashed)
 
     def _quantize(self, spec: TensorSpec, slab: Region, hf_names: list[str], tensors: list[np.ndarray]) -> TensorChecksum:
