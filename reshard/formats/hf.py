@@ -489,7 +489,11 @@ class HFReader(CheckpointReader):
         used: set[str] = set()
         dtypes: dict[str, str] = {}
         for name, mapping in self._mappings.items():
-            layers = range(config.num_layers) if config.language_name(name).startswith("decoder.layers.") else config.tower_blocks(name)
+            # only a stacked tensor ("decoder.layers.<param>") has a slab per layer: a layer's own ("decoder.layers.3.<param>")
+            # names its HF tensors already, and looping every layer for it made opening a model quadratic in its layers
+            language = config.language_name(name)
+            stacked = language.startswith("decoder.layers.") and not language.split(".")[2].isdigit()
+            layers = range(config.num_layers) if stacked else [None] if language.startswith("decoder.layers.") else config.tower_blocks(name)
             experts = range(config.num_experts or 0) if ".experts.experts." in name else [None]
             kinds = set()
             for layer in layers:
