@@ -919,9 +919,9 @@ class HFWriter(CheckpointWriter):
         for hf_name, tensor in zip(hf_names, tensors):
             if tensor.shape != self._entries[hf_name].shape:
                 raise ReshardError(f"{hf_name}: got shape {tensor.shape}, expected {self._entries[hf_name].shape}")
-        if mapping.stacks_rows:  # the slab's rows are the HF tensors' bytes: a run of slices is written from it at once
+        if mapping.stacks_rows:
             regions = stacked_regions(spec, slab, [self._entries[hf_name].shape for hf_name in hf_names])
-            runs = [(name, value[to_slices(region[spec.prefix_axes :])], region) for name, region in slice_runs(hf_names, regions, spec.prefix_axes)]
+            runs = self._runs(spec, value, hf_names, tensors, regions)
         else:
             runs = [(hf_name, tensor, None) for hf_name, tensor in zip(hf_names, tensors)]
         for hf_name, tensor, region in runs:
@@ -934,6 +934,28 @@ class HFWriter(CheckpointWriter):
             self._files[entry.file].pwrite(out.reshape(-1).view(np.uint8), entry.offset)
             if region is not None:
                 self.vouch(spec, region, self._file_names[entry.file], entry.offset, out.reshape([b - a for a, b in region]), hashed)
+
+    @staticmethod
+    def _runs(spec: TensorSpec, value: np.ndarray, hf_names: list[str], tensors: list[np.ndarray],
+              regions: list[Region]) -> list[tuple[str, np.ndarray, Region]]:
+        """What to write of a row-stacking slab: each run of slices (`slice_runs`) at once, from the slab's memory
+        where `to_hf` gave them there back to back (as its rows, untouched), else each HF tensor on its own: what is
+        written is always what `to_hf` gave, so a mapping that changed the values is still caught by its checksum."""
+        first = {name: j for j, name in enumerate(hf_names)}
+        runs = slice_runs(hf_names, regions, spec.prefix_axes)
+        ends = [first[name] for name, _ in runs[1:]] + [len(hf_names)]
+        out = []
+        for (name, region), end in zip(runs, ends):
+            j = first[name]
+            joined = value[to_slices(region[spec.prefix_axes :])]
+            at = joined.ctypes.data
+            for tensor in tensors[j:end]:
+                at = at + tensor.nbytes if tensor.flags.c_contiguous and tensor.ctypes.data == at and tensor.dtype == joined.dtype else -1
+            if end - j > 1 and joined.flags.c_contiguous and at == joined.ctypes.data + joined.nbytes:
+                out.append((name, joined, region))
+            else:
+                out.extend(zip(hf_names[j:end], tensors[j:end], regions[j:end]))
+        return out
 
     def _quantize(self, spec: TensorSpec, slab: Region, hf_names: list[str], tensors: list[np.ndarray]) -> TensorChecksum:
         """Write a slab's HF weights as float8 blocks and their scales, each value first held to the error bound;
