@@ -53,7 +53,7 @@ from reshard.formats.base import (
 from reshard.layout import Layout
 from reshard.logical import TensorSpec, describe, normalize_dtype
 from reshard.paths import confined
-from reshard.sharding import Piece, Region, full_region, slab_of, slabs
+from reshard.sharding import Piece, Region, full_region, intersect, region_size, shift, slab_of, slabs, to_slices
 from reshard.torchfile.archive_reader import RecordFile, TensorRecord
 
 CONFIG = "config.json"
@@ -276,6 +276,25 @@ def stacked_regions(spec: TensorSpec, slab: Region, shapes: list[tuple[int, ...]
     return regions
 
 
+def slice_runs(hf_names: list[str], regions: list[Region], axis: int) -> list[tuple[str, Region]]:
+    """A slab's HF tensors (in stacking order, with their `stacked_regions`, stacked along `axis`: the spec's
+    `prefix_axes`) as runs: consecutive slices of one fused tensor (`t[i]`, `t[i+1]`, ...) lie back to back in its
+    file as in the slab, so each run is one record, read, written and vouched for at once (Gated DeltaNet's in_proj
+    and conv1d are thousands of row slices per layer of a few KiB each: slice by slice, their fixed costs outweighed
+    the bytes). Each run as its first tensor's name and the region of the slab it fills."""
+    runs: list[tuple[str, Region]] = []
+    last: HFAddress | None = None
+    for name, region in zip(hf_names, regions):
+        address = HFAddress.parse(name)
+        if runs and last is not None and address.index is not None and (address.name, address.index) == (last.name, last.index + 1):
+            first, joined = runs[-1]
+            runs[-1] = (first, (*joined[:axis], (joined[axis][0], region[axis][1]), *joined[axis + 1 :]))
+        else:
+            runs.append((name, region))
+        last = address
+    return runs
+
+
 _ADDRESS = re.compile(r"^(?P<name>.+)\[(?P<index>\d+)\]$")
 
 
@@ -470,7 +489,11 @@ class HFReader(CheckpointReader):
         used: set[str] = set()
         dtypes: dict[str, str] = {}
         for name, mapping in self._mappings.items():
-            layers = range(config.num_layers) if config.language_name(name).startswith("decoder.layers.") else config.tower_blocks(name)
+            # only a stacked tensor ("decoder.layers.<param>") has a slab per layer: a layer's own ("decoder.layers.3.<param>")
+            # names its HF tensors already, and looping every layer for it made opening a model quadratic in its layers
+            language = config.language_name(name)
+            stacked = language.startswith("decoder.layers.") and not language.split(".")[2].isdigit()
+            layers = range(config.num_layers) if stacked else [None] if language.startswith("decoder.layers.") else config.tower_blocks(name)
             experts = range(config.num_experts or 0) if ".experts.experts." in name else [None]
             kinds = set()
             for layer in layers:
@@ -653,10 +676,32 @@ class HFReader(CheckpointReader):
                 if spec.vocab:
                     self._vocab_rows_into(mapping, inner, out[index])
                     continue
-                value = mapping.to_megatron([self._tensor(n) for n in mapping.hf_names(layer, expert)], self.config)
+                hf_names = mapping.hf_names(layer, expert)
+                if mapping.stacks_rows and len(hf_names) > 1 and self._stacked_rows_into(spec, hf_names, inner, out[index]):
+                    continue
+                value = mapping.to_megatron([self._tensor(n) for n in hf_names], self.config)
                 if tuple(value.shape) != spec.shape[prefix:]:
                     raise ReshardError(f"{name}: HF tensors give shape {tuple(value.shape)}, expected {spec.shape[prefix:]}")
                 copy(out[index], value[tuple(slice(a, b) for a, b in inner)])
+
+    def _stacked_rows_into(self, spec: TensorSpec, hf_names: list[str], inner: Region, out: np.ndarray) -> bool:
+        """Region `inner` of a row-stacking slab (`stacks_rows`) read run by run (`slice_runs`) straight from the
+        files into `out`; False, reading nothing, where a tensor is stored quantized (its values are not its bytes)."""
+        stored = [self._stored_as(hf_name) for hf_name in hf_names]
+        if any(isinstance(s, _Packed) or s.st_dtype == "F8_E4M3" for s in stored):
+            return False
+        slab = full_region(spec.shape)  # its prefix axes (layer, expert) are not looked at here
+        runs = self._runs(spec, slab, hf_names, stored)
+        if sum(region_size(region[spec.prefix_axes :]) for _, region in runs) != region_size(slab[spec.prefix_axes :]):
+            raise ReshardError(f"{spec.name}: HF tensors {hf_names[0]}, ... do not make its shape {spec.shape[spec.prefix_axes:]}")
+        for first, region in runs:
+            whole = region[spec.prefix_axes :]
+            part = intersect(whole, inner)
+            if part is not None:
+                file = cached(self._handles, first.file, lambda where=first: RecordFile(where.file))
+                record = TensorRecord(first.record.dtype, tuple(b - a for a, b in whole), first.offset)
+                file.read_into(record, shift(part, whole), out[to_slices(shift(part, inner))])
+        return True
 
     def stored_records(self, name: str) -> list[StoredRecord] | None:
         """Where each HF tensor of a row-stacking mapping (`stacks_rows`) lies, by the safetensors headers;
@@ -670,9 +715,16 @@ class HFReader(CheckpointReader):
             stored = [self._stored_as(hf_name) for hf_name in mapping.hf_names(layer, expert)]
             if any(s.st_dtype == "F8_E4M3" or isinstance(s, _Packed) for s in stored):
                 return None  # dequantized values are not the bytes stored
-            for where, region in zip(stored, stacked_regions(spec, slab, [s.shape for s in stored])):
-                records.append(StoredRecord(name, region, where.record.dtype, where.file.name, where.offset))
+            for first, region in self._runs(spec, slab, mapping.hf_names(layer, expert), stored):
+                records.append(StoredRecord(name, region, first.record.dtype, first.file.name, first.offset))
         return records
+
+    def _runs(self, spec: TensorSpec, slab: Region, hf_names: list[str], stored: list[_Stored]) -> list[tuple[_Stored, Region]]:
+        """A row-stacking slab's HF tensors as `slice_runs`, each with where its first tensor lies (the same records
+        the writer vouches for, so that a verification finds them)."""
+        at = dict(zip(hf_names, stored))
+        regions = stacked_regions(spec, slab, [s.shape for s in stored])
+        return [(at[first], region) for first, region in slice_runs(hf_names, regions, spec.prefix_axes)]
 
     def _vocab_rows_into(self, mapping, inner: Region, out: np.ndarray) -> None:
         """Rows of an embedding/output layer region, read from the file straight into `out`;
@@ -863,19 +915,47 @@ class HFWriter(CheckpointWriter):
         hf_names = mapping.hf_names(layer, expert)
         if spec.name in self._quantized:
             return self._quantize(spec, slab, hf_names, mapping.to_hf(value, self.config))
-        regions = stacked_regions(spec, slab, [self._entries[hf_name].shape for hf_name in hf_names])
-        for hf_name, tensor, region in zip(hf_names, mapping.to_hf(value, self.config), regions):
+        tensors = mapping.to_hf(value, self.config)
+        for hf_name, tensor in zip(hf_names, tensors):
+            if tensor.shape != self._entries[hf_name].shape:
+                raise ReshardError(f"{hf_name}: got shape {tensor.shape}, expected {self._entries[hf_name].shape}")
+        if mapping.stacks_rows:
+            regions = stacked_regions(spec, slab, [self._entries[hf_name].shape for hf_name in hf_names])
+            runs = self._runs(spec, value, hf_names, tensors, regions)
+        else:
+            runs = [(hf_name, tensor, None) for hf_name, tensor in zip(hf_names, tensors)]
+        for hf_name, tensor, region in runs:
             entry = self._entries[hf_name]
-            if tensor.shape != entry.shape:
-                raise ReshardError(f"{hf_name}: got shape {tensor.shape}, expected {entry.shape}")
             out = tensor
             aligned = tensor.ctypes.data % ALIGN == entry.offset % ALIGN
-            if tensor.dtype != numpy_dtype(entry.dtype) or not tensor.flags.c_contiguous or (not aligned and entry.nbytes <= STAGE_BYTES):
-                out = self._scratch.scratch.array_for(entry.offset, entry.shape, numpy_dtype(entry.dtype))
+            if tensor.dtype != numpy_dtype(entry.dtype) or not tensor.flags.c_contiguous or (not aligned and tensor.nbytes <= STAGE_BYTES):
+                out = self._scratch.scratch.array_for(entry.offset, tensor.shape, numpy_dtype(entry.dtype))
                 copy(out, tensor)
             self._files[entry.file].pwrite(out.reshape(-1).view(np.uint8), entry.offset)
-            if mapping.stacks_rows:
+            if region is not None:
                 self.vouch(spec, region, self._file_names[entry.file], entry.offset, out.reshape([b - a for a, b in region]), hashed)
+
+    @staticmethod
+    def _runs(spec: TensorSpec, value: np.ndarray, hf_names: list[str], tensors: list[np.ndarray],
+              regions: list[Region]) -> list[tuple[str, np.ndarray, Region]]:
+        """What to write of a row-stacking slab: each run of slices (`slice_runs`) at once, from the slab's memory
+        where `to_hf` gave them there back to back (as its rows, untouched), else each HF tensor on its own: what is
+        written is always what `to_hf` gave, so a mapping that changed the values is still caught by its checksum."""
+        first = {name: j for j, name in enumerate(hf_names)}
+        runs = slice_runs(hf_names, regions, spec.prefix_axes)
+        ends = [first[name] for name, _ in runs[1:]] + [len(hf_names)]
+        out = []
+        for (name, region), end in zip(runs, ends):
+            j = first[name]
+            joined = value[to_slices(region[spec.prefix_axes :])]
+            at = joined.ctypes.data
+            for tensor in tensors[j:end]:
+                at = at + tensor.nbytes if tensor.flags.c_contiguous and tensor.ctypes.data == at and tensor.dtype == joined.dtype else -1
+            if end - j > 1 and joined.flags.c_contiguous and at == joined.ctypes.data + joined.nbytes:
+                out.append((name, joined, region))
+            else:
+                out.extend(zip(hf_names[j:end], tensors[j:end], regions[j:end]))
+        return out
 
     def _quantize(self, spec: TensorSpec, slab: Region, hf_names: list[str], tensors: list[np.ndarray]) -> TensorChecksum:
         """Write a slab's HF weights as float8 blocks and their scales, each value first held to the error bound;

@@ -14,8 +14,9 @@ from safetensors.numpy import load_file, save_file
 from reshard.converters.gpt_oss import deinterleave_gated
 from reshard.errors import ReshardError
 from reshard.formats import open_checkpoint
-from reshard.formats.hf import HFAddress
+from reshard.formats.hf import HFAddress, slice_runs
 from reshard.torchfile.archive_reader import RecordFile
+from tests.cli import run_cli
 from tests.converters.hf_models import build
 
 FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
@@ -65,3 +66,33 @@ def test_a_fused_tensor_of_other_experts_than_the_config_is_refused(source, tmp_
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ReshardError, match=rf"{name} has shape \[5, 64, 96\] but config.json implies \[4, 64, 96\]"):
         open_checkpoint(bad)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    return build("qwen3_next", tmp_path_factory.mktemp("qwen3_next") / "hf")
+
+
+def _joined_across_gaps(hf_names, regions, axis):
+    """`slice_runs` with one mistake: it takes the slices of one tensor for consecutive whatever their indices."""
+    renamed = [n if HFAddress.parse(n).index is None else f"{HFAddress.parse(n).name}[{i}]" for i, n in enumerate(hf_names)]
+    original = dict(zip(renamed, hf_names))
+    return [(original[first], region) for first, region in slice_runs(renamed, regions, axis)]
+
+
+@pytest.mark.parametrize("sabotaged", [pytest.param("import", marks=pytest.mark.slow), "export"])
+def test_runs_joined_across_a_gap_in_the_fused_rows_fail_the_round_trip(qwen3_next, tmp_path, monkeypatch, capsys, sabotaged):
+    """Control for test_hf_roundtrip's bit-identical Qwen3-Next round trip (safetensors reads the export), which is
+    what proves `slice_runs`: Gated DeltaNet's in_proj rows go head by head, so a run joining one head's rows to the
+    next head's reads or writes other rows; the round trip then no longer gives the source's bytes."""
+    megatron, back = tmp_path / "megatron", tmp_path / "back"
+    with monkeypatch.context() as patch:
+        if sabotaged == "import":
+            patch.setattr("reshard.formats.hf.slice_runs", _joined_across_gaps)
+        assert run_cli(patch, capsys, "convert", qwen3_next, megatron, "--to-format", "torch_dist", "--to-tp", "2", "-q")[0] == 0
+    if sabotaged == "export":
+        monkeypatch.setattr("reshard.formats.hf.slice_runs", _joined_across_gaps)
+    assert run_cli(monkeypatch, capsys, "convert", megatron, back, "--to-format", "hf", "-q")[0] == 0
+    original, exported = (load_file(next(d.glob("*.safetensors"))) for d in (qwen3_next, back))
+    differ = [key for key, value in original.items() if not np.array_equal(exported[key], value)]
+    assert any("in_proj_qkvz" in key for key in differ), differ
