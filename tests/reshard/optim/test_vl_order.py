@@ -88,12 +88,17 @@ def qwen3_vl_moe_optim(tmp_path_factory):
 
 
 def test_the_golden_holds_what_the_fixture_writes(vl_optim):
-    """The committed saves hold the state the fixture's run saves here, every optimizer tensor bit for bit (their
-    files differ only in what dist_checkpointing's metadata records of the run)."""
+    """The committed saves hold the state the fixture's run saves here: every optimizer tensor, to the rounding of
+    another CPU's kernels (two Adam steps amplify a last-bit difference in a gradient to ~2e-5 of a tensor's largest
+    value; a tensor placed or ordered otherwise differs by its whole size)."""
     if not BRIDGE_PYTHON.is_file():
         pytest.skip(NO_BRIDGE)
     for form in ("dp", "full"):
-        assert_same(optimizer_tensors(GOLDEN / form)[0], optimizer_tensors(vl_optim[form])[0])
+        golden, fresh = optimizer_tensors(GOLDEN / form)[0], optimizer_tensors(vl_optim[form])[0]
+        assert sorted(golden) == sorted(fresh)
+        for name, want in golden.items():
+            assert fresh[name].dtype == want.dtype and fresh[name].shape == want.shape, name
+            np.testing.assert_allclose(fresh[name], want, rtol=0, atol=1e-4 * float(np.abs(want).max()), err_msg=name)
 
 
 def test_vl_buffers_read_bit_for_bit_as_megatrons_fully_reshardable(vl_optim, tmp_path):
