@@ -687,8 +687,8 @@ class HFReader(CheckpointReader):
     def _stacked_rows_into(self, spec: TensorSpec, hf_names: list[str], inner: Region, out: np.ndarray) -> bool:
         """Region `inner` of a row-stacking slab (`stacks_rows`) read run by run (`slice_runs`) straight from the
         files into `out`; False, reading nothing, where a tensor is stored quantized (its values are not its bytes)."""
-        stored = [self._stored_as(hf_name) for hf_name in hf_names]
-        if any(isinstance(s, _Packed) or s.st_dtype == "F8_E4M3" for s in stored):
+        stored = self._stored_plain(hf_names)
+        if stored is None:
             return False
         slab = full_region(spec.shape)  # its prefix axes (layer, expert) are not looked at here
         runs = self._runs(spec, slab, hf_names, stored)
@@ -712,12 +712,18 @@ class HFReader(CheckpointReader):
         records = []
         for slab in slabs(spec):
             layer, expert = slab_of(spec, slab)
-            stored = [self._stored_as(hf_name) for hf_name in mapping.hf_names(layer, expert)]
-            if any(s.st_dtype == "F8_E4M3" or isinstance(s, _Packed) for s in stored):
-                return None  # dequantized values are not the bytes stored
-            for first, region in self._runs(spec, slab, mapping.hf_names(layer, expert), stored):
+            hf_names = mapping.hf_names(layer, expert)
+            stored = self._stored_plain(hf_names)
+            if stored is None:
+                return None
+            for first, region in self._runs(spec, slab, hf_names, stored):
                 records.append(StoredRecord(name, region, first.record.dtype, first.file.name, first.offset))
         return records
+
+    def _stored_plain(self, hf_names: list[str]) -> list[_Stored] | None:
+        """Where each of `hf_names` is stored; None where one is quantized (its dequantized values are not its bytes)."""
+        stored = [self._stored_as(hf_name) for hf_name in hf_names]
+        return None if any(isinstance(s, _Packed) or s.st_dtype == "F8_E4M3" for s in stored) else stored
 
     def _runs(self, spec: TensorSpec, slab: Region, hf_names: list[str], stored: list[_Stored]) -> list[tuple[_Stored, Region]]:
         """A row-stacking slab's HF tensors as `slice_runs`, each with where its first tensor lies (the same records

@@ -16,11 +16,11 @@ save holds the model without its LoRA (`peft_format=False` drops it): refused.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
+from reshard.documents import read_json
 from reshard.errors import ReshardError
 from reshard.layout import Layout
 
@@ -52,8 +52,8 @@ def saved_args(root: Path) -> dict[str, Any] | None:
     if not file.is_file():
         return None
     try:
-        args = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        args = read_json(file)  # the project's screen: a hostile file nested too deep is refused, not a RecursionError
+    except (OSError, ReshardError):
         return None  # another tool's file of that name; a swift LoRA save without its args is refused by its tensors (`convert`)
     return args if isinstance(args, dict) and saved_by_swift(args) else None
 
